@@ -1,0 +1,36 @@
+"""Request and response bodies of the HTTP API (the wire shapes, in one place)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class JobRequest(BaseModel):
+    """POST /v1/jobs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pipeline: str = Field(min_length=1, max_length=100, examples=["text-to-image"])
+    input: dict[str, Any] = Field(examples=[{"prompt": "a red fox in the snow"}])
+    params: dict[str, dict[str, Any]] | None = Field(
+        None, description="Per-stage overrides keyed by stage id, e.g. {'dit': {'seed': 7, 'height': 64}}."
+    )
+
+
+class JobList(BaseModel):
+    data: list[dict[str, Any]]
+    next_cursor: str | None = Field(None, description="Pass as ?cursor= to get the next page.")
+
+
+class PipelineInfo(BaseModel):
+    name: str
+    description: str
+    inputs: dict[str, Any]
+    stages: list[dict[str, Any]]
+    outputs: list[dict[str, Any]]
+
+
+class ErrorBody(BaseModel):
+    detail: Any

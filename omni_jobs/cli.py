@@ -1,0 +1,152 @@
+"""The ``omni-jobs`` command: run the whole system locally, build tiny models, check pipelines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from omni_jobs import tiny
+from omni_jobs.errors import PipelineSpecError
+from omni_jobs.pipelines.catalogue import load_catalogue, load_pipeline_file
+from omni_jobs.settings import Settings
+
+DEMO_PROMPT = "a lighthouse on a cliff at sunset, oil painting"
+
+
+def _wait_for_job(client: httpx.Client, job_id: str, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while True:
+        job: dict[str, Any] = client.get(f"/v1/jobs/{job_id}").raise_for_status().json()
+        where = f"{job['status']} {job.get('stage') or ''} {job.get('progress') or ''}".strip()
+        if where != last:
+            print(f"  {job_id}: {where}", flush=True)
+            last = where
+        if job["status"] in ("succeeded", "failed", "canceled"):
+            return job
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} did not finish within {timeout_s:.0f}s (last: {where})")
+        time.sleep(0.2)
+
+
+def run_demo_job(api_url: str, out_dir: Path, prompt: str, timeout_s: float = 300) -> dict[str, Any]:
+    """Submit one text-to-image job over HTTP, wait for it, save its PNG and JSON under out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with httpx.Client(base_url=api_url, timeout=30) as client:
+        body = {"pipeline": "text-to-image", "input": {"prompt": prompt}, "params": {"dit": {"seed": 0}}}
+        job = client.post("/v1/jobs", json=body).raise_for_status().json()
+        print(f"submitted {job['id']} (text-to-image): {prompt!r}")
+        job = _wait_for_job(client, job["id"], timeout_s)
+        job_path = out_dir / f"{job['id']}.json"
+        job_path.write_text(json.dumps(job, indent=2))
+        print(f"job JSON:  {job_path.resolve()}")
+        if job["status"] != "succeeded":
+            print(f"job {job['status']}: {job.get('error')}", file=sys.stderr)
+            return job
+        for out in job["outputs"]:
+            if out["type"] == "image":
+                png = out_dir / f"{job['id']}-{out['name']}.png"
+                png.write_bytes(client.get(out["url"]).raise_for_status().content)
+                print(f"image:     {png.resolve()}  ({out['width']}x{out['height']}, {out['size']} bytes)")
+            elif out["type"] == "text":
+                print(f"AR text:   {out['text']!r}")
+        for stage in job["stages"]:
+            print(f"stage {stage['id']:<4} {stage['status']} in {stage['duration_s']:.3f}s on {stage['worker']}")
+    return job
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from omni_jobs.embedded import EmbeddedSystem
+
+    settings = Settings()
+    home = Path(args.home)
+    system = EmbeddedSystem(settings=settings, home=home, api_port=args.api_port, flower_port=args.flower_port,
+                            redis_url=settings.redis_url if "OMNI_REDIS_URL" in os.environ else None)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        system.start()
+        print(f"API:       {system.api_url}   (docs: {system.api_url}/docs)")
+        print(f"Flower:    {system.flower_url}   (user {system.flower_user}, password {system.flower_password})")
+        print(f"logs:      {system.logs.resolve()}")
+        job = run_demo_job(system.api_url, home / "demo", args.prompt)
+        if job["status"] != "succeeded":
+            return 1
+        if args.once:
+            return 0
+        print("\nThe system keeps running for more jobs, e.g.:")
+        print(f"  curl -s -X POST {system.api_url}/v1/jobs -H 'content-type: application/json' "
+              f"-d '{{\"pipeline\": \"text-to-image\", \"input\": {{\"prompt\": \"a cat\"}}}}'")
+        print("Press Ctrl-C to stop everything.")
+        while True:
+            time.sleep(1)
+            for proc in system.processes:
+                if not proc.running:
+                    print(f"{proc.name} exited; see {proc.log_path}", file=sys.stderr)
+                    return 1
+    except KeyboardInterrupt:
+        print("\nstopping ...")
+        return 0
+    finally:
+        system.stop()
+
+
+def cmd_tiny(args: argparse.Namespace) -> int:
+    return tiny.main(["build", "--out", args.out, "--name", args.name])
+
+
+def cmd_pipelines(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "check":
+            for path in args.files:
+                spec = load_pipeline_file(Path(path))
+                print(f"{path}: ok ({spec.name}: {' -> '.join(s.id for s in spec.stages)})")
+            return 0
+        for spec in load_catalogue(Settings().pipelines_path):
+            print(f"{spec.name:<24} {' -> '.join(f'{s.id}[{s.engine}]' for s in spec.stages)}")
+        return 0
+    except PipelineSpecError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omni-jobs", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start Redis, the API, workers and Flower locally and run a demo job")
+    up.add_argument("--home", default="var/embedded", help="where logs, Redis data and demo outputs go")
+    up.add_argument("--api-port", type=int, default=8000)
+    up.add_argument("--flower-port", type=int, default=5555)
+    up.add_argument("--prompt", default=DEMO_PROMPT)
+    up.add_argument("--once", action="store_true", help="stop after the demo job instead of waiting for Ctrl-C")
+    up.set_defaults(func=cmd_up)
+
+    t = sub.add_parser("tiny", help="build the small random-weight models used by the demo and tests")
+    t.add_argument("action", choices=["build"])
+    t.add_argument("--out", default=str(Settings().models_dir))
+    t.add_argument("--name", default="all")
+    t.set_defaults(func=cmd_tiny)
+
+    p = sub.add_parser("pipelines", help="list the pipelines, or check pipeline YAML files")
+    p.add_argument("action", choices=["list", "check"])
+    p.add_argument("files", nargs="*")
+    p.set_defaults(func=cmd_pipelines)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""The embedded system: every omni-jobs process on this machine, started and stopped together.
+
+``omni-jobs up`` uses it so that a newcomer gets Redis, the API, one worker per queue and Flower
+with one command; a user who already runs Redis points OMNI_REDIS_URL at it and none is started.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from omni_jobs.devservices import RunningService, free_port, start_redis
+from omni_jobs.settings import Settings
+from omni_jobs.tiny import ensure_tiny_model
+from omni_jobs.worker_registry import live_workers
+
+WORKER_QUEUES: dict[str, str] = {"ar": "solo", "dit": "solo", "results": "solo"}
+"""Queue -> Celery pool. Stage workers run solo: one engine, no fork, vLLM in-process (FACTS.md)."""
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _http_ok(url: str) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                return 200 <= resp.status < 500
+        except OSError:
+            return False
+
+    return check
+
+
+@dataclass
+class EmbeddedSystem:
+    """Owns the processes it started; ``stop()`` ends them in reverse order."""
+
+    settings: Settings
+    home: Path
+    api_port: int = 8000
+    flower_port: int = 5555
+    flower_user: str = "admin"
+    flower_password: str = field(default_factory=lambda: secrets.token_urlsafe(12))
+    redis_url: str | None = None
+    """An existing Redis to use; None starts a private one (with AOF) under home."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    worker_queues: dict[str, str] = field(default_factory=lambda: dict(WORKER_QUEUES))
+    with_flower: bool = True
+    processes: list[RunningService] = field(default_factory=list)
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    @property
+    def flower_url(self) -> str:
+        return f"http://127.0.0.1:{self.flower_port}"
+
+    @property
+    def logs(self) -> Path:
+        return self.home / "logs"
+
+    def child_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({
+            "OMNI_REDIS_URL": self.redis_url or "",
+            "OMNI_MODELS_DIR": str(self.settings.models_dir.resolve()),
+            "OMNI_ARTIFACTS_DIR": str(self.settings.artifacts_dir.resolve()),
+            "OMNI_PUBLIC_URL": self.api_url,
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.update(self.extra_env)
+        return env
+
+    def start(self, say: Callable[[str], None] = print) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        if self.redis_url:
+            say(f"using Redis at {self.redis_url}")
+        else:
+            service = start_redis(data_dir=self.home / "redis", appendonly=True)
+            self.processes.append(service)
+            self.redis_url = service.url
+            say(f"started Redis at {self.redis_url} (data in {self.home / 'redis'})")
+        say("building the tiny local models (once) ...")
+        for name in ("llama", "pixart"):
+            ensure_tiny_model(name, self.settings.models_dir)
+        if not _port_free(self.api_port):
+            self.api_port = free_port()
+        if not _port_free(self.flower_port):
+            self.flower_port = free_port()
+        self._spawn("api", [sys.executable, "-m", "uvicorn", "api.main:app", "--host", "127.0.0.1",
+                            "--port", str(self.api_port)], self.api_port, _http_ok(f"{self.api_url}/healthz"))
+        for queue in self.worker_queues:
+            self.start_worker(queue)
+        if self.with_flower:
+            self._spawn("flower", [sys.executable, "-m", "celery", "-A", "workers.app:app", "flower",
+                               "--address=127.0.0.1", f"--port={self.flower_port}",
+                               f"--basic-auth={self.flower_user}:{self.flower_password}"],
+                        self.flower_port, _http_ok(f"{self.flower_url}/healthcheck"))
+        say("waiting for the workers to load their engines ...")
+        self.wait_for_workers(set(self.worker_queues))
+
+    def start_worker(self, queue: str, *, name: str | None = None) -> RunningService:
+        """One Celery worker process on one queue (tests start extra ones, or restart killed ones)."""
+        node = name or queue
+        pool = self.worker_queues.get(queue, "solo")
+        argv = [sys.executable, "-m", "celery", "-A", "workers.app:app", "worker", "-Q", queue, "-P", pool,
+                "-c", "1", "-n", f"{node}@%h", "--loglevel", "INFO"]
+        return self._spawn(f"worker-{node}", argv, 0, lambda: True)
+
+    def _spawn(self, name: str, argv: list[str], port: int, ready: Callable[[], bool]) -> RunningService:
+        service = RunningService(name, argv, port, f"{name}:{port}", ready, log_path=self.logs / f"{name}.log",
+                                 start_timeout_s=120, cwd=Path.cwd(), env=self.child_env())
+        service.start()
+        self.processes.append(service)
+        return service
+
+    def wait_for_workers(self, queues: set[str], timeout_s: float = 300) -> None:
+        assert self.redis_url, "start() first"
+        client = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + timeout_s
+        missing = sorted(queues)
+        try:
+            while time.monotonic() < deadline:
+                missing = sorted(queues - set(live_workers(client)))
+                if not missing:
+                    return
+                for proc in self.processes:
+                    if not proc.running:
+                        raise RuntimeError(f"{proc.name} exited; see {proc.log_path}")
+                time.sleep(0.5)
+        finally:
+            client.close()
+        raise TimeoutError(f"no worker came up for queues {missing}; see the logs in {self.logs}")
+
+    def stop(self) -> None:
+        for proc in reversed(self.processes):
+            proc.stop(timeout_s=20)
+        self.processes.clear()

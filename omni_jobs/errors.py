@@ -1,0 +1,72 @@
+"""Exceptions that cross module boundaries, each carrying what a user needs to fix the problem.
+
+The API maps them to HTTP answers (422, 404, 409); the workers map them to retry or fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class OmniError(Exception):
+    """Base of every omni-jobs error."""
+
+
+class PipelineSpecError(OmniError):
+    """A pipeline YAML is invalid: names the file and every problem (stage, field, reason)."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__(f"invalid pipeline {source}:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class UnknownPipeline(OmniError):
+    def __init__(self, name: str, available: list[str]) -> None:
+        self.name = name
+        self.available = available
+        super().__init__(f"unknown pipeline '{name}'; available: {', '.join(available) or '(none)'}")
+
+
+@dataclass(frozen=True)
+class FieldError:
+    """One invalid field of a request: where it is (``('input', 'prompt')``) and why."""
+
+    loc: tuple[str | int, ...]
+    message: str
+    type: str = "value_error"
+
+
+class InvalidRequest(OmniError):
+    """A job request failed validation; ``errors`` name each bad field."""
+
+    def __init__(self, errors: list[FieldError]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(f"{'.'.join(map(str, e.loc))}: {e.message}" for e in errors))
+
+
+class JobNotFound(OmniError):
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        super().__init__(f"no job '{job_id}'")
+
+
+class InvalidTransition(OmniError):
+    """A status change the job state machine does not allow (e.g. succeeded -> running)."""
+
+
+class StageError(OmniError):
+    """A stage failed for a reason that retrying will not fix (bad model, bad tensor shape)."""
+
+
+class TransientStageError(OmniError):
+    """A stage failed for a reason that may pass (store or broker unreachable): retry with backoff."""
+
+
+class JobAlreadyFinished(OmniError):
+    """The job ended already; it cannot be canceled (or changed) any more."""
+
+    def __init__(self, job_id: str, status: str) -> None:
+        self.job_id = job_id
+        self.status = status
+        super().__init__(f"job '{job_id}' already {status}; only queued or running jobs can be canceled")

@@ -1,0 +1,149 @@
+"""The Job object: one shape for the store, GET, lists, SSE events, webhooks and the client.
+
+Fields may be added; renaming one breaks clients (DESIGN.md), so names are settled here once.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from omni_jobs.artifacts.refs import ArtifactRef
+
+
+def now() -> float:
+    """Wall-clock time in seconds since the epoch; every timestamp in a job uses it."""
+    return time.time()
+
+
+def new_job_id() -> str:
+    return "job_" + secrets.token_hex(12)
+
+
+class JobStatus(str, Enum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    canceled = "canceled"
+
+    @property
+    def is_final(self) -> bool:
+        return self in FINAL_STATUSES
+
+
+FINAL_STATUSES = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.canceled})
+
+
+class StageStatus(str, Enum):
+    pending = "pending"
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    canceled = "canceled"
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Progress(Model):
+    stage: str
+    step: int
+    total: int
+    unit: str = Field("steps", description="'steps' for diffusion, 'tokens' for AR stages.")
+
+
+class StageRecord(Model):
+    """What happened to one stage of one job."""
+
+    id: str
+    engine: str
+    queue: str
+    status: StageStatus = StageStatus.pending
+    queued_at: float | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    worker: str | None = None
+    attempts: int = 0
+    outputs: dict[str, ArtifactRef] = Field(default_factory=dict)
+    metrics: dict[str, float] = Field(default_factory=dict, description="Stage timings, e.g. engine_s.")
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return self.finished_at - self.started_at
+
+
+class JobOutput(Model):
+    """A final output in the job's manifest."""
+
+    name: str
+    type: str = Field(description="text | image | audio | latents | ...")
+    media_type: str
+    size: int
+    artifact: ArtifactRef
+    width: int | None = None
+    height: int | None = None
+    duration_s: float | None = None
+    sample_rate: int | None = None
+    text: str | None = Field(None, description="For text outputs: the text itself.")
+    url: str | None = Field(None, description="Download URL (filled in when the job is presented).")
+
+
+class JobError(Model):
+    stage: str | None = None
+    type: str
+    message: str
+
+
+class Job(Model):
+    id: str
+    pipeline: str
+    status: JobStatus = JobStatus.queued
+    input: dict[str, Any]
+    params: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Per-stage parameters in force.")
+    stage: str | None = Field(None, description="The stage running now.")
+    progress: Progress | None = None
+    stages: list[StageRecord]
+    outputs: list[JobOutput] = Field(default_factory=list)
+    error: JobError | None = None
+    created_at: float = Field(default_factory=now)
+    started_at: float | None = None
+    completed_at: float | None = None
+
+    def stage_record(self, stage_id: str) -> StageRecord:
+        for record in self.stages:
+            if record.id == stage_id:
+                return record
+        raise KeyError(f"job {self.id} has no stage '{stage_id}'")
+
+    def output(self, name: str) -> JobOutput | None:
+        return next((o for o in self.outputs if o.name == name), None)
+
+    def metrics(self) -> dict[str, float | None]:
+        """Queue, run and total time, derived from the timestamps (never stored twice)."""
+        queue_time = run_time = total = None
+        if self.started_at is not None:
+            queue_time = self.started_at - self.created_at
+        if self.completed_at is not None:
+            total = self.completed_at - self.created_at
+            if self.started_at is not None:
+                run_time = self.completed_at - self.started_at
+        return {"queue_time_s": queue_time, "run_time_s": run_time, "total_time_s": total}
+
+
+class JobEvent(Model):
+    """One entry of a job's event stream (status change, stage change, progress)."""
+
+    id: str = ""
+    job_id: str
+    type: str = Field(description="job.queued | job.running | stage.started | stage.progress | ... ")
+    at: float = Field(default_factory=now)
+    data: dict[str, Any] = Field(default_factory=dict)

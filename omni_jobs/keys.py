@@ -1,0 +1,72 @@
+"""Every Redis key and artifact path omni-jobs uses, in one place (as arq does).
+
+Nothing else builds a key by hand, so a reader can see the whole data layout here and a
+renamed key cannot drift between the API and the workers.
+"""
+
+from __future__ import annotations
+
+PREFIX = "omni"
+
+# --- jobs ---
+def job(job_id: str) -> str:
+    """JSON document of one job (the Job model)."""
+    return f"{PREFIX}:job:{job_id}"
+
+
+def job_events(job_id: str) -> str:
+    """Redis stream of the job's events (status changes, progress), read by SSE."""
+    return f"{PREFIX}:job:{job_id}:events"
+
+
+def job_lock(job_id: str) -> str:
+    """Short lock serialising read-modify-write updates of one job."""
+    return f"{PREFIX}:job:{job_id}:lock"
+
+
+def stage_enqueued(job_id: str, stage_id: str) -> str:
+    """SET NX marker: the stage was enqueued once (fan-in stages must not be enqueued twice)."""
+    return f"{PREFIX}:job:{job_id}:enqueued:{stage_id}"
+
+
+JOBS_INDEX = f"{PREFIX}:jobs"
+"""Sorted set of every job id, scored by creation time (for listing)."""
+
+
+def idempotency(key: str) -> str:
+    return f"{PREFIX}:idempotency:{key}"
+
+
+# --- artifacts ---
+def artifact(key: str) -> str:
+    """Bytes of an artifact kept by the redis backend."""
+    return f"{PREFIX}:artifact:{key}"
+
+
+def job_artifact_prefix(job_id: str) -> str:
+    """Artifact-key prefix of everything one job wrote (any backend)."""
+    return f"jobs/{job_id}/"
+
+
+def intermediate_artifact(job_id: str, stage_id: str, name: str) -> str:
+    """Artifact key of an intermediate a stage hands to the next one."""
+    return f"jobs/{job_id}/stages/{stage_id}/{name}"
+
+
+def output_artifact(job_id: str, filename: str) -> str:
+    """Artifact key of a final output file."""
+    return f"jobs/{job_id}/outputs/{filename}"
+
+
+def input_artifact(job_id: str, name: str) -> str:
+    """Artifact key of a file that came with the job's input."""
+    return f"jobs/{job_id}/inputs/{name}"
+
+
+# --- workers ---
+def worker(name: str) -> str:
+    """Heartbeat of a live worker: JSON {name, queues, pid}, expiring unless refreshed."""
+    return f"{PREFIX}:worker:{name}"
+
+
+WORKER_PATTERN = f"{PREFIX}:worker:*"

@@ -1,0 +1,17 @@
+"""The Celery application every omni-jobs worker and Flower runs.
+
+Thin shell: configuration comes from omni_jobs.queueing, the work from omni_jobs.stages and
+omni_jobs.results. Start a worker per queue, e.g.
+``celery -A workers.app:app worker -Q dit -P solo -c 1 -n dit@%h``.
+"""
+
+from __future__ import annotations
+
+from celery import Celery
+
+from omni_jobs.queueing import celery_config
+from omni_jobs.settings import get_settings
+
+app = Celery("omni_jobs")
+app.conf.update(celery_config(get_settings()))
+app.conf.update(include=["workers.tasks"])
