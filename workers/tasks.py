@@ -112,7 +112,11 @@ def preload_engines(queues: set[str]) -> None:
         for stage in spec.stages:
             if stage.queue_name in queues:
                 log.info("preloading %s engine for %s/%s (%s)", stage.engine, spec.name, stage.id, stage.model)
-                if stage.engine == "ar":
-                    rt.engines.ar(stage.model, stage.engine_args)
-                else:
-                    rt.engines.dit(stage.model, stage.engine_args)
+                try:
+                    if stage.engine == "ar":
+                        rt.engines.ar(stage.model, stage.engine_args)
+                    else:
+                        rt.engines.dit(stage.model, stage.engine_args)
+                except Exception:  # noqa: BLE001 - one bad pipeline must not take the worker down
+                    log.exception("cannot load the engine of %s/%s; its jobs will fail with this error",
+                                  spec.name, stage.id)

@@ -1,0 +1,322 @@
+"""Build small random-weight models locally, deterministically, in seconds.
+
+No model hub is reachable from the demo, the tests or the benchmarks, so every model they use is
+built here with real architectures (a Llama causal LM for vLLM, a PixArt-Sigma pipeline for
+diffusers) and loaded by the real loading code. The same seed gives byte-identical weight files.
+
+``python -m omni_jobs.tiny build --out DIR [--name llama|pixart|all]`` builds them from a shell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+TINY_PREFIX = "tiny:"
+
+# A small built-in English corpus: enough text for the BPE trainer and the T5 vocabulary to learn
+# real-looking pieces. Its content only shapes the tokenizers; the model weights are random.
+CORPUS: tuple[str, ...] = (
+    "The quick brown fox jumps over the lazy dog.",
+    "A watercolor painting of a lighthouse on a rocky coast at sunset.",
+    "A photo of a red cat sleeping on a blue sofa next to a window.",
+    "Once upon a time there was a small robot who wanted to learn how to paint.",
+    "The city was quiet in the early morning, and the streets were wet with rain.",
+    "She opened the old book and found a map drawn in faded green ink.",
+    "An astronaut riding a horse on the moon, digital art, high detail.",
+    "A bowl of fresh fruit with apples, oranges and grapes on a wooden table.",
+    "The mountains were covered with snow and the sky was clear and bright.",
+    "He wrote a short poem about the sea, the wind and the stars at night.",
+    "Generate an image of a futuristic city with flying cars and tall glass towers.",
+    "Describe the picture in one sentence, then write a caption for it.",
+    "What is the capital of France? The capital of France is Paris.",
+    "Please summarize the following text in three short sentences.",
+    "A cozy cabin in the forest with smoke rising from the chimney in winter.",
+    "Two children playing with a yellow kite on a green hill in the summer.",
+    "A close-up portrait of an old man with a white beard and kind eyes.",
+    "The train left the station at nine o'clock and arrived before noon.",
+    "A plate of pasta with tomato sauce, basil and parmesan cheese.",
+    "An abstract pattern of circles, squares and triangles in bright colors.",
+    "The music was soft and slow, and everyone in the room stopped to listen.",
+    "A small boat sailing across a calm lake under a purple evening sky.",
+    "Write a story about a dragon who is afraid of the dark.",
+    "The garden was full of roses, tulips and sunflowers after the spring rain.",
+    "A black and white photograph of a busy market street in the morning.",
+    "The scientist looked through the microscope and saw something new.",
+    "A friendly dog with a red collar running on the beach near the waves.",
+    "Numbers like 1, 2, 3, 10, 42, 100 and 2024 appear in many texts.",
+    "Questions, answers, lists: first, second, third; and so on!",
+    "Hello, world! How are you today? I am fine, thank you.",
+)
+
+LLAMA_SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
+LLAMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+LLAMA_MAX_POSITIONS = 2048
+
+T5_SPECIALS = ("<pad>", "</s>", "<unk>")  # T5 layout: pad=0, eos=1, unk=2
+T5_MAX_LENGTH = 300  # PixArt-Sigma pipelines encode up to 300 tokens by default
+PIXART_VAE_BLOCKS = (8, 16, 16)  # three blocks -> VAE scale factor 4
+PIXART_PATCH_SIZE = 2
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Seed torch for a build without disturbing the caller's RNG state."""
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def _train_bpe_tokenizer() -> Any:
+    """A byte-level BPE tokenizer: any unicode text maps to byte tokens, so no prompt can fail."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        min_frequency=2,
+        special_tokens=list(LLAMA_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(CORPUS), trainer=trainer)
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
+    )
+    return tok
+
+
+def build_tiny_llama(
+    path: Path,
+    *,
+    hidden_size: int = 256,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """Save a random-weight Llama causal LM and its tokenizer to ``path``; vLLM and transformers load it.
+
+    Keep ``hidden_size // num_heads`` at 64 (or another head size vLLM's CPU attention supports).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    if hidden_size % num_heads:
+        raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+    path = Path(path)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_bpe_tokenizer(),
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        model_max_length=LLAMA_MAX_POSITIONS,
+        chat_template=LLAMA_CHAT_TEMPLATE,
+    )
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=LLAMA_MAX_POSITIONS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    with _seeded(seed):
+        model = LlamaForCausalLM(config)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _t5_vocab() -> list[tuple[str, float]]:
+    """A Unigram vocabulary for T5Tokenizer, from the corpus: whole words plus single characters.
+
+    Single characters keep every ASCII word encodable; anything else becomes ``<unk>``.
+    The PixArt pipeline lowercases prompts, so the vocabulary is lowercase.
+    """
+    words = Counter(w for line in CORPUS for w in line.lower().split())
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyz0123456789.,;:!?'\"-()/&%+=*#@$"))
+    vocab: list[tuple[str, float]] = [(s, 0.0) for s in T5_SPECIALS]
+    vocab.append(("▁", -2.0))
+    seen = {"▁"}
+    for word, count in sorted(words.items(), key=lambda kv: (-kv[1], kv[0])):
+        piece = "▁" + word
+        if piece not in seen:
+            seen.add(piece)
+            vocab.append((piece, -3.0 - 1.0 / count))
+    for c in chars:
+        for piece, score in (("▁" + c, -8.0), (c, -9.0)):
+            if piece not in seen:
+                seen.add(piece)
+                vocab.append((piece, score))
+    return vocab
+
+
+def build_tiny_pixart(
+    path: Path,
+    *,
+    seed: int = 0,
+    text_dim: int = 32,
+    num_heads: int = 2,
+    head_dim: int = 16,
+    num_layers: int = 2,
+) -> Path:
+    """Save a random-weight PixArt-Sigma pipeline to ``path``; ``DiffusionPipeline.from_pretrained`` loads it.
+
+    Images must be multiples of 8 on each side (the pipeline's check; the VAE factor is 4 and the
+    patch size 2, so 8 is also the model's own granularity). Prompts are truncated by the tokenizer.
+    """
+    from diffusers import (
+        AutoencoderKL,
+        DPMSolverMultistepScheduler,
+        PixArtSigmaPipeline,
+        PixArtTransformer2DModel,
+    )
+    from transformers import T5Config, T5EncoderModel, T5Tokenizer
+
+    path = Path(path)
+    tokenizer = T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=T5_MAX_LENGTH)
+    vae_factor = 2 ** (len(PIXART_VAE_BLOCKS) - 1)
+    with _seeded(seed):
+        text_encoder = T5EncoderModel(
+            T5Config(
+                vocab_size=len(tokenizer),
+                d_model=text_dim,
+                d_kv=text_dim // 4,
+                d_ff=2 * text_dim,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=16,
+                dropout_rate=0.0,
+                pad_token_id=0,
+                eos_token_id=1,
+            )
+        )
+        transformer = PixArtTransformer2DModel(
+            num_attention_heads=num_heads,
+            attention_head_dim=head_dim,
+            in_channels=4,
+            out_channels=8,
+            num_layers=num_layers,
+            cross_attention_dim=num_heads * head_dim,
+            sample_size=32 // vae_factor,
+            patch_size=PIXART_PATCH_SIZE,
+            caption_channels=text_dim,
+            use_additional_conditions=False,
+            interpolation_scale=1,
+        )
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * len(PIXART_VAE_BLOCKS),
+            up_block_types=("UpDecoderBlock2D",) * len(PIXART_VAE_BLOCKS),
+            block_out_channels=PIXART_VAE_BLOCKS,
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=8,
+            sample_size=32,
+        )
+    scheduler = DPMSolverMultistepScheduler()
+    pipe: Any = PixArtSigmaPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+TINY_MODELS: dict[str, Callable[[Path], Path]] = {
+    "llama": build_tiny_llama,
+    "pixart": build_tiny_pixart,
+}
+
+
+def _check_name(name: str) -> None:
+    if name not in TINY_MODELS:
+        raise ValueError(f"unknown tiny model {name!r}; valid names: {', '.join(sorted(TINY_MODELS))}")
+
+
+def _make_readable(root: Path) -> None:
+    """mkdtemp makes a private (0700) directory; other users' workers must be able to read the model."""
+    root.chmod(0o755)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            os.chmod(os.path.join(dirpath, d), 0o755)
+        for f in filenames:
+            os.chmod(os.path.join(dirpath, f), 0o644)
+
+
+def ensure_tiny_model(name: str, models_dir: Path) -> Path:
+    """Return ``models_dir/tiny-NAME``, building it first if missing.
+
+    Safe when several processes race: each builds into its own temporary directory beside the
+    target and renames it into place; a rename onto an existing directory fails, so the loser
+    discards its copy and everyone returns the same complete directory.
+    """
+    _check_name(name)
+    models_dir = Path(models_dir)
+    target = models_dir / f"tiny-{name}"
+    if target.is_dir():
+        return target
+    models_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{name}.", suffix=".tmp", dir=models_dir))
+    try:
+        TINY_MODELS[name](tmp)
+        _make_readable(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(model: str, models_dir: Path) -> str:
+    """``tiny:NAME`` -> the local path of that tiny model (built if needed); anything else unchanged."""
+    if model.startswith(TINY_PREFIX):
+        return str(ensure_tiny_model(model[len(TINY_PREFIX) :], models_dir))
+    return model
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``build --out DIR [--name NAME|all]``: build tiny models and print their paths."""
+    parser = argparse.ArgumentParser(prog="omni_jobs.tiny", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="build tiny random-weight models")
+    build.add_argument("--out", type=Path, required=True, help="models directory")
+    build.add_argument("--name", default="all", choices=[*sorted(TINY_MODELS), "all"])
+    args = parser.parse_args(argv)
+    names = sorted(TINY_MODELS) if args.name == "all" else [args.name]
+    for name in names:
+        print(ensure_tiny_model(name, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

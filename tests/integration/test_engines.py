@@ -1,0 +1,256 @@
+"""The real engines on the tiny models: vLLM for AR, diffusers for DiT, each loaded once per module."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omni_jobs.engines.ar import AREngine, ARRequest, SamplingOptions
+from omni_jobs.engines.cache import EngineCache
+from omni_jobs.engines.dit import DiTEngine, DiTRequest
+from omni_jobs.tiny import build_tiny_llama, build_tiny_pixart
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROMPTS = [
+    "The quick brown fox",
+    "Hello, world! How are you today?",
+    "héllo wörld 🌍 世界 \x00 tab\tand newline\n",
+    "A watercolor painting of a lighthouse",
+]
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="module")
+def cache(models_dir: Path) -> EngineCache:
+    return EngineCache(models_dir, kv_cache_bytes=128 * 2**20, max_model_len=256, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def ar(cache: EngineCache) -> AREngine:
+    pytest.importorskip("vllm")
+    return cache.ar("tiny:llama", {})
+
+
+@pytest.fixture(scope="module")
+def dit(cache: EngineCache) -> DiTEngine:
+    pytest.importorskip("diffusers")
+    return cache.dit("tiny:pixart", {})
+
+
+def _greedy(max_tokens: int = 16) -> SamplingOptions:
+    return SamplingOptions(max_tokens=max_tokens, temperature=0.0)
+
+
+def _until_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[: ids.index(eos) + 1] if eos in ids else ids
+
+
+def _png(image: Any) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _files_digest(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+# ---------------------------------------------------------------- AR (vLLM)
+
+
+def test_ar_greedy_matches_transformers(ar: AREngine, models_dir: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    outputs = ar.generate([ARRequest(f"r{i}", p, _greedy()) for i, p in enumerate(PROMPTS)])
+    hf = AutoModelForCausalLM.from_pretrained(models_dir / "tiny-llama", dtype=torch.float32).eval()
+    eos = hf.generation_config.eos_token_id
+    for prompt, out in zip(PROMPTS, outputs, strict=True):
+        ids = ar.tokenize(prompt)
+        assert out.prompt_token_ids == ids
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=16,
+                do_sample=False,
+            )
+        expected = _until_eos(ref[0, len(ids) :].tolist(), eos)
+        assert _until_eos(out.token_ids, eos) == expected
+        assert len(out.token_ids) >= 1
+
+
+def test_ar_same_seed_same_text(ar: AREngine) -> None:
+    def sampled(seed: int, rid: str) -> ARRequest:
+        return ARRequest(rid, "Once upon a time", SamplingOptions(max_tokens=24, temperature=1.0, seed=seed))
+
+    first = ar.generate([sampled(7, "a"), sampled(7, "b"), sampled(8, "c")])
+    again = ar.generate([sampled(7, "d")])
+    assert first[0].text == first[1].text == again[0].text
+    assert first[0].token_ids == again[0].token_ids
+    assert first[2].token_ids != first[0].token_ids  # 24 tokens from ~450 at T=1: a match is ~impossible
+
+
+def test_ar_batch_in_request_order(ar: AREngine) -> None:
+    requests = [ARRequest(f"req-{i}", p, _greedy(max_tokens=i + 1)) for i, p in enumerate(PROMPTS)]
+    outputs = ar.generate(requests)
+    assert [o.request_id for o in outputs] == [r.request_id for r in requests]
+    for r, o in zip(requests, outputs, strict=True):
+        single = ar.generate([r])[0]
+        assert o.token_ids == single.token_ids
+        assert o.text == single.text
+        assert o.prompt_token_ids == ar.tokenize(r.prompt)
+        assert 1 <= len(o.token_ids) <= r.sampling.max_tokens
+        assert o.finish_reason in ("length", "stop")
+
+
+def test_ar_too_long_prompt_names_request(ar: AREngine) -> None:
+    requests = [ARRequest("ok", "short", _greedy()), ARRequest("too-long", "word " * 400, _greedy())]
+    with pytest.raises(ValueError, match="too-long"):
+        ar.generate(requests)
+    assert ar.generate([requests[0]])[0].request_id == "ok"  # the engine still works
+
+
+def test_ar_empty_batch(ar: AREngine) -> None:
+    assert ar.generate([]) == []
+
+
+def test_ar_missing_model_is_clear(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        AREngine(str(tmp_path / "no-such-model"))
+
+
+def test_cache_reuses_engines(cache: EngineCache, ar: AREngine, dit: DiTEngine) -> None:
+    assert cache.ar("tiny:llama", {}) is ar
+    assert cache.dit("tiny:pixart", {}) is dit
+    other = cache.dit("tiny:pixart", {"call_args": {"max_sequence_length": 64}})
+    assert other is not dit
+    assert cache.dit("tiny:pixart", {"call_args": {"max_sequence_length": 64}}) is other
+
+
+# ---------------------------------------------------------------- DiT (diffusers)
+
+
+def _req(
+    rid: str,
+    seed: int,
+    *,
+    prompt: str = "a red cat",
+    height: int = 32,
+    width: int = 32,
+    steps: int = 4,
+    guidance: float = 4.5,
+    negative: str | None = None,
+) -> DiTRequest:
+    return DiTRequest(rid, prompt, height, width, steps, guidance, seed, negative)
+
+
+@pytest.mark.parametrize(("height", "width"), [(32, 32), (64, 32), (64, 64), (24, 40)])
+def test_dit_image_size(dit: DiTEngine, height: int, width: int) -> None:
+    (out,) = dit.generate([_req("x", 1, height=height, width=width)])
+    assert out.request_id == "x"
+    assert out.image.size == (width, height)  # PIL gives (width, height)
+    assert out.image.mode == "RGB"
+
+
+def test_dit_seed_determinism(dit: DiTEngine) -> None:
+    a = _png(dit.generate([_req("a", 11)])[0].image)
+    b = _png(dit.generate([_req("b", 11)])[0].image)
+    c = _png(dit.generate([_req("c", 12)])[0].image)
+    assert a == b
+    assert a != c
+
+
+def test_dit_batched_close_to_single(dit: DiTEngine) -> None:
+    import numpy as np
+
+    requests = [
+        _req("p0", 1, prompt="a red cat"),
+        _req("p1", 2, prompt="a blue dog", height=64, width=32),
+        _req("p2", 3, prompt="a green tree"),
+        _req("p3", 4, prompt="a house", negative="blurry"),
+        _req("p4", 5, prompt="the sea"),
+    ]
+    batched = dit.generate(requests)
+    assert [o.request_id for o in batched] == [r.request_id for r in requests]
+    for r, o in zip(requests, batched, strict=True):
+        single = np.asarray(dit.generate([r])[0].image, dtype=np.int16)
+        assert np.abs(np.asarray(o.image, dtype=np.int16) - single).max() <= 1
+
+
+def test_dit_on_step(dit: DiTEngine) -> None:
+    calls: list[tuple[int, int]] = []
+    dit.generate([_req("a", 1, steps=5), _req("b", 2, steps=5)], on_step=lambda i, n: calls.append((i, n)))
+    assert calls == [(i, 5) for i in range(1, 6)]
+
+    calls.clear()
+    dit.generate([_req("a", 1, steps=3), _req("b", 2, steps=2, width=64)], on_step=lambda i, n: calls.append((i, n)))
+    assert calls == [(i, 5) for i in range(1, 6)]  # progress runs across the two groups
+
+
+def test_dit_on_step_can_abort(dit: DiTEngine) -> None:
+    class Cancelled(Exception):
+        pass
+
+    def abort(i: int, n: int) -> None:
+        if i == 2:
+            raise Cancelled
+
+    with pytest.raises(Cancelled):
+        dit.generate([_req("a", 1, steps=4)], on_step=abort)
+    assert dit.generate([_req("a", 1, steps=4)])[0].image.size == (32, 32)  # still usable
+
+
+def test_dit_any_unicode_prompt(dit: DiTEngine) -> None:
+    prompt = ("日本語のプロンプト 🌍 émoji \x00 " * 20) + "a cat " * 100
+    outputs = dit.generate([_req("u", 3, prompt=prompt), _req("e", 3, prompt="")])
+    assert [o.image.size for o in outputs] == [(32, 32), (32, 32)]
+
+
+def test_dit_same_png_across_processes(dit: DiTEngine, models_dir: Path) -> None:
+    here = hashlib.sha256(_png(dit.generate([_req("x", 42)])[0].image)).hexdigest()
+    script = textwrap.dedent(
+        f"""
+        import hashlib, io
+        from omni_jobs.engines.dit import DiTEngine, DiTRequest
+        engine = DiTEngine({str(models_dir / "tiny-pixart")!r}, device="cpu")
+        image = engine.generate([DiTRequest("x", "a red cat", 32, 32, 4, 4.5, 42)])[0].image
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        print(hashlib.sha256(buf.getvalue()).hexdigest())
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=True
+    )
+    assert proc.stdout.strip().splitlines()[-1] == here
+
+
+# ---------------------------------------------------------------- tiny builds
+
+
+def test_tiny_builds_are_deterministic(tmp_path: Path) -> None:
+    pytest.importorskip("diffusers")
+    for build in (build_tiny_llama, build_tiny_pixart):
+        a = _files_digest(build(tmp_path / f"{build.__name__}-a"))
+        b = _files_digest(build(tmp_path / f"{build.__name__}-b"))
+        assert a == b
+        assert any(name.endswith(".safetensors") for name in a)
+    seed0 = _files_digest(tmp_path / "build_tiny_llama-a")["model.safetensors"]
+    seed1 = _files_digest(build_tiny_llama(tmp_path / "seed1", seed=1))["model.safetensors"]
+    assert seed0 != seed1
