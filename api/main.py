@@ -58,7 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         ctx = ApiContext(Runtime(settings))
-        ctx.runtime.catalogue  # load and validate pipelines at start: a bad YAML stops the API here
+        ctx.runtime.catalogue.names()  # load and validate pipelines at start: a bad YAML stops the API here
         app.state.ctx = ctx
         yield
         ctx.close()

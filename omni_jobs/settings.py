@@ -37,10 +37,16 @@ class Settings(BaseSettings):
     output_ttl_s: int = Field(7 * 24 * 3600, gt=0, description="Lifetime of jobs and their final outputs.")
     s3_bucket: str = Field("omni-jobs", description="Bucket of the s3 backend (created if missing).")
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, moto); None means AWS.")
+    s3_public_endpoint_url: str | None = Field(
+        None, description="Endpoint that presigned download URLs name, when clients reach S3 at another address."
+    )
     s3_region: str = Field("us-east-1", description="S3 region.")
     s3_access_key_id: str | None = Field(None, description="S3 key id; None uses boto3's usual lookup.")
     s3_secret_access_key: str | None = Field(None, description="S3 secret; None uses boto3's usual lookup.")
     s3_prefix: str = Field("", description="Key prefix inside the bucket.")
+    output_urls: Literal["presigned", "api"] = Field(
+        "presigned", description="Output URLs in job JSON: presigned store URLs where the store has them, or the API."
+    )
     presign_expires_s: int = Field(3600, gt=0, description="Lifetime of presigned output URLs.")
 
     # --- Models and pipelines ---

@@ -21,7 +21,7 @@ from omni_jobs.engines.cache import EngineCache
 from omni_jobs.engines.dit import DiTRequest
 from omni_jobs.errors import StageError
 from omni_jobs.jobs import state
-from omni_jobs.jobs.models import Job, JobError, JobStatus, StageStatus, now
+from omni_jobs.jobs.models import Job, JobError, JobEvent, JobStatus, StageStatus, now
 from omni_jobs.jobs.store import JobStore
 from omni_jobs.payloads import FORMATS, decode_payload, encode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
@@ -74,6 +74,15 @@ def _execute_dit(engines: EngineCache, stage: StageSpec, params: DiTParams, inpu
     return {"image": output.image}
 
 
+def _mark_queued(stage_id: str) -> Callable[[Job], list[JobEvent]]:
+    def mutate(job: Job) -> list[JobEvent]:
+        if job.stage_record(stage_id).status is StageStatus.pending:
+            return state.stage_queued(job, stage_id, now())
+        return []
+
+    return mutate
+
+
 class StageRunner:
     """Runs stages for any pipeline in the catalogue, with engines loaded once per process."""
 
@@ -120,7 +129,7 @@ class StageRunner:
         """End the job failed with the stage and reason recorded (unless it already ended)."""
         error = JobError(stage=stage_id, type=type(exc).__name__, message=str(exc) or repr(exc))
 
-        def mutate(job: Job) -> list[state.JobEvent]:
+        def mutate(job: Job) -> list[JobEvent]:
             if job.status.is_final:
                 return []
             return state.job_failed(job, error, now())
@@ -159,7 +168,7 @@ class StageRunner:
         unit = "tokens" if stage.engine == "ar" else "steps"
 
         def report(step: int, total: int) -> None:
-            def mutate(job: Job) -> list[state.JobEvent]:
+            def mutate(job: Job) -> list[JobEvent]:
                 if job.status is JobStatus.canceled:
                     raise JobCanceled(job_id)
                 return state.stage_progress(job, stage.id, step, total, unit, now())
@@ -182,9 +191,7 @@ class StageRunner:
         steps: list[NextStep] = []
         for downstream in spec.downstream(stage_id):
             if downstream.upstream() <= done and self.store.claim_enqueue(job.id, downstream.id):
-                self.store.update(job.id, lambda j, sid=downstream.id: (
-                    state.stage_queued(j, sid, now()) if j.stage_record(sid).status is StageStatus.pending else []
-                ))
+                self.store.update(job.id, _mark_queued(downstream.id))
                 steps.append(NextStep(job.id, downstream.id, downstream.queue_name))
         if done == {s.id for s in spec.stages} and self.store.claim_enqueue(job.id, "__results__"):
             steps.append(NextStep(job.id, None, RESULTS_QUEUE))

@@ -33,7 +33,7 @@ def _check_input_value(name: str, field: InputField, value: Any) -> list[FieldEr
     is_bool = isinstance(value, bool)
     if not isinstance(value, wanted) or (is_bool and field.type != "boolean"):
         return [FieldError(loc, f"must be {field.type}, got {type(value).__name__}", "type_error")]
-    if field.type == "text":
+    if isinstance(value, str):
         if field.required and not value.strip():
             return [FieldError(loc, "must not be empty", "missing")]
         if field.max_length is not None and len(value) > field.max_length:

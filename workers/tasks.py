@@ -117,6 +117,6 @@ def preload_engines(queues: set[str]) -> None:
                         rt.engines.ar(stage.model, stage.engine_args)
                     else:
                         rt.engines.dit(stage.model, stage.engine_args)
-                except Exception:  # noqa: BLE001 - one bad pipeline must not take the worker down
+                except Exception:
                     log.exception("cannot load the engine of %s/%s; its jobs will fail with this error",
                                   spec.name, stage.id)

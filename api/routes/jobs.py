@@ -19,7 +19,9 @@ Ctx = Annotated[ApiContext, Depends(get_context)]
 
 
 def _present(ctx: ApiContext, job: Job) -> dict[str, Any]:
-    return present_job(job, public_url=ctx.runtime.settings.public_url, artifacts=ctx.runtime.artifacts)
+    settings = ctx.runtime.settings
+    return present_job(job, public_url=settings.public_url, artifacts=ctx.runtime.artifacts,
+                       presign=settings.output_urls == "presigned")
 
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED, summary="Submit a job")
@@ -37,7 +39,7 @@ def list_jobs(
     status_: Annotated[JobStatus | None, Query(alias="status")] = None,
 ) -> JobList:
     limit = min(limit, ctx.runtime.settings.max_page_size)
-    page = ctx.runtime.jobs.list(limit=limit, cursor=cursor, status=status_)
+    page = ctx.runtime.jobs.page(limit=limit, cursor=cursor, status=status_)
     return JobList(data=[_present(ctx, j) for j in page.jobs], next_cursor=page.next_cursor)
 
 

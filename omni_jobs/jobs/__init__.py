@@ -1,6 +1,15 @@
 """Jobs: the Job model, its state machine and its Redis store."""
 
-from omni_jobs.jobs.models import FINAL_STATUSES, Job, JobError, JobEvent, JobOutput, JobStatus, StageRecord, StageStatus
+from omni_jobs.jobs.models import (
+    FINAL_STATUSES,
+    Job,
+    JobError,
+    JobEvent,
+    JobOutput,
+    JobStatus,
+    StageRecord,
+    StageStatus,
+)
 from omni_jobs.jobs.store import JobPage, JobStore
 
 __all__ = [

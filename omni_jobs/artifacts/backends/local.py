@@ -1,0 +1,140 @@
+"""Local-directory backend: outputs and large intermediates on one machine (demo, tests, NFS).
+
+Writes are atomic (temp file in the same directory, fsync, os.replace), so a reader never sees a
+half-written artifact, even when a stage is retried while another copy of it is still writing.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from pathlib import Path
+
+from omni_jobs.artifacts.backends.base import (
+    ArtifactError,
+    ArtifactNotFound,
+    ArtifactStoreUnavailable,
+    InvalidArtifactKey,
+    check_ttl,
+    validate_key,
+    validate_prefix,
+)
+from omni_jobs.artifacts.refs import BackendName
+
+_TMP_SUFFIX = ".omni-tmp"
+_TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.EDQUOT}
+
+
+def _os_error(operation: str, key: str, exc: OSError) -> ArtifactError:
+    if exc.errno in _TRANSIENT_ERRNOS:
+        return ArtifactStoreUnavailable("local", operation, key, exc)
+    return ArtifactError(f"local backend failed to {operation} {key!r}: {exc}")
+
+
+class LocalBackend:
+    """Artifacts as files under ``root``; TTLs are not enforced (``delete_job`` cleans up)."""
+
+    def __init__(self, root: Path | str, *, name: BackendName = "local") -> None:
+        # ``name`` lets a test stand a directory in for another backend (e.g. routing tests).
+        self._root = Path(root).resolve()
+        self._name: BackendName = name
+
+    @property
+    def name(self) -> BackendName:
+        return self._name
+
+    @property
+    def root(self) -> Path:
+        return self._root
+
+    def path(self, key: str) -> Path:
+        """The file that holds ``key`` (for serving it directly); refuses keys escaping the root."""
+        validate_key(key)
+        path = (self._root / key).resolve()
+        if not path.is_relative_to(self._root):
+            raise InvalidArtifactKey(f"artifact key {key!r} resolves outside {self._root} (via a symlink)")
+        return path
+
+    def put(self, key: str, data: bytes, *, ttl_s: int | None = None, media_type: str | None = None) -> None:
+        check_ttl(ttl_s)
+        path = self.path(key)
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
+        for attempt in range(3):
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                with open(tmp, "wb") as fh:
+                    fh.write(data)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, path)
+                return
+            except FileNotFoundError as exc:
+                # A concurrent delete pruned the (empty) parent between mkdir and open: redo.
+                tmp.unlink(missing_ok=True)
+                if attempt == 2:
+                    raise _os_error("put", key, exc) from exc
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                raise _os_error("put", key, exc) from exc
+
+    def get(self, key: str) -> bytes:
+        path = self.path(key)
+        try:
+            return path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as exc:
+            raise ArtifactNotFound(key, "local", f"no file at {path}") from exc
+        except OSError as exc:
+            raise _os_error("get", key, exc) from exc
+
+    def exists(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def delete(self, key: str) -> None:
+        path = self.path(key)
+        try:
+            path.unlink(missing_ok=True)
+        except IsADirectoryError:
+            return
+        except OSError as exc:
+            raise _os_error("delete", key, exc) from exc
+        self._prune_empty_dirs(path.parent)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete files whose key starts with ``prefix`` (a string prefix, as in S3 and Redis)."""
+        validate_prefix(prefix)
+        base_rel = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        base = self._root / base_rel
+        if not base.resolve().is_relative_to(self._root) or not base.is_dir():
+            return 0
+        deleted = 0
+        dirs: set[Path] = set()
+        try:
+            for dirpath, _dirnames, filenames in os.walk(base):
+                for fname in filenames:
+                    if fname.endswith(_TMP_SUFFIX):
+                        continue
+                    full = Path(dirpath) / fname
+                    if full.relative_to(self._root).as_posix().startswith(prefix):
+                        full.unlink(missing_ok=True)
+                        deleted += 1
+                        dirs.add(full.parent)
+        except OSError as exc:
+            raise _os_error("delete_prefix", prefix, exc) from exc
+        for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+            self._prune_empty_dirs(d)
+        return deleted
+
+    def presigned_url(self, key: str, *, expires_s: int, filename: str | None = None) -> str | None:
+        validate_key(key)
+        return None
+
+    def _prune_empty_dirs(self, start: Path) -> None:
+        """Remove now-empty directories up to (not including) the root; races are harmless."""
+        current = start
+        while current != self._root and current.is_relative_to(self._root):
+            try:
+                current.rmdir()
+            except OSError:
+                return
+            current = current.parent

@@ -1,0 +1,116 @@
+"""Redis backend: small intermediates, with a TTL so abandoned ones expire on their own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TypeVar, cast
+
+import redis
+import redis.exceptions as rex
+
+from omni_jobs import keys
+from omni_jobs.artifacts.backends.base import (
+    ArtifactNotFound,
+    ArtifactStoreUnavailable,
+    check_ttl,
+    validate_key,
+    validate_prefix,
+)
+from omni_jobs.artifacts.refs import BackendName
+
+T = TypeVar("T")
+
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    rex.ConnectionError,  # includes BusyLoadingError
+    rex.TimeoutError,
+    rex.ReadOnlyError,  # a replica during failover
+    rex.TryAgainError,
+    rex.ClusterDownError,
+    rex.OutOfMemoryError,  # maxmemory reached: frees up as intermediates expire
+)
+
+_DELETE_BATCH = 500
+
+
+def _glob_escape(text: str) -> str:
+    """Escape Redis glob metacharacters so a prefix matches literally in SCAN MATCH."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+class RedisBackend:
+    """Artifacts as Redis strings under ``keys.artifact(key)``; no presigned URLs."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        if client.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ValueError(
+                "RedisBackend needs a client with decode_responses=False (artifacts are bytes); "
+                "create a separate redis.Redis for artifacts"
+            )
+        self._r = client
+
+    @property
+    def name(self) -> BackendName:
+        return "redis"
+
+    @property
+    def client(self) -> redis.Redis:
+        return self._r
+
+    @contextmanager
+    def _guard(self, operation: str, key: str) -> Iterator[None]:
+        try:
+            yield
+        except _TRANSIENT as exc:
+            raise ArtifactStoreUnavailable("redis", operation, key, exc) from exc
+
+    def _call(self, operation: str, key: str, fn: Callable[[], T]) -> T:
+        with self._guard(operation, key):
+            return fn()
+
+    def put(self, key: str, data: bytes, *, ttl_s: int | None = None, media_type: str | None = None) -> None:
+        validate_key(key)
+        check_ttl(ttl_s)
+        self._call("put", key, lambda: self._r.set(keys.artifact(key), bytes(data), ex=ttl_s))
+
+    def get(self, key: str) -> bytes:
+        validate_key(key)
+        value = self._call("get", key, lambda: self._r.get(keys.artifact(key)))
+        if value is None:
+            raise ArtifactNotFound(key, "redis", "missing or expired (intermediates have a TTL)")
+        return cast(bytes, value)  # decode_responses=False is checked in __init__
+
+    def exists(self, key: str) -> bool:
+        validate_key(key)
+        return bool(self._call("exists", key, lambda: self._r.exists(keys.artifact(key))))
+
+    def ttl(self, key: str) -> int | None:
+        """Seconds left before ``key`` expires; None if it has no TTL; raises if missing."""
+        validate_key(key)
+        left = int(self._call("ttl", key, lambda: self._r.ttl(keys.artifact(key))))
+        if left == -2:
+            raise ArtifactNotFound(key, "redis")
+        return None if left == -1 else left
+
+    def delete(self, key: str) -> None:
+        validate_key(key)
+        self._call("delete", key, lambda: self._r.unlink(keys.artifact(key)))
+
+    def delete_prefix(self, prefix: str) -> int:
+        validate_prefix(prefix)
+        pattern = _glob_escape(keys.artifact(prefix)) + "*"
+        deleted = 0
+        with self._guard("delete_prefix", prefix):
+            batch: list[bytes] = []
+            for name in self._r.scan_iter(match=pattern, count=1000):
+                batch.append(name)
+                if len(batch) >= _DELETE_BATCH:
+                    deleted += int(self._r.unlink(*batch))
+                    batch.clear()
+            if batch:
+                deleted += int(self._r.unlink(*batch))
+        return deleted
+
+    def presigned_url(self, key: str, *, expires_s: int, filename: str | None = None) -> str | None:
+        validate_key(key)
+        return None

@@ -1,0 +1,74 @@
+"""The whole system for end-to-end tests, started once per session as a user would run it.
+
+Real processes: the session redis-server, a moto S3 endpoint, the API under uvicorn, one Celery
+worker per queue (ar on vLLM, dit on diffusers, results) and Flower. Artifacts go to S3 except
+small intermediates, which stay in Redis, so both paths are exercised by every job.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from omni_jobs.devservices import RunningService, free_port
+from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.settings import Settings
+
+E2E_REDIS_DB = 3  # the integration tests flush DB 0 of the shared server; the system lives apart
+
+BROKEN_MODEL_PIPELINE = {
+    "name": "broken-model",
+    "description": "A user pipeline whose model path does not exist: its jobs must fail cleanly.",
+    "inputs": {"prompt": {"type": "text"}},
+    "stages": [{"id": "ar", "engine": "ar", "model": "/nonexistent/omni-model", "queue": "ar",
+                "inputs": {"prompt": "input.prompt"}}],
+    "outputs": [{"name": "text", "from": "ar.text"}],
+}
+
+
+def models_dir() -> Path:
+    return (Path(__file__).resolve().parents[2] / "var" / "models").resolve()
+
+
+@pytest.fixture(scope="session")
+def system(
+    tmp_path_factory: pytest.TempPathFactory, redis_service: RunningService, s3_endpoint_url: str
+) -> Iterator[EmbeddedSystem]:
+    home = tmp_path_factory.mktemp("system")
+    pipelines = home / "pipelines"
+    pipelines.mkdir()
+    (pipelines / "broken-model.yaml").write_text(yaml.safe_dump(BROKEN_MODEL_PIPELINE))
+    redis_url = f"redis://127.0.0.1:{redis_service.port}/{E2E_REDIS_DB}"
+    settings = Settings(models_dir=models_dir(), artifacts_dir=home / "artifacts", redis_url=redis_url)
+    system = EmbeddedSystem(
+        settings=settings,
+        home=home,
+        api_port=free_port(),
+        flower_port=free_port(),
+        redis_url=redis_url,
+        extra_env={
+            "OMNI_ARTIFACT_BACKEND": "s3",
+            "OMNI_S3_ENDPOINT_URL": s3_endpoint_url,
+            "OMNI_S3_BUCKET": "omni-e2e",
+            "OMNI_S3_ACCESS_KEY_ID": "testing",
+            "OMNI_S3_SECRET_ACCESS_KEY": "testing",
+            "OMNI_REDIS_ARTIFACT_MAX_BYTES": "2048",
+            "OMNI_PIPELINES_PATH": json.dumps([str(pipelines)]),
+        },
+    )
+    try:
+        system.start(say=lambda _msg: None)
+        yield system
+    finally:
+        system.stop()
+
+
+@pytest.fixture
+def api(system: EmbeddedSystem) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=system.api_url, timeout=30) as client:
+        yield client

@@ -1,0 +1,43 @@
+"""The README's first command, as a newcomer runs it: `omni-jobs up` starts everything and runs a job."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+from omni_jobs.devservices import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_up_once_runs_a_text_to_image_job_and_stops_everything(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_")}
+    env["OMNI_MODELS_DIR"] = str(REPO / "var" / "models")
+    env["OMNI_ARTIFACTS_DIR"] = str(tmp_path / "artifacts")
+    home = tmp_path / "home"
+    proc = subprocess.run(
+        [sys.executable, "-m", "omni_jobs.cli", "up", "--once", "--home", str(home),
+         "--api-port", str(free_port()), "--flower-port", str(free_port()), "--prompt", "a small red boat"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=400, check=False,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert re.search(r"started Redis at redis://127\.0\.0\.1:\d+/0", out)
+    assert re.search(r"API: +http://127\.0\.0\.1:\d+ +\(docs: http://127\.0\.0\.1:\d+/docs\)", out)
+    assert re.search(r"Flower: +http://127\.0\.0\.1:\d+ +\(user admin, password \S+\)", out)
+    png_path = Path(re.search(r"image: +(\S+\.png)", out).group(1))  # type: ignore[union-attr]
+    json_path = Path(re.search(r"job JSON: +(\S+\.json)", out).group(1))  # type: ignore[union-attr]
+    job = json.loads(json_path.read_text())
+    assert job["status"] == "succeeded" and job["input"] == {"prompt": "a small red boat"}
+    with Image.open(png_path) as image:
+        assert image.format == "PNG" and image.size == (64, 64)
+    assert [s["id"] for s in job["stages"]] == ["ar", "dit"]
+    # Everything it started is gone: no process still runs from its Redis data dir or logs.
+    leftover = subprocess.run(["pgrep", "-f", str(home)], check=False, capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", leftover.stdout
