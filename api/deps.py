@@ -8,7 +8,8 @@ from typing import Any
 from celery import Celery
 from fastapi import Request
 
-from omni_jobs.dispatch import SendTaskDispatcher
+from omni_jobs.dispatch import SendTaskDispatcher, display_name
+from omni_jobs.jobs.watch import JobWatcher
 from omni_jobs.queueing import celery_config
 from omni_jobs.runtime import Runtime
 from omni_jobs.submission import JobSubmitter
@@ -21,13 +22,22 @@ class ApiContext:
         self.runtime = runtime
         self.celery = Celery("omni_jobs_api")
         self.celery.conf.update(celery_config(runtime.settings))
-        self.submitter: JobSubmitter = runtime.submitter(SendTaskDispatcher(self._send))
+        dispatcher = SendTaskDispatcher(self._send)
+        self.submitter: JobSubmitter = runtime.submitter(dispatcher)
+        runtime.webhook_signer  # noqa: B018 - a malformed OMNI_WEBHOOK_SECRET stops the API here, clearly
+        runtime.enable_webhooks(dispatcher)  # e.g. a cancel here sends the `completed` webhook
+        self.watcher = JobWatcher.from_url(runtime.settings.redis_url)  # SSE and Prefer: wait
 
     def _send(self, name: str, args: Sequence[Any], queue: str) -> None:
-        self.celery.send_task(name, args=list(args), queue=queue)
+        # shadow: Flower and the worker logs show omni.run_stage[job_.../ar], so a job id finds its tasks
+        self.celery.send_task(name, args=list(args), queue=queue, shadow=display_name(name, args))
 
     def close(self) -> None:
         self.runtime.redis.close()
+
+    async def aclose(self) -> None:
+        await self.watcher.aclose()
+        self.close()
 
 
 def get_context(request: Request) -> ApiContext:

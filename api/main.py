@@ -14,9 +14,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from api.deps import ApiContext
-from api.routes import health, jobs, pipelines
+from api.observability import ObservabilityMiddleware
+from api.routes import events, health, jobs, metrics, openai, pipelines
 from omni_jobs.artifacts import ArtifactStoreUnavailable
-from omni_jobs.errors import InvalidRequest, JobAlreadyFinished, JobNotFound, UnknownPipeline
+from omni_jobs.errors import (
+    IdempotencyConflict,
+    InvalidRequest,
+    JobAlreadyFinished,
+    JobNotFound,
+    Overloaded,
+    UnknownPipeline,
+)
+from omni_jobs.logs import configure_logging
 from omni_jobs.runtime import Runtime
 from omni_jobs.settings import Settings, get_settings
 
@@ -25,7 +34,11 @@ log = logging.getLogger(__name__)
 
 def _invalid_request(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, InvalidRequest)
-    detail = [{"loc": ["body", *e.loc], "msg": e.message, "type": e.type} for e in exc.errors]
+    detail = [
+        {"loc": list(e.loc) if e.loc[0] in ("header", "query", "path") else ["body", *e.loc],
+         "msg": e.message, "type": e.type}
+        for e in exc.errors
+    ]
     return JSONResponse({"detail": detail}, status_code=422)
 
 
@@ -43,6 +56,11 @@ def _conflict(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": str(exc)}, status_code=409)
 
 
+def _overloaded(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, Overloaded)
+    return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": str(exc.retry_after_s)})
+
+
 def _unavailable(_: Request, exc: Exception) -> JSONResponse:
     log.warning("backing service unavailable: %s", exc)
     return JSONResponse(
@@ -57,11 +75,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        configure_logging(settings.log_format, settings.log_level, service="api")  # JSON lines with job ids
         ctx = ApiContext(Runtime(settings))
         ctx.runtime.catalogue.names()  # load and validate pipelines at start: a bad YAML stops the API here
         app.state.ctx = ctx
         yield
-        ctx.close()
+        await ctx.aclose()
 
     app = FastAPI(
         title="omni-jobs",
@@ -72,10 +91,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(pipelines.router)
     app.include_router(jobs.router)
+    app.include_router(events.router)
+    app.include_router(metrics.router)
+    openai.install(app)  # /v1/chat/completions, /v1/images/generations, /v1/audio/speech, /v1/models
+    app.add_middleware(ObservabilityMiddleware)  # request id, job id in logs, access log, HTTP metrics
     app.add_exception_handler(InvalidRequest, _invalid_request)
     app.add_exception_handler(UnknownPipeline, _unknown_pipeline)
     app.add_exception_handler(JobNotFound, _not_found)
     app.add_exception_handler(JobAlreadyFinished, _conflict)
+    app.add_exception_handler(IdempotencyConflict, _conflict)
+    app.add_exception_handler(Overloaded, _overloaded)
     app.add_exception_handler(ArtifactStoreUnavailable, _unavailable)
     app.add_exception_handler(redis.ConnectionError, _unavailable)
     return app

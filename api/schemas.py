@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,6 +16,15 @@ class JobRequest(BaseModel):
     input: dict[str, Any] = Field(examples=[{"prompt": "a red fox in the snow"}])
     params: dict[str, dict[str, Any]] | None = Field(
         None, description="Per-stage overrides keyed by stage id, e.g. {'dit': {'seed': 7, 'height': 64}}."
+    )
+    webhook: str | None = Field(
+        None, max_length=2048, description="http(s) URL that receives the job (signed, Standard Webhooks) as it changes.",
+        examples=["https://example.com/hooks/omni"],
+    )
+    webhook_events_filter: list[Literal["start", "progress", "completed"]] | None = Field(
+        None, min_length=1,
+        description="Which events send the webhook: start (job running), progress (stage steps/ends, throttled), "
+        "completed (succeeded, failed or canceled). Default: all three.",
     )
 
 

@@ -1,4 +1,5 @@
-"""The ``omni-jobs`` command: run the whole system locally, build tiny models, check pipelines."""
+"""The ``omni-jobs`` command: run the whole system locally, build tiny models, check pipelines, and
+submit, follow, list and cancel jobs on a running API."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from typing import Any
 import httpx
 
 from omni_jobs import tiny
+from omni_jobs.cli_jobs import add_job_commands
+from omni_jobs.cli_run import add_run_command
 from omni_jobs.errors import PipelineSpecError
 from omni_jobs.pipelines.catalogue import load_catalogue, load_pipeline_file
 from omni_jobs.settings import Settings
@@ -69,14 +72,27 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     settings = Settings()
     home = Path(args.home)
+    extra_env: dict[str, str] = {}
+    if args.pipelines:  # checked here, so that a bad file is reported before anything starts
+        paths = [*settings.pipelines_path, *(Path(p).resolve() for p in args.pipelines)]
+        try:
+            load_catalogue(paths)
+        except PipelineSpecError as exc:
+            print(exc, file=sys.stderr)
+            return 2
+        extra_env["OMNI_PIPELINES_PATH"] = json.dumps([str(p) for p in paths])
     system = EmbeddedSystem(settings=settings, home=home, api_port=args.api_port, flower_port=args.flower_port,
-                            redis_url=settings.redis_url if "OMNI_REDIS_URL" in os.environ else None)
+                            redis_url=settings.redis_url if "OMNI_REDIS_URL" in os.environ else None,
+                            extra_env=extra_env)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         system.start()
         print(f"API:       {system.api_url}   (docs: {system.api_url}/docs)")
         print(f"Flower:    {system.flower_url}   (user {system.flower_user}, password {system.flower_password})")
+        print(f"webhooks:  signed with the secret in {system.webhook_secret_file.resolve()}")
         print(f"logs:      {system.logs.resolve()}")
+        print(f"metrics:   {system.api_url}/metrics, workers: "
+              + ", ".join(f"{node} http://127.0.0.1:{port}/metrics" for node, port in system.metrics_ports.items()))
         job = run_demo_job(system.api_url, home / "demo", args.prompt)
         if job["status"] != "succeeded":
             return 1
@@ -103,6 +119,27 @@ def cmd_tiny(args: argparse.Namespace) -> int:
     return tiny.main(["build", "--out", args.out, "--name", args.name])
 
 
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    from omni_jobs.retention import cleanup
+    from omni_jobs.runtime import Runtime
+
+    rt = Runtime(Settings())
+    s = rt.settings
+    report = cleanup(rt.jobs, rt.artifacts, output_ttl_s=s.output_ttl_s, intermediate_ttl_s=s.intermediate_ttl_s,
+                     max_deadline_s=s.max_cancel_after_s)
+    print(json.dumps(report.__dict__))
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    """Versions against their ranges, devices, and whether Redis, the store and the workers answer."""
+    from omni_jobs.doctor import format_report, run_doctor
+
+    report = run_doctor(Settings(), services=not args.no_services, devices=not args.no_devices)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
+    return 0 if report.ok else 1
+
+
 def cmd_pipelines(args: argparse.Namespace) -> int:
     try:
         if args.action == "check":
@@ -110,7 +147,7 @@ def cmd_pipelines(args: argparse.Namespace) -> int:
                 spec = load_pipeline_file(Path(path))
                 print(f"{path}: ok ({spec.name}: {' -> '.join(s.id for s in spec.stages)})")
             return 0
-        for spec in load_catalogue(Settings().pipelines_path):
+        for spec in load_catalogue([*Settings().pipelines_path, *(Path(p) for p in args.pipelines)]):
             print(f"{spec.name:<24} {' -> '.join(f'{s.id}[{s.engine}]' for s in spec.stages)}")
         return 0
     except PipelineSpecError as exc:
@@ -128,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--flower-port", type=int, default=5555)
     up.add_argument("--prompt", default=DEMO_PROMPT)
     up.add_argument("--once", action="store_true", help="stop after the demo job instead of waiting for Ctrl-C")
+    up.add_argument("--pipelines", action="append", default=[], metavar="PATH",
+                    help="your pipeline YAML files or directories (repeatable; added to OMNI_PIPELINES_PATH)")
     up.set_defaults(func=cmd_up)
 
     t = sub.add_parser("tiny", help="build the small random-weight models used by the demo and tests")
@@ -136,10 +175,24 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--name", default="all")
     t.set_defaults(func=cmd_tiny)
 
+    c = sub.add_parser("cleanup", help="delete expired jobs and artifacts; cancel jobs past their deadline")
+    c.set_defaults(func=cmd_cleanup)
+
     p = sub.add_parser("pipelines", help="list the pipelines, or check pipeline YAML files")
     p.add_argument("action", choices=["list", "check"])
     p.add_argument("files", nargs="*")
+    p.add_argument("--pipelines", action="append", default=[], metavar="PATH",
+                   help="list: also these pipeline YAML files or directories")
     p.set_defaults(func=cmd_pipelines)
+
+    d = sub.add_parser("doctor", help="check library versions, devices, Redis, the artifact store and workers")
+    d.add_argument("--json", action="store_true", help="print the checks as JSON")
+    d.add_argument("--no-services", action="store_true", help="only versions and devices (no Redis, S3, workers)")
+    d.add_argument("--no-devices", action="store_true", help="skip the device check (it imports torch)")
+    d.set_defaults(func=cmd_doctor)
+
+    add_job_commands(sub)  # submit, status, list, cancel, download, webhook-secret (omni_jobs.cli_jobs)
+    add_run_command(sub)  # run: one job in this process, no services (omni_jobs.cli_run)
     return parser
 
 

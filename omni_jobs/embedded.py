@@ -19,11 +19,16 @@ import redis
 
 from omni_jobs.devservices import RunningService, free_port, start_redis
 from omni_jobs.settings import Settings
-from omni_jobs.tiny import ensure_tiny_model
+from omni_jobs.tiny import TINY_MODELS, ensure_tiny_model
+from omni_jobs.webhooks import generate_secret
 from omni_jobs.worker_registry import live_workers
 
-WORKER_QUEUES: dict[str, str] = {"ar": "solo", "dit": "solo", "results": "solo"}
-"""Queue -> Celery pool. Stage workers run solo: one engine, no fork, vLLM in-process (FACTS.md)."""
+WORKER_QUEUES: dict[str, str] = {"ar": "solo", "dit": "solo", "results": "solo", "webhooks": "threads"}
+"""Queue -> Celery pool. Stage workers run solo: one engine, no fork, vLLM in-process (FACTS.md).
+Webhook deliveries wait on other people's servers, so they run in threads, several at once."""
+
+WORKER_CONCURRENCY: dict[str, int] = {"webhooks": 8}
+"""Queue -> tasks at once (default 1)."""
 
 
 def _port_free(port: int) -> bool:
@@ -59,6 +64,10 @@ class EmbeddedSystem:
     extra_env: dict[str, str] = field(default_factory=dict)
     worker_queues: dict[str, str] = field(default_factory=lambda: dict(WORKER_QUEUES))
     with_flower: bool = True
+    metrics_ports: dict[str, int] = field(default_factory=dict)
+    """Worker node name -> the port its Prometheus metrics are served on (the API serves /metrics)."""
+    webhook_secret: str = field(default_factory=generate_secret, repr=False)
+    """Signs webhooks unless OMNI_WEBHOOK_SECRET is set; written to ``home/webhook-secret`` (mode 0600)."""
     processes: list[RunningService] = field(default_factory=list)
 
     @property
@@ -82,11 +91,25 @@ class EmbeddedSystem:
             "OMNI_PUBLIC_URL": self.api_url,
             "PYTHONUNBUFFERED": "1",
         })
+        env.setdefault("OMNI_WEBHOOK_SECRET", self.webhook_secret)
         env.update(self.extra_env)
         return env
 
+    @property
+    def webhook_secret_file(self) -> Path:
+        return self.home / "webhook-secret"
+
+    def _keep_webhook_secret(self) -> None:
+        """Reuse the secret of an earlier run in this home (receivers keep verifying), else save ours."""
+        path = self.webhook_secret_file
+        if path.exists() and "OMNI_WEBHOOK_SECRET" not in os.environ:
+            self.webhook_secret = path.read_text().strip() or self.webhook_secret
+        path.touch(mode=0o600, exist_ok=True)
+        path.write_text(self.child_env().get("OMNI_WEBHOOK_SECRET", "") + "\n")
+
     def start(self, say: Callable[[str], None] = print) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
+        self._keep_webhook_secret()
         if self.redis_url:
             say(f"using Redis at {self.redis_url}")
         else:
@@ -95,7 +118,7 @@ class EmbeddedSystem:
             self.redis_url = service.url
             say(f"started Redis at {self.redis_url} (data in {self.home / 'redis'})")
         say("building the tiny local models (once) ...")
-        for name in ("llama", "pixart"):
+        for name in TINY_MODELS:
             ensure_tiny_model(name, self.settings.models_dir)
         if not _port_free(self.api_port):
             self.api_port = free_port()
@@ -118,12 +141,15 @@ class EmbeddedSystem:
         node = name or queue
         pool = self.worker_queues.get(queue, "solo")
         argv = [sys.executable, "-m", "celery", "-A", "workers.app:app", "worker", "-Q", queue, "-P", pool,
-                "-c", "1", "-n", f"{node}@%h", "--loglevel", "INFO"]
-        return self._spawn(f"worker-{node}", argv, 0, lambda: True)
+                "-c", str(WORKER_CONCURRENCY.get(queue, 1)), "-n", f"{node}@%h", "--loglevel", "INFO"]
+        self.metrics_ports[node] = free_port()
+        return self._spawn(f"worker-{node}", argv, 0, lambda: True,
+                           env={"OMNI_METRICS_PORT": str(self.metrics_ports[node])})
 
-    def _spawn(self, name: str, argv: list[str], port: int, ready: Callable[[], bool]) -> RunningService:
+    def _spawn(self, name: str, argv: list[str], port: int, ready: Callable[[], bool],
+               env: dict[str, str] | None = None) -> RunningService:
         service = RunningService(name, argv, port, f"{name}:{port}", ready, log_path=self.logs / f"{name}.log",
-                                 start_timeout_s=120, cwd=Path.cwd(), env=self.child_env())
+                                 start_timeout_s=120, cwd=Path.cwd(), env={**self.child_env(), **(env or {})})
         service.start()
         self.processes.append(service)
         return service

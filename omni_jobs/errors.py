@@ -70,3 +70,28 @@ class JobAlreadyFinished(OmniError):
         self.job_id = job_id
         self.status = status
         super().__init__(f"job '{job_id}' already {status}; only queued or running jobs can be canceled")
+
+
+class IdempotencyConflict(OmniError):
+    """An Idempotency-Key was reused with a different request body."""
+
+    def __init__(self, key: str, job_id: str) -> None:
+        self.key = key
+        self.job_id = job_id
+        super().__init__(
+            f"Idempotency-Key {key!r} was already used for job '{job_id}' with a different body; "
+            "use a new key for a new request"
+        )
+
+
+class Overloaded(OmniError):
+    """A queue holds as many waiting stages as it may; new jobs are refused until it drains."""
+
+    def __init__(self, queue: str, depth: int, limit: int, retry_after_s: int) -> None:
+        self.queue = queue
+        self.depth = depth
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        super().__init__(
+            f"queue '{queue}' is full ({depth} waiting, limit {limit}); retry after {retry_after_s}s"
+        )

@@ -33,6 +33,10 @@ JOBS_INDEX = f"{PREFIX}:jobs"
 """Sorted set of every job id, scored by creation time (for listing)."""
 
 
+RETENTION_MARK = f"{PREFIX}:retention:intermediates-mark"
+"""Creation time up to which jobs' intermediates were already cleaned (a high-water mark)."""
+
+
 def idempotency(key: str) -> str:
     return f"{PREFIX}:idempotency:{key}"
 
@@ -46,6 +50,11 @@ def artifact(key: str) -> str:
 def job_artifact_prefix(job_id: str) -> str:
     """Artifact-key prefix of everything one job wrote (any backend)."""
     return f"jobs/{job_id}/"
+
+
+def job_intermediates_prefix(job_id: str) -> str:
+    """Artifact-key prefix of everything a job's stages handed each other."""
+    return f"jobs/{job_id}/stages/"
 
 
 def intermediate_artifact(job_id: str, stage_id: str, name: str) -> str:
@@ -70,3 +79,24 @@ def worker(name: str) -> str:
 
 
 WORKER_PATTERN = f"{PREFIX}:worker:*"
+
+
+# --- the Celery broker (kombu's Redis transport), read for queue depth ---
+KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
+KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)
+
+
+def broker_queue_lists(queue: str) -> list[str]:
+    """The Redis lists that hold a queue's waiting messages (one per kombu priority step)."""
+    return [queue if p == 0 else f"{queue}{KOMBU_PRIORITY_SEPARATOR}{p}" for p in KOMBU_PRIORITY_STEPS]
+
+
+# --- queue positions and webhooks ---
+def queue_waiting(queue: str) -> str:
+    """Sorted set of '<job id>:<stage id>' waiting on one queue, scored by queued time (queue position)."""
+    return f"{PREFIX}:queue:{queue}:waiting"
+
+
+def webhook_progress_throttle(job_id: str) -> str:
+    """SET NX PX marker: a progress webhook of this job was sent within the throttle interval."""
+    return f"{PREFIX}:job:{job_id}:webhook:progress"

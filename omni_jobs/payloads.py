@@ -1,7 +1,7 @@
 """How each modality is written down when one stage hands it to the next.
 
-One table: modality -> file format. Tensors are safetensors, images PNG, text JSON; nothing is
-pickled. Stage code calls encode/decode and never picks a format itself.
+One table: modality -> file format. Tensors are safetensors, images PNG, audio WAV (16-bit PCM),
+text JSON; nothing is pickled. Stage code calls encode/decode and never picks a format itself.
 """
 
 from __future__ import annotations
@@ -9,14 +9,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from omni_jobs.artifacts import codecs
-from omni_jobs.pipelines.modalities import Modality
+from omni_jobs.pipelines.modalities import TENSOR_MODALITIES, Modality
 
 
 @dataclass(frozen=True)
 class PayloadFormat:
     extension: str
     media_type: str
+
+
+@dataclass(frozen=True)
+class AudioClip:
+    """A waveform: float samples in [-1, 1] shaped [channels, n], and its sample rate."""
+
+    samples: np.ndarray
+    sample_rate: int
+
+    @property
+    def duration_s(self) -> float:
+        return float(self.samples.shape[-1]) / self.sample_rate
 
 
 SAFETENSORS = PayloadFormat("safetensors", "application/vnd.safetensors")
@@ -32,7 +46,7 @@ FORMATS: dict[Modality, PayloadFormat] = {
 
 
 def encode_payload(modality: Modality, value: Any) -> bytes:
-    """text: str; token_ids: list[int] or tensor; tensors: tensor; image: PIL image."""
+    """text: str; token_ids: list[int] or tensor; tensors: tensor; image: PIL image; audio: AudioClip."""
     if modality == "text":
         return codecs.encode_json({"text": value})
     if modality == "token_ids":
@@ -40,20 +54,25 @@ def encode_payload(modality: Modality, value: Any) -> bytes:
 
         tensor = value if isinstance(value, torch.Tensor) else torch.tensor(list(value), dtype=torch.int64)
         return codecs.encode_tensors({"token_ids": tensor})
-    if modality in ("hidden_states", "prompt_embeds", "latents"):
+    if modality in TENSOR_MODALITIES:
         return codecs.encode_tensors({modality: value})
     if modality == "image":
         return codecs.encode_png(value)
+    if modality == "audio":
+        if not isinstance(value, AudioClip):
+            raise TypeError(f"audio payloads are AudioClip(samples, sample_rate), got {type(value).__name__}")
+        return codecs.encode_wav(value.samples, value.sample_rate)
     raise ValueError(f"no encoder for modality '{modality}'")
 
 
 def decode_payload(modality: Modality, data: bytes) -> Any:
     if modality == "text":
         return str(codecs.decode_json(data)["text"])
-    if modality == "token_ids":
-        return codecs.decode_tensors(data)["token_ids"]
-    if modality in ("hidden_states", "prompt_embeds", "latents"):
+    if modality in TENSOR_MODALITIES:
         return codecs.decode_tensors(data)[modality]
     if modality == "image":
         return codecs.decode_png(data)
+    if modality == "audio":
+        samples, rate = codecs.decode_wav(data)
+        return AudioClip(samples, rate)
     raise ValueError(f"no decoder for modality '{modality}'")

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_jobs.dispatch import ASSEMBLE_RESULTS_TASK, RESULTS_QUEUE
+from omni_jobs.dispatch import (
+    ASSEMBLE_RESULTS_TASK,
+    CLEANUP_TASK,
+    DELIVER_WEBHOOK_TASK,
+    RESULTS_QUEUE,
+    WEBHOOKS_QUEUE,
+)
 from omni_jobs.settings import Settings
 
 
@@ -28,7 +34,12 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_send_task_events": True,
         "task_send_sent_event": True,
         "task_default_queue": RESULTS_QUEUE,
-        "task_routes": {ASSEMBLE_RESULTS_TASK: {"queue": RESULTS_QUEUE}},
+        "task_routes": {ASSEMBLE_RESULTS_TASK: {"queue": RESULTS_QUEUE}, CLEANUP_TASK: {"queue": RESULTS_QUEUE},
+                        DELIVER_WEBHOOK_TASK: {"queue": WEBHOOKS_QUEUE}},
+        # Retention runs from `celery -A workers.app:app beat` (compose runs one); every run is idempotent.
+        "beat_schedule": {
+            "omni-cleanup": {"task": CLEANUP_TASK, "schedule": float(settings.cleanup_interval_s)},
+        },
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s,

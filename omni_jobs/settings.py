@@ -10,7 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 MiB = 1024 * 1024
@@ -35,6 +35,7 @@ class Settings(BaseSettings):
     )
     intermediate_ttl_s: int = Field(24 * 3600, gt=0, description="Lifetime of intermediate artifacts.")
     output_ttl_s: int = Field(7 * 24 * 3600, gt=0, description="Lifetime of jobs and their final outputs.")
+    cleanup_interval_s: int = Field(3600, gt=0, description="How often beat runs the retention cleanup.")
     s3_bucket: str = Field("omni-jobs", description="Bucket of the s3 backend (created if missing).")
     s3_endpoint_url: str | None = Field(None, description="S3 endpoint (MinIO, moto); None means AWS.")
     s3_public_endpoint_url: str | None = Field(
@@ -46,6 +47,9 @@ class Settings(BaseSettings):
     s3_prefix: str = Field("", description="Key prefix inside the bucket.")
     output_urls: Literal["presigned", "api"] = Field(
         "presigned", description="Output URLs in job JSON: presigned store URLs where the store has them, or the API."
+    )
+    s3_max_attempts: int = Field(
+        3, ge=1, description="boto3's own tries per S3 call; stage retries (with backoff) come on top of these."
     )
     presign_expires_s: int = Field(3600, gt=0, description="Lifetime of presigned output URLs.")
 
@@ -61,16 +65,83 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="Torch device for diffusers: auto, cpu, cuda, cuda:N.")
     preload_engines: bool = Field(True, description="Workers load their stages' engines at start, not on first task.")
 
+    # --- Worker start-up checks (omni_jobs.doctor) ---
+    version_check: bool = Field(
+        True, description="Workers refuse to start when an engine library they need is outside its supported range."
+    )
+    supported_versions: dict[str, str] = Field(
+        default_factory=dict,
+        description='Override supported version ranges, e.g. {"vllm": ">=0.11"} (JSON in env); at your own risk.',
+    )
+    refuse_broken_models: Literal["builtin", "all", "none"] = Field(
+        "builtin",
+        description="While preloading, a model that cannot load stops the worker: 'builtin' for the built-in "
+        "catalogue's pipelines only (a user pipeline's broken model fails its jobs instead), 'all', or 'none'.",
+    )
+
+    # --- Observability ---
+    log_format: Literal["json", "text"] = Field("json", description="Log lines: JSON objects (job_id, stage, "
+                                                "task_id fields) or plain text.")
+    log_level: str = Field("INFO", description="Log level of the API (workers take Celery's --loglevel).")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="Workers serve Prometheus metrics on this port; 0 = off (the API serves /metrics)."
+    )
+
     # --- Queues ---
     visibility_timeout_s: int = Field(
         3600, gt=0, description="Broker redelivers an unacknowledged task after this; keep it above the longest stage."
     )
+    stage_soft_time_limit_s: float = Field(
+        600, gt=0, description="A stage running longer fails its job at its next step/token (per-stage override)."
+    )
+    stage_time_limit_s: float = Field(
+        900, gt=0, description="Hard limit: the job fails and the worker process is replaced (per-stage override)."
+    )
+    progress_interval_s: float = Field(0.2, ge=0, description="Least time between two progress writes of a stage.")
     stage_max_retries: int = Field(5, ge=0, description="Retries of a stage after a transient error (store down).")
     stage_retry_backoff_s: float = Field(1.0, gt=0, description="First retry delay; doubles each retry, with jitter.")
+
+    max_queued_per_queue: int = Field(
+        1000, ge=1, description="New jobs are refused (503 + Retry-After) while their first queue holds this many."
+    )
+    overload_retry_after_s: int = Field(10, ge=1, description="Retry-After sent with an overload 503.")
+    idempotency_ttl_s: int = Field(24 * 3600, gt=0, description="How long an Idempotency-Key is remembered.")
+    max_cancel_after_s: float = Field(7 * 24 * 3600, gt=0, description="Longest Cancel-After a job may ask for.")
 
     # --- API ---
     public_url: str = Field("http://127.0.0.1:8000", description="Base URL clients use to reach the API.")
     max_page_size: int = Field(100, gt=0, description="Largest page GET /v1/jobs returns.")
+    openai_wait_s: float = Field(
+        600, gt=0, description="Longest an OpenAI-compatible call waits for its job before answering 504 (job id given)."
+    )
+    max_prefer_wait_s: float = Field(
+        60, ge=0, description="Cap on `Prefer: wait=N` for POST /v1/jobs (seconds the request may block)."
+    )
+
+    # --- Webhooks (Standard Webhooks; schedule documented in README "Webhooks") ---
+    webhook_secret: SecretStr | None = Field(
+        None,
+        description="Signing secret(s) `whsec_<base64>`, comma-separated during rotation (one signature each). "
+        "Without one, jobs that ask for a webhook are refused (422); a malformed one stops the API at start. "
+        "Never logged.",
+    )
+    webhook_timeout_s: float = Field(10, gt=0, description="Timeout of one webhook POST (connect + response).")
+    webhook_max_attempts: int = Field(10, ge=1, description="Attempts of a `completed` webhook before giving up.")
+    webhook_retry_base_s: float = Field(5, gt=0, description="Delay before the 2nd attempt; doubles each retry.")
+    webhook_retry_max_s: float = Field(
+        1800, gt=0, description="Longest delay between attempts (also caps Retry-After); keep below visibility_timeout_s."
+    )
+    webhook_retry_jitter: float = Field(0.25, ge=0, le=1, description="Each delay is scaled by 1 +/- this, at random.")
+    webhook_progress_interval_s: float = Field(
+        2, ge=0, description="Least time between two `progress` webhooks of one job (stage ends always send one)."
+    )
+    webhook_deliveries_kept: int = Field(100, ge=1, description="Latest delivery attempts kept on the job.")
+
+    @field_validator("webhook_secret", mode="before")
+    @classmethod
+    def _empty_secret_is_none(cls, value: object) -> object:
+        """An empty OMNI_WEBHOOK_SECRET (as compose passes an unset one) means: no webhooks."""
+        return None if isinstance(value, str) and not value.strip() else value
 
     @property
     def effective_broker_url(self) -> str:

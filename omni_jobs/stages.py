@@ -18,23 +18,48 @@ from omni_jobs.artifacts import ArtifactRef, ArtifactStore
 from omni_jobs.dispatch import RESULTS_QUEUE, NextStep
 from omni_jobs.engines.ar import ARRequest, SamplingOptions
 from omni_jobs.engines.cache import EngineCache
-from omni_jobs.engines.dit import DiTRequest
+from omni_jobs.engines.stage_exec import execute_dit, execute_encode
 from omni_jobs.errors import StageError
+from omni_jobs.input_files import load_input_image
 from omni_jobs.jobs import state
 from omni_jobs.jobs.models import Job, JobError, JobEvent, JobStatus, StageStatus, now
 from omni_jobs.jobs.store import JobStore
 from omni_jobs.payloads import FORMATS, decode_payload, encode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
-from omni_jobs.pipelines.params import ARParams, DiTParams
+from omni_jobs.pipelines.params import ARParams
 from omni_jobs.pipelines.spec import INPUT_SOURCE, PipelineSpec, StageSpec
 
 log = logging.getLogger(__name__)
+
+RESULTS_CLAIM = "__results__"
+"""Claim name of the results step among a job's stage claims (no stage may use this id)."""
 
 ProgressFn = Callable[[int, int], None]
 
 
 class JobCanceled(Exception):
     """Raised inside an engine callback to stop work for a job that was canceled meanwhile."""
+
+
+class DeadlineExceeded(JobCanceled):
+    """The job's deadline (Cancel-After) passed: it ends canceled, like a user's cancel."""
+
+
+class StageTimeout(StageError):
+    """The stage ran past its soft time limit; it stops at its next step or token."""
+
+
+@dataclass(frozen=True)
+class StageLimits:
+    """Time limits (defaults for stages that set none) and how often progress is written."""
+
+    soft_time_limit_s: float = 600.0
+    time_limit_s: float = 900.0
+    progress_interval_s: float = 0.2
+
+    def for_stage(self, stage: StageSpec) -> tuple[float, float]:
+        """(soft, hard) seconds for this stage."""
+        return (stage.soft_time_limit_s or self.soft_time_limit_s, stage.time_limit_s or self.time_limit_s)
 
 
 @dataclass(frozen=True)
@@ -52,26 +77,9 @@ def _execute_ar(engines: EngineCache, stage: StageSpec, params: ARParams, inputs
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, seed=params.seed
     )
     prompt = params.prompt_template.format(prompt=inputs["prompt"])
-    (output,) = engine.generate([ARRequest(request_id=request_id, prompt=prompt, sampling=sampling)])
-    progress(len(output.token_ids), params.max_tokens)
+    request = ARRequest(request_id=request_id, prompt=prompt, sampling=sampling)
+    (output,) = engine.generate([request], on_progress=lambda _rid, done, total: progress(done, total))
     return {"text": output.text, "token_ids": output.token_ids}
-
-
-def _execute_dit(engines: EngineCache, stage: StageSpec, params: DiTParams, inputs: dict[str, Any], request_id: str,
-                 progress: ProgressFn) -> dict[str, Any]:
-    engine = engines.dit(stage.model, stage.engine_args)
-    request = DiTRequest(
-        request_id=request_id,
-        prompt=inputs["prompt"],
-        height=params.height,
-        width=params.width,
-        num_inference_steps=params.num_inference_steps,
-        guidance_scale=params.guidance_scale,
-        seed=params.seed,
-        negative_prompt=params.negative_prompt,
-    )
-    (output,) = engine.generate([request], on_step=progress)
-    return {"image": output.image}
 
 
 def _mark_queued(stage_id: str) -> Callable[[Job], list[JobEvent]]:
@@ -87,11 +95,12 @@ class StageRunner:
     """Runs stages for any pipeline in the catalogue, with engines loaded once per process."""
 
     def __init__(self, *, store: JobStore, catalogue: PipelineCatalogue, artifacts: ArtifactStore,
-                 engines: EngineCache) -> None:
+                 engines: EngineCache, limits: StageLimits | None = None) -> None:
         self.store = store
         self.catalogue = catalogue
         self.artifacts = artifacts
         self.engines = engines
+        self.limits = limits or StageLimits()
 
     def run(self, job_id: str, stage_id: str, *, worker: str) -> StageOutcome:
         job = self.store.get(job_id)
@@ -105,8 +114,13 @@ class StageRunner:
         stage = spec.stage(stage_id)
         record = job.stage_record(stage_id)
         if record.status is StageStatus.succeeded and all(self.artifacts.exists(r) for r in record.outputs.values()):
+            # A redelivery: the first run may have died between storing and enqueueing, so the
+            # next steps are sent again (their own runs are idempotent, a duplicate is skipped).
             log.info("job %s stage %s already succeeded; advancing only", job_id, stage_id)
-            return StageOutcome("skipped", self._next_steps(spec, self.store.require(job_id), stage_id))
+            return StageOutcome("skipped", self._next_steps(spec, self.store.require(job_id), stage_id, resend=True))
+        if job.deadline_at is not None and now() > job.deadline_at:
+            self.cancel_for_deadline(job_id)
+            return StageOutcome("canceled", [])
 
         self.store.update(job_id, lambda j: state.stage_started(j, stage_id, worker, now()))
         started = time.perf_counter()
@@ -115,6 +129,9 @@ class StageRunner:
             values = self._execute(stage, job, inputs)
             engine_s = time.perf_counter() - started
             refs = self._store_outputs(job_id, stage, values)
+        except DeadlineExceeded:
+            self.cancel_for_deadline(job_id)
+            return StageOutcome("canceled", [])
         except JobCanceled:
             log.info("job %s was canceled during stage %s", job_id, stage_id)
             return StageOutcome("canceled", [])
@@ -137,12 +154,30 @@ class StageRunner:
         self.store.update(job_id, mutate)
         log.error("job %s failed in stage %s: %s", job_id, stage_id, error.message)
 
+    def time_limits(self, job_id: str, stage_id: str) -> tuple[float, float]:
+        """(soft, hard) seconds for this stage of this job (defaults when the job is unknown)."""
+        job = self.store.get(job_id)
+        if job is None or job.pipeline not in self.catalogue:
+            return (self.limits.soft_time_limit_s, self.limits.time_limit_s)
+        return self.limits.for_stage(self.catalogue.get(job.pipeline).stage(stage_id))
+
+    def cancel_for_deadline(self, job_id: str) -> None:
+        def mutate(job: Job) -> list[JobEvent]:
+            if job.status.is_final:
+                return []
+            return state.job_canceled(job, now(), reason="deadline exceeded (cancel_after)")
+
+        self.store.update(job_id, mutate)
+        log.info("job %s passed its deadline; canceled", job_id)
+
     # --- steps of run() ---
     def _load_inputs(self, spec: PipelineSpec, stage: StageSpec, job: Job) -> dict[str, Any]:
         inputs: dict[str, Any] = {}
         for port, binding in stage.inputs.items():
             if binding.source == INPUT_SOURCE:
-                inputs[port] = job.input[binding.port]
+                value = job.input[binding.port]
+                is_file = spec.inputs[binding.port].type == "image"
+                inputs[port] = load_input_image(self.artifacts, value) if is_file else value
                 continue
             upstream = spec.stage(binding.source)
             ref = job.stage_record(binding.source).outputs.get(binding.port)
@@ -153,21 +188,41 @@ class StageRunner:
 
     def _execute(self, stage: StageSpec, job: Job, inputs: dict[str, Any]) -> dict[str, Any]:
         params = job.params.get(stage.id, {})
-        progress = self._progress_reporter(job.id, stage)
+        progress = self._progress_reporter(job.id, stage, job.deadline_at)
         try:
-            if stage.engine == "ar":
-                return _execute_ar(self.engines, stage, ARParams(**params), inputs, f"{job.id}:{stage.id}", progress)
-            return _execute_dit(self.engines, stage, DiTParams(**params), inputs, f"{job.id}:{stage.id}", progress)
+            request_id = f"{job.id}:{stage.id}"
+            if stage.engine == "ar" and stage.task_name == "generate":
+                return _execute_ar(self.engines, stage, ARParams(**params), inputs, request_id, progress)
+            run = execute_encode if stage.engine == "ar" else execute_dit  # (engine, task) -> engine call
+            return run(self.engines, stage, stage.params(params), inputs, request_id, progress)
         except (JobCanceled, StageError):
             raise
         except (ValueError, TypeError, RuntimeError, OSError, KeyError) as exc:
             # Engine-level errors (bad model path, bad shape, too long a prompt) do not pass on retry.
             raise StageError(f"{type(exc).__name__}: {exc}") from exc
 
-    def _progress_reporter(self, job_id: str, stage: StageSpec) -> ProgressFn:
+    def _progress_reporter(self, job_id: str, stage: StageSpec, deadline_at: float | None) -> ProgressFn:
+        """Called by the engine at every step/token: records progress (throttled) and is where a
+        running stage notices that its job was canceled, passed its deadline, or ran too long."""
         unit = "tokens" if stage.engine == "ar" else "steps"
+        soft_limit_s, _hard = self.limits.for_stage(stage)
+        started = time.monotonic()
+        last_write = float("-inf")
 
         def report(step: int, total: int) -> None:
+            nonlocal last_write
+            elapsed = time.monotonic() - started
+            if elapsed > soft_limit_s:
+                raise StageTimeout(
+                    f"stage '{stage.id}' ran {elapsed:.1f}s, past its soft time limit of {soft_limit_s:g}s "
+                    f"(set soft_time_limit_s on the stage or OMNI_STAGE_SOFT_TIME_LIMIT_S)"
+                )
+            if deadline_at is not None and now() > deadline_at:
+                raise DeadlineExceeded(job_id)
+            if step < total and time.monotonic() - last_write < self.limits.progress_interval_s:
+                return
+            last_write = time.monotonic()
+
             def mutate(job: Job) -> list[JobEvent]:
                 if job.status is JobStatus.canceled:
                     raise JobCanceled(job_id)
@@ -185,14 +240,20 @@ class StageRunner:
             refs[port] = self.artifacts.put_intermediate(key, encode_payload(modality, values[port]), fmt.media_type)
         return refs
 
-    def _next_steps(self, spec: PipelineSpec, job: Job, stage_id: str) -> list[NextStep]:
-        """Downstream stages whose inputs are now all ready, or the results step when all are done."""
+    def _next_steps(self, spec: PipelineSpec, job: Job, stage_id: str, *, resend: bool = False) -> list[NextStep]:
+        """Downstream stages whose inputs are now all ready, or the results step when all are done.
+
+        Each is claimed once per job, so a fan-in stage is not enqueued by both parents; with
+        ``resend`` (a redelivered stage) unfinished ones are sent again, claim or not.
+        """
         done = {r.id for r in job.stages if r.status is StageStatus.succeeded}
         steps: list[NextStep] = []
         for downstream in spec.downstream(stage_id):
-            if downstream.upstream() <= done and self.store.claim_enqueue(job.id, downstream.id):
+            if not downstream.upstream() <= done or downstream.id in done:
+                continue
+            if self.store.claim_enqueue(job.id, downstream.id) or resend:
                 self.store.update(job.id, _mark_queued(downstream.id))
                 steps.append(NextStep(job.id, downstream.id, downstream.queue_name))
-        if done == {s.id for s in spec.stages} and self.store.claim_enqueue(job.id, "__results__"):
+        if done == {s.id for s in spec.stages} and (self.store.claim_enqueue(job.id, RESULTS_CLAIM) or resend):
             steps.append(NextStep(job.id, None, RESULTS_QUEUE))
         return steps

@@ -6,18 +6,27 @@ location (``input.prompt``, ``params.dit.height``) so the API can answer one cle
 
 from __future__ import annotations
 
+import hashlib
+import json
+import time
+from dataclasses import dataclass
 from typing import Any
 
+import redis
 from pydantic import ValidationError
 
+from omni_jobs import keys
+from omni_jobs.artifacts import ArtifactStore
 from omni_jobs.dispatch import Dispatcher, NextStep
-from omni_jobs.errors import FieldError, InvalidRequest
+from omni_jobs.errors import FieldError, IdempotencyConflict, InvalidRequest, Overloaded
+from omni_jobs.input_files import InputFiles, PreparedImage, parse_image_value
 from omni_jobs.jobs import state
-from omni_jobs.jobs.models import Job, JobEvent, StageRecord, new_job_id, now
+from omni_jobs.jobs.models import Job, JobEvent, JobWebhook, StageRecord, new_job_id, now
 from omni_jobs.jobs.store import JobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
-from omni_jobs.pipelines.params import merge_params
 from omni_jobs.pipelines.spec import InputField, PipelineSpec
+from omni_jobs.queue_depth import queue_depth
+from omni_jobs.webhooks import validate_webhook
 
 _PY_TYPES: dict[str, tuple[type, ...]] = {
     "text": (str,),
@@ -29,6 +38,12 @@ _PY_TYPES: dict[str, tuple[type, ...]] = {
 
 def _check_input_value(name: str, field: InputField, value: Any) -> list[FieldError]:
     loc: tuple[str | int, ...] = ("input", name)
+    if field.type == "image":  # its form and size here; whether it decodes when the job is prepared
+        try:
+            parse_image_value(value, field)
+        except ValueError as exc:
+            return [FieldError(loc, str(exc), "invalid_image")]
+        return []
     wanted = _PY_TYPES[field.type]
     is_bool = isinstance(value, bool)
     if not isinstance(value, wanted) or (is_bool and field.type != "boolean"):
@@ -82,7 +97,7 @@ def resolve_params(spec: PipelineSpec, raw: Any) -> dict[str, dict[str, Any]]:
             errors.append(FieldError(("params", stage.id), "must be an object", "type_error"))
             continue
         try:
-            resolved[stage.id] = merge_params(stage.engine, stage.defaults, overrides).model_dump()
+            resolved[stage.id] = stage.params({**stage.defaults, **overrides}).model_dump()
         except ValidationError as exc:
             for err in exc.errors():
                 loc = ("params", stage.id, *(str(p) for p in err["loc"]))
@@ -102,13 +117,44 @@ def build_job(spec: PipelineSpec, input_: dict[str, Any], params: dict[str, dict
     )
 
 
+@dataclass(frozen=True)
+class Admission:
+    """Refuses new jobs while the queue of their first stage is full (overload protection)."""
+
+    broker: redis.Redis
+    max_queued: int
+    retry_after_s: int
+
+    def check(self, spec: PipelineSpec) -> None:
+        for queue in sorted({s.queue_name for s in spec.entry_stages()}):
+            depth = queue_depth(self.broker, queue)
+            if depth >= self.max_queued:
+                raise Overloaded(queue, depth, self.max_queued, self.retry_after_s)
+
+
+def request_fingerprint(pipeline: str, input_: Any, params: Any, webhook: Any = None,
+                        webhook_events_filter: Any = None) -> str:
+    """What makes two submissions "the same request" for Idempotency-Key purposes (the whole body)."""
+    body = json.dumps({"pipeline": pipeline, "input": input_, "params": params or {}, "webhook": webhook,
+                       "webhook_events_filter": webhook_events_filter}, sort_keys=True, default=str)
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
 class JobSubmitter:
     """Validates, stores and enqueues new jobs (used by the API and the in-process runner)."""
 
-    def __init__(self, store: JobStore, catalogue: PipelineCatalogue, dispatcher: Dispatcher) -> None:
+    def __init__(self, store: JobStore, catalogue: PipelineCatalogue, dispatcher: Dispatcher, *,
+                 admission: Admission | None = None, idempotency_ttl_s: int = 24 * 3600,
+                 max_cancel_after_s: float = 7 * 24 * 3600, webhooks_enabled: bool = True,
+                 artifacts: ArtifactStore | None = None) -> None:
         self.store = store
+        self.input_files = InputFiles(artifacts, store) if artifacts is not None else None
         self.catalogue = catalogue
         self.dispatcher = dispatcher
+        self.admission = admission
+        self.idempotency_ttl_s = idempotency_ttl_s
+        self.max_cancel_after_s = max_cancel_after_s
+        self.webhooks_enabled = webhooks_enabled
 
     def validate(self, pipeline: str, input_: Any, params: Any) -> tuple[PipelineSpec, dict[str, Any], dict[str, dict[str, Any]]]:
         spec = self.catalogue.get(pipeline)
@@ -127,10 +173,55 @@ class JobSubmitter:
             raise InvalidRequest(errors)
         return spec, clean_input, clean_params
 
-    def submit(self, pipeline: str, input_: Any, params: Any = None) -> Job:
-        spec, clean_input, clean_params = self.validate(pipeline, input_, params)
+    def validate_webhook(self, url: Any, events: Any) -> JobWebhook | None:
+        """The job's webhook settings; refused when this server has no secret to sign with."""
+        hook = validate_webhook(url, events)
+        if hook is not None and not self.webhooks_enabled:
+            raise InvalidRequest([FieldError(("webhook",), "this server has no webhook signing secret "
+                                             "(OMNI_WEBHOOK_SECRET), so it sends no webhooks", "webhooks_disabled")])
+        return hook
+
+    def submit(self, pipeline: str, input_: Any, params: Any = None, *, cancel_after_s: float | None = None,
+               idempotency_key: str | None = None, webhook: Any = None, webhook_events_filter: Any = None) -> Job:
+        return self.submit_idempotent(pipeline, input_, params, cancel_after_s=cancel_after_s,
+                                      idempotency_key=idempotency_key, webhook=webhook,
+                                      webhook_events_filter=webhook_events_filter)[0]
+
+    def submit_idempotent(self, pipeline: str, input_: Any, params: Any = None, *,
+                          cancel_after_s: float | None = None,
+                          idempotency_key: str | None = None, webhook: Any = None,
+                          webhook_events_filter: Any = None) -> tuple[Job, bool]:
+        """(job, created): with a key seen before and the same body, the earlier job and False."""
+        hook_errors: list[FieldError] = []
+        hook: JobWebhook | None = None
+        try:
+            hook = self.validate_webhook(webhook, webhook_events_filter)
+        except InvalidRequest as exc:
+            hook_errors = exc.errors
+        try:
+            spec, clean_input, clean_params = self.validate(pipeline, input_, params)
+        except InvalidRequest as exc:
+            raise InvalidRequest([*exc.errors, *hook_errors]) from None
+        if hook_errors:
+            raise InvalidRequest(hook_errors)
+        files = self._prepare_files(spec, clean_input)
+        if cancel_after_s is not None and not 0 < cancel_after_s <= self.max_cancel_after_s:
+            raise InvalidRequest([FieldError(("header", "Cancel-After"),
+                                             f"must be between 0 and {self.max_cancel_after_s:g} seconds")])
         job = build_job(spec, clean_input, clean_params)
+        job.webhook = hook
+        if idempotency_key is not None:
+            earlier = self._claim_idempotency_key(idempotency_key, job.id, request_fingerprint(
+                pipeline, input_, params, webhook, webhook_events_filter))
+            if earlier is not None:
+                return earlier, False
+        if self.admission is not None:
+            self.admission.check(spec)
+        if files and self.input_files is not None:
+            job.input = {**job.input, **self.input_files.store(job.id, files)}
         at = now()
+        if cancel_after_s is not None:
+            job.deadline_at = job.created_at + cancel_after_s
         events: list[JobEvent] = [JobEvent(job_id=job.id, type="job.queued", at=at, data={"pipeline": spec.name})]
         entry = spec.entry_stages()
         for stage in entry:
@@ -139,4 +230,33 @@ class JobSubmitter:
         for stage in entry:
             if self.store.claim_enqueue(job.id, stage.id):
                 self.dispatcher.dispatch(NextStep(job.id, stage.id, stage.queue_name))
-        return job
+        return job, True
+
+    def _prepare_files(self, spec: PipelineSpec, input_: dict[str, Any]) -> dict[str, PreparedImage]:
+        """Image inputs resolved and normalized before anything is claimed or stored."""
+        if not spec.file_inputs() or not any(name in input_ for name in spec.file_inputs()):
+            return {}
+        if self.input_files is None:
+            raise InvalidRequest([FieldError(("input", name), "this server has no artifact store for file inputs")
+                                  for name in spec.file_inputs() if name in input_])
+        return self.input_files.prepare(spec, input_)
+
+    def _claim_idempotency_key(self, key: str, job_id: str, fingerprint: str) -> Job | None:
+        """None when the key is new (now bound to job_id); else the job it was used for."""
+        redis_key = keys.idempotency(key)
+        record = json.dumps({"job_id": job_id, "fingerprint": fingerprint})
+        for _ in range(50):
+            if self.store.redis.set(redis_key, record, nx=True, ex=self.idempotency_ttl_s):
+                return None
+            raw = self.store.redis.get(redis_key)
+            if raw is None:  # expired between the two calls
+                continue
+            earlier = json.loads(raw)
+            if earlier["fingerprint"] != fingerprint:
+                raise IdempotencyConflict(key, earlier["job_id"])
+            # The first request may still be writing its job: wait for it briefly.
+            job = self.store.get(earlier["job_id"])
+            if job is not None:
+                return job
+            time.sleep(0.02)
+        raise IdempotencyConflict(key, "(unknown)")

@@ -1,10 +1,12 @@
 """Build small random-weight models locally, deterministically, in seconds.
 
 No model hub is reachable from the demo, the tests or the benchmarks, so every model they use is
-built here with real architectures (a Llama causal LM for vLLM, a PixArt-Sigma pipeline for
-diffusers) and loaded by the real loading code. The same seed gives byte-identical weight files.
+built here with real architectures and loaded by the real loading code: a Llama causal LM for
+vLLM; for diffusers a PixArt-Sigma pipeline, a PixArt-Sigma DiT conditioned on the Llama's hidden
+states (no text encoder of its own), a Chroma pipeline (text-to-image and image-to-image) and a
+StableAudio pipeline (text-to-audio). The same seed gives byte-identical weight files.
 
-``python -m omni_jobs.tiny build --out DIR [--name llama|pixart|all]`` builds them from a shell.
+``python -m omni_jobs.tiny build --out DIR [--name NAME|all]`` builds them from a shell.
 """
 
 from __future__ import annotations
@@ -71,6 +73,13 @@ T5_SPECIALS = ("<pad>", "</s>", "<unk>")  # T5 layout: pad=0, eos=1, unk=2
 T5_MAX_LENGTH = 300  # PixArt-Sigma pipelines encode up to 300 tokens by default
 PIXART_VAE_BLOCKS = (8, 16, 16)  # three blocks -> VAE scale factor 4
 PIXART_PATCH_SIZE = 2
+PIXART_TEXT_DIM = 32  # d_model of the tiny PixArt's T5 encoder = the prompt embeddings its DiT takes
+LLAMA_HIDDEN_SIZE = 256  # the tiny Llama's hidden size = the prompt embeddings tiny:pixart-llm takes
+CHROMA_TEXT_DIM = 32
+CHROMA_MAX_SEQUENCE = 64  # Chroma pads prompts to this many T5 tokens (its default, 512, is slow here)
+AUDIO_SAMPLE_RATE = 16000
+AUDIO_DOWNSAMPLING = (2, 4, 4)  # the Oobleck VAE's hop length is their product: 32 samples per latent
+AUDIO_LATENT_LENGTH = 512  # latents per clip: 512 * 32 / 16000 = 1.024 s at most
 
 
 @contextlib.contextmanager
@@ -180,15 +189,18 @@ def build_tiny_pixart(
     path: Path,
     *,
     seed: int = 0,
-    text_dim: int = 32,
+    text_dim: int = PIXART_TEXT_DIM,
     num_heads: int = 2,
     head_dim: int = 16,
     num_layers: int = 2,
+    with_text_encoder: bool = True,
 ) -> Path:
     """Save a random-weight PixArt-Sigma pipeline to ``path``; ``DiffusionPipeline.from_pretrained`` loads it.
 
     Images must be multiples of 8 on each side (the pipeline's check; the VAE factor is 4 and the
     patch size 2, so 8 is also the model's own granularity). Prompts are truncated by the tokenizer.
+    ``text_dim`` is the size of the prompt embeddings the DiT takes; without a text encoder the
+    pipeline can only be called with ``prompt_embeds`` (another model is its text encoder).
     """
     from diffusers import (
         AutoencoderKL,
@@ -196,26 +208,13 @@ def build_tiny_pixart(
         PixArtSigmaPipeline,
         PixArtTransformer2DModel,
     )
-    from transformers import T5Config, T5EncoderModel, T5Tokenizer
+    from transformers import T5Tokenizer
 
     path = Path(path)
     tokenizer = T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=T5_MAX_LENGTH)
     vae_factor = 2 ** (len(PIXART_VAE_BLOCKS) - 1)
     with _seeded(seed):
-        text_encoder = T5EncoderModel(
-            T5Config(
-                vocab_size=len(tokenizer),
-                d_model=text_dim,
-                d_kv=text_dim // 4,
-                d_ff=2 * text_dim,
-                num_layers=2,
-                num_heads=4,
-                relative_attention_num_buckets=16,
-                dropout_rate=0.0,
-                pad_token_id=0,
-                eos_token_id=1,
-            )
-        )
+        text_encoder = _tiny_t5_encoder(len(tokenizer), text_dim) if with_text_encoder else None
         transformer = PixArtTransformer2DModel(
             num_attention_heads=num_heads,
             attention_head_dim=head_dim,
@@ -242,7 +241,135 @@ def build_tiny_pixart(
         )
     scheduler = DPMSolverMultistepScheduler()
     pipe: Any = PixArtSigmaPipeline(
-        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler
+        tokenizer=tokenizer if with_text_encoder else None,
+        text_encoder=text_encoder,
+        vae=vae,
+        transformer=transformer,
+        scheduler=scheduler,
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def build_tiny_pixart_llm(path: Path, *, seed: int = 0) -> Path:
+    """A PixArt-Sigma DiT that takes the tiny Llama's hidden states as its prompt embeddings.
+
+    The Qwen-Image / BAGEL pattern: the LLM is the DiT's text encoder, so the pipeline has none.
+    """
+    return build_tiny_pixart(path, seed=seed, text_dim=LLAMA_HIDDEN_SIZE, with_text_encoder=False)
+
+
+def _tiny_t5_encoder(vocab_size: int, dim: int) -> Any:
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=vocab_size,
+            d_model=dim,
+            d_kv=dim // 4,
+            d_ff=2 * dim,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=16,
+            dropout_rate=0.0,
+            pad_token_id=0,
+            eos_token_id=1,
+        )
+    )
+
+
+def build_tiny_chroma(path: Path, *, seed: int = 0) -> Path:
+    """Save a random-weight Chroma pipeline; load it as ``ChromaPipeline`` (text-to-image) or
+    ``ChromaImg2ImgPipeline`` (image-to-image). Sizes must be multiples of 4 (VAE factor 2, 2x2 packing)."""
+    from diffusers import AutoencoderKL, ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+    from transformers import T5Tokenizer
+
+    path = Path(path)
+    tokenizer = T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=CHROMA_MAX_SEQUENCE)
+    with _seeded(seed):
+        text_encoder = _tiny_t5_encoder(len(tokenizer), CHROMA_TEXT_DIM)
+        transformer = ChromaTransformer2DModel(
+            patch_size=1,
+            in_channels=4,  # 1 latent channel, packed 2x2
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=CHROMA_TEXT_DIM,
+            axes_dims_rope=(4, 6, 6),
+            approximator_num_channels=8,
+            approximator_hidden_dim=32,
+            approximator_layers=1,
+        )
+        vae = AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            block_out_channels=(8, 16),
+            layers_per_block=1,
+            latent_channels=1,
+            norm_num_groups=8,
+            sample_size=32,
+            use_quant_conv=False,
+            use_post_quant_conv=False,
+            shift_factor=0.0609,  # Chroma's VAE needs one (FACTS.md)
+            scaling_factor=1.5035,
+        )
+    pipe: Any = ChromaPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        transformer=transformer,
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def build_tiny_stable_audio(path: Path, *, seed: int = 0) -> Path:
+    """Save a random-weight StableAudio pipeline (text-to-audio): mono, 16 kHz, clips up to 1.024 s."""
+    from diffusers import AutoencoderOobleck, EDMDPMSolverMultistepScheduler, StableAudioDiTModel, StableAudioPipeline
+    from diffusers.pipelines.stable_audio.modeling_stable_audio import StableAudioProjectionModel
+    from transformers import T5Tokenizer
+
+    path = Path(path)
+    conditioning_dim = 16
+    # StableAudio pads prompts to tokenizer.model_max_length, so it must be set (FACTS.md).
+    tokenizer = T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=64)
+    with _seeded(seed):
+        text_encoder = _tiny_t5_encoder(len(tokenizer), 32)
+        transformer = StableAudioDiTModel(
+            sample_size=AUDIO_LATENT_LENGTH,
+            in_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            num_key_value_attention_heads=2,
+            out_channels=4,
+            cross_attention_dim=16,
+            time_proj_dim=8,
+            global_states_input_dim=2 * conditioning_dim,  # start and end seconds, concatenated
+            cross_attention_input_dim=conditioning_dim,
+        )
+        vae = AutoencoderOobleck(
+            encoder_hidden_size=8,
+            downsampling_ratios=list(AUDIO_DOWNSAMPLING),
+            decoder_channels=8,
+            decoder_input_channels=4,
+            audio_channels=1,
+            channel_multiples=[1, 2, 2],
+            sampling_rate=AUDIO_SAMPLE_RATE,
+        )
+        projection = StableAudioProjectionModel(
+            text_encoder_dim=32, conditioning_dim=conditioning_dim, min_value=0, max_value=32
+        )
+    # The original uses CosineDPMSolverMultistepScheduler, which needs torchsde; EDM-DPM needs nothing.
+    scheduler = EDMDPMSolverMultistepScheduler(
+        solver_order=2, prediction_type="v_prediction", sigma_data=1.0, sigma_schedule="exponential"
+    )
+    pipe: Any = StableAudioPipeline(
+        vae=vae, text_encoder=text_encoder, projection_model=projection, tokenizer=tokenizer,
+        transformer=transformer, scheduler=scheduler,
     )
     path.mkdir(parents=True, exist_ok=True)
     pipe.save_pretrained(path, safe_serialization=True)
@@ -252,7 +379,20 @@ def build_tiny_pixart(
 TINY_MODELS: dict[str, Callable[[Path], Path]] = {
     "llama": build_tiny_llama,
     "pixart": build_tiny_pixart,
+    "pixart-llm": build_tiny_pixart_llm,
+    "chroma": build_tiny_chroma,
+    "stable-audio": build_tiny_stable_audio,
 }
+
+TINY_MODEL_INFO: dict[str, dict[str, int | bool | str]] = {
+    "llama": {"hidden_size": LLAMA_HIDDEN_SIZE},
+    "pixart": {"prompt_embed_dim": PIXART_TEXT_DIM, "embed_key": "caption_channels", "text_encoder": True},
+    "pixart-llm": {"prompt_embed_dim": LLAMA_HIDDEN_SIZE, "embed_key": "caption_channels", "text_encoder": False},
+    "chroma": {"prompt_embed_dim": CHROMA_TEXT_DIM, "embed_key": "joint_attention_dim", "text_encoder": True},
+    "stable-audio": {"text_encoder": True},
+}
+"""What each tiny model's config will say, known without building it: pipeline validation checks
+that an LLM's hidden size matches the prompt-embedding size of the DiT it conditions."""
 
 
 def _check_name(name: str) -> None:

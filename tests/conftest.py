@@ -103,3 +103,17 @@ def s3_settings(s3_endpoint_url: str) -> Settings:
 def s3_client(s3_endpoint_url: str) -> Any:
     """A boto3 S3 client on the session moto endpoint, built as production builds it (thread-safe)."""
     return s3_client_from_settings(s3_test_settings(s3_endpoint_url), max_attempts=2)
+
+
+# --- engines, loaded once per session for in-process tests ---
+REPO = Path(__file__).resolve().parents[1]
+MODELS_DIR = REPO / "var" / "models"
+"""Tiny models are built here once (deterministically) and reused by every test and the demo."""
+
+
+@pytest.fixture(scope="session")
+def engine_cache() -> Any:
+    """Real vLLM / diffusers engines for in-process tests (the same cache class the workers use)."""
+    from omni_jobs.engines.cache import EngineCache
+
+    return EngineCache(MODELS_DIR, kv_cache_bytes=256 * 2**20, max_model_len=512, device="cpu")

@@ -15,3 +15,6 @@ from omni_jobs.settings import get_settings
 app = Celery("omni_jobs")
 app.conf.update(celery_config(get_settings()))
 app.conf.update(include=["workers.tasks"])
+
+# JSON logs with job/stage/task ids and the metrics port: connected before Celery sets up logging.
+import workers.observability  # noqa: F401

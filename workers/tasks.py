@@ -9,18 +9,30 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import redis
 from celery import Task, signals
 
+from omni_jobs import metrics
 from omni_jobs.artifacts import ArtifactStoreUnavailable
-from omni_jobs.dispatch import ASSEMBLE_RESULTS_TASK, RUN_STAGE_TASK, SendTaskDispatcher
+from omni_jobs.dispatch import (
+    ASSEMBLE_RESULTS_TASK,
+    CLEANUP_TASK,
+    DELIVER_WEBHOOK_TASK,
+    RUN_STAGE_TASK,
+    SendTaskDispatcher,
+)
+from omni_jobs.engines.stage_exec import load_stage_engine
 from omni_jobs.errors import TransientStageError
+from omni_jobs.retention import cleanup
 from omni_jobs.runtime import Runtime
 from omni_jobs.settings import get_settings
+from omni_jobs.stages import StageTimeout
+from omni_jobs.watchdog import hard_time_limit
 from omni_jobs.worker_registry import start_heartbeat, unregister_worker
+from workers import observability, startup
 from workers.app import app
 
 log = logging.getLogger(__name__)
@@ -31,41 +43,53 @@ TRANSIENT_ERRORS = (ArtifactStoreUnavailable, TransientStageError, redis.Connect
 @lru_cache(maxsize=1)
 def runtime() -> Runtime:
     """One Runtime per worker process: engines load on first use and stay loaded."""
-    return Runtime(get_settings())
+    rt = Runtime(get_settings())
+    rt.enable_webhooks(dispatcher)  # job changes committed here send their webhooks
+    return rt
 
 
 def _send(name: str, args: Any, queue: str) -> None:
-    app.send_task(name, args=list(args), queue=queue)
+    observability.send_task(app, name, args, queue)  # named omni.run_stage[job_.../stage] in Flower and logs
 
 
 dispatcher = SendTaskDispatcher(_send)
 
 
 def _retry_delay(retries: int) -> float:
-    base = get_settings().stage_retry_backoff_s * (2**retries)
-    return base * random.uniform(0.5, 1.5)
+    """Exponential backoff with jitter, kept under half the visibility timeout: the Redis broker
+    redelivers a retry still waiting for its countdown once the timeout passes (a double run)."""
+    settings = get_settings()
+    delay = settings.stage_retry_backoff_s * (2**retries) * random.uniform(0.5, 1.5)
+    return min(delay, settings.visibility_timeout_s / 2)
 
 
-@app.task(name=RUN_STAGE_TASK, bind=True, acks_late=True)
+@app.task(name=RUN_STAGE_TASK, bind=True, acks_late=True, max_retries=None)  # our own limit: stage_max_retries
 def run_stage(self: Task, job_id: str, stage_id: str) -> str:
     rt = runtime()
     try:
-        outcome = rt.stage_runner.run(job_id, stage_id, worker=str(self.request.hostname))
+        _soft, hard = rt.stage_runner.time_limits(job_id, stage_id)
+        on_expire = partial(rt.stage_runner.fail, job_id, stage_id, StageTimeout(
+            f"stage '{stage_id}' ran past its hard time limit of {hard:g}s; its worker was restarted "
+            "(set time_limit_s on the stage or OMNI_STAGE_TIME_LIMIT_S)"))
+        with hard_time_limit(hard, on_expire):
+            outcome = rt.stage_runner.run(job_id, stage_id, worker=str(self.request.hostname))
     except TRANSIENT_ERRORS as exc:
         if self.request.retries >= rt.settings.stage_max_retries:
             rt.stage_runner.fail(job_id, stage_id, exc)
             return "failed"
         log.warning("job %s stage %s: transient error, retrying: %s", job_id, stage_id, exc)
-        raise self.retry(exc=exc, countdown=_retry_delay(self.request.retries), max_retries=None) from exc
+        raise self.retry(exc=exc, countdown=_retry_delay(self.request.retries)) from exc
     except Exception as exc:
         rt.stage_runner.fail(job_id, stage_id, exc)
         raise
+    if outcome.status in ("succeeded", "failed"):
+        observability.record_stage_memory(rt, job_id, stage_id)
     for step in outcome.next_steps:
         dispatcher.dispatch(step)
     return outcome.status
 
 
-@app.task(name=ASSEMBLE_RESULTS_TASK, bind=True, acks_late=True)
+@app.task(name=ASSEMBLE_RESULTS_TASK, bind=True, acks_late=True, max_retries=None)
 def assemble_results(self: Task, job_id: str) -> str:
     rt = runtime()
     try:
@@ -74,21 +98,53 @@ def assemble_results(self: Task, job_id: str) -> str:
         if self.request.retries >= rt.settings.stage_max_retries:
             rt.stage_runner.fail(job_id, None, exc)
             return "failed"
-        raise self.retry(exc=exc, countdown=_retry_delay(self.request.retries), max_retries=None) from exc
+        raise self.retry(exc=exc, countdown=_retry_delay(self.request.retries)) from exc
     except Exception as exc:
         rt.stage_runner.fail(job_id, None, exc)
         raise
     return job.status.value if job else "gone"
 
 
+@app.task(name=CLEANUP_TASK)
+def run_cleanup() -> dict[str, int]:
+    """Periodic retention (scheduled by ``celery beat``; see omni_jobs.queueing)."""
+    rt = runtime()
+    s = rt.settings
+    report = cleanup(rt.jobs, rt.artifacts, output_ttl_s=s.output_ttl_s, intermediate_ttl_s=s.intermediate_ttl_s,
+                     max_deadline_s=s.max_cancel_after_s)
+    return dict(report.__dict__)
+
+
+@app.task(name=DELIVER_WEBHOOK_TASK, bind=True, acks_late=True, max_retries=None)
+def deliver_webhook(self: Task, job_id: str, message_id: str, event: str) -> str:
+    """One attempt per run; a retry keeps the same message id (webhook-id) and counts the attempt."""
+    outcome = runtime().webhooks.deliver(job_id, message_id, event, attempt=self.request.retries + 1)
+    metrics.webhook_delivery(event, outcome.status)
+    if outcome.retry_in_s is not None:
+        raise self.retry(countdown=outcome.retry_in_s)
+    return outcome.status
+
+
+@signals.worker_init.connect
+def on_worker_init(sender: Any = None, **_: Any) -> None:
+    """Before the broker is touched: refuse to start when an engine library is out of its range."""
+    if sender is None:
+        return
+    startup.check_versions(str(sender.hostname), runtime().catalogue, startup.consumed_queues(sender), get_settings())
+
+
 @signals.worker_ready.connect
 def on_worker_ready(sender: Any = None, **_: Any) -> None:
-    """Preload this worker's engines, then announce it (readiness means: can serve at once)."""
+    """Preload this worker's engines, then announce it (readiness means: can serve at once).
+
+    A model that cannot load stops the worker here (see workers.startup and OMNI_REFUSE_BROKEN_MODELS).
+    """
     if sender is None:
         return
     queues = sorted(q.name for q in sender.task_consumer.queues)
-    if get_settings().preload_engines:
-        preload_engines(set(queues))
+    settings = get_settings()
+    if settings.preload_engines:
+        startup.check_models(str(sender.hostname), preload_engines(set(queues)), settings)
     rt = runtime()
     _heartbeat["stop"] = start_heartbeat(rt.redis, str(sender.hostname), queues)
     _heartbeat["name"] = str(sender.hostname)
@@ -105,18 +161,19 @@ def on_worker_shutdown(**_: Any) -> None:
 _heartbeat: dict[str, object] = {}
 
 
-def preload_engines(queues: set[str]) -> None:
-    """Load the engines of the stages on these queues before the first task arrives."""
+def preload_engines(queues: set[str]) -> list[startup.LoadFailure]:
+    """Load the engines of the stages on these queues before the first task arrives; returns what failed."""
     rt = runtime()
+    failures: list[startup.LoadFailure] = []
     for spec in rt.catalogue:
         for stage in spec.stages:
             if stage.queue_name in queues:
                 log.info("preloading %s engine for %s/%s (%s)", stage.engine, spec.name, stage.id, stage.model)
                 try:
-                    if stage.engine == "ar":
-                        rt.engines.ar(stage.model, stage.engine_args)
-                    else:
-                        rt.engines.dit(stage.model, stage.engine_args)
-                except Exception:
-                    log.exception("cannot load the engine of %s/%s; its jobs will fail with this error",
-                                  spec.name, stage.id)
+                    load_stage_engine(rt.engines, stage)  # the engine of its (kind, task), checked against it
+                except Exception as exc:
+                    log.exception("cannot load the engine of %s/%s", spec.name, stage.id)
+                    failures.append((spec, stage, exc))
+                    continue
+                metrics.record_engine_memory(spec.name, stage.id, stage.engine)
+    return failures

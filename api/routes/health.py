@@ -1,12 +1,28 @@
-"""Liveness and readiness for load balancers and compose healthchecks."""
+"""Liveness and readiness for load balancers and compose healthchecks.
+
+``/healthz``: the process answers. ``/readyz``: it can take jobs that will run, meaning Redis,
+the broker and the artifact store answer and every queue the catalogue needs (each stage's queue
+and ``results``; ``webhooks`` when a signing secret is set) has at least one live worker. A 503
+lists what is missing and how to fix it.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Response, status
+from fastapi import APIRouter, Depends, Request, Response, status
 
 from api.deps import ApiContext, get_context
+from omni_jobs.artifacts.backends import ArtifactBackend
+from omni_jobs.doctor import (
+    Check,
+    check_artifact_store,
+    check_redis,
+    check_workers,
+    describe_backend,
+    probe_backend,
+    required_queues,
+)
 
 router = APIRouter(tags=["health"])
 
@@ -16,11 +32,38 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", summary="Redis is reachable")
-def readyz(ctx: Annotated[ApiContext, Depends(get_context)], response: Response) -> dict[str, Any]:
-    try:
-        ctx.runtime.redis.ping()
-    except Exception as exc:  # noqa: BLE001 - any failure means not ready
+def _probe(request: Request, ctx: ApiContext) -> ArtifactBackend:
+    """A fast-failing artifact backend, made once per process (a boto3 client costs ~50 ms)."""
+    backend: ArtifactBackend | None = getattr(request.app.state, "readiness_probe", None)
+    if backend is None:
+        backend = probe_backend(ctx.runtime.settings)
+        request.app.state.readiness_probe = backend
+    return backend
+
+
+@router.get("/readyz", summary="Redis, the artifact store and a worker per needed queue are reachable",
+            responses={503: {"description": "Not ready: `missing` says what and how to fix it."}})
+def readyz(ctx: Annotated[ApiContext, Depends(get_context)], request: Request, response: Response) -> dict[str, Any]:
+    rt = ctx.runtime
+    settings = rt.settings
+    checks: list[Check] = [check_redis(rt.redis, url=settings.redis_url)]
+    if settings.effective_broker_url != settings.redis_url:
+        checks.append(check_redis(rt.broker_redis, name="broker", url=settings.effective_broker_url))
+    checks.append(check_artifact_store(_probe(request, ctx), where=describe_backend(settings)))
+    workers: dict[str, list[str]] = {}
+    if checks[0].ok:
+        for check in check_workers(rt.redis, required_queues(rt.catalogue, settings)):
+            checks.append(check)
+            workers[check.name] = check.detail.split(", ") if check.ok else []
+    missing = [f"{c.section}/{c.name}: {c.detail}" + (f" -> {c.fix}" if c.fix else "") for c in checks if not c.ok]
+    body: dict[str, Any] = {
+        "status": "ok" if not missing else "unavailable",
+        "redis": "ok" if checks[0].ok else checks[0].detail,
+        "artifact_store": next(("ok" if c.ok else c.detail) for c in checks if c.name == "artifact store"),
+        "workers": workers,
+        "missing": missing,
+    }
+    if missing:
         response.status_code = status.HTTP_503_SERVICE_UNAVAILABLE
-        return {"status": "unavailable", "redis": str(exc)}
-    return {"status": "ok", "redis": "ok"}
+        response.headers["Retry-After"] = "5"
+    return body

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Query, Response, status
+from fastapi import APIRouter, Depends, Header, Query, Request, Response, status
+from fastapi.concurrency import run_in_threadpool
 
+from api import uploads
 from api.deps import ApiContext, get_context
+from api.prefer import prefer_wait
 from api.schemas import JobList, JobRequest
 from omni_jobs.artifacts import ArtifactNotFound
 from omni_jobs.cancellation import cancel_job
-from omni_jobs.errors import JobNotFound
+from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.view import present_job
 
@@ -18,17 +22,76 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 Ctx = Annotated[ApiContext, Depends(get_context)]
 
 
-def _present(ctx: ApiContext, job: Job) -> dict[str, Any]:
+def _present(ctx: ApiContext, job: Job, *, queue_position: bool = False) -> dict[str, Any]:
     settings = ctx.runtime.settings
+    position = ctx.runtime.jobs.queue_position(job) if queue_position else None
     return present_job(job, public_url=settings.public_url, artifacts=ctx.runtime.artifacts,
-                       presign=settings.output_urls == "presigned")
+                       presign=settings.output_urls == "presigned", queue_position=position)
 
 
-@router.post("", status_code=status.HTTP_202_ACCEPTED, summary="Submit a job")
-def create_job(body: JobRequest, ctx: Ctx, response: Response) -> dict[str, Any]:
-    job = ctx.submitter.submit(body.pipeline, body.input, body.params)
+_DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s?)?$")
+
+
+def parse_cancel_after(value: str) -> float:
+    """``90``, ``90s``, ``5m``, ``1h30m`` -> seconds (the Cancel-After header, as Replicate takes it)."""
+    match = _DURATION.match(value.strip())
+    if not value.strip() or match is None or not any(match.groups()):
+        raise InvalidRequest([FieldError(("header", "Cancel-After"),
+                                         f"{value!r} is not a duration like 90, 90s, 5m or 1h30m")])
+    hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
+    return hours * 3600 + minutes * 60 + seconds
+
+
+@router.post("", status_code=status.HTTP_202_ACCEPTED, summary="Submit a job",
+             responses={200: {"description": "With `Prefer: wait=N`: the job ended within N seconds."}})
+async def create_job(
+    body: JobRequest,
+    ctx: Ctx,
+    request: Request,
+    response: Response,
+    idempotency_key: Annotated[
+        str | None,
+        Header(max_length=255, description="Same key + same body returns the same job; a different body: 409."),
+    ] = None,
+    cancel_after: Annotated[
+        str | None,
+        Header(max_length=32, description="Cancel the job if it has not finished after this long (90s, 5m, 1h)."),
+    ] = None,
+) -> dict[str, Any]:
+    cancel_after_s = parse_cancel_after(cancel_after) if cancel_after is not None else None
+    job, created = await run_in_threadpool(
+        ctx.submitter.submit_idempotent,
+        body.pipeline, body.input, body.params, cancel_after_s=cancel_after_s, idempotency_key=idempotency_key,
+        webhook=body.webhook, webhook_events_filter=body.webhook_events_filter,
+    )
     response.headers["Location"] = f"/v1/jobs/{job.id}"
-    return _present(ctx, job)
+    if not created:
+        response.headers["Idempotent-Replayed"] = "true"
+    # Prefer: wait=N (RFC 7240): hold the answer until the job ends, N capped by OMNI_MAX_PREFER_WAIT_S.
+    wait_s = prefer_wait(request.headers.getlist("prefer"))
+    if wait_s is not None:
+        wait_s = min(wait_s, ctx.runtime.settings.max_prefer_wait_s)
+        response.headers["Preference-Applied"] = f"wait={wait_s:g}"
+        job = await ctx.watcher.wait_final(job.id, wait_s) or job
+        if job.status.is_final:
+            response.status_code = status.HTTP_200_OK
+    return await run_in_threadpool(_present, ctx, job, queue_position=True)
+
+
+@router.post("/multipart", status_code=status.HTTP_202_ACCEPTED, openapi_extra=uploads.OPENAPI,
+             summary="Submit a job with file inputs (multipart/form-data)",
+             description="The same as POST /v1/jobs, with the body as form fields (input and params as JSON "
+             "text) and each file input as a part named input.<field>, e.g. input.image. Files may also be "
+             "sent to POST /v1/jobs as base64 or as a reference to a stored output.")
+async def create_job_multipart(
+    ctx: Ctx,
+    request: Request,
+    response: Response,
+    idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
+    cancel_after: Annotated[str | None, Header(max_length=32)] = None,
+) -> dict[str, Any]:
+    body = await uploads.job_request_from_form(request, ctx.runtime.catalogue)
+    return await create_job(body, ctx, request, response, idempotency_key, cancel_after)
 
 
 @router.get("", summary="List jobs, newest first")
@@ -45,7 +108,7 @@ def list_jobs(
 
 @router.get("/{job_id}", summary="Get a job")
 def get_job(job_id: str, ctx: Ctx) -> dict[str, Any]:
-    return _present(ctx, ctx.runtime.jobs.require(job_id))
+    return _present(ctx, ctx.runtime.jobs.require(job_id), queue_position=True)
 
 
 @router.post("/{job_id}/cancel", summary="Cancel a queued or running job")

@@ -17,10 +17,14 @@ Ctx = Annotated[ApiContext, Depends(get_context)]
 def _info(spec: PipelineSpec) -> PipelineInfo:
     data = spec.model_dump(mode="json", by_alias=True)
     for stage in data["stages"]:
-        stage["inputs"] = {port: str(b) for port, b in spec.stage(stage["id"]).inputs.items()}
-        stage["queue"] = spec.stage(stage["id"]).queue_name
+        stage_spec = spec.stage(stage["id"])
+        stage["inputs"] = {port: str(b) for port, b in stage_spec.inputs.items()}
+        stage["queue"] = stage_spec.queue_name
+        stage["task"] = stage_spec.task_name
+        stage["outputs"] = dict(stage_spec.outputs)  # port -> modality it hands over
     for out, spec_out in zip(data["outputs"], spec.outputs, strict=True):
-        out["from"] = str(spec_out.source)
+        out["from"] = spec_out.from_text()
+        out["type"] = spec.output_type(spec_out)
     return PipelineInfo(**data)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from omni_jobs import keys
+from omni_jobs import keys, metrics
 from omni_jobs.artifacts.backends import (
     ArtifactBackend,
     ArtifactCorrupted,
@@ -72,6 +72,7 @@ class ArtifactStore:
         data = bytes(data)
         ref = ArtifactRef.for_bytes(backend.name, key, data, media_type)
         backend.put(key, data, ttl_s=ttl_s, media_type=media_type)
+        metrics.artifact_io(backend.name, "put", len(data))
         return ref
 
     def put_intermediate(self, key: str, data: bytes, media_type: str) -> ArtifactRef:
@@ -87,6 +88,7 @@ class ArtifactStore:
     def get(self, ref: ArtifactRef) -> bytes:
         """The ref's bytes, verified against its size and sha256 (ArtifactCorrupted otherwise)."""
         data = self.backend(ref.backend).get(ref.key)
+        metrics.artifact_io(ref.backend, "get", len(data))
         if len(data) != ref.size:
             raise ArtifactCorrupted(
                 f"artifact {ref.key!r} in {ref.backend}: expected {ref.size} bytes, got {len(data)} "
@@ -121,6 +123,13 @@ class ArtifactStore:
         prefix = keys.job_artifact_prefix(job_id)
         return sum(b.delete_prefix(prefix) for b in self.backends)
 
+    def delete_job_intermediates(self, job_id: str) -> int:
+        """Delete what a job's stages handed each other, keeping its final outputs."""
+        if not job_id or "/" in job_id or job_id in (".", ".."):
+            raise ValueError(f"invalid job id {job_id!r}")
+        prefix = keys.job_intermediates_prefix(job_id)
+        return sum(b.delete_prefix(prefix) for b in self.backends)
+
 
 def artifact_store_from_settings(settings: Settings, redis_client: redis.Redis | None = None) -> ArtifactStore:
     """The store every process builds from its Settings.
@@ -132,7 +141,8 @@ def artifact_store_from_settings(settings: Settings, redis_client: redis.Redis |
     if settings.artifact_backend == "s3":
         public = settings.s3_public_endpoint_url
         presign = s3_client_from_settings(settings, endpoint_url=public) if public else None
-        large = S3Backend(s3_client_from_settings(settings), settings.s3_bucket, settings.s3_prefix,
+        client = s3_client_from_settings(settings, max_attempts=settings.s3_max_attempts)
+        large = S3Backend(client, settings.s3_bucket, settings.s3_prefix,
                           presign_client=presign)
     else:
         large = LocalBackend(settings.artifacts_dir)

@@ -7,12 +7,15 @@ that is where the throughput comes from. vLLM is imported lazily so that importi
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+
+from omni_jobs import metrics
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,10 @@ class AROutput:
     token_ids: list[int]
     prompt_token_ids: list[int]
     finish_reason: str | None
+
+
+TokenProgress = Callable[[str, int, int], None]
+"""(request id, tokens generated so far, max tokens); may raise to abort the batch."""
 
 
 def _check_model_exists(model: str) -> None:
@@ -95,6 +102,7 @@ class AREngine:
         self._tokenizer = self._llm.get_tokenizer()
         self.max_model_len: int = int(self._llm.llm_engine.model_config.max_model_len)
         self._lock = threading.Lock()  # LLM is not thread-safe; one batch at a time
+        self._counter = itertools.count()
 
     def tokenize(self, prompt: str) -> list[int]:
         """Token ids exactly as vLLM would make them (special tokens included)."""
@@ -113,28 +121,71 @@ class AREngine:
             )
         return ids
 
-    def generate(self, requests: Sequence[ARRequest]) -> list[AROutput]:
-        """Run all requests in ONE ``LLM.generate`` call; outputs come back in request order."""
+    def generate(self, requests: Sequence[ARRequest], on_progress: TokenProgress | None = None) -> list[AROutput]:
+        """Run all requests as ONE engine batch; outputs come back in request order.
+
+        Without ``on_progress`` this is a plain ``LLM.generate`` call. With it, the engine is stepped
+        here so that each step reports (request id, tokens so far, max tokens); if the callback
+        raises, every request of the batch is aborted in vLLM and the exception propagates, so a
+        canceled job stops at its next token and the engine stays usable.
+        """
         if not requests:
             return []
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=self._prompt_ids(r)) for r in requests]
-        params = [
-            SamplingParams(
-                max_tokens=r.sampling.max_tokens,
-                temperature=r.sampling.temperature,
-                top_p=r.sampling.top_p,
-                seed=r.sampling.seed,
-            )
-            for r in requests
-        ]
+        params = [self._sampling_params(r) for r in requests]
         with self._lock:
-            results = self._llm.generate(prompts, params, use_tqdm=False)
+            metrics.observe_batch("ar", len(requests))
+            if on_progress is None:
+                results = self._llm.generate(prompts, params, use_tqdm=False)
+            else:
+                results = self._step_batch(requests, prompts, params, on_progress)
         if len(results) != len(requests):
             raise RuntimeError(f"vLLM returned {len(results)} outputs for {len(requests)} requests")
         return [_to_output(r, res) for r, res in zip(requests, results, strict=True)]
+
+    @staticmethod
+    def _sampling_params(request: ARRequest) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            max_tokens=request.sampling.max_tokens,
+            temperature=request.sampling.temperature,
+            top_p=request.sampling.top_p,
+            seed=request.sampling.seed,
+        )
+
+    def _step_batch(self, requests: Sequence[ARRequest], prompts: list[Any], params: list[Any],
+                    on_progress: TokenProgress) -> list[Any]:
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self._llm.llm_engine
+        ids: list[str] = []
+        finished: dict[str, Any] = {}
+        try:
+            for prompt, param in zip(prompts, params, strict=True):
+                param.output_kind = RequestOutputKind.CUMULATIVE
+                ids.append(f"omni-{next(self._counter)}")  # outputs and aborts use this external id
+                engine.add_request(ids[-1], prompt, param)
+            by_id = dict(zip(ids, requests, strict=True))
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    out = cast(Any, out)  # a RequestOutput: this engine only generates
+                    request = by_id.get(out.request_id)
+                    if request is None:
+                        continue
+                    if out.finished:
+                        finished[out.request_id] = out
+                    on_progress(request.request_id, len(out.outputs[0].token_ids), request.sampling.max_tokens)
+            return [finished[i] for i in ids]
+        except BaseException:
+            unfinished = [i for i in ids if i not in finished]
+            if unfinished:
+                engine.abort_request(unfinished)
+            while engine.has_unfinished_requests():  # drain what the abort left in flight
+                engine.step()
+            raise
 
 
 def _to_output(request: ARRequest, result: Any) -> AROutput:

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from omni_jobs import metrics
 from omni_jobs.engines.ar import AREngine
 from omni_jobs.engines.dit import DiTEngine
+from omni_jobs.engines.encoder import AREncoder
 from omni_jobs.tiny import resolve_model
 
 E = TypeVar("E")
@@ -55,6 +58,17 @@ class EngineCache:
 
         return self._get("dit", model, args, load)
 
+    def encoder(self, model: str, engine_args: Mapping[str, Any]) -> AREncoder:
+        """The AR encoder (vLLM pooling runner) for ``model``: a separate engine from ``ar()``'s."""
+        args = dict(engine_args)
+
+        def load(resolved: str) -> AREncoder:
+            return AREncoder(
+                resolved, engine_args=args, kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len
+            )
+
+        return self._get("ar-encode", model, args, load)
+
     def loaded(self) -> list[tuple[str, str, str]]:
         """Keys of the engines loaded so far (for health and metrics)."""
         with self._lock:
@@ -66,13 +80,18 @@ class EngineCache:
         key = (kind, resolved, json.dumps(args, sort_keys=True, default=str))
         with self._lock:
             if key in self._engines:
+                metrics.cache_lookup("engine", hit=True)
                 return self._engines[key]  # type: ignore[no-any-return]
             key_lock = self._loading.setdefault(key, threading.Lock())
         with key_lock:
             with self._lock:
                 if key in self._engines:
+                    metrics.cache_lookup("engine", hit=True)
                     return self._engines[key]  # type: ignore[no-any-return]
+            metrics.cache_lookup("engine", hit=False)
+            started = time.perf_counter()
             engine = load(resolved)
+            metrics.observe_engine_load(kind, time.perf_counter() - started)
             with self._lock:
                 self._engines[key] = engine
                 self._loading.pop(key, None)

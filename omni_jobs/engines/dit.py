@@ -1,8 +1,14 @@
 """The diffusion-transformer (DiT) engine: a diffusers pipeline that batches compatible requests.
 
-Requests that share every call-level setting (size, steps, guidance, negative prompt) go into one
-pipeline call with one ``torch.Generator`` per request, so each image depends only on its own seed
-(within float noise of the single call). torch and diffusers are imported lazily in the constructor.
+One engine wraps any diffusers pipeline class: text-to-image (PixArt, Chroma...), image-to-image
+(Chroma img2img...) and text-to-audio (StableAudio). A request is conditioned either on a text
+prompt, which the pipeline's own text encoder embeds, or on ``prompt_embeds`` made upstream (an
+LLM's hidden states: the Qwen-Image / BAGEL pattern). What the loaded pipeline can do is read from
+its call signature and components, so a stage asking for something it cannot do fails clearly.
+
+Requests that share every call-level setting go into one pipeline call with one
+``torch.Generator`` per request, so each output depends only on its own seed (within float noise
+of the single call). torch and diffusers are imported lazily in the constructor.
 """
 
 from __future__ import annotations
@@ -13,8 +19,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from omni_jobs import metrics
+from omni_jobs.pipelines.model_info import DIT_EMBED_KEYS
+
 if TYPE_CHECKING:
+    import numpy as np
     import PIL.Image
+    import torch
 
 StepCallback = Callable[[int, int], None]
 """``(steps_done, total_steps)`` across the whole ``generate`` call; may raise to abort it."""
@@ -22,33 +33,74 @@ StepCallback = Callable[[int, int], None]
 
 @dataclass(frozen=True)
 class DiTRequest:
+    """One generation. Exactly one of ``prompt`` / ``prompt_embeds`` conditions it.
+
+    Images: ``height`` x ``width`` (for image-to-image None means the input image's size, rounded
+    to what the model takes). Image-to-image: ``image`` and ``strength``. Audio: ``duration_s``.
+    """
+
     request_id: str
-    prompt: str
-    height: int
-    width: int
-    num_inference_steps: int
-    guidance_scale: float
-    seed: int
+    prompt: str | None = None
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int = 8
+    guidance_scale: float = 4.5
+    seed: int = 0
     negative_prompt: str | None = None
+    prompt_embeds: torch.Tensor | None = None
+    """[tokens, embedding size] from an upstream stage (e.g. an LLM's hidden states)."""
+    image: PIL.Image.Image | None = None
+    strength: float | None = None
+    duration_s: float | None = None
+    want_latents: bool = False
+    """Also return the final latents (what the VAE decodes), captured at the last denoising step."""
 
     def __post_init__(self) -> None:
-        if self.height < 1 or self.width < 1:
+        if (self.prompt is None) == (self.prompt_embeds is None):
+            raise ValueError(f"request {self.request_id!r}: give exactly one of prompt and prompt_embeds")
+        if self.prompt_embeds is not None and self.prompt_embeds.ndim != 2:
+            raise ValueError(
+                f"request {self.request_id!r}: prompt_embeds must be [tokens, dim], got {list(self.prompt_embeds.shape)}"
+            )
+        if (self.height is not None and self.height < 1) or (self.width is not None and self.width < 1):
             raise ValueError(f"request {self.request_id!r}: height and width must be positive")
         if self.num_inference_steps < 1:
             raise ValueError(f"request {self.request_id!r}: num_inference_steps must be >= 1")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise ValueError(f"request {self.request_id!r}: duration_s must be positive")
+        if self.image is not None and self.strength is None:
+            raise ValueError(f"request {self.request_id!r}: an image-to-image request needs a strength")
+
+    @property
+    def is_audio(self) -> bool:
+        return self.duration_s is not None
+
+    @property
+    def denoising_steps(self) -> int:
+        """Steps the pipeline will run: image-to-image skips the first (1 - strength) of the schedule."""
+        if self.strength is None:
+            return self.num_inference_steps
+        n = self.num_inference_steps
+        return n - int(max(n - n * self.strength, 0))
 
 
 @dataclass(frozen=True)
 class DiTOutput:
     request_id: str
-    image: PIL.Image.Image
+    image: PIL.Image.Image | None = None
+    audio: np.ndarray | None = None
+    """float32 samples in [-1, 1] shaped [channels, n]."""
+    sample_rate: int | None = None
+    latents: torch.Tensor | None = None
 
 
-_GroupKey = tuple[int, int, int, float, str | None]
+_GroupKey = tuple[Any, ...]
 
 
 def _group_key(r: DiTRequest) -> _GroupKey:
-    return (r.height, r.width, r.num_inference_steps, r.guidance_scale, r.negative_prompt)
+    embeds_shape = tuple(r.prompt_embeds.shape) if r.prompt_embeds is not None else None
+    return (r.height, r.width, r.num_inference_steps, r.guidance_scale, r.negative_prompt, r.strength, r.duration_s,
+            embeds_shape, r.want_latents)
 
 
 def _group(requests: Sequence[DiTRequest]) -> dict[_GroupKey, list[int]]:
@@ -104,9 +156,79 @@ class DiTEngine:
         load = {_dtype_kwarg(): dtype, **dict(load_args or {})}
         self.pipe = cls.from_pretrained(model, **load).to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
+        self.pipeline_class = type(self.pipe).__name__
         self._params = set(inspect.signature(self.pipe.__call__).parameters)
         self._call_args = {**self._default_call_args(), **dict(call_args or {})}
         self._lock = threading.Lock()  # pipelines keep per-call state (scheduler timesteps)
+
+    # --- what the loaded pipeline can do ---
+    @property
+    def makes_audio(self) -> bool:
+        return "audio_end_in_s" in self._params
+
+    @property
+    def takes_image(self) -> bool:
+        return "image" in self._params and not self.makes_audio
+
+    @property
+    def takes_prompt_embeds(self) -> bool:
+        return "prompt_embeds" in self._params
+
+    @property
+    def has_text_encoder(self) -> bool:
+        return getattr(self.pipe, "text_encoder", None) is not None
+
+    @property
+    def prompt_embed_dim(self) -> int | None:
+        """The prompt-embedding size the transformer takes (from its config), when it says."""
+        config = getattr(getattr(self.pipe, "transformer", None), "config", None) or {}
+        for key in DIT_EMBED_KEYS:
+            value = config.get(key) if hasattr(config, "get") else None
+            if isinstance(value, int):
+                return value
+        return None
+
+    @property
+    def sample_rate(self) -> int | None:
+        vae = getattr(self.pipe, "vae", None)
+        rate = getattr(getattr(vae, "config", None), "sampling_rate", None)
+        return int(rate) if rate else None
+
+    @property
+    def max_duration_s(self) -> float | None:
+        """The longest clip an audio pipeline makes (latent length x hop length / sample rate)."""
+        vae = getattr(self.pipe, "vae", None)
+        size = getattr(getattr(getattr(self.pipe, "transformer", None), "config", None), "sample_size", None)
+        hop, rate = getattr(vae, "hop_length", None), self.sample_rate
+        if not (self.makes_audio and size and hop and rate):
+            return None
+        return float(size * hop / rate)
+
+    @property
+    def size_multiple(self) -> int:
+        """Image sides must be multiples of this (VAE factor, times 2 for pipelines that pack latents)."""
+        processor = getattr(self.pipe, "image_processor", None)
+        factor = getattr(getattr(processor, "config", None), "vae_scale_factor", None)
+        return int(factor) if factor else 8
+
+    def check_task(self, task: str, *, conditioned_on_embeds: bool = False) -> None:
+        """Raise ValueError saying why this pipeline cannot run ``task`` as the stage wires it."""
+        where = f"model {self.model!r} ({self.pipeline_class})"
+        if task == "text-to-audio" and not self.makes_audio:
+            raise ValueError(f"{where} does not make audio; use a text-to-audio pipeline class (StableAudioPipeline)")
+        if task != "text-to-audio" and self.makes_audio:
+            raise ValueError(f"{where} makes audio, not images; set task: text-to-audio")
+        if task == "image-to-image" and not self.takes_image:
+            raise ValueError(
+                f"{where} takes no input image; set engine_args.pipeline_class to an image-to-image class "
+                "(e.g. ChromaImg2ImgPipeline)"
+            )
+        if task == "text-to-image" and "image" in self._params and "strength" in self._params:
+            raise ValueError(f"{where} is an image-to-image pipeline; set task: image-to-image")
+        if conditioned_on_embeds and not self.takes_prompt_embeds:
+            raise ValueError(f"{where} cannot be called with prompt_embeds")
+        if not conditioned_on_embeds and not self.has_text_encoder:
+            raise ValueError(f"{where} has no text encoder; wire prompt_embeds from an AR encode stage instead of text")
 
     def _default_call_args(self) -> dict[str, Any]:
         """Defaults that make small sizes work and outputs independent of optional packages."""
@@ -117,59 +239,146 @@ class DiTEngine:
             defaults["clean_caption"] = False  # its result depends on whether bs4/ftfy are installed
         return defaults
 
+    # --- generation ---
+    def _resolve_size(self, r: DiTRequest) -> DiTRequest:
+        """Image-to-image without a size: the input image's, rounded down to what the model takes."""
+        if r.image is None or (r.height is not None and r.width is not None):
+            return r
+        from dataclasses import replace
+
+        m = self.size_multiple
+        height = r.height or max(m, r.image.height // m * m)
+        width = r.width or max(m, r.image.width // m * m)
+        return replace(r, height=height, width=width)
+
     def generate(self, requests: Sequence[DiTRequest], on_step: StepCallback | None = None) -> list[DiTOutput]:
-        """Render every request; one pipeline call per group of compatible requests, results in order."""
+        """Run every request; one pipeline call per group of compatible requests, results in order."""
         if not requests:
             return []
+        requests = [self._resolve_size(r) for r in requests]
+        for r in requests:
+            self._check_request(r)
         groups = _group(requests)
-        total = sum(key[2] for key in groups)
-        images: dict[int, PIL.Image.Image] = {}
+        total = sum(requests[indices[0]].denoising_steps for indices in groups.values())
+        outputs: dict[int, DiTOutput] = {}
         done = 0
         with self._lock:
-            for key, indices in groups.items():
+            metrics.observe_batch("dit", len(requests))
+            for indices in groups.values():
                 batch = [requests[i] for i in indices]
-                for i, image in zip(indices, self._call(batch, done, total, on_step), strict=True):
-                    images[i] = image
-                done += key[2]
-        return [DiTOutput(request_id=r.request_id, image=images[i]) for i, r in enumerate(requests)]
+                for i, output in zip(indices, self._call(batch, done, total, on_step), strict=True):
+                    outputs[i] = output
+                done += batch[0].denoising_steps
+        return [outputs[i] for i in range(len(requests))]
+
+    def _check_request(self, r: DiTRequest) -> None:
+        if r.is_audio != self.makes_audio:
+            kind = "audio" if r.is_audio else "an image"
+            raise ValueError(f"request {r.request_id!r} asks for {kind}, but {self.pipeline_class} cannot make it")
+        if r.is_audio:
+            longest = self.max_duration_s
+            if longest is not None and r.duration_s is not None and r.duration_s > longest + 1e-9:
+                raise ValueError(
+                    f"request {r.request_id!r}: duration_s {r.duration_s:g} is longer than model {self.model!r} "
+                    f"makes ({longest:g} s)"
+                )
+        elif r.height is None or r.width is None:
+            raise ValueError(f"request {r.request_id!r}: an image request needs height and width")
+        if r.prompt_embeds is not None:
+            dim = self.prompt_embed_dim
+            if dim is not None and r.prompt_embeds.shape[-1] != dim:
+                raise ValueError(
+                    f"request {r.request_id!r}: prompt embeddings of size {r.prompt_embeds.shape[-1]}, but model "
+                    f"{self.model!r} takes {dim}; the LLM's hidden size must match the DiT's prompt-embedding size"
+                )
 
     def _call(
         self, batch: list[DiTRequest], done: int, total: int, on_step: StepCallback | None
-    ) -> list[PIL.Image.Image]:
+    ) -> list[DiTOutput]:
         import torch
 
         first = batch[0]
         kwargs: dict[str, Any] = dict(self._call_args)
         kwargs.update(
-            prompt=[r.prompt for r in batch],
-            height=first.height,
-            width=first.width,
             num_inference_steps=first.num_inference_steps,
             guidance_scale=first.guidance_scale,
             # CPU generators: the same seed gives the same noise on any device and in any process.
             generator=[torch.Generator("cpu").manual_seed(r.seed) for r in batch],
-            output_type="pil",
         )
-        if first.negative_prompt is not None:
-            kwargs["negative_prompt"] = [first.negative_prompt] * len(batch)
-        if on_step is not None:
-            kwargs.update(self._step_hook(done, total, on_step))
+        kwargs.update(self._conditioning(batch))
+        if first.is_audio:
+            kwargs["audio_end_in_s"] = first.duration_s
+        else:
+            kwargs.update(height=first.height, width=first.width, output_type="pil")
+        if first.image is not None:
+            kwargs.update(image=[r.image for r in batch], strength=first.strength)
+        captured: list[Any] = [None]
+        if on_step is not None or first.want_latents:
+            kwargs.update(self._step_hook(done, total, on_step, captured if first.want_latents else None))
         result = self.pipe(**kwargs)
-        return list(result.images)
+        latents = captured[0]
+        if first.want_latents and latents is None:
+            raise RuntimeError(f"{self.pipeline_class} reported no latents to its step callback")
+        outputs = []
+        for j, r in enumerate(batch):
+            lat = latents[j].detach().to("cpu").contiguous() if latents is not None else None
+            if first.is_audio:
+                audio = result.audios[j]
+                samples = audio.detach().to("cpu").float().numpy() if hasattr(audio, "detach") else audio
+                outputs.append(DiTOutput(r.request_id, audio=samples, sample_rate=self.sample_rate, latents=lat))
+            else:
+                outputs.append(DiTOutput(r.request_id, image=result.images[j], latents=lat))
+        return outputs
 
-    def _step_hook(self, done: int, total: int, on_step: StepCallback) -> dict[str, Any]:
-        """Wire ``on_step`` to whichever callback API the pipeline has (PixArt only has the legacy one)."""
+    def _conditioning(self, batch: list[DiTRequest]) -> dict[str, Any]:
+        """Text prompts for the pipeline's own encoder, or stacked upstream prompt embeddings."""
+        import torch
+
+        first = batch[0]
+        if first.prompt_embeds is None:
+            kwargs: dict[str, Any] = {"prompt": [r.prompt for r in batch]}
+            if first.negative_prompt is not None:
+                kwargs["negative_prompt"] = [first.negative_prompt] * len(batch)
+            return kwargs
+        dtype = getattr(getattr(self.pipe, "transformer", None), "dtype", torch.float32)
+        embeds = torch.stack([r.prompt_embeds for r in batch if r.prompt_embeds is not None]).to(self.device, dtype)
+        mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=self.device)
+        # No text to negate: guidance contrasts with zero embeddings (what an empty prompt maps to
+        # in pipelines that zero it out), and the pipeline must not encode a negative text itself.
+        kwargs = {"prompt": None, "prompt_embeds": embeds}
+        if "negative_prompt" in self._params:
+            kwargs["negative_prompt"] = None
+        optional = {
+            "prompt_attention_mask": mask,
+            "negative_prompt_embeds": torch.zeros_like(embeds),
+            "negative_prompt_attention_mask": mask,
+        }
+        kwargs.update({k: v for k, v in optional.items() if k in self._params})
+        return kwargs
+
+    def _step_hook(
+        self, done: int, total: int, on_step: StepCallback | None, captured: list[Any] | None
+    ) -> dict[str, Any]:
+        """Wire progress and latent capture to whichever callback API the pipeline has (PixArt and
+        StableAudio only have the legacy one)."""
+
+        def step(i: int, latents: Any) -> None:
+            if captured is not None and latents is not None:
+                captured[0] = latents.detach().clone()
+            if on_step is not None:
+                on_step(done + i + 1, total)
+
         if "callback_on_step_end" in self._params:
 
             def on_end(pipe: Any, i: int, t: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
-                on_step(done + i + 1, total)
+                step(i, callback_kwargs.get("latents"))
                 return callback_kwargs
 
             return {"callback_on_step_end": on_end}
         if "callback" in self._params:
 
             def legacy(step_idx: int, t: Any, latents: Any) -> None:
-                on_step(done + step_idx + 1, total)
+                step(step_idx, latents)
 
             return {"callback": legacy, "callback_steps": 1}
         return {}

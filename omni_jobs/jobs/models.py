@@ -8,7 +8,7 @@ from __future__ import annotations
 import secrets
 import time
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -93,8 +93,34 @@ class JobOutput(Model):
     height: int | None = None
     duration_s: float | None = None
     sample_rate: int | None = None
+    shape: list[int] | None = Field(None, description="For tensor outputs (latents, hidden states): the shape.")
     text: str | None = Field(None, description="For text outputs: the text itself.")
     url: str | None = Field(None, description="Download URL (filled in when the job is presented).")
+
+
+WebhookEventName = Literal["start", "progress", "completed"]
+WEBHOOK_EVENTS: tuple[str, ...] = ("start", "progress", "completed")
+"""Webhook filter values: start = job.running, progress = stage progress/finish, completed = any end."""
+
+
+class WebhookDelivery(Model):
+    """One attempt to deliver one webhook message (``id`` is its stable webhook-id)."""
+
+    id: str
+    event: str = Field(description="start | progress | completed")
+    attempt: int
+    at: float
+    status_code: int | None = None
+    error: str | None = None
+    duration_s: float | None = None
+
+
+class JobWebhook(Model):
+    """Where the job's webhooks go and what happened to them. The signing secret is never here."""
+
+    url: str
+    events: list[str] = Field(default_factory=lambda: list(WEBHOOK_EVENTS))
+    deliveries: list[WebhookDelivery] = Field(default_factory=list)
 
 
 class JobError(Model):
@@ -117,6 +143,8 @@ class Job(Model):
     created_at: float = Field(default_factory=now)
     started_at: float | None = None
     completed_at: float | None = None
+    webhook: JobWebhook | None = None
+    deadline_at: float | None = Field(None, description="The job is canceled if it has not finished by then.")
 
     def stage_record(self, stage_id: str) -> StageRecord:
         for record in self.stages:

@@ -7,6 +7,7 @@ Each change appends its events to the job's Redis stream in the same transaction
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,9 +16,14 @@ import redis
 
 from omni_jobs import keys
 from omni_jobs.errors import JobNotFound
+from omni_jobs.jobs import queue_index
 from omni_jobs.jobs.models import Job, JobEvent, JobStatus
 
+log = logging.getLogger(__name__)
+
 Mutation = Callable[[Job], list[JobEvent]]
+CommitListener = Callable[[Job, list[JobEvent]], None]
+"""Called with the job and its new events after each committed change (e.g. the webhook notifier)."""
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,7 @@ class JobStore:
         self.redis = client
         self.ttl_s = ttl_s
         self.events_maxlen = events_maxlen
+        self.listeners: list[CommitListener] = []
 
     # --- reading ---
     def get(self, job_id: str) -> Job | None:
@@ -87,7 +94,9 @@ class JobStore:
             pipe.set(keys.job(job.id), job.model_dump_json(), ex=self.ttl_s)
             pipe.zadd(keys.JOBS_INDEX, {job.id: job.created_at})
             self._append_events(pipe, job.id, events)
+            queue_index.track(pipe, job, events, ttl_s=self.ttl_s)
             pipe.execute()
+        self._notify(job, events)
 
     def update(self, job_id: str, mutate: Mutation) -> tuple[Job, list[JobEvent]]:
         """Apply ``mutate`` atomically; it may raise to abort without writing."""
@@ -104,10 +113,27 @@ class JobStore:
                     pipe.multi()
                     pipe.set(key, job.model_dump_json(), keepttl=True)
                     self._append_events(pipe, job_id, events)
+                    queue_index.track(pipe, job, events, ttl_s=self.ttl_s)
                     pipe.execute()
-                    return job, events
+                    break
                 except redis.WatchError:
                     continue
+        self._notify(job, events)
+        return job, events
+
+    def queue_position(self, job: Job) -> int | None:
+        """Where the job's waiting stage stands on its queue (1 = next); None when no stage waits."""
+        return queue_index.position(self.redis, job)
+
+    def _notify(self, job: Job, events: list[JobEvent]) -> None:
+        """Tell the listeners; a failing listener is logged and never undoes or fails the change."""
+        if not events:
+            return
+        for listener in self.listeners:
+            try:
+                listener(job, events)
+            except Exception:
+                log.exception("job %s: commit listener %r failed", job.id, listener)
 
     def claim_enqueue(self, job_id: str, stage_id: str) -> bool:
         """True exactly once per (job, stage): guards fan-in stages and redelivered parents."""

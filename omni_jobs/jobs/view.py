@@ -27,12 +27,17 @@ def output_url(job: Job, name: str, *, public_url: str, artifacts: ArtifactStore
     return f"{public_url.rstrip('/')}/v1/jobs/{job.id}/outputs/{name}"
 
 
-def present_job(job: Job, *, public_url: str, artifacts: ArtifactStore, presign: bool = True) -> dict[str, Any]:
+def present_job(job: Job, *, public_url: str, artifacts: ArtifactStore, presign: bool = True,
+                queue_position: int | None = None) -> dict[str, Any]:
+    """``queue_position``: 1-based place of the job's waiting stage on its queue, when the caller knows it."""
     data = job.model_dump(mode="json")
     data["metrics"] = job.metrics()
+    data["queue_position"] = queue_position
     for stage in data["stages"]:
         record = job.stage_record(stage["id"])
         stage["duration_s"] = record.duration_s
+        stage["wait_s"] = (record.started_at - record.queued_at
+                           if record.started_at is not None and record.queued_at is not None else None)
     data["outputs"] = []
     for out in job.outputs:
         entry = out.model_dump(mode="json", exclude={"artifact"}, exclude_none=True)

@@ -1,24 +1,37 @@
-"""Per-stage parameters each engine accepts, with their bounds.
+"""Per-stage parameters each engine task accepts, with their bounds.
 
 The same models validate a pipeline's stage defaults (when the YAML is loaded) and a job's
-per-stage overrides (when it is submitted), so a bad value is caught before any GPU time is spent.
+per-stage overrides (when it is submitted), so a bad value is caught before any GPU time is spent;
+the merged, validated values are recorded on the job.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from omni_jobs.pipelines.modalities import EngineKind
+from omni_jobs.pipelines.modalities import DEFAULT_TASK, EngineKind
+
+SEED = Field(0, ge=0, le=2**63 - 1, description="Seed of the initial noise; same seed, same output.")
 
 
 class StageParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _check_template(value: str) -> str:
+    if "{prompt}" not in value:
+        raise ValueError("prompt_template must contain the placeholder {prompt}")
+    try:
+        value.format(prompt="")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"prompt_template is not a valid format string: {exc}; escape braces as {{{{ }}}}") from exc
+    return value
+
+
 class ARParams(StageParams):
-    """Sampling parameters of an autoregressive (vLLM) stage."""
+    """Sampling parameters of an autoregressive (vLLM) generate stage."""
 
     max_tokens: int = Field(32, ge=1, le=4096, description="Tokens to generate.")
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy decoding.")
@@ -31,33 +44,102 @@ class ARParams(StageParams):
     @field_validator("prompt_template")
     @classmethod
     def _template_has_prompt(cls, value: str) -> str:
-        if "{prompt}" not in value:
-            raise ValueError("prompt_template must contain the placeholder {prompt}")
-        try:
-            value.format(prompt="")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"prompt_template is not a valid format string: {exc}; escape braces as {{{{ }}}}") from exc
-        return value
+        return _check_template(value)
+
+
+class AREncodeParams(StageParams):
+    """Parameters of an AR encode stage (vLLM pooling runner: per-token hidden states, no sampling)."""
+
+    prompt_template: str = Field(
+        "{prompt}", max_length=4000, description="How the stage's prompt input is wrapped; must contain {prompt}."
+    )
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _template_has_prompt(cls, value: str) -> str:
+        return _check_template(value)
 
 
 class DiTParams(StageParams):
-    """Generation parameters of a diffusion (diffusers) stage."""
+    """Generation parameters of a diffusion (diffusers) text-to-image stage."""
 
     height: int = Field(64, ge=16, le=2048, multiple_of=8, description="Image height in pixels (multiple of 8).")
     width: int = Field(64, ge=16, le=2048, multiple_of=8, description="Image width in pixels (multiple of 8).")
     num_inference_steps: int = Field(8, ge=1, le=200, description="Denoising steps.")
     guidance_scale: float = Field(4.5, ge=0.0, le=50.0, description="Classifier-free guidance scale.")
-    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seed of the initial noise; same seed, same image.")
+    seed: int = SEED
     negative_prompt: str | None = Field(None, max_length=4000, description="What the image should not show.")
 
 
+class DiTEmbedsParams(DiTParams):
+    """A text-to-image stage conditioned on upstream prompt embeddings: it has no text to negate."""
+
+    @model_validator(mode="after")
+    def _no_negative_prompt(self) -> DiTEmbedsParams:
+        if self.negative_prompt is not None:
+            raise ValueError(
+                "negative_prompt needs the DiT's own text encoder, but this stage is conditioned on "
+                "prompt_embeds from an upstream stage; leave it unset (guidance uses zero embeddings)"
+            )
+        return self
+
+
+class DiTImageToImageParams(DiTParams):
+    """An image-to-image stage: the input image is resized to height x width, then partly re-noised."""
+
+    height: int | None = Field(  # type: ignore[assignment]
+        None, ge=16, le=2048, multiple_of=8, description="Output height (multiple of 8); None: the input's, rounded."
+    )
+    width: int | None = Field(  # type: ignore[assignment]
+        None, ge=16, le=2048, multiple_of=8, description="Output width (multiple of 8); None: the input's, rounded."
+    )
+    strength: float = Field(
+        0.6, gt=0.0, le=1.0, description="How much to change the image: 1 ignores it, small values keep it."
+    )
+
+    @model_validator(mode="after")
+    def _at_least_one_step(self) -> DiTImageToImageParams:
+        if self.num_inference_steps * self.strength < 1:
+            raise ValueError(
+                f"strength {self.strength} x num_inference_steps {self.num_inference_steps} leaves no denoising "
+                "step; raise either so that their product is at least 1"
+            )
+        return self
+
+
+class DiTAudioParams(StageParams):
+    """Generation parameters of a diffusion text-to-audio stage (StableAudio family)."""
+
+    duration_s: float = Field(
+        1.0, gt=0.0, le=600.0, description="Length of the clip in seconds (at most what the model can make)."
+    )
+    num_inference_steps: int = Field(8, ge=1, le=200, description="Denoising steps.")
+    guidance_scale: float = Field(7.0, ge=0.0, le=50.0, description="Classifier-free guidance scale.")
+    seed: int = SEED
+    negative_prompt: str | None = Field(None, max_length=4000, description="What the audio should not contain.")
+
+
+PARAMS_BY_TASK: dict[tuple[EngineKind, str], type[StageParams]] = {
+    ("ar", "generate"): ARParams,
+    ("ar", "encode"): AREncodeParams,
+    ("dit", "text-to-image"): DiTParams,
+    ("dit", "image-to-image"): DiTImageToImageParams,
+    ("dit", "text-to-audio"): DiTAudioParams,
+}
 PARAMS_BY_ENGINE: dict[EngineKind, type[StageParams]] = {"ar": ARParams, "dit": DiTParams}
+"""The parameters of each engine kind's default task."""
 
 
-def params_model(engine: EngineKind) -> type[StageParams]:
-    return PARAMS_BY_ENGINE[engine]
+def params_model(engine: EngineKind, task: str | None = None, *, conditioned_on_embeds: bool = False) -> type[StageParams]:
+    """The parameter model of ``task`` on ``engine`` (its default task when None)."""
+    model = PARAMS_BY_TASK[(engine, task or DEFAULT_TASK[engine])]
+    if model is DiTParams and conditioned_on_embeds:
+        return DiTEmbedsParams
+    return model
 
 
-def merge_params(engine: EngineKind, defaults: dict[str, Any], overrides: dict[str, Any]) -> StageParams:
+def merge_params(engine: EngineKind, defaults: dict[str, Any], overrides: dict[str, Any], *, task: str | None = None,
+                 conditioned_on_embeds: bool = False) -> StageParams:
     """Stage defaults overlaid by a job's overrides, validated as one object."""
-    return params_model(engine).model_validate({**defaults, **overrides})
+    model = params_model(engine, task, conditioned_on_embeds=conditioned_on_embeds)
+    return model.model_validate({**defaults, **overrides})

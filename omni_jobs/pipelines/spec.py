@@ -1,8 +1,11 @@
 """The pipeline spec: a stage graph written in YAML and validated by pydantic.
 
-A pipeline names its job inputs, its stages (engine, model, queue, engine args, defaults, and which
-port of which upstream stage feeds each input) and its final outputs. Everything a worker needs to
-run a stage is derived from this object; nothing about a pipeline is hard-coded elsewhere.
+A pipeline names its job inputs, its stages and its final outputs. Each stage carries what a
+vLLM-Omni stage config carries: its id, engine kind (AR on vLLM / DiT on diffusers) and task,
+model, queue, engine args (vLLM engine args; the diffusers pipeline class and load args), default
+parameters, which port of which upstream stage (or of the job input) feeds each of its inputs and
+what modality that hands over, and which outputs it produces. Everything a worker needs to run a
+stage is derived from this object; nothing about a pipeline is hard-coded elsewhere.
 """
 
 from __future__ import annotations
@@ -10,23 +13,35 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from omni_jobs.pipelines.modalities import ENGINE_PORTS, EngineKind, Modality
-from omni_jobs.pipelines.params import params_model
+from omni_jobs.pipelines.modalities import (
+    DEFAULT_TASK,
+    ENGINE_TASKS,
+    OUTPUT_TYPES,
+    EngineKind,
+    EnginePorts,
+    Modality,
+    output_type,
+)
+from omni_jobs.pipelines.model_info import model_facts
+from omni_jobs.pipelines.params import StageParams, params_model
 
 INPUT_SOURCE = "input"
 """The pseudo-stage that stands for the job's own input in a binding like ``input.prompt``."""
 
 _ID = r"^[a-z][a-z0-9_-]{0,39}$"
+_PY_IDENTIFIER = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
-InputType = Literal["text", "integer", "number", "boolean"]
+InputType = Literal["text", "integer", "number", "boolean", "image"]
 INPUT_TYPE_MODALITY: dict[InputType, Modality | None] = {
     "text": "text",
     "integer": None,
     "number": None,
     "boolean": None,
+    "image": "image",
 }
+DEFAULT_MAX_IMAGE_BYTES = 16 * 1024 * 1024
 
 
 class Strict(BaseModel):
@@ -40,7 +55,18 @@ class InputField(Strict):
     required: bool = True
     description: str = ""
     max_length: int | None = Field(None, gt=0, description="For text: the longest value accepted.")
+    max_bytes: int | None = Field(None, gt=0, description=f"For images: the largest upload (default {DEFAULT_MAX_IMAGE_BYTES}).")
     default: Any = None
+
+    @model_validator(mode="after")
+    def _check_kind_options(self) -> InputField:
+        if self.max_length is not None and self.type != "text":
+            raise ValueError(f"max_length applies to text inputs, not {self.type}")
+        if self.max_bytes is not None and self.type != "image":
+            raise ValueError(f"max_bytes applies to image inputs, not {self.type}")
+        if self.type == "image" and self.default is not None:
+            raise ValueError("an image input cannot have a default")
+        return self
 
 
 class Binding(Strict):
@@ -60,16 +86,45 @@ class Binding(Strict):
         return f"{self.source}.{self.port}"
 
 
+class DiTEngineArgs(BaseModel):
+    """The engine_args of a DiT stage: how the diffusers pipeline is built; other keys go to from_pretrained."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    pipeline_class: str | None = Field(
+        None, pattern=_PY_IDENTIFIER, description="diffusers class, e.g. PixArtSigmaPipeline; default: the model's own."
+    )
+    torch_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    call_args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments of every call.")
+
+
+def _pydantic_problems(exc: ValidationError, prefix: str) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+        parts.append(f"{where}: {err['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
+
+
 class StageSpec(Strict):
-    """One stage: which engine runs it, on which model and queue, fed by what."""
+    """One stage: which engine runs which task on which model and queue, fed by what, producing what."""
 
     id: str = Field(pattern=_ID)
     engine: EngineKind
+    task: str | None = Field(
+        None, description="What the engine does: ar: generate | encode; dit: text-to-image | image-to-image | "
+        "text-to-audio. Default: generate (ar), text-to-image (dit)."
+    )
     model: str = Field(min_length=1, description="Local path, hub id, or tiny:<name> (built locally).")
     queue: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Celery queue; default: engine.")
     inputs: dict[str, Binding] = Field(description="Engine input port -> '<stage>.<output>' or 'input.<field>'.")
+    produces: tuple[str, ...] | None = Field(
+        None, alias="outputs", description="Which of the task's outputs to produce and hand on; default: the task's."
+    )
     engine_args: dict[str, Any] = Field(default_factory=dict)
     defaults: dict[str, Any] = Field(default_factory=dict, description="Stage parameters; jobs may override.")
+    soft_time_limit_s: float | None = Field(None, gt=0, description="Default: OMNI_STAGE_SOFT_TIME_LIMIT_S.")
+    time_limit_s: float | None = Field(None, gt=0, description="Hard limit; default: OMNI_STAGE_TIME_LIMIT_S.")
     description: str = ""
 
     @field_validator("inputs", mode="before")
@@ -80,18 +135,54 @@ class StageSpec(Strict):
         return value
 
     @model_validator(mode="after")
-    def _check_ports_and_defaults(self) -> StageSpec:
-        ports = ENGINE_PORTS[self.engine]
+    def _check_task_ports_args_defaults(self) -> StageSpec:
+        tasks = ENGINE_TASKS[self.engine]
+        if self.task is not None and self.task not in tasks:
+            raise ValueError(f"task: engine '{self.engine}' has no task '{self.task}'; tasks: {sorted(tasks)}")
+        ports = self.ports
         unknown = sorted(set(self.inputs) - set(ports.inputs))
         if unknown:
             raise ValueError(
-                f"inputs: engine '{self.engine}' has no input {unknown}; it accepts {sorted(ports.inputs)}"
+                f"inputs: {self._what} has no input {unknown}; it accepts {sorted(ports.inputs)}"
             )
         missing = sorted(ports.required_inputs - set(self.inputs))
         if missing:
-            raise ValueError(f"inputs: engine '{self.engine}' needs input {missing}")
-        params_model(self.engine).model_validate(self.defaults)
+            raise ValueError(f"inputs: {self._what} needs input {missing}")
+        for group in ports.exclusive:
+            bound = sorted(group & set(self.inputs))
+            if len(bound) != 1:
+                raise ValueError(
+                    f"inputs: {self._what} takes exactly one of {sorted(group)}, got {bound or 'none'}"
+                )
+        if self.produces is not None:
+            bad = [p for p in self.produces if p not in ports.outputs]
+            if bad:
+                raise ValueError(f"outputs: {self._what} has no output {bad}; it offers {sorted(ports.outputs)}")
+            if not self.produces or len(set(self.produces)) != len(self.produces):
+                raise ValueError("outputs: list each output once, at least one")
+        if self.engine == "dit":
+            try:
+                DiTEngineArgs.model_validate(self.engine_args)
+            except ValidationError as exc:
+                raise ValueError(_pydantic_problems(exc, "engine_args")) from None
+        try:
+            self.params_model.model_validate(self.defaults)
+        except ValidationError as exc:
+            raise ValueError(_pydantic_problems(exc, "defaults")) from None
         return self
+
+    @property
+    def _what(self) -> str:
+        return f"engine '{self.engine}' task '{self.task_name}'"
+
+    @property
+    def task_name(self) -> str:
+        """The task this stage runs (the engine's default when the YAML names none)."""
+        return self.task or DEFAULT_TASK[self.engine]
+
+    @property
+    def ports(self) -> EnginePorts:
+        return ENGINE_TASKS[self.engine][self.task_name]
 
     @property
     def queue_name(self) -> str:
@@ -99,22 +190,55 @@ class StageSpec(Strict):
 
     @property
     def outputs(self) -> dict[str, Modality]:
-        return ENGINE_PORTS[self.engine].outputs
+        """The outputs this stage produces (and stores for the next stages), with their modality."""
+        wanted = self.produces if self.produces is not None else self.ports.default_outputs
+        return {port: modality for port, modality in self.ports.outputs.items() if port in wanted}
+
+    @property
+    def conditioned_on_embeds(self) -> bool:
+        """A DiT fed prompt embeddings from upstream instead of text for its own text encoder."""
+        return "prompt_embeds" in self.inputs
+
+    @property
+    def params_model(self) -> type[StageParams]:
+        """The parameter model this stage's defaults and a job's overrides are validated against."""
+        return params_model(self.engine, self.task_name, conditioned_on_embeds=self.conditioned_on_embeds)
+
+    def params(self, values: dict[str, Any]) -> StageParams:
+        """Validated parameters from a job's recorded values for this stage."""
+        return self.params_model.model_validate(values)
 
     def upstream(self) -> set[str]:
         return {b.source for b in self.inputs.values() if b.source != INPUT_SOURCE}
 
 
 class OutputSpec(Strict):
-    """A final output of the pipeline: a name clients see, and the stage port it comes from."""
+    """A final output of the pipeline: a name clients see, and the stage port(s) it comes from.
+
+    Several ports (``from: [ar.text, dit.image]``) make one bundled output (type ``text+image``).
+    """
 
     name: str = Field(pattern=_ID)
-    source: Binding = Field(alias="from")
+    sources: tuple[Binding, ...] = Field(alias="from", min_length=1)
 
-    @field_validator("source", mode="before")
+    @field_validator("sources", mode="before")
     @classmethod
     def _parse(cls, value: Any) -> Any:
-        return Binding.parse(value) if isinstance(value, str) else value
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, list | tuple):
+            return tuple(Binding.parse(v) if isinstance(v, str) else v for v in value)
+        return value
+
+    @property
+    def source(self) -> Binding:
+        """The first (for single-port outputs: the only) port this output comes from."""
+        return self.sources[0]
+
+    def from_text(self) -> str | list[str]:
+        """As written in YAML: one binding, or a list of them."""
+        texts = [str(b) for b in self.sources]
+        return texts[0] if len(texts) == 1 else texts
 
 
 class PipelineSpec(Strict):
@@ -145,21 +269,43 @@ class PipelineSpec(Strict):
         by_id = {s.id: s for s in self.stages}
         for stage in self.stages:
             for port, binding in stage.inputs.items():
-                want = ENGINE_PORTS[stage.engine].inputs[port]
+                accepted = stage.ports.inputs[port]
                 got = self._modality_of(binding, by_id, where=f"stage '{stage.id}' input '{port}'")
-                if got != want:
-                    raise ValueError(
-                        f"stage '{stage.id}' input '{port}' wants {want} but '{binding}' gives {got}"
-                    )
+                if got not in accepted:
+                    want = " or ".join(accepted)
+                    raise ValueError(f"stage '{stage.id}' input '{port}' wants {want} but '{binding}' gives {got}")
+            self._check_sizes(stage, by_id)
         self._check_acyclic(by_id)
         names = [o.name for o in self.outputs]
         if len(set(names)) != len(names):
             raise ValueError("outputs: duplicate output name")
         for out in self.outputs:
-            if out.source.source == INPUT_SOURCE:
-                raise ValueError(f"outputs: '{out.name}' must come from a stage, not from the input")
-            self._modality_of(out.source, by_id, where=f"output '{out.name}'")
+            self.output_type(out)
         return self
+
+    def _check_sizes(self, stage: StageSpec, by_id: dict[str, StageSpec]) -> None:
+        """Sizes that must agree across a wire, where the model configs are knowable (model_info)."""
+        if stage.engine != "dit":
+            return
+        facts = model_facts("dit", stage.model)
+        if "prompt" in stage.inputs and facts.text_encoder is False:
+            raise ValueError(
+                f"stage '{stage.id}' input 'prompt': model '{stage.model}' has no text encoder, so it cannot take "
+                "text; wire 'prompt_embeds' from an AR stage with task: encode (the LLM is its text encoder)"
+            )
+        binding = stage.inputs.get("prompt_embeds")
+        if binding is None or binding.source == INPUT_SOURCE:
+            return
+        upstream = by_id[binding.source]
+        produced = model_facts(upstream.engine, upstream.model).hidden_size if upstream.engine == "ar" else None
+        wanted = facts.prompt_embed_dim
+        if produced is not None and wanted is not None and produced != wanted:
+            raise ValueError(
+                f"stage '{stage.id}' input 'prompt_embeds': '{binding}' gives hidden states of size {produced} "
+                f"(model '{upstream.model}' hidden_size) but model '{stage.model}' takes prompt embeddings of size "
+                f"{wanted} (transformer {facts.embed_dim_source}); use a DiT built for that LLM, or an LLM whose "
+                f"hidden_size is {wanted}"
+            )
 
     def _modality_of(self, binding: Binding, by_id: dict[str, StageSpec], *, where: str) -> Modality | None:
         if binding.source == INPUT_SOURCE:
@@ -172,10 +318,37 @@ class PipelineSpec(Strict):
             raise ValueError(f"{where}: no stage '{binding.source}' (stages: {sorted(by_id)})")
         modality = upstream.outputs.get(binding.port)
         if modality is None:
-            raise ValueError(
-                f"{where}: stage '{binding.source}' has no output '{binding.port}' (outputs: {sorted(upstream.outputs)})"
-            )
+            offered = sorted(upstream.ports.outputs)
+            if binding.port in upstream.ports.outputs:
+                raise ValueError(
+                    f"{where}: stage '{binding.source}' does not produce '{binding.port}'; add it to that stage's "
+                    f"outputs (it produces {sorted(upstream.outputs)})"
+                )
+            raise ValueError(f"{where}: stage '{binding.source}' has no output '{binding.port}' (outputs: {offered})")
         return modality
+
+    def output_modalities(self, out: OutputSpec) -> list[Modality]:
+        """The modality of each port an output comes from, in order."""
+        by_id = {s.id: s for s in self.stages}
+        modalities: list[Modality] = []
+        for source in out.sources:
+            if source.source == INPUT_SOURCE:
+                raise ValueError(f"outputs: '{out.name}' must come from a stage, not from the input")
+            modality = self._modality_of(source, by_id, where=f"output '{out.name}'")
+            assert modality is not None  # stage outputs always have one
+            modalities.append(modality)
+        return modalities
+
+    def output_type(self, out: OutputSpec) -> str:
+        """The output's type (``image``, ``text+image``...): which results handler writes it."""
+        kind = output_type(self.output_modalities(out))
+        if kind not in OUTPUT_TYPES:
+            bundles = [t for t in OUTPUT_TYPES if "+" in t]
+            raise ValueError(
+                f"output '{out.name}': no output handler for type '{kind}'; an output comes from one port, "
+                f"or from several that make one of {bundles}"
+            )
+        return kind
 
     def _check_acyclic(self, by_id: dict[str, StageSpec]) -> None:
         state: dict[str, int] = {}
@@ -209,3 +382,7 @@ class PipelineSpec(Strict):
 
     def queues(self) -> set[str]:
         return {s.queue_name for s in self.stages}
+
+    def file_inputs(self) -> list[str]:
+        """Job inputs that are files (images): stored as input artifacts when a job is accepted."""
+        return [name for name, field in self.inputs.items() if field.type == "image"]

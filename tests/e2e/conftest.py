@@ -18,8 +18,21 @@ import yaml
 from omni_jobs.devservices import RunningService, free_port
 from omni_jobs.embedded import EmbeddedSystem
 from omni_jobs.settings import Settings
+from omni_jobs.webhooks import generate_secret
 
 E2E_REDIS_DB = 3  # the integration tests flush DB 0 of the shared server; the system lives apart
+
+# Two secrets, as during a rotation: every delivery carries a signature for each.
+WEBHOOK_SECRETS = (generate_secret(), generate_secret())
+# A short retry schedule (0.2, 0.4, 0.8 s nominal; 4 attempts) so that retry tests take seconds.
+WEBHOOK_ENV = {
+    "OMNI_WEBHOOK_SECRET": ",".join(WEBHOOK_SECRETS),
+    "OMNI_WEBHOOK_RETRY_BASE_S": "0.2",
+    "OMNI_WEBHOOK_MAX_ATTEMPTS": "4",
+    "OMNI_WEBHOOK_TIMEOUT_S": "5",
+    "OMNI_WEBHOOK_PROGRESS_INTERVAL_S": "0",
+    "OMNI_MAX_PREFER_WAIT_S": "30",
+}
 
 BROKEN_MODEL_PIPELINE = {
     "name": "broken-model",
@@ -59,6 +72,7 @@ def system(
             "OMNI_S3_SECRET_ACCESS_KEY": "testing",
             "OMNI_REDIS_ARTIFACT_MAX_BYTES": "2048",
             "OMNI_PIPELINES_PATH": json.dumps([str(pipelines)]),
+            **WEBHOOK_ENV,
         },
     )
     try:

@@ -163,7 +163,8 @@ def test_pipelines_endpoint_describes_the_catalogue(api: httpx.Client) -> None:
     t2i = api.get("/v1/pipelines/text-to-image").json()
     assert [(s["id"], s["engine"], s["queue"]) for s in t2i["stages"]] == [("ar", "ar", "ar"), ("dit", "dit", "dit")]
     assert t2i["stages"][1]["inputs"] == {"prompt": "ar.text"}
-    assert t2i["outputs"] == [{"name": "image", "from": "dit.image"}, {"name": "text", "from": "ar.text"}]
+    assert t2i["outputs"] == [{"name": "image", "from": "dit.image", "type": "image"},
+                              {"name": "text", "from": "ar.text", "type": "text"}]
 
 
 def test_flower_is_behind_basic_auth_and_sees_workers_and_tasks(api: httpx.Client, system: Any) -> None:
@@ -174,5 +175,6 @@ def test_flower_is_behind_basic_auth_and_sees_workers_and_tasks(api: httpx.Clien
     job = wait_for_job(api, submit(api, "text-to-text", "for flower", {"ar": {"max_tokens": 2}})["id"])
     tasks = flower.get("/api/tasks").json()
     mine = [t for t in tasks.values() if job["id"] in str(t.get("args"))]
-    assert {t["name"] for t in mine} == {"omni.run_stage", "omni.assemble_results"}, mine
+    # Task names carry the job id (Celery shadow names), so an operator can find a job's tasks.
+    assert {t["name"] for t in mine} == {f"omni.run_stage[{job['id']}/ar]", f"omni.assemble_results[{job['id']}]"}, mine
     assert {t["state"] for t in mine} == {"SUCCESS"}

@@ -23,8 +23,8 @@ ENV_EXAMPLE = ROOT / ".env.example"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
-OMNI_SERVICES = ("models", "api", "ar-worker", "dit-worker", "results-worker", "flower")
-WORKERS = {"ar-worker": "ar", "dit-worker": "dit", "results-worker": "results"}
+OMNI_SERVICES = ("models", "api", "ar-worker", "dit-worker", "results-worker", "webhooks-worker", "flower")
+WORKERS = {"ar-worker": "ar", "dit-worker": "dit", "results-worker": "results", "webhooks-worker": "webhooks"}
 GPU_WORKERS = ("ar-worker", "dit-worker")
 
 # The commands the images run, fixed by the lead.
@@ -33,6 +33,7 @@ EXPECTED_COMMANDS = {
     "ar-worker": "celery -A workers.app:app worker -Q ar -P solo -c 1 -n ar@%h --loglevel INFO",
     "dit-worker": "celery -A workers.app:app worker -Q dit -P solo -c 1 -n dit@%h --loglevel INFO",
     "results-worker": "celery -A workers.app:app worker -Q results -c 2 -n results@%h --loglevel INFO",
+    "webhooks-worker": "celery -A workers.app:app worker -Q webhooks -P threads -c 8 -n webhooks@%h --loglevel INFO",
     "models": "omni-jobs tiny build --out /models",
 }
 
@@ -188,7 +189,7 @@ def test_no_secret_is_written_literally(services):
                 assert value and INTERPOLATION.fullmatch(value), f"{name}.{key} is a literal secret"
 
 
-@pytest.mark.parametrize("name", ["api", "ar-worker", "dit-worker", "results-worker", "flower"])
+@pytest.mark.parametrize("name", ["api", "ar-worker", "dit-worker", "results-worker", "webhooks-worker", "flower"])
 def test_long_running_services_restart(services, name):
     assert services[name].get("restart") in ("unless-stopped", "always", "on-failure"), name
 
@@ -266,7 +267,9 @@ def test_api_command_port_and_healthcheck(services):
     assert " ".join(argv(api)) == EXPECTED_COMMANDS["api"]
     ports = [str(p) for p in api.get("ports", [])]
     assert "${OMNI_API_PORT:-8000}:8000" in ports, ports
-    assert "/healthz" in healthcheck_text(api)
+    # Readiness (Redis, MinIO, a worker per queue): `docker compose up --wait` returns once jobs can run.
+    assert "/readyz" in healthcheck_text(api)
+    assert seconds(api["healthcheck"]["start_period"]) >= seconds(services["ar-worker"]["healthcheck"]["start_period"])
     for store in ("redis", "minio"):
         assert api["depends_on"][store]["condition"] == "service_healthy", store
 
@@ -304,7 +307,7 @@ def test_gpu_workers_reserve_one_nvidia_gpu(services, name):
     assert "gpu" in device["capabilities"]
 
 
-@pytest.mark.parametrize("name", ["api", "results-worker", "flower", "models", "redis", "minio"])
+@pytest.mark.parametrize("name", ["api", "results-worker", "webhooks-worker", "flower", "models", "redis", "minio"])
 def test_only_gpu_workers_reserve_gpus(services, name):
     assert "devices" not in str(services[name].get("deploy", {})), name
 
@@ -386,3 +389,48 @@ def test_dockerignore_keeps_local_state_out_of_the_build():
     entries = {line.strip() for line in DOCKERIGNORE.read_text(encoding="utf-8").splitlines()}
     for entry in (".git", ".venv", "var", ".env", ".pytest_cache"):
         assert entry in entries, entry
+
+
+def test_webhooks_worker_delivers_in_threads_and_every_service_gets_the_secret(services):
+    args = argv(services["webhooks-worker"])
+    assert option_value(args, "-P") == "threads" and int(option_value(args, "-c")) > 1
+    assert "deploy" not in services["webhooks-worker"], "webhook delivery needs no GPU"
+    for name in OMNI_SERVICES:
+        assert env_of(services[name]).get("OMNI_WEBHOOK_SECRET") == "${OMNI_WEBHOOK_SECRET:-}", name
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics (issue 8)
+# ---------------------------------------------------------------------------------------------
+
+METRICS_PORT = "9100"
+PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus.yml"
+
+
+@pytest.mark.parametrize("name", sorted(WORKERS))
+def test_every_worker_serves_metrics_on_the_compose_network_only(services, name):
+    worker = services[name]
+    assert env_of(worker).get("OMNI_METRICS_PORT") == METRICS_PORT, name
+    assert METRICS_PORT in [str(p) for p in worker.get("expose", [])], name
+    assert not worker.get("ports"), f"{name} must not publish its metrics port"
+
+
+@pytest.mark.parametrize("name", sorted(WORKERS))
+def test_prefork_workers_sum_their_children_in_multiprocess_mode(services, name):
+    args = argv(services[name])
+    prefork = option_value(args, "-P") in (None, "prefork") and int(option_value(args, "-c") or 1) > 1
+    assert ("PROMETHEUS_MULTIPROC_DIR" in env_of(services[name])) == prefork, name
+
+
+def test_prometheus_is_optional_and_scrapes_the_api_every_worker_and_flower(services):
+    prometheus = services["prometheus"]
+    assert prometheus["profiles"] == ["monitoring"], "monitoring must not start by default"
+    assert "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prometheus["volumes"]
+    assert "${PROMETHEUS_PORT:-9090}:9090" in [str(p) for p in prometheus["ports"]]
+    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text(encoding="utf-8"))
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert jobs["omni-api"]["static_configs"][0]["targets"] == ["api:8000"]
+    (dns,) = jobs["omni-workers"]["dns_sd_configs"]
+    assert set(dns["names"]) == set(WORKERS) and str(dns["port"]) == METRICS_PORT
+    assert jobs["flower"]["static_configs"][0]["targets"] == ["flower:5555"]
+    assert all(job["metrics_path"] == "/metrics" for job in jobs.values())

@@ -1,0 +1,74 @@
+"""GET /v1/jobs/{id}/events: the job's events as Server-Sent Events, until the job ends.
+
+Each message is ``id: <stream id>``, ``event: <type>`` (job.queued, stage.started, stage.progress,
+job.succeeded, ...) and ``data: <the event as JSON>``; the final event's data also carries the
+finished ``job`` object. A client that reconnects with ``Last-Event-ID`` (or ``?after=``) gets
+what it missed and no more; without one it gets the whole history first. Comment lines keep an
+idle connection open through proxies. The stream closes after the job's final event.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Query
+from fastapi.responses import StreamingResponse
+
+from api.deps import ApiContext, get_context
+from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound
+from omni_jobs.jobs.watch import FINAL_EVENTS, STREAM_ID
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+Ctx = Annotated[ApiContext, Depends(get_context)]
+
+HEARTBEAT_S = 15.0
+RECONNECT_MS = 2000
+
+
+def _start_after(last_event_id: str | None, after: str | None) -> str:
+    for loc, value in ((("header", "Last-Event-ID"), last_event_id), (("query", "after"), after)):
+        if value is None:
+            continue
+        if not STREAM_ID.match(value.strip()):
+            raise InvalidRequest([FieldError(loc, f"{value!r} is not an event id (like '1712345678901-0'); "
+                                                  "send back an id this stream gave you")])
+        return value.strip()
+    return "0-0"
+
+
+@router.get(
+    "/{job_id}/events",
+    summary="Stream the job's events (Server-Sent Events) until it ends",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
+async def job_events(
+    job_id: str,
+    ctx: Ctx,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)] = None,
+    after: Annotated[str | None, Query(max_length=64, description="Resume after this event id.")] = None,
+) -> StreamingResponse:
+    start = _start_after(last_event_id, after)
+    watcher = ctx.watcher
+    if await watcher.get(job_id) is None:
+        raise JobNotFound(job_id)
+
+    async def stream() -> AsyncIterator[str]:
+        yield f"retry: {RECONNECT_MS}\n\n"
+        async for event in watcher.follow(job_id, after=start, heartbeat_s=HEARTBEAT_S):
+            if event is None:
+                yield ": keep-alive\n\n"
+                continue
+            payload = event.model_dump(mode="json")
+            if event.type in FINAL_EVENTS:
+                job = await watcher.get(job_id)
+                payload["job"] = ctx.runtime.present(job) if job is not None else None
+            yield f"id: {event.id}\nevent: {event.type}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+    return StreamingResponse(
+        stream(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

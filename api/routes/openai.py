@@ -1,0 +1,521 @@
+"""OpenAI-compatible endpoints over jobs, so existing OpenAI clients work unchanged.
+
+Each call is an ordinary job (visible in /v1/jobs, Flower and the metrics): it is submitted through
+the JobSubmitter, waited on here (the job's event stream, no polling), and its outputs are answered
+in OpenAI's shape, the way ``vllm serve --omni`` answers:
+
+- ``POST /v1/chat/completions``: text in; ``modalities`` (default ``["text"]``) picks what comes back,
+  one choice per modality: text as ``content``, images as ``content`` parts
+  ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``, audio as
+  ``message.audio`` ``{id, data (base64 WAV), expires_at, transcript}``.
+- ``POST /v1/images/generations`` (DALL-E shape; ``n`` jobs, ``b64_json`` by default as vLLM-Omni
+  does, or ``url``); ``POST /v1/audio/speech`` (WAV bytes); ``GET /v1/models`` (the pipelines).
+
+Which pipeline runs: ``model`` when it names a pipeline; otherwise (``gpt-4o``, ``dall-e-3``,
+``tts-1``...) one whose declared outputs include every asked modality and whose only required input
+is a text prompt, preferring the conventional ``text-to-<modality>`` name, then the fewest other
+outputs, built-in before user pipelines, the fewest stages, then the name. The answer's ``model``
+says which one ran, and the ``X-Omni-Job-Id`` header names the job(s).
+
+Errors use OpenAI's body ``{"error": {message, type, param, code}}``: 400 names the parameter; a
+job that failed answers 500 and one still running after OMNI_OPENAI_WAIT_S answers 504, both with
+``x-should-retry: false`` because retrying would start another job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, FastAPI, Header, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from api.deps import ApiContext, get_context
+from omni_jobs.doctor import is_builtin
+from omni_jobs.errors import InvalidRequest
+from omni_jobs.jobs.models import Job, JobOutput, JobStatus
+from omni_jobs.jobs.view import output_url
+from omni_jobs.logs import bind
+from omni_jobs.pipelines.catalogue import PipelineCatalogue
+from omni_jobs.pipelines.spec import PipelineSpec, StageSpec
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/images/generations", "/v1/audio/speech", "/v1/models")
+OutputModality = Literal["text", "image", "audio"]
+STARTED = int(time.time())
+
+
+# --- errors in OpenAI's shape ---
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", job_ids: Iterable[str] = (), retry: bool | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_
+        self.job_ids = list(job_ids)
+        self.retry = retry
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.job_ids:
+            headers["X-Omni-Job-Id"] = ",".join(self.job_ids)
+        if self.retry is not None:
+            headers["x-should-retry"] = "true" if self.retry else "false"
+        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def _openai_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, OpenAIError)
+    return exc.response()
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    """Bad bodies on the OpenAI paths answer 400 in OpenAI's shape; elsewhere FastAPI's 422 stays."""
+    assert isinstance(exc, RequestValidationError)
+    if not request.url.path.startswith(OPENAI_PATHS):
+        return await request_validation_exception_handler(request, exc)
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return OpenAIError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param).response()
+
+
+def install(app: FastAPI) -> None:
+    """Add the routes and their error handlers to the API."""
+    app.include_router(router)
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+
+
+# --- request bodies (extra fields are allowed: OpenAI's extra_body lands at the top level) ---
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    params: dict[str, dict[str, Any]] | None = Field(
+        None, description="Per-stage overrides, as in POST /v1/jobs (applied last), e.g. {'dit': {'seed': 7}}."
+    )
+    seed: int | None = Field(None, description="Seed of every stage that takes one (the image's seed).")
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_Body):
+    model: str
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    modalities: list[OutputModality] | None = Field(None, description="What to answer with; default ['text'].")
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = None
+    audio: dict[str, Any] | None = Field(None, description="{'format': 'wav'}: the only audio format produced.")
+    size: str | None = Field(None, description="Image size 'WIDTHxHEIGHT' when an image is asked for.")
+    height: int | None = None
+    width: int | None = None
+
+
+class ImageGenerationRequest(_Body):
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    n: int = Field(1, ge=1, le=10)
+    size: str | None = Field(None, description="'WIDTHxHEIGHT' or 'auto' (the pipeline's default).")
+    response_format: Literal["b64_json", "url"] | None = None
+    output_format: str | None = None
+    stream: bool | None = None
+
+
+class SpeechRequest(_Body):
+    model: str
+    input: str = Field(min_length=1, max_length=4096)
+    voice: str | dict[str, Any] | None = None
+    instructions: str | None = None
+    response_format: str | None = None
+    speed: float | None = None
+    stream_format: str | None = None
+
+
+# --- choosing the pipeline ---
+def output_modalities(spec: PipelineSpec) -> set[str]:
+    """Modalities of the pipeline's single-port outputs (what a client can be handed)."""
+    found: set[str] = set()
+    for out in spec.outputs:
+        sources = getattr(out, "sources", (out.source,))
+        if len(sources) != 1:
+            continue
+        found.add(str(spec.stage(out.source.source).outputs[out.source.port]))
+    return found
+
+
+def text_input(spec: PipelineSpec) -> str | None:
+    """The input a text prompt goes to, when every other input is optional or has a default."""
+    texts = [n for n, f in spec.inputs.items() if f.type == "text"]
+    name = "prompt" if "prompt" in texts else (texts[0] if len(texts) == 1 else None)
+    if name is None:
+        return None
+    others_needed = [n for n, f in spec.inputs.items() if n != name and f.required and f.default is None]
+    return None if others_needed else name
+
+
+def choose_pipeline(catalogue: PipelineCatalogue, model: str | None, wanted: set[str], *, param: str) -> PipelineSpec:
+    """``model`` when it names a pipeline that gives ``wanted``; else the best match by declared outputs."""
+    if model and model in catalogue:
+        spec = catalogue.get(model)
+        missing = wanted - output_modalities(spec)
+        if missing:
+            raise OpenAIError(400, f"pipeline '{model}' outputs {sorted(output_modalities(spec))}, not "
+                              f"{sorted(missing)}; pick a pipeline from GET /v1/models", param=param,
+                              code="unsupported_modality")
+        if text_input(spec) is None:
+            raise OpenAIError(400, f"pipeline '{model}' needs inputs {sorted(spec.inputs)}; these endpoints send "
+                              "only a text prompt (use POST /v1/jobs)", param="model", code="unsupported_pipeline")
+        return spec
+    candidates = [s for s in catalogue if wanted <= output_modalities(s) and text_input(s) is not None]
+    if not candidates:
+        raise OpenAIError(400, f"no pipeline takes a text prompt and outputs {sorted(wanted)}; available: "
+                          f"{catalogue.names()}", param=param, code="unsupported_modality")
+    conventional = {f"text-to-{m}" for m in wanted}  # text-to-image for images, text-to-audio for speech...
+    return min(candidates, key=lambda s: (s.name not in conventional, len(output_modalities(s) - wanted),
+                                          not is_builtin(s), len(s.stages), s.name))
+
+
+# --- parameters ---
+Origin = dict[tuple[str, str], str]
+"""(stage id, parameter) -> the OpenAI field it came from, to name that field in errors."""
+
+
+def _param_fields(stage: StageSpec) -> set[str]:
+    model = getattr(stage, "params_model", None)
+    if model is None:
+        from omni_jobs.pipelines.params import params_model
+
+        model = params_model(stage.engine)
+    return set(model.model_fields)
+
+
+def build_params(spec: PipelineSpec, ar: dict[str, tuple[Any, str]], dit: dict[str, tuple[Any, str]],
+                 explicit: dict[str, dict[str, Any]] | None) -> tuple[dict[str, dict[str, Any]], Origin]:
+    """Per-stage params from OpenAI fields: sampling to AR stages, generation to DiT stages, each only
+    where the stage takes it. A field given but taken by no stage is an error naming it."""
+    params: dict[str, dict[str, Any]] = {}
+    origin: Origin = {}
+    used: set[str] = set()
+    for stage in spec.stages:
+        fields = _param_fields(stage)
+        for key, (value, source) in (ar if stage.engine == "ar" else dit).items():
+            if value is not None and key in fields:
+                params.setdefault(stage.id, {})[key] = value
+                origin[(stage.id, key)] = source
+                used.add(source)
+    given = {source for value, source in [*ar.values(), *dit.values()] if value is not None}
+    unused = sorted(given - used)
+    if unused:
+        raise OpenAIError(400, f"pipeline '{spec.name}' has no stage that takes '{unused[0]}'", param=unused[0],
+                          code="unsupported_parameter")
+    for stage_id, overrides in (explicit or {}).items():
+        params.setdefault(stage_id, {}).update(overrides)
+    return params, origin
+
+
+def parse_size(size: str | None, *, param: str = "size") -> tuple[int | None, int | None]:
+    """'WIDTHxHEIGHT' -> (width, height); None or 'auto' -> the pipeline's default."""
+    if size is None or size == "auto":
+        return None, None
+    width, sep, height = size.lower().partition("x")
+    if not sep or not width.isdigit() or not height.isdigit():
+        raise OpenAIError(400, f"size must be 'WIDTHxHEIGHT' (e.g. '64x64') or 'auto', got {size!r}", param=param)
+    return int(width), int(height)
+
+
+def _invalid(exc: InvalidRequest, origin: Origin, prompt_param: str) -> OpenAIError:
+    error = exc.errors[0]
+    loc = tuple(str(p) for p in error.loc)
+    if loc[:1] == ("input",):
+        param = prompt_param
+    elif loc[:1] == ("params",) and len(loc) >= 3:
+        param = origin.get((loc[1], loc[2]), ".".join(loc))
+    else:
+        param = ".".join(loc)
+    messages = "; ".join(f"{'.'.join(map(str, e.loc))}: {e.message}" for e in exc.errors)
+    return OpenAIError(400, f"{param}: {error.message} ({messages})", param=param, code=error.type)
+
+
+# --- jobs ---
+async def _submit(ctx: ApiContext, spec: PipelineSpec, prompt: str, params: dict[str, dict[str, Any]],
+                  origin: Origin, *, prompt_param: str, idempotency_key: str | None) -> Job:
+    name = text_input(spec)
+    assert name is not None
+    try:
+        job: Job = await run_in_threadpool(ctx.submitter.submit, spec.name, {name: prompt}, params,
+                                           idempotency_key=idempotency_key)
+    except InvalidRequest as exc:
+        raise _invalid(exc, origin, prompt_param) from None
+    bind(job_id=job.id)  # the access log line and anything logged below name the job
+    return job
+
+
+async def _finished(ctx: ApiContext, jobs: list[Job]) -> list[Job]:
+    """Wait for every job to end; answer their failure or the timeout in OpenAI's shape."""
+    wait_s = ctx.runtime.settings.openai_wait_s
+    done = await asyncio.gather(*(ctx.watcher.wait_final(job.id, wait_s) for job in jobs))
+    ids = [job.id for job in jobs]
+    finished: list[Job] = []
+    for submitted, job in zip(jobs, done, strict=True):
+        if job is None:
+            raise OpenAIError(500, f"job {submitted.id} disappeared (expired?)", type_="server_error",
+                              code="job_gone", job_ids=ids, retry=False)
+        if job.status is JobStatus.failed:
+            error = job.error
+            where = f" in stage '{error.stage}'" if error and error.stage else ""
+            raise OpenAIError(500, f"job {job.id} failed{where}: {error.message if error else 'unknown error'}",
+                              type_="server_error", code="job_failed", job_ids=ids, retry=False)
+        if job.status is JobStatus.canceled:
+            raise OpenAIError(500, f"job {job.id} was canceled", type_="server_error", code="job_canceled",
+                              job_ids=ids, retry=False)
+        if not job.status.is_final:
+            raise OpenAIError(504, f"job {job.id} is still {job.status.value} after {wait_s:g}s (OMNI_OPENAI_WAIT_S); "
+                              f"follow it at GET /v1/jobs/{job.id}", type_="timeout", code="job_timeout",
+                              job_ids=ids, retry=False)
+        finished.append(job)
+    return finished
+
+
+def _outputs(job: Job, modality: str) -> list[JobOutput]:
+    return [o for o in job.outputs if o.type == modality]
+
+
+def _first(job: Job, modality: str) -> JobOutput:
+    found = _outputs(job, modality)
+    if not found:
+        raise OpenAIError(500, f"job {job.id} succeeded without an {modality} output", type_="server_error",
+                          code="missing_output", job_ids=[job.id], retry=False)
+    return found[0]
+
+
+async def _bytes(ctx: ApiContext, output: JobOutput) -> bytes:
+    data: bytes = await run_in_threadpool(ctx.runtime.artifacts.get, output.artifact)
+    return data
+
+
+def _text(job: Job) -> str | None:
+    texts = _outputs(job, "text")
+    return texts[0].text if texts else None
+
+
+async def _finish_reason(ctx: ApiContext, spec: PipelineSpec, job: Job) -> str:
+    """'length' when the AR stage behind the text output stopped at max_tokens, else 'stop'."""
+    for out in spec.outputs:
+        if out.name not in {o.name for o in _outputs(job, "text")}:
+            continue
+        stage_id = out.source.source
+        ref = job.stage_record(stage_id).outputs.get("token_ids")
+        max_tokens = job.params.get(stage_id, {}).get("max_tokens")
+        if ref is None or max_tokens is None:
+            return "stop"
+        from omni_jobs.payloads import decode_payload
+
+        data = await run_in_threadpool(ctx.runtime.artifacts.get, ref)
+        tokens = decode_payload("token_ids", data)
+        return "length" if len(tokens) >= int(max_tokens) else "stop"
+    return "stop"
+
+
+def _headers(jobs: list[Job]) -> dict[str, str]:
+    return {"X-Omni-Job-Id": ",".join(j.id for j in jobs)}
+
+
+def _prompt_from_messages(messages: list[ChatMessageIn]) -> str:
+    """One message: its text. Several: a transcript ('User: ...', 'Assistant: ...') ending with 'Assistant:'."""
+    turns: list[tuple[str, str]] = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if content is None:
+            continue
+        if isinstance(content, str):
+            text = content
+        else:
+            parts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text":
+                    raise OpenAIError(400, f"content part of type {part.get('type')!r}: these endpoints take text "
+                                      "only (send images to an image-input pipeline with POST /v1/jobs)",
+                                      param=f"messages[{i}].content[{j}]", code="unsupported_content")
+                parts.append(str(part.get("text", "")))
+            text = "\n".join(parts)
+        turns.append((message.role, text))
+    if not any(text.strip() for _role, text in turns):
+        raise OpenAIError(400, "messages contain no text", param="messages")
+    if len(turns) == 1:
+        return turns[0][1]
+    lines = [f"{role.capitalize()}: {text}" for role, text in turns]
+    return "\n".join([*lines, "Assistant:"])
+
+
+# --- routes ---
+IdempotencyKey = Annotated[str | None, Header(max_length=255, include_in_schema=False)]
+
+
+@router.post("/chat/completions", summary="OpenAI chat completions (text, image or audio out), run as a job")
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           idempotency_key: IdempotencyKey = None) -> JSONResponse:
+    ctx = get_context(request)
+    if body.stream:
+        raise OpenAIError(400, "stream=true is not supported: each call is a job; follow its progress at "
+                          "GET /v1/jobs/{id}/events", param="stream")
+    if body.n not in (None, 1):
+        raise OpenAIError(400, "n must be 1 (send several requests; each is a job)", param="n")
+    if body.audio and body.audio.get("format") not in (None, "wav"):
+        raise OpenAIError(400, "audio.format must be 'wav'", param="audio.format")
+    wanted = list(dict.fromkeys(body.modalities or ["text"]))
+    spec = choose_pipeline(ctx.runtime.catalogue, body.model, set(wanted), param="modalities")
+    prompt = _prompt_from_messages(body.messages)
+    width, height = parse_size(body.size)
+    ar = {"max_tokens": (body.max_completion_tokens or body.max_tokens,
+                         "max_completion_tokens" if body.max_completion_tokens else "max_tokens"),
+          "temperature": (body.temperature, "temperature"), "top_p": (body.top_p, "top_p"),
+          "seed": (body.seed, "seed")}
+    dit = {"seed": (body.seed, "seed"), "num_inference_steps": (body.num_inference_steps, "num_inference_steps"),
+           "guidance_scale": (body.guidance_scale, "guidance_scale"),
+           "negative_prompt": (body.negative_prompt, "negative_prompt"),
+           "width": (body.width or width, "width" if body.width else "size"),
+           "height": (body.height or height, "height" if body.height else "size")}
+    params, origin = build_params(spec, ar, dit, body.params)
+    job = await _submit(ctx, spec, prompt, params, origin, prompt_param="messages", idempotency_key=idempotency_key)
+    (job,) = await _finished(ctx, [job])
+
+    text = _text(job)
+    choices: list[dict[str, Any]] = []
+    for index, modality in enumerate(wanted):
+        message: dict[str, Any] = {"role": "assistant", "content": None}
+        finish = "stop"
+        if modality == "text":
+            message["content"] = text or ""
+            finish = await _finish_reason(ctx, spec, job)
+        elif modality == "image":
+            parts = []
+            for out in _outputs(job, "image"):
+                data = base64.b64encode(await _bytes(ctx, out)).decode("ascii")
+                parts.append({"type": "image_url", "image_url": {"url": f"data:{out.media_type};base64,{data}"}})
+            message["content"] = parts
+        else:
+            out = _first(job, "audio")
+            message["audio"] = {
+                "id": f"audio_{job.id}",
+                "data": base64.b64encode(await _bytes(ctx, out)).decode("ascii"),
+                "expires_at": int(job.completed_at or time.time()) + ctx.runtime.settings.output_ttl_s,
+                "transcript": text or "",
+            }
+        choices.append({"index": index, "message": message, "finish_reason": finish, "logprobs": None})
+    answer = {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": int(job.created_at),
+              "model": spec.name, "choices": choices, "usage": None, "system_fingerprint": None}
+    return JSONResponse(answer, headers=_headers([job]))
+
+
+@router.post("/images/generations", summary="OpenAI (DALL-E) image generation, one job per image")
+async def images_generations(body: ImageGenerationRequest, request: Request,
+                             idempotency_key: IdempotencyKey = None) -> JSONResponse:
+    ctx = get_context(request)
+    if body.stream:
+        raise OpenAIError(400, "stream=true is not supported", param="stream")
+    if body.output_format not in (None, "png"):
+        raise OpenAIError(400, "output_format must be 'png'", param="output_format")
+    spec = choose_pipeline(ctx.runtime.catalogue, body.model, {"image"}, param="model")
+    width, height = parse_size(body.size)
+    dit = {"num_inference_steps": (body.num_inference_steps, "num_inference_steps"),
+           "guidance_scale": (body.guidance_scale, "guidance_scale"),
+           "negative_prompt": (body.negative_prompt, "negative_prompt"),
+           "width": (width, "size"), "height": (height, "size"), "seed": (body.seed, "seed")}
+    params, origin = build_params(spec, {}, dit, body.params)
+    jobs: list[Job] = []
+    for i in range(body.n):
+        job_params = {k: dict(v) for k, v in params.items()}
+        if body.n > 1:  # n images, not n copies: consecutive seeds from the given (or default) one
+            for stage in spec.stages:
+                if stage.engine == "dit" and "seed" in _param_fields(stage):
+                    base = job_params.get(stage.id, {}).get("seed", stage.defaults.get("seed", 0))
+                    job_params.setdefault(stage.id, {})["seed"] = int(base) + i
+        key = f"{idempotency_key}:{i}" if idempotency_key else None
+        jobs.append(await _submit(ctx, spec, body.prompt, job_params, origin, prompt_param="prompt",
+                                  idempotency_key=key))
+    jobs = await _finished(ctx, jobs)
+    settings = ctx.runtime.settings
+    data: list[dict[str, Any]] = []
+    for job in jobs:
+        revised = _text(job)
+        for out in _outputs(job, "image"):
+            item: dict[str, Any] = {}
+            if body.response_format == "url":
+                item["url"] = await run_in_threadpool(output_url, job, out.name, public_url=settings.public_url,
+                                                      artifacts=ctx.runtime.artifacts,
+                                                      presign=settings.output_urls == "presigned")
+            else:
+                item["b64_json"] = base64.b64encode(await _bytes(ctx, out)).decode("ascii")
+            if revised is not None:
+                item["revised_prompt"] = revised
+            data.append(item)
+    first = _outputs(jobs[0], "image")
+    size = f"{first[0].width}x{first[0].height}" if first and first[0].width else None
+    answer = {"created": int(jobs[0].created_at), "data": data, "output_format": "png", "size": size}
+    return JSONResponse(answer, headers=_headers(jobs))
+
+
+@router.post("/audio/speech", summary="OpenAI text to speech, run as a job (WAV)", response_class=Response)
+async def audio_speech(body: SpeechRequest, request: Request, idempotency_key: IdempotencyKey = None) -> Response:
+    ctx = get_context(request)
+    if body.response_format not in (None, "wav"):
+        raise OpenAIError(400, f"response_format {body.response_format!r} is not produced; use 'wav'",
+                          param="response_format")
+    if body.stream_format not in (None, "audio"):
+        raise OpenAIError(400, "stream_format must be 'audio' (no SSE streaming)", param="stream_format")
+    if body.speed not in (None, 1.0):
+        raise OpenAIError(400, "speed must be 1.0", param="speed")
+    spec = choose_pipeline(ctx.runtime.catalogue, body.model, {"audio"}, param="model")
+    dit = {"seed": (body.seed, "seed"), "num_inference_steps": (body.num_inference_steps, "num_inference_steps"),
+           "guidance_scale": (body.guidance_scale, "guidance_scale"),
+           "negative_prompt": (body.negative_prompt, "negative_prompt")}
+    params, origin = build_params(spec, {"seed": (body.seed, "seed")}, dit, body.params)
+    job = await _submit(ctx, spec, body.input, params, origin, prompt_param="input", idempotency_key=idempotency_key)
+    (job,) = await _finished(ctx, [job])
+    out = _first(job, "audio")
+    return Response(await _bytes(ctx, out), media_type=out.media_type, headers=_headers([job]))
+
+
+def _model(spec: PipelineSpec) -> dict[str, Any]:
+    return {"id": spec.name, "object": "model", "created": STARTED, "owned_by": "omni-jobs",
+            "description": spec.description.strip(), "output_modalities": sorted(output_modalities(spec)),
+            "stages": [s.id for s in spec.stages]}
+
+
+@router.get("/models", summary="The pipelines, as OpenAI models")
+async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model(spec) for spec in get_context(request).runtime.catalogue]}
+
+
+@router.get("/models/{model}", summary="One pipeline, as an OpenAI model")
+async def get_model(model: str, request: Request) -> dict[str, Any]:
+    catalogue = get_context(request).runtime.catalogue
+    if model not in catalogue:
+        raise OpenAIError(404, f"The model '{model}' does not exist; see GET /v1/models", param="model",
+                          code="model_not_found")
+    return _model(catalogue.get(model))
+

@@ -1,0 +1,109 @@
+"""The AR encoder engine: a vLLM pooling runner that turns prompts into per-token hidden states.
+
+The Qwen-Image / BAGEL pattern uses an LLM as the DiT's text encoder: the LLM's last-layer hidden
+state of every prompt token becomes the DiT's prompt embeddings. A vLLM engine built with
+``runner="pooling"`` and the ``token_embed`` task returns exactly that ([tokens, hidden] per prompt);
+such an engine cannot generate, so a worker that serves both tasks keeps two engines on one model.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from omni_jobs import metrics
+from omni_jobs.engines.ar import _check_model_exists
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class EncodeRequest:
+    request_id: str
+    prompt: str
+
+
+@dataclass(frozen=True)
+class EncodeOutput:
+    request_id: str
+    hidden_states: torch.Tensor
+    """float32, [prompt tokens, hidden_size], on the CPU."""
+    token_ids: list[int]
+
+
+class AREncoder:
+    """One vLLM pooling engine in single-process mode, encoding batches of prompts in one call."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        engine_args: Mapping[str, Any] | None = None,
+        kv_cache_bytes: int = 256 * 2**20,
+        max_model_len: int = 512,
+    ) -> None:
+        _check_model_exists(model)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as AREngine: must run inside worker children
+        from vllm import LLM
+        from vllm.config import PoolerConfig
+
+        args: dict[str, Any] = {
+            "dtype": "float32",
+            "max_model_len": max_model_len,
+            "max_num_seqs": 16,
+            "enforce_eager": True,
+            "kv_cache_memory_bytes": kv_cache_bytes,
+            "seed": 0,
+        }
+        args.update(engine_args or {})
+        args["runner"] = "pooling"
+        args["pooler_config"] = PoolerConfig(task="token_embed")
+        self.model = model
+        self._llm = LLM(model=model, **args)
+        self._tokenizer = self._llm.get_tokenizer()
+        model_config = self._llm.llm_engine.model_config
+        self.max_model_len: int = int(model_config.max_model_len)
+        self.hidden_size: int = int(model_config.get_hidden_size())
+        self._lock = threading.Lock()
+
+    def _prompt_ids(self, request: EncodeRequest) -> list[int]:
+        ids = list(self._tokenizer.encode(request.prompt))
+        if not ids:
+            raise ValueError(f"request {request.request_id!r}: the prompt tokenizes to no tokens")
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt is {len(ids)} tokens, more than max_model_len "
+                f"{self.max_model_len}"
+            )
+        return ids
+
+    def encode(self, requests: Sequence[EncodeRequest]) -> list[EncodeOutput]:
+        """Hidden states of every request in ONE ``LLM.encode`` call; outputs in request order."""
+        if not requests:
+            return []
+        from vllm import PoolingParams
+        from vllm.inputs import TokensPrompt
+
+        ids = [self._prompt_ids(r) for r in requests]
+        prompts = [TokensPrompt(prompt_token_ids=i) for i in ids]
+        with self._lock:
+            metrics.observe_batch("ar-encode", len(requests))
+            results = self._llm.encode(
+                prompts, pooling_task="token_embed", pooling_params=PoolingParams(use_activation=False),
+                use_tqdm=False,
+            )
+        if len(results) != len(requests):
+            raise RuntimeError(f"vLLM returned {len(results)} outputs for {len(requests)} requests")
+        outputs = []
+        for request, token_ids, result in zip(requests, ids, results, strict=True):
+            hidden = result.outputs.data.detach().to("cpu").float().contiguous()
+            if hidden.shape != (len(token_ids), self.hidden_size):
+                raise RuntimeError(
+                    f"vLLM pooled {tuple(hidden.shape)} for {len(token_ids)} tokens x hidden {self.hidden_size}"
+                )
+            outputs.append(EncodeOutput(request.request_id, hidden, token_ids))
+        return outputs

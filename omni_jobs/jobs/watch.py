@@ -1,0 +1,92 @@
+"""Following a job as it changes, without polling: its Redis event stream read with blocking XREAD.
+
+Async (redis.asyncio) because its readers hold a request open for a long time: the SSE route
+streams a job's events until it ends, and ``Prefer: wait=N`` blocks a POST until the job ends.
+Thousands of such waits cost the API an open socket each, not a thread each.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from omni_jobs import keys
+from omni_jobs.jobs.models import Job, JobEvent
+
+FINAL_EVENTS = frozenset({"job.succeeded", "job.failed", "job.canceled"})
+MAX_BLOCK_S = 15.0
+"""Longest blocking read; callers' heartbeats and waits are cut into pieces no longer than this."""
+STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+"""A Redis stream entry id: what SSE sends as ``id:`` and takes back as Last-Event-ID."""
+
+
+class JobWatcher:
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.redis = client
+
+    @classmethod
+    def from_url(cls, url: str) -> JobWatcher:
+        # The socket timeout must outlast the longest blocking XREAD (heartbeat, at most MAX_BLOCK_S).
+        return cls(aioredis.Redis.from_url(url, health_check_interval=30, socket_timeout=MAX_BLOCK_S + 15))
+
+    async def get(self, job_id: str) -> Job | None:
+        raw = await self.redis.get(keys.job(job_id))
+        return Job.model_validate_json(raw) if raw is not None else None
+
+    async def events(self, job_id: str, *, after: str = "0-0", block_ms: int | None = None,
+                     count: int = 100) -> list[JobEvent]:
+        """Events after stream id ``after``; waits up to ``block_ms`` (> 0) for new ones when asked."""
+        reply: Any = await self.redis.xread({keys.job_events(job_id): after}, count=count, block=block_ms)
+        events: list[JobEvent] = []
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                event = JobEvent.model_validate_json(fields[b"event"])
+                event.id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                events.append(event)
+        return events
+
+    async def follow(self, job_id: str, *, after: str = "0-0", heartbeat_s: float = 15.0
+                     ) -> AsyncIterator[JobEvent | None]:
+        """The job's events after ``after`` until its final one; ``None`` after each quiet ``heartbeat_s``.
+
+        Ends at the final event, or when the job is final (or gone) and no event is left to read.
+        """
+        block_ms = max(1, int(min(heartbeat_s, MAX_BLOCK_S) * 1000))
+        while True:
+            batch = await self.events(job_id, after=after)
+            if not batch:
+                job = await self.get(job_id)
+                if job is None or job.status.is_final:
+                    # It may have ended between the read and the get: send what it wrote, then stop.
+                    for event in await self.events(job_id, after=after):
+                        yield event
+                    return
+                batch = await self.events(job_id, after=after, block_ms=block_ms)
+                if not batch:
+                    yield None
+                    continue
+            for event in batch:
+                after = event.id
+                yield event
+                if event.type in FINAL_EVENTS:
+                    return
+
+    async def wait_final(self, job_id: str, timeout_s: float) -> Job | None:
+        """The job once it is final, or as it is when ``timeout_s`` runs out (None if it is gone)."""
+        deadline = time.monotonic() + timeout_s
+        after = "0-0"
+        while True:
+            job = await self.get(job_id)
+            remaining = deadline - time.monotonic()
+            if job is None or job.status.is_final or remaining <= 0:
+                return job
+            batch = await self.events(job_id, after=after, block_ms=max(1, int(min(remaining, 5.0) * 1000)))
+            if batch:
+                after = batch[-1].id
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()

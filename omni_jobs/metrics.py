@@ -1,0 +1,291 @@
+"""Prometheus metrics of every omni-jobs process: one list of names, labels and helpers.
+
+Each process (the API, each worker) counts what it sees itself and serves it: the API on
+``GET /metrics``, a worker on ``OMNI_METRICS_PORT``. Prometheus sums across targets, so a counter
+such as ``omni_jobs_jobs_total`` is complete once every process is scraped. Values that live in
+Redis (queue depth, live workers) are read at scrape time by the API only, so they are never
+counted twice.
+
+Job and stage metrics come from the job store's commit listener (``record_job_events``): every
+status change of every job passes through it in whichever process made the change, so no shell
+has to remember to count. Prefork workers (several processes behind one port) need
+``PROMETHEUS_MULTIPROC_DIR`` set to an empty directory before start; then each child writes its
+values there and the port serves their sum (prometheus-client's multiprocess mode).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    import redis
+
+    from omni_jobs.jobs.models import Job, JobEvent
+
+log = logging.getLogger(__name__)
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# Seconds: from a 10 ms tiny-model stage to a half-hour video stage.
+DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+# --- jobs and stages (from job events) ---
+JOBS = Counter(
+    "omni_jobs_jobs_total", "Jobs that entered a status (queued, running, succeeded, failed, canceled).",
+    ["pipeline", "status"],
+)
+JOB_DURATION = Histogram(
+    "omni_jobs_job_duration_seconds", "Time from submission to the end of a job, by final status.",
+    ["pipeline", "status"], buckets=DURATION_BUCKETS,
+)
+STAGE_DURATION = Histogram(
+    "omni_jobs_stage_duration_seconds", "Time a stage ran on its worker (started to finished), by outcome.",
+    ["pipeline", "stage", "engine", "outcome"], buckets=DURATION_BUCKETS,
+)
+STAGE_QUEUE_WAIT = Histogram(
+    "omni_jobs_stage_queue_wait_seconds", "Time a stage waited on its queue before a worker started it.",
+    ["pipeline", "stage", "queue"], buckets=DURATION_BUCKETS,
+)
+
+# --- engines (worker processes) ---
+BATCH_SIZE = Histogram(
+    "omni_jobs_engine_batch_size", "Requests per engine call (one vLLM generate, one diffusers pipeline call).",
+    ["engine"], buckets=BATCH_BUCKETS,
+)
+CACHE_REQUESTS = Counter(
+    "omni_jobs_cache_requests_total", "Cache lookups by cache and result (hit or miss); 'engine' is the per-process "
+    "engine cache (a miss loads a model).", ["cache", "result"],
+)
+ENGINE_LOAD = Histogram(
+    "omni_jobs_engine_load_seconds", "Time to load an engine (a cache miss).", ["engine"], buckets=DURATION_BUCKETS,
+)
+ENGINE_MEMORY = Gauge(
+    "omni_jobs_engine_memory_bytes", "Memory held by the worker that ran the stage, after it ran: resident memory "
+    "(device='cpu') and, where CUDA is in use, the bytes torch has reserved on the GPU (device='cuda:N').",
+    ["pipeline", "stage", "engine", "device"], multiprocess_mode="liveall",
+)
+
+# --- artifacts, webhooks, HTTP ---
+ARTIFACT_BYTES = Counter(
+    "omni_jobs_artifact_bytes_total", "Artifact bytes written (op='put') and read (op='get'), by backend.",
+    ["backend", "op"],
+)
+ARTIFACT_OPS = Counter(
+    "omni_jobs_artifact_operations_total", "Artifact puts and gets, by backend.", ["backend", "op"],
+)
+WEBHOOK_DELIVERIES = Counter(
+    "omni_jobs_webhook_deliveries_total", "Webhook delivery attempts by event and outcome "
+    "(delivered, retrying, failed, skipped).", ["event", "outcome"],
+)
+HTTP_REQUESTS = Counter(
+    "omni_jobs_http_requests_total", "API requests by method, route template and status code.",
+    ["method", "route", "status"],
+)
+HTTP_DURATION = Histogram(
+    "omni_jobs_http_request_duration_seconds", "API request latency by method and route template.",
+    ["method", "route"], buckets=DURATION_BUCKETS,
+)
+
+_FINAL = {"job.succeeded": "succeeded", "job.failed": "failed", "job.canceled": "canceled"}
+
+
+# --- recording helpers (each one cheap, none raises into the caller) ---
+def record_job_events(job: Job, events: list[JobEvent]) -> None:
+    """JobStore commit listener: count status changes and observe stage timings from the events."""
+    for event in events:
+        kind = event.type
+        if kind == "job.queued" or kind == "job.running":
+            JOBS.labels(job.pipeline, kind.split(".", 1)[1]).inc()
+        elif kind in _FINAL:
+            status = _FINAL[kind]
+            JOBS.labels(job.pipeline, status).inc()
+            JOB_DURATION.labels(job.pipeline, status).observe(max(0.0, event.at - job.created_at))
+            if kind == "job.failed":
+                _observe_failed_stage(job, event)
+        elif kind == "stage.started":
+            record = job.stage_record(str(event.data["stage"]))
+            if record.queued_at is not None:
+                STAGE_QUEUE_WAIT.labels(job.pipeline, record.id, record.queue).observe(
+                    max(0.0, event.at - record.queued_at))
+        elif kind == "stage.succeeded":
+            record = job.stage_record(str(event.data["stage"]))
+            if record.duration_s is not None:
+                STAGE_DURATION.labels(job.pipeline, record.id, record.engine, "succeeded").observe(record.duration_s)
+
+
+def _observe_failed_stage(job: Job, event: JobEvent) -> None:
+    error = event.data.get("error") or {}
+    stage_id = error.get("stage")
+    if not stage_id:
+        return
+    try:
+        record = job.stage_record(str(stage_id))
+    except KeyError:
+        return
+    if record.started_at is not None:
+        STAGE_DURATION.labels(job.pipeline, record.id, record.engine, "failed").observe(
+            max(0.0, event.at - record.started_at))
+
+
+def observe_batch(engine: str, size: int) -> None:
+    """One engine call with ``size`` requests."""
+    BATCH_SIZE.labels(engine).observe(size)
+
+
+def cache_lookup(cache: str, hit: bool) -> None:
+    """One lookup in a named cache (the engine cache here; a DiT step cache may report too)."""
+    CACHE_REQUESTS.labels(cache, "hit" if hit else "miss").inc()
+
+
+def observe_engine_load(engine: str, seconds: float) -> None:
+    ENGINE_LOAD.labels(engine).observe(seconds)
+
+
+def artifact_io(backend: str, op: str, size: int) -> None:
+    """Bytes moved to (put) or from (get) an artifact backend."""
+    ARTIFACT_BYTES.labels(backend, op).inc(size)
+    ARTIFACT_OPS.labels(backend, op).inc()
+
+
+def webhook_delivery(event: str, outcome: str) -> None:
+    WEBHOOK_DELIVERIES.labels(event, outcome).inc()
+
+
+def process_memory() -> dict[str, int]:
+    """Device -> bytes this process holds: 'cpu' (resident set) and 'cuda:N' for GPUs torch uses.
+
+    torch is consulted only when this process already imported it and initialised CUDA, so the
+    API never imports torch to answer a scrape.
+    """
+    memory = {"cpu": _rss_bytes()}
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        try:
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                for index in range(torch.cuda.device_count()):
+                    reserved = int(torch.cuda.memory_reserved(index))
+                    if reserved:
+                        memory[f"cuda:{index}"] = reserved
+        except Exception:
+            log.debug("could not read CUDA memory", exc_info=True)
+    return memory
+
+
+def record_engine_memory(pipeline: str, stage: str, engine: str) -> dict[str, int]:
+    """Set the engine-memory gauge of a stage from what this process holds now; returns the values."""
+    memory = process_memory()
+    for device, value in memory.items():
+        ENGINE_MEMORY.labels(pipeline, stage, engine, device).set(value)
+    return memory
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # peak, in KiB on Linux
+
+
+# --- values read from Redis at scrape time (API only) ---
+class QueueCollector(Collector):
+    """Queue depth (messages waiting in the broker) and live workers, for each queue given."""
+
+    def __init__(self, broker: redis.Redis, state: redis.Redis, queues: Callable[[], Iterable[str]]) -> None:
+        self.broker = broker
+        self.state = state
+        self.queues = queues
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        from omni_jobs.queue_depth import queue_depths
+        from omni_jobs.worker_registry import live_workers
+
+        queues = set(self.queues())
+        depth = GaugeMetricFamily("omni_jobs_queue_depth", "Messages waiting in a stage queue (not yet taken by "
+                                  "a worker), read from the Redis broker.", labels=["queue"])
+        workers = GaugeMetricFamily("omni_jobs_queue_workers", "Live workers listening on a queue (heartbeats).",
+                                    labels=["queue"])
+        try:
+            for queue, n in queue_depths(self.broker, queues).items():
+                depth.add_metric([queue], n)
+            live = live_workers(self.state)
+            for queue in sorted(queues | set(live)):
+                workers.add_metric([queue], len(live.get(queue, [])))
+        except Exception as exc:  # noqa: BLE001 - a scrape must answer even with Redis down
+            log.warning("queue metrics unavailable: %s", exc)
+            return
+        yield depth
+        yield workers
+
+
+# --- exposition ---
+def multiprocess_dir() -> str | None:
+    return os.environ.get(MULTIPROC_ENV) or None
+
+
+def process_registry() -> CollectorRegistry:
+    """The registry to serve: this process's, or the sum over every process in multiprocess mode."""
+    if multiprocess_dir() is None:
+        return REGISTRY
+    from prometheus_client import multiprocess
+
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    return registry
+
+
+def render(*extra: Collector) -> tuple[bytes, str]:
+    """The text exposition of this process's metrics plus the extra collectors (read once, now)."""
+    body = generate_latest(process_registry())
+    if extra:
+        registry = CollectorRegistry(auto_describe=False)
+        for collector in extra:
+            registry.register(collector)
+        body += generate_latest(registry)
+    return body, CONTENT_TYPE_LATEST
+
+
+def start_metrics_server(port: int, addr: str = "0.0.0.0") -> Any:
+    """Serve this process's metrics on ``port`` (a worker's OMNI_METRICS_PORT); returns the server."""
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr=addr, registry=process_registry())
+    return server
+
+
+def prepare_multiprocess_dir() -> None:
+    """Multiprocess mode, at worker start: create the directory and drop an earlier run's files."""
+    path = multiprocess_dir()
+    if path is None:
+        return
+    os.makedirs(path, exist_ok=True)
+    for name in os.listdir(path):
+        if name.endswith(".db"):
+            os.remove(os.path.join(path, name))
+
+
+def mark_process_dead(pid: int) -> None:
+    """Multiprocess mode: drop a finished child's live gauges (called when a prefork child exits)."""
+    if multiprocess_dir() is not None:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]

@@ -1,0 +1,259 @@
+"""Omni / AsyncOmni: run any pipeline in this process, with no broker and no services.
+
+``Omni("text-to-image").generate({"prompt": "a red fox"})`` runs the same code a deployment runs,
+in one process: the JobSubmitter validates the request, the StageRunner runs each stage on the
+same engines (vLLM, diffusers) with the same payload formats, and the ResultsAssembler writes the
+same output files. Only the transport and the job store differ: next steps go to an in-process
+dispatcher that this object drains in order (instead of Celery queues), and jobs live in a
+MemoryJobStore (instead of Redis). So for the same inputs and seeds, the outputs are the bytes a
+queued job produces. Artifacts go where the Settings say (a local directory by default).
+
+``AsyncOmni`` is the same for asyncio code: ``await AsyncOmni(...).generate(...)`` runs the job in a
+worker thread; ``stream()`` yields the job's events (progress) as they happen, then the result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import io
+import os
+import socket
+import threading
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omni_jobs.artifacts import ArtifactStore, artifact_store_from_settings, codecs
+from omni_jobs.dispatch import NextStep
+from omni_jobs.engines.cache import EngineCache
+from omni_jobs.engines.stage_exec import load_stage_engine
+from omni_jobs.errors import OmniError
+from omni_jobs.jobs.memory import MemoryJobStore
+from omni_jobs.jobs.models import Job, JobEvent, JobOutput, JobStatus
+from omni_jobs.jobs.store import JobStore
+from omni_jobs.payloads import AudioClip, decode_payload
+from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue, load_pipeline_file
+from omni_jobs.pipelines.spec import PipelineSpec
+from omni_jobs.results import ResultsAssembler
+from omni_jobs.settings import Settings
+from omni_jobs.stages import StageRunner
+from omni_jobs.submission import JobSubmitter
+
+if TYPE_CHECKING:
+    import PIL.Image
+    import torch
+
+EventCallback = Callable[[JobEvent], None]
+
+
+class OmniJobFailed(OmniError):
+    """The in-process job ended without succeeding; ``job`` says where and why."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        error = job.error
+        where = f" in stage '{error.stage}'" if error and error.stage else ""
+        reason = f": {error.type}: {error.message}" if error else ""
+        super().__init__(f"job {job.id} ({job.pipeline}) {job.status.value}{where}{reason}")
+
+
+class InProcessDispatcher:
+    """The Dispatcher of one in-process job: next steps queue up here and Omni runs them in order."""
+
+    def __init__(self) -> None:
+        self._steps: collections.deque[NextStep] = collections.deque()
+
+    def dispatch(self, step: NextStep) -> None:
+        self._steps.append(step)
+
+    def next(self) -> NextStep | None:
+        return self._steps.popleft() if self._steps else None
+
+
+@dataclass(frozen=True)
+class OmniOutput:
+    """One final output: its manifest entry and the bytes of its file."""
+
+    entry: JobOutput
+    data: bytes
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def type(self) -> str:
+        return self.entry.type
+
+    @property
+    def text(self) -> str | None:
+        return self.entry.text
+
+    def json(self) -> Any:
+        return codecs.decode_json(self.data)
+
+    def image(self) -> PIL.Image.Image:
+        """The image of an image output, or of a text+image bundle."""
+        if self.type == "text+image":
+            return codecs.decode_png(base64.b64decode(self.json()["image"]["data"]))
+        return codecs.decode_png(self.data)
+
+    def audio(self) -> AudioClip:
+        clip: AudioClip = decode_payload("audio", self.data)
+        return clip
+
+    def tensor(self) -> torch.Tensor:
+        (tensor,) = codecs.decode_tensors(self.data).values()
+        return tensor
+
+
+@dataclass(frozen=True)
+class OmniResult:
+    """A finished job and its outputs by name."""
+
+    job: Job
+    outputs: dict[str, OmniOutput]
+
+    def __getitem__(self, name: str) -> OmniOutput:
+        return self.outputs[name]
+
+
+def _image_value(value: Any) -> Any:
+    """In-process callers may also pass a PIL image or a file path; the API's forms pass through."""
+    if isinstance(value, Path):
+        return value.read_bytes()
+    if hasattr(value, "save") and hasattr(value, "mode"):  # a PIL image
+        buffer = io.BytesIO()
+        (value if value.mode in ("RGB", "RGBA", "L") else value.convert("RGB")).save(buffer, format="PNG")
+        return buffer.getvalue()
+    return value
+
+
+class Omni:
+    """Runs one pipeline in this process. Several instances may share engines, store and artifacts."""
+
+    def __init__(
+        self,
+        pipeline: str | Path | PipelineSpec,
+        *,
+        settings: Settings | None = None,
+        engines: EngineCache | None = None,
+        store: JobStore | None = None,
+        artifacts: ArtifactStore | None = None,
+        worker: str | None = None,
+    ) -> None:
+        """``pipeline``: a catalogue name (built-in or under OMNI_PIPELINES_PATH), a YAML file, or a spec."""
+        self.settings = settings or Settings()
+        s = self.settings
+        if isinstance(pipeline, PipelineSpec):
+            self.spec = pipeline
+        elif isinstance(pipeline, Path) or str(pipeline).endswith((".yaml", ".yml")):
+            self.spec = load_pipeline_file(Path(pipeline))
+        else:
+            self.spec = load_catalogue(s.pipelines_path).get(str(pipeline))
+        self.catalogue = PipelineCatalogue([self.spec])
+        self.store = store if store is not None else MemoryJobStore(ttl_s=s.output_ttl_s)
+        self.artifacts = artifacts if artifacts is not None else artifact_store_from_settings(s)
+        self.engines = engines or EngineCache(
+            s.models_dir, kv_cache_bytes=s.ar_kv_cache_bytes, max_model_len=s.ar_max_model_len, device=s.device
+        )
+        self.worker = worker or f"omni@{socket.gethostname()}:{os.getpid()}"
+        self.runner = StageRunner(store=self.store, catalogue=self.catalogue, artifacts=self.artifacts,
+                                  engines=self.engines)
+        self.results = ResultsAssembler(store=self.store, catalogue=self.catalogue, artifacts=self.artifacts)
+
+    def load(self) -> Omni:
+        """Load every stage's engine now (else each loads on first use); returns self."""
+        for stage in self.spec.stages:
+            load_stage_engine(self.engines, stage)
+        return self
+
+    def generate(self, inputs: Mapping[str, Any], params: Mapping[str, Mapping[str, Any]] | None = None, *,
+                 on_event: EventCallback | None = None) -> OmniResult:
+        """Run one job to the end; OmniJobFailed if it fails, InvalidRequest if the request is bad.
+
+        ``params``: per-stage overrides, validated and recorded on the job as the API does.
+        ``on_event``: called with each of the job's events (stage started, progress, ...) as it happens.
+        """
+        values = {k: _image_value(v) if k in self.spec.file_inputs() else v for k, v in inputs.items()}
+        dispatcher = InProcessDispatcher()
+        submitter = JobSubmitter(self.store, self.catalogue, dispatcher, artifacts=self.artifacts,
+                                 webhooks_enabled=False)
+        listener = self._forward_events(on_event) if on_event is not None else None
+        if listener is not None:
+            self.store.listeners.append(listener)
+        try:
+            job = submitter.submit(self.spec.name, values, dict(params or {}))
+            self._drain(job.id, dispatcher)
+        finally:
+            if listener is not None:
+                self.store.listeners.remove(listener)
+        final = self.store.require(job.id)
+        if final.status is not JobStatus.succeeded:
+            raise OmniJobFailed(final)
+        return OmniResult(final, {o.name: OmniOutput(o, self.artifacts.get(o.artifact)) for o in final.outputs})
+
+    def _drain(self, job_id: str, dispatcher: InProcessDispatcher) -> None:
+        """Run the job's steps as they become runnable: what the workers do, one after another."""
+        while (step := dispatcher.next()) is not None:
+            try:
+                if step.stage_id is None:
+                    self.results.assemble(step.job_id)
+                    continue
+                outcome = self.runner.run(step.job_id, step.stage_id, worker=self.worker)
+            except Exception as exc:
+                self.runner.fail(step.job_id, step.stage_id, exc)
+                raise OmniJobFailed(self.store.require(job_id)) from exc
+            for following in outcome.next_steps:
+                dispatcher.dispatch(following)
+
+    @staticmethod
+    def _forward_events(on_event: EventCallback) -> Callable[[Job, list[JobEvent]], None]:
+        """A store listener that passes on the events made by this thread: every change of an
+        in-process job happens in the thread that runs it, and only its changes happen there."""
+        thread = threading.get_ident()
+
+        def listener(job: Job, events: list[JobEvent]) -> None:
+            if threading.get_ident() == thread:
+                for event in events:
+                    on_event(event)
+
+        return listener
+
+
+class AsyncOmni:
+    """Omni for asyncio callers: jobs run in worker threads, so the event loop stays free."""
+
+    def __init__(self, pipeline: str | Path | PipelineSpec, **kwargs: Any) -> None:
+        self.omni = Omni(pipeline, **kwargs)
+
+    async def load(self) -> AsyncOmni:
+        await asyncio.to_thread(self.omni.load)
+        return self
+
+    async def generate(self, inputs: Mapping[str, Any], params: Mapping[str, Mapping[str, Any]] | None = None, *,
+                       on_event: EventCallback | None = None) -> OmniResult:
+        return await asyncio.to_thread(self.omni.generate, inputs, params, on_event=on_event)
+
+    async def stream(self, inputs: Mapping[str, Any],
+                     params: Mapping[str, Mapping[str, Any]] | None = None) -> AsyncIterator[JobEvent | OmniResult]:
+        """The job's events as they happen; the last item is the OmniResult (errors are raised)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+
+        def forward(event: JobEvent) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        task = asyncio.ensure_future(self.generate(inputs, params, on_event=forward))
+        while not task.done() or not queue.empty():
+            getter = asyncio.ensure_future(queue.get())
+            await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+            if getter.done():
+                yield getter.result()
+            else:
+                getter.cancel()
+        yield task.result()
+

@@ -1,0 +1,166 @@
+"""omni_jobs.Omni / AsyncOmni: whole pipelines in this process on the real engines, no broker, no Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+import omni_jobs
+from omni_jobs.engines.cache import EngineCache
+from omni_jobs.errors import InvalidRequest
+from omni_jobs.jobs.memory import MemoryJobStore
+from omni_jobs.jobs.models import JobEvent
+from omni_jobs.omni import AsyncOmni, Omni, OmniJobFailed, OmniResult
+from omni_jobs.pipelines.catalogue import parse_pipeline
+from omni_jobs.settings import Settings
+from omni_jobs.tiny import ensure_tiny_model
+
+MODELS = Path(__file__).resolve().parents[2] / "var" / "models"
+
+
+@pytest.fixture(scope="module")
+def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
+    return Settings(models_dir=MODELS, artifacts_dir=tmp_path_factory.mktemp("omni"))
+
+
+@pytest.fixture(scope="module")
+def engines(settings: Settings) -> EngineCache:
+    return EngineCache(MODELS, kv_cache_bytes=settings.ar_kv_cache_bytes, max_model_len=settings.ar_max_model_len,
+                       device="cpu")
+
+
+@pytest.fixture(scope="module")
+def store() -> MemoryJobStore:
+    return MemoryJobStore()
+
+
+def omni(pipeline: object, settings: Settings, engines: EngineCache, store: MemoryJobStore) -> Omni:
+    return Omni(pipeline, settings=settings, engines=engines, store=store)  # type: ignore[arg-type]
+
+
+def test_package_level_api_runs_text_to_image(settings: Settings, engines: EngineCache, store: MemoryJobStore) -> None:
+    events: list[JobEvent] = []
+    runner = omni_jobs.Omni("text-to-image", settings=settings, engines=engines, store=store)
+    result = runner.generate({"prompt": "a red fox"}, {"dit": {"height": 32, "width": 48, "num_inference_steps": 3}},
+                             on_event=events.append)
+    assert isinstance(result, OmniResult) and result.job.status.value == "succeeded"
+    assert result.job.params["dit"]["num_inference_steps"] == 3 and result.job.params["dit"]["guidance_scale"] == 4.5
+    image = result["image"].image()
+    assert image.size == (48, 32) and image.mode == "RGB"
+    assert result["image"].entry.width == 48 and result["text"].text is not None
+    assert [s.worker for s in result.job.stages] == [runner.worker] * 2
+    types = [e.type for e in events]
+    assert types[0] == "job.queued" and types[-1] == "job.succeeded"
+    steps = [e.data["step"] for e in events if e.type == "stage.progress" and e.data["stage"] == "dit"]
+    assert steps and steps[-1] == 3  # diffusion progress reached the last step
+    # The files are where a worker would have written them.
+    assert (settings.artifacts_dir / "jobs" / result.job.id / "outputs" / "image.png").read_bytes() == result["image"].data
+
+
+def test_llm_conditioned_image_and_latents(settings: Settings, engines: EngineCache, store: MemoryJobStore) -> None:
+    result = omni("llm-conditioned-image", settings, engines, store).generate({"prompt": "a lighthouse"})
+    assert result["image"].image().size == (32, 32)
+    latents = result["latents"].tensor()
+    assert list(latents.shape) == result["latents"].entry.shape == [4, 8, 8]
+    encoder = result.job.stage_record("encoder")
+    assert encoder.outputs["hidden_states"].media_type == "application/vnd.safetensors"
+
+
+def test_image_inputs_in_process(settings: Settings, engines: EngineCache, store: MemoryJobStore,
+                                 tmp_path: Path) -> None:
+    source = omni("text-to-image", settings, engines, store).generate(
+        {"prompt": "a boat"}, {"dit": {"height": 32, "width": 32, "num_inference_steps": 2}})
+    edit = omni("image-to-image", settings, engines, store)
+    by_ref = edit.generate({"prompt": "make it red", "image": {"job_id": source.job.id, "output": "image"}})
+    by_pil = edit.generate({"prompt": "make it red", "image": source["image"].image()})
+    path = tmp_path / "in.png"
+    path.write_bytes(source["image"].data)
+    by_path = edit.generate({"prompt": "make it red", "image": path})
+    assert by_ref["image"].data == by_pil["image"].data == by_path["image"].data
+    assert by_ref["image"].image().size == (32, 32)
+    assert by_ref.job.input["image"]["artifact"]["sha256"] == source["image"].entry.artifact.sha256
+
+
+def test_bad_request_and_failing_stage(settings: Settings, engines: EngineCache, store: MemoryJobStore,
+                                       tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        omni("text-to-audio", settings, engines, store).generate({"prompt": "x"}, {"audio": {"duration_s": 0}})
+    assert info.value.errors[0].loc == ("params", "audio", "duration_s")
+
+    broken = yaml.safe_load("""
+name: wrong-engine
+inputs: {prompt: {type: text}}
+stages:
+  - {id: sound, engine: dit, task: text-to-audio, model: tiny:pixart, inputs: {prompt: input.prompt}}
+outputs: [{name: audio, from: sound.audio}]
+""")
+    path = tmp_path / "wrong-engine.yaml"
+    path.write_text(yaml.safe_dump(broken))
+    with pytest.raises(OmniJobFailed) as failed:
+        omni(path, settings, engines, store).generate({"prompt": "x"})
+    job = failed.value.job
+    assert job.status.value == "failed" and job.error is not None and job.error.stage == "sound"
+    assert "does not make audio" in job.error.message and "StableAudioPipeline" in job.error.message
+
+
+def test_embedding_size_mismatch_found_at_load(settings: Settings, engines: EngineCache, store: MemoryJobStore,
+                                               tmp_path: Path) -> None:
+    """A DiT the spec cannot inspect (not on disk when validated): the size check happens at run time."""
+    later = tmp_path / "dit-appears-later"
+    spec = parse_pipeline(yaml.safe_load(f"""
+name: mismatch
+inputs: {{prompt: {{type: text}}}}
+stages:
+  - {{id: enc, engine: ar, task: encode, model: tiny:llama, inputs: {{prompt: input.prompt}}}}
+  - {{id: dit, engine: dit, model: {later}, inputs: {{prompt_embeds: enc.hidden_states}},
+     defaults: {{height: 32, width: 32, num_inference_steps: 2}}}}
+outputs: [{{name: image, from: dit.image}}]
+"""), source="test")
+    shutil.copytree(ensure_tiny_model("pixart", MODELS), later)  # takes 32-dim embeddings, the LLM gives 256
+    with pytest.raises(OmniJobFailed) as failed:
+        omni(spec, settings, engines, store).generate({"prompt": "a cat"})
+    error = failed.value.job.error
+    assert error is not None and error.stage == "dit" and error.type == "StageError"
+    assert "prompt embeddings of size 256, but model" in error.message and "takes 32" in error.message
+
+
+def test_async_omni_concurrent_and_streamed(settings: Settings, engines: EngineCache, store: MemoryJobStore) -> None:
+    runner = AsyncOmni("text-to-text-and-image", settings=settings, engines=engines, store=store)
+    sequential = runner.omni.generate({"prompt": "a dog"}, {"dit": {"seed": 1}})
+
+    async def main() -> tuple[list[OmniResult], list[object]]:
+        await runner.load()
+        together = await asyncio.gather(*(runner.generate({"prompt": "a dog"}, {"dit": {"seed": 1}})
+                                          for _ in range(2)))
+        streamed = [item async for item in runner.stream({"prompt": "a dog"}, {"dit": {"seed": 1}})]
+        return list(together), streamed
+
+    together, streamed = asyncio.run(main())
+    for result in together:
+        assert {n: o.data for n, o in result.outputs.items()} == {n: o.data for n, o in sequential.outputs.items()}
+    *events, last = streamed
+    assert isinstance(last, OmniResult) and last["text_and_image"].data == sequential["text_and_image"].data
+    assert all(isinstance(e, JobEvent) and e.job_id == last.job.id for e in events)
+    assert [e.type for e in events][-1] == "job.succeeded"
+    bundle = last["text_and_image"]
+    assert bundle.text == sequential["text"].text and isinstance(bundle.image(), Image.Image)
+
+
+def test_cli_run_writes_the_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from omni_jobs.cli import main
+
+    monkeypatch.setenv("OMNI_MODELS_DIR", str(MODELS))
+    monkeypatch.setenv("OMNI_ARTIFACTS_DIR", str(tmp_path / "artifacts"))
+    out = tmp_path / "out"
+    assert main(["run", "text-to-text", "-i", "prompt=Once upon a time", "--params", '{"ar": {"max_tokens": 4}}',
+                 "--out", str(out)]) == 0
+    (written,) = out.iterdir()
+    assert written.name.endswith("-text.json") and str(written) in capsys.readouterr().out
+    assert main(["run", "text-to-text", "--params", '{"ar": {"max_tokens": 0}}']) == 2
+    assert "params.ar.max_tokens" in capsys.readouterr().err

@@ -1,0 +1,94 @@
+"""/readyz and the queue metrics of an API with real Redis and no workers (the e2e tests cover the
+ready system): what is missing is named with its fix, and a job waiting on its queue is counted."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.main import create_app
+from omni_jobs.devservices import RunningService, free_port
+from omni_jobs.settings import Settings
+from omni_jobs.worker_registry import register_worker, unregister_worker
+
+READINESS_DB = 7
+
+
+@pytest.fixture
+def settings(redis_service: RunningService, tmp_path: Path) -> Iterator[Settings]:
+    url = f"redis://127.0.0.1:{redis_service.port}/{READINESS_DB}"
+    yield Settings(redis_url=url, artifacts_dir=tmp_path / "artifacts", models_dir=tmp_path / "models")
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    client.close()
+
+
+def metric(text: str, name: str, **labels: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return None
+
+
+def test_not_ready_without_workers_names_each_queue_and_the_command(settings: Settings) -> None:
+    with TestClient(create_app(settings)) as client:
+        catalogue = client.app.state.ctx.runtime.catalogue  # type: ignore[attr-defined]
+        needed = {s.queue_name for spec in catalogue for s in spec.stages} | {"results"}
+        response = client.get("/readyz")
+        assert response.status_code == 503 and response.headers["retry-after"] == "5"
+        body = response.json()
+        assert body["status"] == "unavailable" and body["redis"] == "ok" and body["artifact_store"] == "ok"
+        assert body["workers"] == {q: [] for q in needed}
+        for queue in needed:
+            assert (f"workers/{queue}: no live worker -> start one: celery -A workers.app:app worker -Q {queue} "
+                    f"-P solo -c 1 -n {queue}@%h") in body["missing"]
+        assert client.get("/healthz").json() == {"status": "ok"}  # alive, just not ready
+
+        # Every queue but one gets a worker heartbeat (as a worker writes it): only that one is missing.
+        r = client.app.state.ctx.runtime.redis  # type: ignore[attr-defined]
+        for queue in needed - {"dit"}:
+            register_worker(r, f"{queue}@test", [queue])
+        body = client.get("/readyz").json()
+        assert [m.split(":")[0] for m in body["missing"]] == ["workers/dit"]
+        register_worker(r, "dit@test", ["dit"])
+        ready = client.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["missing"] == []
+        assert ready.json()["workers"]["dit"] == ["dit@test"]
+        unregister_worker(r, "dit@test")
+        assert client.get("/readyz").status_code == 503
+
+
+def test_unreachable_artifact_store_is_not_ready(settings: Settings) -> None:
+    s3 = settings.model_copy(update={"artifact_backend": "s3", "s3_endpoint_url": f"http://127.0.0.1:{free_port()}",
+                                     "s3_access_key_id": "testing", "s3_secret_access_key": "testing"})
+    with TestClient(create_app(s3)) as client:
+        body = client.get("/readyz").json()
+        assert body["status"] == "unavailable" and body["redis"] == "ok"
+        assert "unreachable" in body["artifact_store"]
+        (store,) = [m for m in body["missing"] if m.startswith("services/artifact store")]
+        assert "s3 bucket omni-jobs at http://127.0.0.1:" in store and "OMNI_S3_ENDPOINT_URL" in store
+
+
+def test_a_job_waiting_for_a_worker_shows_in_queue_depth(settings: Settings) -> None:
+    with TestClient(create_app(settings)) as client:
+        before = client.get("/metrics").text
+        assert metric(before, "omni_jobs_queue_depth", queue="ar") == 0
+        assert metric(before, "omni_jobs_queue_workers", queue="ar") == 0
+        accepted = client.post("/v1/jobs", json={"pipeline": "text-to-text", "input": {"prompt": "hi"}})
+        assert accepted.status_code == 202, accepted.text
+        after = client.get("/metrics")
+        assert after.headers["content-type"].startswith("text/plain")
+        assert metric(after.text, "omni_jobs_queue_depth", queue="ar") == 1  # the Celery message, not yet taken
+        assert metric(after.text, "omni_jobs_queue_depth", queue="dit") == 0
+        queued = metric(after.text, "omni_jobs_jobs_total", pipeline="text-to-text", status="queued")
+        assert queued is not None and queued >= 1
+        assert metric(after.text, "omni_jobs_http_requests_total", method="POST", route="/v1/jobs",
+                      status="202") is not None
+        # The request id comes back on every answer, as given or made up.
+        assert client.get("/healthz", headers={"x-request-id": "req-42"}).headers["x-request-id"] == "req-42"

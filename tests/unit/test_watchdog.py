@@ -1,0 +1,38 @@
+"""The hard time limit ends a process stuck in a call that never returns, after recording why."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from omni_jobs.watchdog import EXIT_CODE, hard_time_limit
+
+
+def test_stuck_call_is_recorded_then_the_process_exits(tmp_path: Path) -> None:
+    marker = tmp_path / "why.txt"
+    script = textwrap.dedent(f"""
+        import time
+        from omni_jobs.watchdog import hard_time_limit
+        with hard_time_limit(0.3, lambda: open({str(marker)!r}, "w").write("hard limit")):
+            time.sleep(30)  # a call that never comes back in time
+        print("not reached")
+    """)
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=20, check=False,
+                          cwd=Path(__file__).resolve().parents[2])
+    elapsed = time.monotonic() - started
+    assert proc.returncode == EXIT_CODE, proc.stderr
+    assert "not reached" not in proc.stdout
+    assert marker.read_text() == "hard limit"
+    assert elapsed < 10
+
+
+def test_body_that_finishes_in_time_is_untouched() -> None:
+    fired: list[bool] = []
+    with hard_time_limit(5, lambda: fired.append(True), exit_process=False):
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert fired == []
