@@ -65,11 +65,11 @@ def encode_tensors(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | 
 
 
 def decode_tensors(data: bytes, *, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Tensors from safetensors bytes, moved to ``device``."""
-    import safetensors.torch
+    """Tensors from safetensors bytes (never pickle), moved to ``device``."""
+    from safetensors.torch import load as load_safetensors
 
     try:
-        tensors = safetensors.torch.load(bytes(data))
+        tensors = load_safetensors(bytes(data))
     except Exception as exc:  # SafetensorError does not subclass anything more specific
         raise CodecError(f"not safetensors data ({len(data)} bytes): {exc}") from exc
     if device != "cpu":

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from omni_jobs.devservices import RunningService, free_port, start_moto_s3, start_redis
 from omni_jobs.embedded import EmbeddedSystem
@@ -21,6 +22,17 @@ from omni_jobs.settings import Settings
 REPO = Path(__file__).resolve().parents[2]
 VISIBILITY_TIMEOUT_S = 4
 MAX_QUEUED = 3
+HARD_LIMIT_S = 1.5
+HARD_LIMIT_PIPELINE = {
+    "name": "hard-limit",
+    "description": "A DiT stage far longer than its hard time limit (and with a generous soft one).",
+    "inputs": {"prompt": {"type": "text"}},
+    "stages": [{"id": "dit", "engine": "dit", "model": "tiny:pixart", "inputs": {"prompt": "input.prompt"},
+                "engine_args": {"pipeline_class": "PixArtSigmaPipeline"},
+                "defaults": {"height": 256, "width": 256, "num_inference_steps": 200},
+                "soft_time_limit_s": 120, "time_limit_s": HARD_LIMIT_S}],
+    "outputs": [{"name": "image", "from": "dit.image"}],
+}
 
 
 @dataclass
@@ -43,6 +55,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultSystem]:
     home = tmp_path_factory.mktemp("faults")
+    pipelines = home / "pipelines"
+    pipelines.mkdir()
+    (pipelines / "hard-limit.yaml").write_text(yaml.safe_dump(HARD_LIMIT_PIPELINE))
     redis = start_redis(data_dir=home / "redis", appendonly=True)
     s3 = start_moto_s3()
     settings = Settings(models_dir=REPO / "var" / "models", artifacts_dir=home / "artifacts", redis_url=redis.url)
@@ -63,7 +78,7 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultSystem]:
             "OMNI_STAGE_MAX_RETRIES": "4",
             "OMNI_STAGE_RETRY_BACKOFF_S": "0.5",
             "OMNI_MAX_QUEUED_PER_QUEUE": str(MAX_QUEUED),
-            "OMNI_PIPELINES_PATH": json.dumps([]),
+            "OMNI_PIPELINES_PATH": json.dumps([str(pipelines)]),
         },
     )
     try:
@@ -77,5 +92,7 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultSystem]:
 
 @pytest.fixture
 def api(faults: FaultSystem) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=faults.system.api_url, timeout=30) as client:
+    key = faults.system.api_key
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    with httpx.Client(base_url=faults.system.api_url, timeout=30, headers=headers) as client:
         yield client

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 
 from tests.e2e.helpers import submit, wait_for_job
-from tests.fault.conftest import MAX_QUEUED, VISIBILITY_TIMEOUT_S, FaultSystem
+from tests.fault.conftest import HARD_LIMIT_S, MAX_QUEUED, VISIBILITY_TIMEOUT_S, FaultSystem
 
 FINAL = ("succeeded", "failed", "canceled")
 
@@ -186,3 +186,22 @@ def test_overload_answers_503_with_retry_after_and_drains(faults: FaultSystem, a
     assert [d["status"] for d in done] == ["succeeded"] * MAX_QUEUED
     assert submit(api, "text-to-text", "room again", {"ar": {"max_tokens": 2}})["status"] == "queued"
     report("Overload (queue full)", done, 0, time.monotonic() - started)
+
+
+def test_hard_time_limit_fails_the_job_and_replaces_the_worker(faults: FaultSystem, api: httpx.Client) -> None:
+    worker = faults.process("worker-dit")
+    pid = worker.pid
+    started = time.monotonic()
+    job = wait_for_job(api, submit(api, "hard-limit", "forever")["id"], timeout_s=120)
+    assert job["status"] == "failed" and job["error"]["stage"] == "dit"
+    assert job["error"]["type"] == "StageTimeout" and f"hard time limit of {HARD_LIMIT_S:g}s" in job["error"]["message"]
+    wait_until(lambda: not worker.running or worker.pid != pid, timeout_s=30, what="the stuck worker to exit")
+    assert f"hard time limit of {HARD_LIMIT_S:g}s reached: exiting this worker process" in worker.log_path.read_text()
+    worker.start()  # what compose's restart policy (or `omni-jobs up`) does
+    after = wait_for_job(api, submit(api, "text-to-image", "after the limit", image_params(seed=2, steps=2, size=32))["id"])
+    assert after["status"] == "succeeded"
+    # The redelivered message found the job final and did nothing: it stays failed, attempts 1.
+    time.sleep(VISIBILITY_TIMEOUT_S + 2)
+    again = api.get(f"/v1/jobs/{job['id']}").json()
+    assert again["status"] == "failed" and again["stages"][0]["attempts"] == 1
+    report("Stage past its hard time limit", [job], 0, time.monotonic() - started)
