@@ -13,6 +13,7 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from api import body_limit
 from api.deps import ApiContext
 from api.observability import ObservabilityMiddleware
 from api.routes import events, health, jobs, metrics, openai, pipelines
@@ -78,6 +79,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         configure_logging(settings.log_format, settings.log_level, service="api")  # JSON lines with job ids
         ctx = ApiContext(Runtime(settings))
         ctx.runtime.catalogue.names()  # load and validate pipelines at start: a bad YAML stops the API here
+        if not settings.auth_enabled:
+            log.warning("AUTHENTICATION IS OFF (OMNI_AUTH_ENABLED=false): anyone who reaches this API can submit, "
+                        "read and cancel every job. Only for a local demo; never expose this port.")
         app.state.ctx = ctx
         yield
         await ctx.aclose()
@@ -95,6 +99,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(metrics.router)
     openai.install(app)  # /v1/chat/completions, /v1/images/generations, /v1/audio/speech, /v1/models
     app.add_middleware(ObservabilityMiddleware)  # request id, job id in logs, access log, HTTP metrics
+    body_limit.install(app, settings.max_request_bytes)  # outermost: 413 before a large body is read
     app.add_exception_handler(InvalidRequest, _invalid_request)
     app.add_exception_handler(UnknownPipeline, _unknown_pipeline)
     app.add_exception_handler(JobNotFound, _not_found)

@@ -17,6 +17,7 @@ import httpx
 
 from omni_jobs import tiny
 from omni_jobs.cli_jobs import add_job_commands
+from omni_jobs.cli_keys import add_key_commands
 from omni_jobs.cli_run import add_run_command
 from omni_jobs.errors import PipelineSpecError
 from omni_jobs.pipelines.catalogue import load_catalogue, load_pipeline_file
@@ -41,10 +42,12 @@ def _wait_for_job(client: httpx.Client, job_id: str, timeout_s: float) -> dict[s
         time.sleep(0.2)
 
 
-def run_demo_job(api_url: str, out_dir: Path, prompt: str, timeout_s: float = 300) -> dict[str, Any]:
+def run_demo_job(api_url: str, out_dir: Path, prompt: str, timeout_s: float = 300,
+                 api_key: str | None = None) -> dict[str, Any]:
     """Submit one text-to-image job over HTTP, wait for it, save its PNG and JSON under out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    with httpx.Client(base_url=api_url, timeout=30) as client:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(base_url=api_url, timeout=30, headers=headers) as client:
         body = {"pipeline": "text-to-image", "input": {"prompt": prompt}, "params": {"dit": {"seed": 0}}}
         job = client.post("/v1/jobs", json=body).raise_for_status().json()
         print(f"submitted {job['id']} (text-to-image): {prompt!r}")
@@ -58,10 +61,13 @@ def run_demo_job(api_url: str, out_dir: Path, prompt: str, timeout_s: float = 30
         for out in job["outputs"]:
             if out["type"] == "image":
                 png = out_dir / f"{job['id']}-{out['name']}.png"
-                png.write_bytes(client.get(out["url"]).raise_for_status().content)
+                own = out["url"].startswith(api_url)  # the API wants the key; a presigned store URL must not get it
+                png.write_bytes((client.get(out["url"]) if own else httpx.get(out["url"], timeout=30))
+                                .raise_for_status().content)
                 print(f"image:     {png.resolve()}  ({out['width']}x{out['height']}, {out['size']} bytes)")
             elif out["type"] == "text":
                 print(f"AR text:   {out['text']!r}")
+                print("           (tiny: models have random weights: their text and images are noise by design)")
         for stage in job["stages"]:
             print(f"stage {stage['id']:<4} {stage['status']} in {stage['duration_s']:.3f}s on {stage['worker']}")
     return job
@@ -90,24 +96,33 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"API:       {system.api_url}   (docs: {system.api_url}/docs)")
         print(f"Flower:    {system.flower_url}   (user {system.flower_user}, password {system.flower_password})")
         print(f"webhooks:  signed with the secret in {system.webhook_secret_file.resolve()}")
+        if system.api_key:
+            print(f"API key:   {system.api_key}   (tenant {system.demo_tenant}; also in "
+                  f"{system.api_key_file.resolve()}; send it as 'Authorization: Bearer <key>')")
         print(f"logs:      {system.logs.resolve()}")
         print(f"metrics:   {system.api_url}/metrics, workers: "
               + ", ".join(f"{node} http://127.0.0.1:{port}/metrics" for node, port in system.metrics_ports.items()))
-        job = run_demo_job(system.api_url, home / "demo", args.prompt)
+        job = run_demo_job(system.api_url, home / "demo", args.prompt, api_key=system.api_key)
         if job["status"] != "succeeded":
             return 1
         if args.once:
             return 0
         print("\nThe system keeps running for more jobs, e.g.:")
-        print(f"  curl -s -X POST {system.api_url}/v1/jobs -H 'content-type: application/json' "
+        auth = f"-H 'authorization: Bearer {system.api_key}' " if system.api_key else ""
+        print(f"  curl -s -X POST {system.api_url}/v1/jobs {auth}-H 'content-type: application/json' "
               f"-d '{{\"pipeline\": \"text-to-image\", \"input\": {{\"prompt\": \"a cat\"}}}}'")
         print("Press Ctrl-C to stop everything.")
         while True:
             time.sleep(1)
             for proc in system.processes:
                 if not proc.running:
-                    print(f"{proc.name} exited; see {proc.log_path}", file=sys.stderr)
-                    return 1
+                    # A worker ends itself after a hard time limit; like compose's restart policy,
+                    # start a fresh one. Anything else that stops ends the demo.
+                    if not proc.name.startswith("worker-"):
+                        print(f"{proc.name} exited; see {proc.log_path}", file=sys.stderr)
+                        return 1
+                    print(f"{proc.name} exited; restarting it (see {proc.log_path})", file=sys.stderr)
+                    proc.start()
     except KeyboardInterrupt:
         print("\nstopping ...")
         return 0
@@ -191,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-devices", action="store_true", help="skip the device check (it imports torch)")
     d.set_defaults(func=cmd_doctor)
 
+    add_key_commands(sub)  # keys create | revoke | list (omni_jobs.cli_keys)
     add_job_commands(sub)  # submit, status, list, cancel, download, webhook-secret (omni_jobs.cli_jobs)
     add_run_command(sub)  # run: one job in this process, no services (omni_jobs.cli_run)
     return parser

@@ -64,7 +64,7 @@ def _secs(value: float | None) -> str:
 
 
 def _client(args: argparse.Namespace) -> Client:
-    return Client(args.api_url, api_key=os.environ.get("OMNI_API_KEY") or None, timeout=args.timeout)
+    return Client(args.api_url, api_key=args.api_key or None, timeout=args.timeout)
 
 
 def _say(text: str) -> None:
@@ -215,6 +215,8 @@ def add_job_commands(sub: Any) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--api-url", default=os.environ.get("OMNI_API_URL", DEFAULT_API_URL),
                         help="the omni-jobs API (default: $OMNI_API_URL or %(default)s)")
+    common.add_argument("--api-key", default=os.environ.get("OMNI_API_KEY"),
+                        help="API key sent as 'Authorization: Bearer' (default: $OMNI_API_KEY)")
     common.add_argument("--timeout", type=float, default=30.0, help="seconds per HTTP request")
     common.add_argument("--json", action="store_true", help="print the job JSON instead of text")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import mimetypes
+import os
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -279,6 +280,7 @@ def _event(data: str) -> JobEventInfo:
 
 def _headers(api_key: str | None, extra: Mapping[str, str] | None) -> dict[str, str]:
     headers = {"user-agent": "omni-jobs-client/0.1", **(extra or {})}
+    api_key = api_key if api_key is not None else os.environ.get("OMNI_API_KEY")  # as the CLI: the key from env
     if api_key:
         headers["authorization"] = f"Bearer {api_key}"
     return headers

@@ -263,7 +263,14 @@ def required_queues(catalogue: PipelineCatalogue, settings: Settings | None = No
 
 
 def worker_command(queue: str) -> str:
-    return f"celery -A workers.app:app worker -Q {queue} -P solo -c 1 -n {queue}@%h"
+    """The command that starts a worker for this queue, as ``omni-jobs up`` and compose start it."""
+    from omni_jobs.embedded import STAGE_QUEUES, WORKER_QUEUES
+    from omni_jobs.settings import Settings
+
+    pool = WORKER_QUEUES.get(queue, "threads")  # a user pipeline's own stage queue runs like ar/dit
+    in_flight = Settings.model_fields["stage_max_in_flight"].default
+    concurrency = in_flight if queue in STAGE_QUEUES or queue not in WORKER_QUEUES else 1
+    return f"celery -A workers.app:app worker -Q {queue} -P {pool} -c {concurrency} -n {queue}@%h"
 
 
 def check_workers(client: redis.Redis, queues: Iterable[str]) -> list[Check]:

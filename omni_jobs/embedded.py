@@ -23,12 +23,16 @@ from omni_jobs.tiny import TINY_MODELS, ensure_tiny_model
 from omni_jobs.webhooks import generate_secret
 from omni_jobs.worker_registry import live_workers
 
-WORKER_QUEUES: dict[str, str] = {"ar": "solo", "dit": "solo", "results": "solo", "webhooks": "threads"}
-"""Queue -> Celery pool. Stage workers run solo: one engine, no fork, vLLM in-process (FACTS.md).
-Webhook deliveries wait on other people's servers, so they run in threads, several at once."""
+WORKER_QUEUES: dict[str, str] = {"ar": "threads", "dit": "threads", "results": "solo", "webhooks": "threads"}
+"""Queue -> Celery pool. Stage workers run threads: one engine, no fork, vLLM in-process (FACTS.md),
+and several jobs in flight whose engine calls the batcher (omni_jobs.batching) turns into one
+batch. Webhook deliveries wait on other people's servers, so they run in threads, several at once."""
+
+STAGE_QUEUES = ("ar", "dit")
+"""Queues whose worker runs OMNI_STAGE_MAX_IN_FLIGHT tasks at once (the batch the engine sees)."""
 
 WORKER_CONCURRENCY: dict[str, int] = {"webhooks": 8}
-"""Queue -> tasks at once (default 1)."""
+"""Queue -> tasks at once (default 1; stage queues: the stage_max_in_flight setting)."""
 
 
 def _port_free(port: int) -> bool:
@@ -69,6 +73,39 @@ class EmbeddedSystem:
     webhook_secret: str = field(default_factory=generate_secret, repr=False)
     """Signs webhooks unless OMNI_WEBHOOK_SECRET is set; written to ``home/webhook-secret`` (mode 0600)."""
     processes: list[RunningService] = field(default_factory=list)
+    api_key: str | None = field(default=None, repr=False)
+    """The demo's API key (tenant ``demo_tenant``), made at start when auth is on; in ``home/api-key`` (0600)."""
+    demo_tenant: str = "demo"
+
+    @property
+    def auth_enabled(self) -> bool:
+        """Auth is on unless OMNI_AUTH_ENABLED says false, explicitly (the API then logs a warning)."""
+        value = self.child_env().get("OMNI_AUTH_ENABLED", "true").strip().lower()
+        return value not in ("0", "false", "no", "off")
+
+    @property
+    def api_key_file(self) -> Path:
+        return self.home / "api-key"
+
+    def create_api_key(self, tenant: str, name: str = "") -> str:
+        """A new API key for ``tenant`` in this system's Redis (tests make one per tenant)."""
+        from omni_jobs.auth import ApiKeys
+
+        assert self.redis_url, "start() first"
+        client = redis.Redis.from_url(self.redis_url)
+        try:
+            return ApiKeys(client).create(tenant, name)[0]
+        finally:
+            client.close()
+
+    def _make_demo_key(self, say: Callable[[str], None]) -> None:
+        if not self.auth_enabled:
+            say("WARNING: authentication is off (OMNI_AUTH_ENABLED=false): anyone reaching the API sees every job")
+            return
+        if self.api_key is None:
+            self.api_key = self.create_api_key(self.demo_tenant, "omni-jobs up")
+        self.api_key_file.touch(mode=0o600, exist_ok=True)
+        self.api_key_file.write_text(self.api_key + "\n")
 
     @property
     def api_url(self) -> str:
@@ -117,6 +154,7 @@ class EmbeddedSystem:
             self.processes.append(service)
             self.redis_url = service.url
             say(f"started Redis at {self.redis_url} (data in {self.home / 'redis'})")
+        self._make_demo_key(say)
         say("building the tiny local models (once) ...")
         for name in TINY_MODELS:
             ensure_tiny_model(name, self.settings.models_dir)
@@ -141,10 +179,18 @@ class EmbeddedSystem:
         node = name or queue
         pool = self.worker_queues.get(queue, "solo")
         argv = [sys.executable, "-m", "celery", "-A", "workers.app:app", "worker", "-Q", queue, "-P", pool,
-                "-c", str(WORKER_CONCURRENCY.get(queue, 1)), "-n", f"{node}@%h", "--loglevel", "INFO"]
+                "-c", str(self.concurrency(queue)), "-n", f"{node}@%h", "--loglevel", "INFO"]
         self.metrics_ports[node] = free_port()
         return self._spawn(f"worker-{node}", argv, 0, lambda: True,
                            env={"OMNI_METRICS_PORT": str(self.metrics_ports[node])})
+
+    def concurrency(self, queue: str) -> int:
+        """Tasks one worker of ``queue`` runs at once (stage queues: OMNI_STAGE_MAX_IN_FLIGHT, as the
+        workers will read it, so the pool and the batcher's in-flight limit agree)."""
+        if queue in STAGE_QUEUES and self.worker_queues.get(queue) == "threads":
+            value = self.child_env().get("OMNI_STAGE_MAX_IN_FLIGHT")
+            return int(value) if value else self.settings.stage_max_in_flight
+        return WORKER_CONCURRENCY.get(queue, 1)
 
     def _spawn(self, name: str, argv: list[str], port: int, ready: Callable[[], bool],
                env: dict[str, str] | None = None) -> RunningService:

@@ -132,13 +132,14 @@ def parse_image_value(value: Any, field: InputField) -> ImageSource:
     return source
 
 
-def normalize_image(data: bytes) -> tuple[bytes, int, int]:
+def normalize_image(data: bytes, max_pixels: int | None = None) -> tuple[bytes, int, int]:
     """(PNG bytes, width, height) of any image PIL reads, as RGB with no metadata."""
+    max_pixels = max_pixels or MAX_IMAGE_PIXELS
     try:
         with Image.open(io.BytesIO(data)) as probe:
             width, height = probe.size
-            if width * height > MAX_IMAGE_PIXELS:
-                raise ValueError(f"is {width}x{height} pixels; at most {MAX_IMAGE_PIXELS} pixels")
+            if width * height > max_pixels:
+                raise ValueError(f"is {width}x{height} pixels; at most {max_pixels} pixels (OMNI_MAX_IMAGE_PIXELS)")
             probe.load()
             rgb = probe.convert("RGB")
     except ValueError:
@@ -151,16 +152,26 @@ def normalize_image(data: bytes) -> tuple[bytes, int, int]:
 class InputFiles:
     """Resolves a request's file inputs and stores them as the job's input artifacts."""
 
-    def __init__(self, artifacts: ArtifactStore, jobs: JobStore) -> None:
+    def __init__(self, artifacts: ArtifactStore, jobs: JobStore, *, max_bytes: int | None = None,
+                 max_pixels: int | None = None) -> None:
         self.artifacts = artifacts
         self.jobs = jobs
+        self.max_bytes = max_bytes
+        self.max_pixels = max_pixels
 
-    def _fetch(self, source: ImageSource) -> bytes:
+    def _owned_job(self, job_id: str, tenant: str | None) -> Any:
+        """The referenced job, if ``tenant`` owns it: another tenant's job reads as missing."""
+        job = self.jobs.get(job_id)
+        if job is None or (tenant is not None and getattr(job, "tenant", tenant) != tenant):
+            raise JobNotFound(job_id)
+        return job
+
+    def _fetch(self, source: ImageSource, tenant: str | None = None) -> bytes:
         if isinstance(source, ImageUpload):
             return source.data
         if isinstance(source, OutputReference):
             try:
-                job = self.jobs.require(source.job_id)
+                job = self._owned_job(source.job_id, tenant)
             except JobNotFound:
                 raise ValueError(f"names job '{source.job_id}', which does not exist (or expired)") from None
             out = job.output(source.output)
@@ -172,6 +183,11 @@ class InputFiles:
             ref = source.ref
         if not ref.key.startswith("jobs/"):
             raise ValueError(f"names artifact {ref.key!r}, which is not a job's artifact")
+        owner = ref.key.split("/", 2)[1]
+        try:
+            self._owned_job(owner, tenant)
+        except JobNotFound:
+            raise ValueError(f"names artifact {ref.key!r} of job '{owner}', which does not exist (or expired)") from None
         try:
             return self.artifacts.get(ref)
         except ArtifactNotFound:
@@ -179,7 +195,7 @@ class InputFiles:
         except ArtifactError as exc:
             raise ValueError(f"names an artifact that cannot be read: {exc}") from None
 
-    def prepare(self, spec: PipelineSpec, input_: dict[str, Any]) -> dict[str, PreparedImage]:
+    def prepare(self, spec: PipelineSpec, input_: dict[str, Any], *, tenant: str | None = None) -> dict[str, PreparedImage]:
         """Resolve and normalize every image input (no job yet); InvalidRequest names each bad field."""
         prepared: dict[str, PreparedImage] = {}
         errors: list[FieldError] = []
@@ -187,7 +203,11 @@ class InputFiles:
             if name not in input_:
                 continue
             try:
-                png, width, height = normalize_image(self._fetch(parse_image_value(input_[name], spec.inputs[name])))
+                data = self._fetch(parse_image_value(input_[name], spec.inputs[name]), tenant)
+                if self.max_bytes is not None and len(data) > self.max_bytes:
+                    raise ValueError(f"is {len(data)} bytes; this server takes at most {self.max_bytes} "
+                                     "(OMNI_MAX_IMAGE_BYTES)")
+                png, width, height = normalize_image(data, self.max_pixels)
             except ValueError as exc:
                 errors.append(FieldError(("input", name), str(exc), "invalid_image"))
                 continue

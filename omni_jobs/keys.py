@@ -100,3 +100,33 @@ def queue_waiting(queue: str) -> str:
 def webhook_progress_throttle(job_id: str) -> str:
     """SET NX PX marker: a progress webhook of this job was sent within the throttle interval."""
     return f"{PREFIX}:job:{job_id}:webhook:progress"
+
+
+# --- API keys and tenants (omni_jobs.auth) ---
+def api_key(key_id: str) -> str:
+    """Hash {id, tenant, name, hash, created_at, revoked} of one API key; the key itself is never stored."""
+    return f"{PREFIX}:apikey:{key_id}"
+
+
+API_KEYS_INDEX = f"{PREFIX}:apikeys"
+"""Sorted set of every API key id, scored by creation time (for `omni-jobs keys list`)."""
+
+
+def tenant_jobs(tenant: str) -> str:
+    """Sorted set of one tenant's job ids, scored by creation time (written with JOBS_INDEX)."""
+    return f"{PREFIX}:tenant:{tenant}:jobs"
+
+
+# --- the stage-output cache (omni_jobs.stage_cache) ---
+def stage_cache_entry(scope: str, digest: str) -> str:
+    """Hash of one cached stage result: output port -> bytes, plus ``__media__`` (JSON port -> media type)."""
+    return f"{PREFIX}:stage-cache:{scope}:entry:{digest}"
+
+
+def stage_cache_index(scope: str) -> str:
+    """Sorted set of the scope's cached digests, scored by insertion (fifo) or last use (lru) order."""
+    return f"{PREFIX}:stage-cache:{scope}:index"
+
+
+STAGE_CACHE_CLOCK = f"{PREFIX}:stage-cache:clock"
+"""INCR counter ordering stage-cache insertions and uses (ties of wall-clock times would blur lru/fifo)."""

@@ -12,12 +12,15 @@ from typing import Any
 from redis import Redis
 
 from omni_jobs.artifacts import ArtifactStore, artifact_store_from_settings
+from omni_jobs.batching import BatchDefaults
 from omni_jobs.dispatch import Dispatcher
 from omni_jobs.engines.cache import EngineCache
 from omni_jobs.jobs.models import Job
 from omni_jobs.jobs.store import JobStore
 from omni_jobs.jobs.view import present_job
+from omni_jobs.limits import Limits
 from omni_jobs.metrics import record_job_events
+from omni_jobs.net_guard import NetGuard
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
 from omni_jobs.results import ResultsAssembler
 from omni_jobs.settings import Settings
@@ -59,8 +62,11 @@ class Runtime:
         s = self.settings
         limits = StageLimits(soft_time_limit_s=s.stage_soft_time_limit_s, time_limit_s=s.stage_time_limit_s,
                              progress_interval_s=s.progress_interval_s)
+        batching = BatchDefaults(max_batch_size=s.batch_max_size, wait_ms=s.batch_wait_ms,
+                                 max_in_flight=s.stage_max_in_flight)
         return StageRunner(store=self.jobs, catalogue=self.catalogue, artifacts=self.artifacts, engines=self.engines,
-                           limits=limits)
+                           limits=limits, batching=batching, cache_redis=self.redis,
+                           cache_defaults=(s.stage_cache_max_entries, s.stage_cache_eviction))
 
     @cached_property
     def results(self) -> ResultsAssembler:
@@ -78,7 +84,8 @@ class Runtime:
         admission = Admission(self.broker_redis, s.max_queued_per_queue, s.overload_retry_after_s)
         return JobSubmitter(self.jobs, self.catalogue, dispatcher, admission=admission,
                             idempotency_ttl_s=s.idempotency_ttl_s, max_cancel_after_s=s.max_cancel_after_s,
-                            webhooks_enabled=s.webhook_secret is not None, artifacts=self.artifacts)
+                            webhooks_enabled=s.webhook_secret is not None, artifacts=self.artifacts,
+                            net_guard=self.net_guard, limits=Limits.from_settings(s))
 
     def present(self, job: Job, *, queue_position: int | None = None) -> dict[str, Any]:
         """The public job object (the one shape of GET, SSE and webhooks)."""
@@ -115,4 +122,9 @@ class Runtime:
             signer, problem = None, str(exc)
         return WebhookDeliverer(store=self.jobs, render=self.present, signer=signer, unsigned_reason=problem,
                                 policy=RetryPolicy.from_settings(s), timeout_s=s.webhook_timeout_s,
-                                deliveries_kept=s.webhook_deliveries_kept)
+                                deliveries_kept=s.webhook_deliveries_kept, guard=self.net_guard)
+
+    @cached_property
+    def net_guard(self) -> NetGuard:
+        """SSRF guard of webhook URLs (submit and delivery), with OMNI_WEBHOOK_ALLOW_HOSTS."""
+        return NetGuard(allow_hosts=tuple(self.settings.webhook_allow_hosts))

@@ -43,7 +43,9 @@ class Settings(BaseSettings):
     )
     s3_region: str = Field("us-east-1", description="S3 region.")
     s3_access_key_id: str | None = Field(None, description="S3 key id; None uses boto3's usual lookup.")
-    s3_secret_access_key: str | None = Field(None, description="S3 secret; None uses boto3's usual lookup.")
+    s3_secret_access_key: SecretStr | None = Field(
+        None, description="S3 secret; None uses boto3's usual lookup. Never logged (SecretStr hides it in reprs)."
+    )
     s3_prefix: str = Field("", description="Key prefix inside the bucket.")
     output_urls: Literal["presigned", "api"] = Field(
         "presigned", description="Output URLs in job JSON: presigned store URLs where the store has them, or the API."
@@ -98,6 +100,15 @@ class Settings(BaseSettings):
         900, gt=0, description="Hard limit: the job fails and the worker process is replaced (per-stage override)."
     )
     progress_interval_s: float = Field(0.2, ge=0, description="Least time between two progress writes of a stage.")
+    batch_max_size: int = Field(16, ge=1, description="Largest engine batch a stage worker makes (per-stage override).")
+    batch_wait_ms: float = Field(
+        10.0, ge=0, description="How long the first request of a batch waits for batch-mates (per-stage override)."
+    )
+    stage_max_in_flight: int = Field(
+        16, ge=1, description="Tasks one AR/DiT worker process runs at once (its threads; per-stage override)."
+    )
+    stage_cache_max_entries: int = Field(1000, ge=1, description="Entries of the stage-output cache per stage.")
+    stage_cache_eviction: Literal["fifo", "lru"] = Field("lru", description="Which entry a full stage cache drops.")
     stage_max_retries: int = Field(5, ge=0, description="Retries of a stage after a transient error (store down).")
     stage_retry_backoff_s: float = Field(1.0, gt=0, description="First retry delay; doubles each retry, with jitter.")
 
@@ -116,6 +127,25 @@ class Settings(BaseSettings):
     )
     max_prefer_wait_s: float = Field(
         60, ge=0, description="Cap on `Prefer: wait=N` for POST /v1/jobs (seconds the request may block)."
+    )
+
+    # --- Security (README "Security") ---
+    auth_enabled: bool = Field(
+        True, description="Require `Authorization: Bearer <API key>` on /v1 routes. Only the embedded demo or a "
+        "test may turn it off, explicitly; the API then logs a warning at start and every job is tenant 'default'.",
+    )
+    max_request_bytes: int = Field(32 * MiB, gt=0, description="Largest request body (413 above it).")
+    max_prompt_chars: int = Field(20000, gt=0, description="Longest text input of a job (on top of each pipeline's max_length).")
+    max_image_bytes: int = Field(16 * MiB, gt=0, description="Largest image input (encoded bytes).")
+    max_image_pixels: int = Field(4096 * 4096, gt=0, description="Largest image input, width x height, checked before decoding.")
+    max_steps: int = Field(200, gt=0, description="Most diffusion steps a job may ask for (num_inference_steps).")
+    max_image_side: int = Field(2048, ge=16, description="Largest width or height a job may ask for, in pixels.")
+    max_tokens: int = Field(4096, gt=0, description="Most tokens an AR stage may be asked to generate (max_tokens).")
+    max_outputs: int = Field(10, gt=0, description="Most images one OpenAI images call may ask for (n).")
+    webhook_allow_hosts: list[str] = Field(
+        default_factory=list,
+        description="Webhook hosts (`host` or `host:port`, JSON list in env) that may resolve to private, loopback or "
+        "link-local addresses and may use http://. Everything else must be https:// to a public address.",
     )
 
     # --- Webhooks (Standard Webhooks; schedule documented in README "Webhooks") ---

@@ -8,13 +8,17 @@ outputs already exist is not run again, only advanced.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore
+from omni_jobs.batching import BatchDefaults, BatchPolicy, ar_batcher
 from omni_jobs.dispatch import RESULTS_QUEUE, NextStep
 from omni_jobs.engines.ar import ARRequest, SamplingOptions
 from omni_jobs.engines.cache import EngineCache
@@ -28,6 +32,7 @@ from omni_jobs.payloads import FORMATS, decode_payload, encode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.params import ARParams
 from omni_jobs.pipelines.spec import INPUT_SOURCE, PipelineSpec, StageSpec
+from omni_jobs.stage_cache import CachedOutputs, Eviction, StageCache, cache_key, text_digest
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +76,17 @@ class StageOutcome:
 
 
 def _execute_ar(engines: EngineCache, stage: StageSpec, params: ARParams, inputs: dict[str, Any], request_id: str,
-                progress: ProgressFn) -> dict[str, Any]:
+                progress: ProgressFn, *, policy: BatchPolicy | None = None) -> dict[str, Any]:
     engine = engines.ar(stage.model, stage.engine_args)
     sampling = SamplingOptions(
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, seed=params.seed
     )
     prompt = params.prompt_template.format(prompt=inputs["prompt"])
     request = ARRequest(request_id=request_id, prompt=prompt, sampling=sampling)
-    (output,) = engine.generate([request], on_progress=lambda _rid, done, total: progress(done, total))
+    if policy is not None:  # concurrent jobs of this worker share one vLLM batch
+        output = ar_batcher(engine, policy).submit(request, progress)
+    else:
+        (output,) = engine.generate([request], on_progress=lambda _rid, done, total: progress(done, total))
     return {"text": output.text, "token_ids": output.token_ids}
 
 
@@ -95,12 +103,21 @@ class StageRunner:
     """Runs stages for any pipeline in the catalogue, with engines loaded once per process."""
 
     def __init__(self, *, store: JobStore, catalogue: PipelineCatalogue, artifacts: ArtifactStore,
-                 engines: EngineCache, limits: StageLimits | None = None) -> None:
+                 engines: EngineCache, limits: StageLimits | None = None, batching: BatchDefaults | None = None,
+                 cache_redis: redis.Redis | None = None, cache_defaults: tuple[int, Eviction] = (1000, "lru")) -> None:
+        """``batching``: engine calls go through the per-engine batcher (stage workers); None calls the
+        engine per job. ``cache_redis``: where stages with ``cache.enabled`` keep their outputs."""
         self.store = store
         self.catalogue = catalogue
         self.artifacts = artifacts
         self.engines = engines
         self.limits = limits or StageLimits()
+        self.batching = batching
+        self.cache_redis = cache_redis
+        self.cache_defaults = cache_defaults
+        self._caches: dict[tuple[int, str], StageCache] = {}
+        self._in_flight: dict[tuple[str, str], threading.BoundedSemaphore] = {}
+        self._guard = threading.Lock()
 
     def run(self, job_id: str, stage_id: str, *, worker: str) -> StageOutcome:
         job = self.store.get(job_id)
@@ -126,9 +143,18 @@ class StageRunner:
         started = time.perf_counter()
         try:
             inputs = self._load_inputs(spec, stage, job)
-            values = self._execute(stage, job, inputs)
-            engine_s = time.perf_counter() - started
-            refs = self._store_outputs(job_id, stage, values)
+            cache, digest = self._stage_cache(spec, stage, job)
+            hit = cache.get(f"{spec.name}.{stage.id}", digest) if cache is not None and digest else None
+            if hit is not None:  # the same stage config, params and inputs ran before: skip the engine
+                refs = self._put_encoded(job_id, stage, hit)
+                engine_s = 0.0
+            else:
+                values = self._execute(stage, job, inputs, spec.name)
+                engine_s = time.perf_counter() - started
+                encoded = self._encode_outputs(stage, values)
+                refs = self._put_encoded(job_id, stage, encoded)
+                if cache is not None and digest:
+                    cache.put(f"{spec.name}.{stage.id}", digest, encoded.data, encoded.media_types)
         except DeadlineExceeded:
             self.cancel_for_deadline(job_id)
             return StageOutcome("canceled", [])
@@ -139,6 +165,8 @@ class StageRunner:
             self.fail(job_id, stage_id, exc)
             return StageOutcome("failed", [])
         metrics = {"run_s": time.perf_counter() - started, "engine_s": engine_s}
+        if cache is not None and digest:
+            metrics["cache_hit"] = 1.0 if hit is not None else 0.0
         job, _ = self.store.update(job_id, lambda j: state.stage_succeeded(j, stage_id, refs, metrics, now()))
         return StageOutcome("succeeded", self._next_steps(spec, job, stage_id))
 
@@ -186,15 +214,59 @@ class StageRunner:
             inputs[port] = decode_payload(upstream.outputs[binding.port], self.artifacts.get(ref))
         return inputs
 
-    def _execute(self, stage: StageSpec, job: Job, inputs: dict[str, Any]) -> dict[str, Any]:
+    def _stage_cache(self, spec: PipelineSpec, stage: StageSpec, job: Job) -> tuple[StageCache | None, str | None]:
+        """The stage-output cache of this stage and this job's key in it (None: not cached)."""
+        if not stage.cache.enabled or self.cache_redis is None:
+            return None, None
+        params = job.params.get(stage.id, {})
+        resolved = (ARParams(**params) if stage.engine == "ar" and stage.task_name == "generate"
+                    else stage.params(params)).model_dump(mode="json")
+        if resolved.get("temperature", 0) and resolved.get("seed") is None:
+            return None, None  # sampled without a seed: a repeat must not return the same text
+        digests: dict[str, str] = {}
+        for port, binding in stage.inputs.items():
+            if binding.source == INPUT_SOURCE:
+                digests[port] = text_digest(job.input.get(binding.port))
+            else:
+                ref = job.stage_record(binding.source).outputs.get(binding.port)
+                digests[port] = ref.sha256 if ref is not None else ""
+        config = stage.model_dump(mode="json", include={"engine", "task", "model", "engine_args", "produces"})
+        max_entries = stage.cache.max_entries or self.cache_defaults[0]
+        eviction: Eviction = stage.cache.eviction or self.cache_defaults[1]
+        with self._guard:
+            cache = self._caches.get((max_entries, eviction))
+            if cache is None:
+                cache = self._caches[(max_entries, eviction)] = StageCache(
+                    self.cache_redis, max_entries=max_entries, eviction=eviction)
+        return cache, cache_key(config, resolved, digests)
+
+    def _in_flight_slot(self, pipeline: str, stage: StageSpec) -> threading.BoundedSemaphore:
+        """The per-stage in-flight limit of this process (a stage's batching.max_in_flight)."""
+        assert self.batching is not None
+        with self._guard:
+            key = (pipeline, stage.id)
+            if key not in self._in_flight:
+                self._in_flight[key] = threading.BoundedSemaphore(self.batching.in_flight(stage))
+            return self._in_flight[key]
+
+    def _execute(self, stage: StageSpec, job: Job, inputs: dict[str, Any], pipeline: str = "") -> dict[str, Any]:
+        if self.batching is None:
+            return self._execute_now(stage, job, inputs, None)
+        with self._in_flight_slot(pipeline or job.pipeline, stage):
+            return self._execute_now(stage, job, inputs, self.batching.policy(stage))
+
+    def _execute_now(self, stage: StageSpec, job: Job, inputs: dict[str, Any],
+                     policy: BatchPolicy | None) -> dict[str, Any]:
         params = job.params.get(stage.id, {})
         progress = self._progress_reporter(job.id, stage, job.deadline_at)
         try:
             request_id = f"{job.id}:{stage.id}"
             if stage.engine == "ar" and stage.task_name == "generate":
-                return _execute_ar(self.engines, stage, ARParams(**params), inputs, request_id, progress)
-            run = execute_encode if stage.engine == "ar" else execute_dit  # (engine, task) -> engine call
-            return run(self.engines, stage, stage.params(params), inputs, request_id, progress)
+                return _execute_ar(self.engines, stage, ARParams(**params), inputs, request_id, progress,
+                                   policy=policy)
+            if stage.engine == "ar":
+                return execute_encode(self.engines, stage, stage.params(params), inputs, request_id, progress)
+            return execute_dit(self.engines, stage, stage.params(params), inputs, request_id, progress, policy=policy)
         except (JobCanceled, StageError):
             raise
         except (ValueError, TypeError, RuntimeError, OSError, KeyError) as exc:
@@ -233,11 +305,21 @@ class StageRunner:
         return report
 
     def _store_outputs(self, job_id: str, stage: StageSpec, values: dict[str, Any]) -> dict[str, ArtifactRef]:
+        return self._put_encoded(job_id, stage, self._encode_outputs(stage, values))
+
+    @staticmethod
+    def _encode_outputs(stage: StageSpec, values: dict[str, Any]) -> CachedOutputs:
+        """Each output port's bytes in its format (what is stored, and what the stage cache keeps)."""
+        data = {port: encode_payload(modality, values[port]) for port, modality in stage.outputs.items()}
+        media = {port: FORMATS[modality].media_type for port, modality in stage.outputs.items()}
+        return CachedOutputs(data=data, media_types=media)
+
+    def _put_encoded(self, job_id: str, stage: StageSpec, encoded: CachedOutputs) -> dict[str, ArtifactRef]:
         refs: dict[str, ArtifactRef] = {}
         for port, modality in stage.outputs.items():
             fmt = FORMATS[modality]
             key = keys.intermediate_artifact(job_id, stage.id, f"{port}.{fmt.extension}")
-            refs[port] = self.artifacts.put_intermediate(key, encode_payload(modality, values[port]), fmt.media_type)
+            refs[port] = self.artifacts.put_intermediate(key, encoded.data[port], encoded.media_types[port])
         return refs
 
     def _next_steps(self, spec: PipelineSpec, job: Job, stage_id: str, *, resend: bool = False) -> list[NextStep]:

@@ -17,12 +17,15 @@ from pydantic import ValidationError
 
 from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactStore
+from omni_jobs.auth import DEFAULT_TENANT
 from omni_jobs.dispatch import Dispatcher, NextStep
 from omni_jobs.errors import FieldError, IdempotencyConflict, InvalidRequest, Overloaded
 from omni_jobs.input_files import InputFiles, PreparedImage, parse_image_value
 from omni_jobs.jobs import state
 from omni_jobs.jobs.models import Job, JobEvent, JobWebhook, StageRecord, new_job_id, now
 from omni_jobs.jobs.store import JobStore
+from omni_jobs.limits import Limits
+from omni_jobs.net_guard import NetGuard, UnsafeWebhookUrl
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.spec import InputField, PipelineSpec
 from omni_jobs.queue_depth import queue_depth
@@ -146,9 +149,14 @@ class JobSubmitter:
     def __init__(self, store: JobStore, catalogue: PipelineCatalogue, dispatcher: Dispatcher, *,
                  admission: Admission | None = None, idempotency_ttl_s: int = 24 * 3600,
                  max_cancel_after_s: float = 7 * 24 * 3600, webhooks_enabled: bool = True,
-                 artifacts: ArtifactStore | None = None) -> None:
+                 artifacts: ArtifactStore | None = None, net_guard: NetGuard | None = None,
+                 limits: Limits | None = None) -> None:
         self.store = store
-        self.input_files = InputFiles(artifacts, store) if artifacts is not None else None
+        self.limits = limits
+        self.net_guard = net_guard
+        self.input_files = (InputFiles(artifacts, store, max_bytes=limits.max_image_bytes if limits else None,
+                                       max_pixels=limits.max_image_pixels if limits else None)
+                            if artifacts is not None else None)
         self.catalogue = catalogue
         self.dispatcher = dispatcher
         self.admission = admission
@@ -169,6 +177,9 @@ class JobSubmitter:
             clean_params = resolve_params(spec, params)
         except InvalidRequest as exc:
             errors.extend(exc.errors)
+        if self.limits is not None:
+            errors.extend(self.limits.check_input(spec, clean_input))
+            errors.extend(self.limits.check_params(clean_params))
         if errors:
             raise InvalidRequest(errors)
         return spec, clean_input, clean_params
@@ -179,19 +190,28 @@ class JobSubmitter:
         if hook is not None and not self.webhooks_enabled:
             raise InvalidRequest([FieldError(("webhook",), "this server has no webhook signing secret "
                                              "(OMNI_WEBHOOK_SECRET), so it sends no webhooks", "webhooks_disabled")])
+        if hook is not None and self.net_guard is not None:
+            try:
+                self.net_guard.check(hook.url)
+            except UnsafeWebhookUrl as exc:
+                raise InvalidRequest([FieldError(("webhook",), str(exc), "unsafe_url")]) from None
         return hook
 
     def submit(self, pipeline: str, input_: Any, params: Any = None, *, cancel_after_s: float | None = None,
-               idempotency_key: str | None = None, webhook: Any = None, webhook_events_filter: Any = None) -> Job:
+               idempotency_key: str | None = None, webhook: Any = None, webhook_events_filter: Any = None,
+               tenant: str = DEFAULT_TENANT) -> Job:
         return self.submit_idempotent(pipeline, input_, params, cancel_after_s=cancel_after_s,
                                       idempotency_key=idempotency_key, webhook=webhook,
-                                      webhook_events_filter=webhook_events_filter)[0]
+                                      webhook_events_filter=webhook_events_filter, tenant=tenant)[0]
 
     def submit_idempotent(self, pipeline: str, input_: Any, params: Any = None, *,
                           cancel_after_s: float | None = None,
                           idempotency_key: str | None = None, webhook: Any = None,
-                          webhook_events_filter: Any = None) -> tuple[Job, bool]:
-        """(job, created): with a key seen before and the same body, the earlier job and False."""
+                          webhook_events_filter: Any = None, tenant: str = DEFAULT_TENANT) -> tuple[Job, bool]:
+        """(job, created): with a key seen before and the same body, the earlier job and False.
+
+        ``tenant`` owns the job; Idempotency-Keys and referenced outputs are looked up within it.
+        """
         hook_errors: list[FieldError] = []
         hook: JobWebhook | None = None
         try:
@@ -204,15 +224,16 @@ class JobSubmitter:
             raise InvalidRequest([*exc.errors, *hook_errors]) from None
         if hook_errors:
             raise InvalidRequest(hook_errors)
-        files = self._prepare_files(spec, clean_input)
+        files = self._prepare_files(spec, clean_input, tenant)
         if cancel_after_s is not None and not 0 < cancel_after_s <= self.max_cancel_after_s:
             raise InvalidRequest([FieldError(("header", "Cancel-After"),
                                              f"must be between 0 and {self.max_cancel_after_s:g} seconds")])
         job = build_job(spec, clean_input, clean_params)
         job.webhook = hook
+        job.tenant = tenant
         if idempotency_key is not None:
             earlier = self._claim_idempotency_key(idempotency_key, job.id, request_fingerprint(
-                pipeline, input_, params, webhook, webhook_events_filter))
+                pipeline, input_, params, webhook, webhook_events_filter), tenant=tenant)
             if earlier is not None:
                 return earlier, False
         if self.admission is not None:
@@ -232,18 +253,19 @@ class JobSubmitter:
                 self.dispatcher.dispatch(NextStep(job.id, stage.id, stage.queue_name))
         return job, True
 
-    def _prepare_files(self, spec: PipelineSpec, input_: dict[str, Any]) -> dict[str, PreparedImage]:
+    def _prepare_files(self, spec: PipelineSpec, input_: dict[str, Any], tenant: str) -> dict[str, PreparedImage]:
         """Image inputs resolved and normalized before anything is claimed or stored."""
         if not spec.file_inputs() or not any(name in input_ for name in spec.file_inputs()):
             return {}
         if self.input_files is None:
             raise InvalidRequest([FieldError(("input", name), "this server has no artifact store for file inputs")
                                   for name in spec.file_inputs() if name in input_])
-        return self.input_files.prepare(spec, input_)
+        return self.input_files.prepare(spec, input_, tenant=tenant)
 
-    def _claim_idempotency_key(self, key: str, job_id: str, fingerprint: str) -> Job | None:
-        """None when the key is new (now bound to job_id); else the job it was used for."""
-        redis_key = keys.idempotency(key)
+    def _claim_idempotency_key(self, key: str, job_id: str, fingerprint: str, *,
+                               tenant: str = DEFAULT_TENANT) -> Job | None:
+        """None when the key is new (now bound to job_id); else the job it was used for (keys are per tenant)."""
+        redis_key = keys.idempotency(key if tenant == DEFAULT_TENANT else f"{tenant}:{key}")
         record = json.dumps({"job_id": job_id, "fingerprint": fingerprint})
         for _ in range(50):
             if self.store.redis.set(redis_key, record, nx=True, ex=self.idempotency_ttl_s):

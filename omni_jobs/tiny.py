@@ -395,9 +395,30 @@ TINY_MODEL_INFO: dict[str, dict[str, int | bool | str]] = {
 that an LLM's hidden size matches the prompt-embedding size of the DiT it conditions."""
 
 
+def build_bench_llama(path: Path) -> Path:
+    """The benchmark's Llama: hidden 512 x 8 layers, big enough that compute, not Python, dominates."""
+    return build_tiny_llama(path, hidden_size=512, num_layers=8, num_heads=8)
+
+
+def build_bench_pixart(path: Path) -> Path:
+    """The benchmark's larger PixArt DiT (hidden 256 = 4 heads x 64, 4 layers): compute-bound at 64x64."""
+    return build_tiny_pixart(path, num_heads=4, head_dim=64, num_layers=4)
+
+
+BENCH_MODELS: dict[str, Callable[[Path], Path]] = {
+    "bench-llama": build_bench_llama,
+    "bench-pixart": build_bench_pixart,
+}
+"""Larger random-weight models for bench/ (``tiny:bench-llama``); built on demand, never by ``up``."""
+
+
+def _builders() -> dict[str, Callable[[Path], Path]]:
+    return {**TINY_MODELS, **BENCH_MODELS}
+
+
 def _check_name(name: str) -> None:
-    if name not in TINY_MODELS:
-        raise ValueError(f"unknown tiny model {name!r}; valid names: {', '.join(sorted(TINY_MODELS))}")
+    if name not in _builders():
+        raise ValueError(f"unknown tiny model {name!r}; valid names: {', '.join(sorted(_builders()))}")
 
 
 def _make_readable(root: Path) -> None:
@@ -425,7 +446,7 @@ def ensure_tiny_model(name: str, models_dir: Path) -> Path:
     models_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{name}.", suffix=".tmp", dir=models_dir))
     try:
-        TINY_MODELS[name](tmp)
+        _builders()[name](tmp)
         _make_readable(tmp)
         try:
             os.rename(tmp, target)

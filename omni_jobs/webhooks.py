@@ -37,6 +37,7 @@ from omni_jobs import keys
 from omni_jobs.dispatch import WEBHOOKS_QUEUE, Dispatcher, NextStep, WebhookMessage
 from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound
 from omni_jobs.jobs.models import WEBHOOK_EVENTS, Job, JobEvent, JobWebhook, WebhookDelivery, now
+from omni_jobs.net_guard import HostDoesNotResolve, NetGuard, UnsafeWebhookUrl
 
 if TYPE_CHECKING:
     import redis
@@ -61,6 +62,9 @@ EVENT_OF: dict[str, str] = {
     "job.canceled": "completed",
 }
 """Job event type -> webhook event. Other events (queued, stage.started, ...) send nothing."""
+
+REFUSED = "refused by the SSRF guard"
+"""Start of a delivery error that is final: the URL resolved to an address webhooks may not reach."""
 
 INTERMEDIATE_EVENTS = frozenset({"start", "progress"})
 """Events whose news goes stale: retried at most once."""
@@ -267,11 +271,12 @@ class AttemptResult:
         return self.status_code >= 500 or self.status_code in (408, 429)
 
 
-def post_webhook(client: httpx.Client, url: str, body: bytes, headers: dict[str, str]) -> AttemptResult:
+def post_webhook(client: httpx.Client, url: str, body: bytes, headers: dict[str, str],
+                 extensions: dict[str, Any] | None = None) -> AttemptResult:
     """One POST; redirects are not followed (a 3xx is an answer, not a success)."""
     started = time.perf_counter()
     try:
-        response = client.post(url, content=body, headers=headers)
+        response = client.post(url, content=body, headers=headers, extensions=extensions)
     except httpx.TimeoutException as exc:
         return AttemptResult(None, f"timeout: {type(exc).__name__}", time.perf_counter() - started)
     except httpx.HTTPError as exc:
@@ -304,8 +309,10 @@ class WebhookDeliverer:
 
     def __init__(self, *, store: JobStore, render: Callable[[Job], dict[str, Any]], signer: WebhookSigner | None,
                  policy: RetryPolicy, timeout_s: float, deliveries_kept: int,
-                 unsigned_reason: str = "no signing secret", client: httpx.Client | None = None) -> None:
+                 unsigned_reason: str = "no signing secret", client: httpx.Client | None = None,
+                 guard: NetGuard | None = None) -> None:
         self.store = store
+        self.guard = guard
         self.render = render
         self.signer = signer
         self.unsigned_reason = unsigned_reason
@@ -326,7 +333,7 @@ class WebhookDeliverer:
             timestamp = int(now())
             headers = {"content-type": "application/json", EVENT_HEADER: event,
                        **self.signer.headers(message_id, timestamp, body)}
-            result = post_webhook(self.client, job.webhook.url, body, headers)
+            result = self._post(job.webhook.url, body, headers)
         delivery = WebhookDelivery(id=message_id, event=event, attempt=attempt, at=now(),
                                    status_code=result.status_code, error=result.error,
                                    duration_s=round(result.duration_s, 6))
@@ -336,15 +343,28 @@ class WebhookDeliverer:
             log.info("webhook %s: job %s expired during the attempt; not recording it", message_id, job_id)
         if result.ok:
             return DeliveryOutcome("delivered", status_code=result.status_code)
-        if self.signer is not None and result.retryable and attempt < self.policy.attempts_for(event):
+        refused = result.error is not None and result.error.startswith(REFUSED)
+        if self.signer is not None and result.retryable and not refused and attempt < self.policy.attempts_for(event):
             delay = self.policy.delay(attempt, result.retry_after_s)
             log.info("webhook %s (%s, job %s) attempt %d failed (%s); retrying in %.2fs",
                      message_id, event, job_id, attempt, result.error, delay)
             return DeliveryOutcome("retry", delay, result.status_code)
-        status = "gave_up" if result.retryable else "rejected"
+        status = "gave_up" if result.retryable and not refused else "rejected"
         log.warning("webhook %s (%s, job %s) %s after attempt %d: %s", message_id, event, job_id,
                     status.replace("_", " "), attempt, result.error)
         return DeliveryOutcome(status, None, result.status_code)
+
+    def _post(self, url: str, body: bytes, headers: dict[str, str]) -> AttemptResult:
+        """Through the net guard when there is one: resolved and checked now, sent to that address."""
+        if self.guard is None:
+            return post_webhook(self.client, url, body, headers)
+        try:
+            pinned = self.guard.pin(url)
+        except HostDoesNotResolve as exc:
+            return AttemptResult(None, f"webhook {exc}"[:500], 0.0)  # DNS may come back: retried
+        except UnsafeWebhookUrl as exc:
+            return AttemptResult(None, f"{REFUSED}: webhook {exc}"[:500], 0.0)
+        return post_webhook(self.client, pinned.url, body, {**headers, **pinned.headers}, pinned.extensions)
 
     def close(self) -> None:
         self.client.close()

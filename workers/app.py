@@ -2,7 +2,7 @@
 
 Thin shell: configuration comes from omni_jobs.queueing, the work from omni_jobs.stages and
 omni_jobs.results. Start a worker per queue, e.g.
-``celery -A workers.app:app worker -Q dit -P solo -c 1 -n dit@%h``.
+``celery -A workers.app:app worker -Q dit -P threads -c 16 -n dit@%h``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from celery import Celery
 
 from omni_jobs.queueing import celery_config
 from omni_jobs.settings import get_settings
+from workers import broker_fix
+
+broker_fix.install()  # threads-pool workers must survive a broker restart (see workers/broker_fix.py)
 
 app = Celery("omni_jobs")
 app.conf.update(celery_config(get_settings()))

@@ -16,11 +16,12 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Query
 from fastapi.responses import StreamingResponse
 
+from api.auth import Tenant, authenticate
 from api.deps import ApiContext, get_context
 from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound
 from omni_jobs.jobs.watch import FINAL_EVENTS, STREAM_ID
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authenticate)])
 Ctx = Annotated[ApiContext, Depends(get_context)]
 
 HEARTBEAT_S = 15.0
@@ -47,12 +48,14 @@ def _start_after(last_event_id: str | None, after: str | None) -> str:
 async def job_events(
     job_id: str,
     ctx: Ctx,
+    tenant: Tenant,
     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)] = None,
     after: Annotated[str | None, Query(max_length=64, description="Resume after this event id.")] = None,
 ) -> StreamingResponse:
     start = _start_after(last_event_id, after)
     watcher = ctx.watcher
-    if await watcher.get(job_id) is None:
+    owner = await watcher.get(job_id)
+    if owner is None or owner.tenant != tenant:  # another tenant's job: 404, as if unknown
         raise JobNotFound(job_id)
 
     async def stream() -> AsyncIterator[str]:

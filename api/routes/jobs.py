@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 
 from api import uploads
+from api.auth import Tenant, authenticate
 from api.deps import ApiContext, get_context
 from api.prefer import prefer_wait
 from api.schemas import JobList, JobRequest
@@ -18,7 +19,7 @@ from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.view import present_job
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authenticate)])
 Ctx = Annotated[ApiContext, Depends(get_context)]
 
 
@@ -49,6 +50,7 @@ async def create_job(
     ctx: Ctx,
     request: Request,
     response: Response,
+    tenant: Tenant,
     idempotency_key: Annotated[
         str | None,
         Header(max_length=255, description="Same key + same body returns the same job; a different body: 409."),
@@ -62,7 +64,7 @@ async def create_job(
     job, created = await run_in_threadpool(
         ctx.submitter.submit_idempotent,
         body.pipeline, body.input, body.params, cancel_after_s=cancel_after_s, idempotency_key=idempotency_key,
-        webhook=body.webhook, webhook_events_filter=body.webhook_events_filter,
+        webhook=body.webhook, webhook_events_filter=body.webhook_events_filter, tenant=tenant,
     )
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if not created:
@@ -87,38 +89,41 @@ async def create_job_multipart(
     ctx: Ctx,
     request: Request,
     response: Response,
+    tenant: Tenant,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
     cancel_after: Annotated[str | None, Header(max_length=32)] = None,
 ) -> dict[str, Any]:
     body = await uploads.job_request_from_form(request, ctx.runtime.catalogue)
-    return await create_job(body, ctx, request, response, idempotency_key, cancel_after)
+    return await create_job(body, ctx, request, response, tenant, idempotency_key, cancel_after)
 
 
 @router.get("", summary="List jobs, newest first")
 def list_jobs(
     ctx: Ctx,
+    tenant: Tenant,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
     cursor: Annotated[str | None, Query(max_length=32)] = None,
     status_: Annotated[JobStatus | None, Query(alias="status")] = None,
 ) -> JobList:
     limit = min(limit, ctx.runtime.settings.max_page_size)
-    page = ctx.runtime.jobs.page(limit=limit, cursor=cursor, status=status_)
+    page = ctx.runtime.jobs.page(limit=limit, cursor=cursor, status=status_, tenant=tenant)
     return JobList(data=[_present(ctx, j) for j in page.jobs], next_cursor=page.next_cursor)
 
 
 @router.get("/{job_id}", summary="Get a job")
-def get_job(job_id: str, ctx: Ctx) -> dict[str, Any]:
-    return _present(ctx, ctx.runtime.jobs.require(job_id), queue_position=True)
+def get_job(job_id: str, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    return _present(ctx, ctx.runtime.jobs.require(job_id, tenant=tenant), queue_position=True)
 
 
 @router.post("/{job_id}/cancel", summary="Cancel a queued or running job")
-def cancel(job_id: str, ctx: Ctx) -> dict[str, Any]:
+def cancel(job_id: str, ctx: Ctx, tenant: Tenant) -> dict[str, Any]:
+    ctx.runtime.jobs.require(job_id, tenant=tenant)  # another tenant's job: 404, as if unknown
     return _present(ctx, cancel_job(ctx.runtime.jobs, job_id))
 
 
 @router.get("/{job_id}/outputs/{name}", summary="Download one output file", response_class=Response)
-def download_output(job_id: str, name: str, ctx: Ctx) -> Response:
-    job = ctx.runtime.jobs.require(job_id)
+def download_output(job_id: str, name: str, ctx: Ctx, tenant: Tenant) -> Response:
+    job = ctx.runtime.jobs.require(job_id, tenant=tenant)
     out = job.output(name)
     if out is None:
         raise JobNotFound(f"{job_id}/outputs/{name}")

@@ -30,13 +30,14 @@ import time
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, FastAPI, Header, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from api.auth import authenticate
 from api.deps import ApiContext, get_context
 from omni_jobs.doctor import is_builtin
 from omni_jobs.errors import InvalidRequest
@@ -94,7 +95,7 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 
 def install(app: FastAPI) -> None:
     """Add the routes and their error handlers to the API."""
-    app.include_router(router)
+    app.include_router(router, dependencies=[Depends(authenticate)])  # the same bearer key (the client's api_key)
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
 
@@ -262,12 +263,12 @@ def _invalid(exc: InvalidRequest, origin: Origin, prompt_param: str) -> OpenAIEr
 
 # --- jobs ---
 async def _submit(ctx: ApiContext, spec: PipelineSpec, prompt: str, params: dict[str, dict[str, Any]],
-                  origin: Origin, *, prompt_param: str, idempotency_key: str | None) -> Job:
+                  origin: Origin, *, prompt_param: str, idempotency_key: str | None, tenant: str) -> Job:
     name = text_input(spec)
     assert name is not None
     try:
         job: Job = await run_in_threadpool(ctx.submitter.submit, spec.name, {name: prompt}, params,
-                                           idempotency_key=idempotency_key)
+                                           idempotency_key=idempotency_key, tenant=tenant)
     except InvalidRequest as exc:
         raise _invalid(exc, origin, prompt_param) from None
     bind(job_id=job.id)  # the access log line and anything logged below name the job
@@ -400,7 +401,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
            "width": (body.width or width, "width" if body.width else "size"),
            "height": (body.height or height, "height" if body.height else "size")}
     params, origin = build_params(spec, ar, dit, body.params)
-    job = await _submit(ctx, spec, prompt, params, origin, prompt_param="messages", idempotency_key=idempotency_key)
+    job = await _submit(ctx, spec, prompt, params, origin, prompt_param="messages", idempotency_key=idempotency_key,
+                        tenant=request.state.tenant)
     (job,) = await _finished(ctx, [job])
 
     text = _text(job)
@@ -439,6 +441,9 @@ async def images_generations(body: ImageGenerationRequest, request: Request,
         raise OpenAIError(400, "stream=true is not supported", param="stream")
     if body.output_format not in (None, "png"):
         raise OpenAIError(400, "output_format must be 'png'", param="output_format")
+    if body.n > ctx.runtime.settings.max_outputs:
+        raise OpenAIError(400, f"n is {body.n}; this server makes at most {ctx.runtime.settings.max_outputs} "
+                          "images per call (OMNI_MAX_OUTPUTS)", param="n")
     spec = choose_pipeline(ctx.runtime.catalogue, body.model, {"image"}, param="model")
     width, height = parse_size(body.size)
     dit = {"num_inference_steps": (body.num_inference_steps, "num_inference_steps"),
@@ -456,7 +461,7 @@ async def images_generations(body: ImageGenerationRequest, request: Request,
                     job_params.setdefault(stage.id, {})["seed"] = int(base) + i
         key = f"{idempotency_key}:{i}" if idempotency_key else None
         jobs.append(await _submit(ctx, spec, body.prompt, job_params, origin, prompt_param="prompt",
-                                  idempotency_key=key))
+                                  idempotency_key=key, tenant=request.state.tenant))
     jobs = await _finished(ctx, jobs)
     settings = ctx.runtime.settings
     data: list[dict[str, Any]] = []
@@ -494,7 +499,8 @@ async def audio_speech(body: SpeechRequest, request: Request, idempotency_key: I
            "guidance_scale": (body.guidance_scale, "guidance_scale"),
            "negative_prompt": (body.negative_prompt, "negative_prompt")}
     params, origin = build_params(spec, {"seed": (body.seed, "seed")}, dit, body.params)
-    job = await _submit(ctx, spec, body.input, params, origin, prompt_param="input", idempotency_key=idempotency_key)
+    job = await _submit(ctx, spec, body.input, params, origin, prompt_param="input", idempotency_key=idempotency_key,
+                        tenant=request.state.tenant)
     (job,) = await _finished(ctx, [job])
     out = _first(job, "audio")
     return Response(await _bytes(ctx, out), media_type=out.media_type, headers=_headers([job]))

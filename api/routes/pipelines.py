@@ -6,11 +6,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends
 
+from api.auth import authenticate
 from api.deps import ApiContext, get_context
 from api.schemas import PipelineInfo
 from omni_jobs.pipelines.spec import PipelineSpec
 
-router = APIRouter(prefix="/v1/pipelines", tags=["pipelines"])
+router = APIRouter(prefix="/v1/pipelines", tags=["pipelines"], dependencies=[Depends(authenticate)])
 Ctx = Annotated[ApiContext, Depends(get_context)]
 
 

@@ -145,6 +145,87 @@ class AREngine:
             raise RuntimeError(f"vLLM returned {len(results)} outputs for {len(requests)} requests")
         return [_to_output(r, res) for r, res in zip(requests, results, strict=True)]
 
+    def generate_each(self, requests: Sequence[ARRequest], on_progress: TokenProgress | None = None, *,
+                      more: Callable[[int], Sequence[ARRequest]] | None = None,
+                      on_result: Callable[[int, AROutput | BaseException], None] | None = None,
+                      ) -> list[AROutput | BaseException]:
+        """Run the requests as ONE engine batch, but fail each alone (the batcher's entry point).
+
+        A request whose prompt is refused, or whose ``on_progress`` raises (its job was canceled),
+        gets that exception in its slot and is aborted in vLLM; the others run on to the end.
+        ``more(free_slots)`` is asked between engine steps for requests that arrived meanwhile:
+        they join the running batch (continuous batching) and get slots after the first ones.
+        ``on_result(slot, result)`` is called as soon as a request is done, so its caller need not
+        wait for the whole batch.
+        """
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        all_requests: list[ARRequest] = []
+        results: list[AROutput | BaseException | None] = []
+        ids: dict[str, int] = {}
+        engine = self._llm.llm_engine
+
+        def settle(i: int, result: AROutput | BaseException) -> None:
+            results[i] = result
+            if on_result is not None:
+                on_result(i, result)
+
+        def admit(batch: Sequence[ARRequest]) -> None:
+            for r in batch:
+                i = len(all_requests)
+                all_requests.append(r)
+                results.append(None)
+                try:
+                    prompt = TokensPrompt(prompt_token_ids=self._prompt_ids(r))
+                except ValueError as exc:
+                    settle(i, exc)
+                    continue
+                param = self._sampling_params(r)
+                param.output_kind = RequestOutputKind.CUMULATIVE
+                engine_id = f"omni-{next(self._counter)}"
+                ids[engine_id] = i
+                engine.add_request(engine_id, prompt, param)
+
+        with self._lock:
+            try:
+                admit(requests)
+                metrics.observe_batch("ar", len(ids))
+                while engine.has_unfinished_requests():
+                    if more is not None:
+                        live = sum(1 for i in ids.values() if results[i] is None)
+                        joining = more(live)
+                        if joining:
+                            admit(joining)
+                            metrics.observe_batch("ar", len(joining))
+                    for out in engine.step():
+                        out = cast(Any, out)
+                        i = ids.get(out.request_id, -1)
+                        if i < 0 or results[i] is not None:
+                            continue
+                        r = all_requests[i]
+                        if on_progress is not None:
+                            try:
+                                on_progress(r.request_id, len(out.outputs[0].token_ids), r.sampling.max_tokens)
+                            except Exception as exc:  # noqa: BLE001 - this request alone stops
+                                if not out.finished:
+                                    engine.abort_request([out.request_id])
+                                settle(i, exc)
+                                continue
+                        if out.finished:
+                            settle(i, _to_output(r, out))
+            except BaseException:
+                unfinished = [e for e, i in ids.items() if results[i] is None]
+                if unfinished:
+                    engine.abort_request(unfinished)
+                while engine.has_unfinished_requests():
+                    engine.step()
+                raise
+        missing = [all_requests[i].request_id for i, r in enumerate(results) if r is None]
+        if missing:
+            raise RuntimeError(f"vLLM returned no output for {missing}")
+        return [r for r in results if r is not None]
+
     @staticmethod
     def _sampling_params(request: ARRequest) -> Any:
         from vllm import SamplingParams

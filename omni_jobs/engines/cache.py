@@ -20,7 +20,7 @@ from omni_jobs.engines.encoder import AREncoder
 from omni_jobs.tiny import resolve_model
 
 E = TypeVar("E")
-_DIT_CTOR_KEYS = ("pipeline_class", "torch_dtype", "call_args")
+_DIT_CTOR_KEYS = ("pipeline_class", "torch_dtype", "call_args", "cache")
 
 
 class EngineCache:

@@ -138,6 +138,7 @@ class DiTEngine:
         device: str = "auto",
         call_args: Mapping[str, Any] | None = None,
         load_args: Mapping[str, Any] | None = None,
+        cache: Mapping[str, Any] | None = None,
     ) -> None:
         import diffusers
         import torch
@@ -160,6 +161,42 @@ class DiTEngine:
         self._params = set(inspect.signature(self.pipe.__call__).parameters)
         self._call_args = {**self._default_call_args(), **dict(call_args or {})}
         self._lock = threading.Lock()  # pipelines keep per-call state (scheduler timesteps)
+        self.cache_type: str | None = None
+        if cache:
+            self._enable_cache(dict(cache))
+
+    def _enable_cache(self, cache: dict[str, Any]) -> None:
+        """Turn on a diffusers built-in denoising cache on the transformer (first_block, faster, pab)."""
+        from diffusers import FirstBlockCacheConfig, hooks
+
+        kind = cache.pop("type", None)
+        options = {k: v for k, v in cache.items() if v is not None}
+        transformer = getattr(self.pipe, "transformer", None)
+        if transformer is None:
+            raise ValueError(f"engine_args.cache: {self.pipeline_class} has no transformer to cache")
+        pipe = self.pipe
+
+        def timestep() -> int:
+            current = getattr(pipe, "_current_timestep", None) or getattr(pipe, "current_timestep", None)
+            return int(current) if current is not None else 500
+
+        if kind == "first_block":
+            config: Any = FirstBlockCacheConfig(**options)
+            apply: Any = hooks.apply_first_block_cache
+        elif kind == "faster":
+            config = hooks.FasterCacheConfig(**{"current_timestep_callback": timestep, **options})
+            apply = hooks.apply_faster_cache
+        elif kind == "pab":
+            options.setdefault("spatial_attention_block_skip_range", 2)
+            config = hooks.PyramidAttentionBroadcastConfig(**{"current_timestep_callback": timestep, **options})
+            apply = hooks.apply_pyramid_attention_broadcast
+        else:
+            raise ValueError(f"engine_args.cache.type must be first_block, faster or pab, got {kind!r}")
+        if hasattr(transformer, "enable_cache"):
+            transformer.enable_cache(config)
+        else:
+            apply(transformer, config)
+        self.cache_type = kind
 
     # --- what the loaded pipeline can do ---
     @property
@@ -315,7 +352,7 @@ class DiTEngine:
         captured: list[Any] = [None]
         if on_step is not None or first.want_latents:
             kwargs.update(self._step_hook(done, total, on_step, captured if first.want_latents else None))
-        result = self.pipe(**kwargs)
+        result = self._run_pipe(kwargs)
         latents = captured[0]
         if first.want_latents and latents is None:
             raise RuntimeError(f"{self.pipeline_class} reported no latents to its step callback")
@@ -329,6 +366,22 @@ class DiTEngine:
             else:
                 outputs.append(DiTOutput(r.request_id, image=result.images[j], latents=lat))
         return outputs
+
+    def _run_pipe(self, kwargs: dict[str, Any]) -> Any:
+        """One pipeline call; with a denoising cache, inside a cache context that is reset after it
+        (the cache's state belongs to one call: the next batch has other prompts and another size)."""
+        if self.cache_type is None:
+            return self.pipe(**kwargs)
+        from diffusers.hooks import HookRegistry
+        from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+        transformer = self.pipe.transformer
+        _set_cache_context(transformer, CacheContext("cond"))
+        try:
+            return self.pipe(**kwargs)
+        finally:
+            _set_cache_context(transformer, None)
+            HookRegistry.check_if_exists_or_initialize(transformer).reset_stateful_hooks(recurse=True)
 
     def _conditioning(self, batch: list[DiTRequest]) -> dict[str, Any]:
         """Text prompts for the pipeline's own encoder, or stacked upstream prompt embeddings."""

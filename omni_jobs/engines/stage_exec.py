@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from omni_jobs.batching import BatchPolicy, dit_batcher
 from omni_jobs.engines.cache import EngineCache
 from omni_jobs.engines.dit import DiTEngine, DiTRequest
 from omni_jobs.engines.encoder import EncodeRequest
@@ -54,8 +55,11 @@ def _embeds(value: Any) -> Any:
 
 
 def execute_dit(engines: EngineCache, stage: StageSpec, params: StageParams, inputs: dict[str, Any],
-                request_id: str, progress: ProgressFn) -> dict[str, Any]:
-    """Any DiT task: text-to-image (text or prompt embeddings), image-to-image, text-to-audio."""
+                request_id: str, progress: ProgressFn, *, policy: BatchPolicy | None = None) -> dict[str, Any]:
+    """Any DiT task: text-to-image (text or prompt embeddings), image-to-image, text-to-audio.
+
+    With a ``policy`` the request goes through the engine's batcher (stage workers: concurrent jobs
+    share pipeline calls); without one it is a call of its own (the in-process Omni)."""
     engine: DiTEngine = load_stage_engine(engines, stage)
     produced = stage.outputs
     conditioning: dict[str, Any] = (
@@ -78,7 +82,10 @@ def execute_dit(engines: EngineCache, stage: StageSpec, params: StageParams, inp
     else:
         assert isinstance(params, DiTParams)
         request = DiTRequest(height=params.height, width=params.width, **common)
-    (output,) = engine.generate([request], on_step=progress)
+    if policy is not None:
+        output = dit_batcher(engine, policy).submit(request, progress)
+    else:
+        (output,) = engine.generate([request], on_step=progress)
     values: dict[str, Any] = {}
     if "image" in produced:
         values["image"] = output.image

@@ -45,7 +45,8 @@ class MemoryJobStore(JobStore):
             raw = self._jobs.get(job_id)
         return Job.model_validate_json(raw) if raw is not None else None
 
-    def page(self, *, limit: int, cursor: str | None = None, status: JobStatus | None = None) -> JobPage:
+    def page(self, *, limit: int, cursor: str | None = None, status: JobStatus | None = None,
+             tenant: str | None = None) -> JobPage:
         """Newest first; the cursor is an offset into the newest-first order, as with Redis."""
         start = int(cursor) if cursor and cursor.isdigit() else 0
         with self._changed:
@@ -55,7 +56,7 @@ class MemoryJobStore(JobStore):
         while position < len(ids) and len(jobs) < limit:
             job = self.get(ids[position])
             position += 1
-            if job is not None and (status is None or job.status is status):
+            if job is not None and (status is None or job.status is status) and tenant in (None, job.tenant):
                 jobs.append(job)
         return JobPage(jobs, str(position) if position < len(ids) else None)
 

@@ -145,6 +145,7 @@ class Job(Model):
     completed_at: float | None = None
     webhook: JobWebhook | None = None
     deadline_at: float | None = Field(None, description="The job is canceled if it has not finished by then.")
+    tenant: str = Field("default", description="Who owns the job (the API key's tenant); only it sees the job.")
 
     def stage_record(self, stage_id: str) -> StageRecord:
         for record in self.stages:

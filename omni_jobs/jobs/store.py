@@ -46,27 +46,30 @@ class JobStore:
         raw = self.redis.get(keys.job(job_id))
         return Job.model_validate_json(raw) if raw is not None else None
 
-    def require(self, job_id: str) -> Job:
+    def require(self, job_id: str, *, tenant: str | None = None) -> Job:
+        """The job; JobNotFound when unknown or, with ``tenant``, owned by another tenant (same answer)."""
         job = self.get(job_id)
-        if job is None:
+        if job is None or (tenant is not None and job.tenant != tenant):
             raise JobNotFound(job_id)
         return job
 
-    def page(self, *, limit: int, cursor: str | None = None, status: JobStatus | None = None) -> JobPage:
-        """Newest first. The cursor is an opaque offset into the index."""
+    def page(self, *, limit: int, cursor: str | None = None, status: JobStatus | None = None,
+             tenant: str | None = None) -> JobPage:
+        """Newest first. The cursor is an opaque offset into the index (the tenant's own, when given)."""
+        index = keys.JOBS_INDEX if tenant is None else keys.tenant_jobs(tenant)
         start = int(cursor) if cursor and cursor.isdigit() else 0
         jobs: list[Job] = []
         position = start
         batch = max(limit, 50)
         while len(jobs) < limit:
-            ids: list[bytes] = self.redis.zrevrange(keys.JOBS_INDEX, position, position + batch - 1)  # type: ignore[assignment]
+            ids: list[bytes] = self.redis.zrevrange(index, position, position + batch - 1)  # type: ignore[assignment]
             if not ids:
                 return JobPage(jobs, None)
             raws: list[bytes | None] = self.redis.mget([keys.job(i.decode()) for i in ids])  # type: ignore[assignment]
             for raw_id, raw in zip(ids, raws, strict=True):
                 position += 1
                 if raw is None:  # expired: drop it from the index lazily
-                    self.redis.zrem(keys.JOBS_INDEX, raw_id)
+                    self.redis.zrem(index, raw_id)
                     position -= 1
                     continue
                 job = Job.model_validate_json(raw)
@@ -74,7 +77,7 @@ class JobStore:
                     jobs.append(job)
                 if len(jobs) == limit:
                     break
-        more = self.redis.zcard(keys.JOBS_INDEX) > position
+        more = self.redis.zcard(index) > position
         return JobPage(jobs, str(position) if more else None)
 
     def events(self, job_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 100) -> list[JobEvent]:
@@ -93,6 +96,7 @@ class JobStore:
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(keys.job(job.id), job.model_dump_json(), ex=self.ttl_s)
             pipe.zadd(keys.JOBS_INDEX, {job.id: job.created_at})
+            pipe.zadd(keys.tenant_jobs(job.tenant), {job.id: job.created_at})
             self._append_events(pipe, job.id, events)
             queue_index.track(pipe, job, events, ttl_s=self.ttl_s)
             pipe.execute()
@@ -140,8 +144,11 @@ class JobStore:
         return bool(self.redis.set(keys.stage_enqueued(job_id, stage_id), b"1", nx=True, ex=self.ttl_s))
 
     def delete(self, job_id: str) -> None:
+        job = self.get(job_id)
         self.redis.delete(keys.job(job_id), keys.job_events(job_id))
         self.redis.zrem(keys.JOBS_INDEX, job_id)
+        if job is not None:
+            self.redis.zrem(keys.tenant_jobs(job.tenant), job_id)
 
     def _append_events(self, pipe: redis.client.Pipeline, job_id: str, events: list[JobEvent]) -> None:
         stream = keys.job_events(job_id)

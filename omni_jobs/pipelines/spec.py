@@ -86,6 +86,19 @@ class Binding(Strict):
         return f"{self.source}.{self.port}"
 
 
+class DenoiseCacheSpec(Strict):
+    """A diffusers built-in denoising cache (``transformer.enable_cache``), chosen per DiT stage.
+
+    first_block: FirstBlockCacheConfig(threshold); faster: FasterCacheConfig; pab:
+    PyramidAttentionBroadcastConfig. Other keys go to the config class as they are.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    type: Literal["first_block", "faster", "pab"]
+    threshold: float | None = Field(None, gt=0, le=1, description="first_block: residual-change threshold.")
+
+
 class DiTEngineArgs(BaseModel):
     """The engine_args of a DiT stage: how the diffusers pipeline is built; other keys go to from_pretrained."""
 
@@ -96,6 +109,25 @@ class DiTEngineArgs(BaseModel):
     )
     torch_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     call_args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments of every call.")
+    cache: DenoiseCacheSpec | None = Field(
+        None, description="A diffusers denoising cache on the transformer: {type: first_block|faster|pab, ...}."
+    )
+
+
+class BatchingSpec(Strict):
+    """How a stage's worker batches requests; unset fields take the OMNI_BATCH_* / OMNI_STAGE_* settings."""
+
+    max_batch_size: int | None = Field(None, ge=1, le=1024, description="Largest engine batch.")
+    wait_ms: float | None = Field(None, ge=0, le=10_000, description="How long a request waits for batch-mates.")
+    max_in_flight: int | None = Field(None, ge=1, le=1024, description="Jobs of this stage one worker runs at once.")
+
+
+class StageCacheSpec(Strict):
+    """The stage-output cache of a stage: a repeated (config, params, inputs) skips the engine."""
+
+    enabled: bool = False
+    max_entries: int | None = Field(None, ge=1, description="Default: OMNI_STAGE_CACHE_MAX_ENTRIES.")
+    eviction: Literal["fifo", "lru"] | None = Field(None, description="Default: OMNI_STAGE_CACHE_EVICTION.")
 
 
 def _pydantic_problems(exc: ValidationError, prefix: str) -> str:
@@ -125,6 +157,8 @@ class StageSpec(Strict):
     defaults: dict[str, Any] = Field(default_factory=dict, description="Stage parameters; jobs may override.")
     soft_time_limit_s: float | None = Field(None, gt=0, description="Default: OMNI_STAGE_SOFT_TIME_LIMIT_S.")
     time_limit_s: float | None = Field(None, gt=0, description="Hard limit; default: OMNI_STAGE_TIME_LIMIT_S.")
+    batching: BatchingSpec = Field(default_factory=BatchingSpec, description="Batch size, wait window, in-flight.")
+    cache: StageCacheSpec = Field(default_factory=StageCacheSpec, description="The stage-output cache (off by default).")
     description: str = ""
 
     @field_validator("inputs", mode="before")

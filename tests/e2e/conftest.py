@@ -8,6 +8,7 @@ small intermediates, which stay in Redis, so both paths are exercised by every j
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,7 +33,11 @@ WEBHOOK_ENV = {
     "OMNI_WEBHOOK_TIMEOUT_S": "5",
     "OMNI_WEBHOOK_PROGRESS_INTERVAL_S": "0",
     "OMNI_MAX_PREFER_WAIT_S": "30",
+    # The webhook tests' receivers listen on loopback over http: allowed by name, as an operator would.
+    "OMNI_WEBHOOK_ALLOW_HOSTS": '["127.0.0.1"]',
 }
+
+S3_SECRET = "s3secret-" + secrets.token_hex(12)  # moto checks no signatures: any value works
 
 BROKEN_MODEL_PIPELINE = {
     "name": "broken-model",
@@ -69,9 +74,13 @@ def system(
             "OMNI_S3_ENDPOINT_URL": s3_endpoint_url,
             "OMNI_S3_BUCKET": "omni-e2e",
             "OMNI_S3_ACCESS_KEY_ID": "testing",
-            "OMNI_S3_SECRET_ACCESS_KEY": "testing",
+            "OMNI_S3_SECRET_ACCESS_KEY": S3_SECRET,  # unique, so test_tenancy can grep the logs for it
             "OMNI_REDIS_ARTIFACT_MAX_BYTES": "2048",
             "OMNI_PIPELINES_PATH": json.dumps([str(pipelines)]),
+            # One job in flight per stage worker: these tests assert queue positions behind a busy
+            # worker and same-seed byte equality across jobs (batch composition changes the last bit).
+            # Concurrent batching is covered by tests/integration/test_batched_workers.py and tests/fault.
+            "OMNI_STAGE_MAX_IN_FLIGHT": "1",
             **WEBHOOK_ENV,
         },
     )
@@ -82,7 +91,12 @@ def system(
         system.stop()
 
 
+def auth_headers(key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"} if key else {}
+
+
 @pytest.fixture
 def api(system: EmbeddedSystem) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=system.api_url, timeout=30) as client:
+    """The API as the demo tenant (the system's own key: auth is on in the tests, as in deployments)."""
+    with httpx.Client(base_url=system.api_url, timeout=30, headers=auth_headers(system.api_key)) as client:
         yield client

@@ -21,7 +21,7 @@ SLOW = ["--param", "dit.height=384", "--param", "dit.width=384", "--param", "dit
 def omni(system: EmbeddedSystem, *args: str, timeout: float = 120, env: dict[str, str] | None = None,
          ) -> subprocess.CompletedProcess[str]:
     """``omni-jobs ARGS`` with the API chosen by OMNI_API_URL (as a user would set it)."""
-    full_env = {**os.environ, "OMNI_API_URL": system.api_url, **(env or {})}
+    full_env = {**os.environ, "OMNI_API_URL": system.api_url, "OMNI_API_KEY": system.api_key or "", **(env or {})}
     return subprocess.run([sys.executable, "-m", "omni_jobs.cli", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT, env=full_env, check=False)
 

@@ -30,7 +30,7 @@ def check_outputs(paths: dict[str, Path], job: JobInfo) -> None:
 
 
 def test_sync_client_covers_every_endpoint(system: EmbeddedSystem, tmp_path: Path) -> None:
-    with Client(system.api_url) as omni:
+    with Client(system.api_url, api_key=system.api_key) as omni:
         assert {p["name"] for p in omni.pipelines()} >= {"text-to-image", "text-to-text"}
         job = omni.submit("text-to-image", prompt="a client test", params=PARAMS, wait=30)
         assert job.status == "succeeded" and job.is_final and job.queue_position is None
@@ -63,7 +63,7 @@ def test_sync_client_covers_every_endpoint(system: EmbeddedSystem, tmp_path: Pat
 
 def test_async_client(system: EmbeddedSystem, tmp_path: Path) -> None:
     async def scenario() -> None:
-        async with AsyncClient(system.api_url) as omni:
+        async with AsyncClient(system.api_url, api_key=system.api_key) as omni:
             jobs = await asyncio.gather(*(omni.submit("text-to-image", prompt=f"async {i}", params=PARAMS)
                                           for i in range(2)))
             async def follow(job_id: str) -> list[JobEventInfo]:

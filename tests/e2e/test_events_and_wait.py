@@ -22,7 +22,8 @@ def read_sse(system: EmbeddedSystem, job_id: str, headers: dict[str, str] | None
     """Every message of the stream until the server closes it: [{id, event, data}], and how long it took."""
     messages: list[dict[str, Any]] = []
     started = time.monotonic()
-    with httpx.stream("GET", f"{system.api_url}/v1/jobs/{job_id}/events", headers=headers or {},
+    with httpx.stream("GET", f"{system.api_url}/v1/jobs/{job_id}/events",
+                      headers={"authorization": f"Bearer {system.api_key}", **(headers or {})},
                       params=query, timeout=httpx.Timeout(10, read=30)) as response:
         if response.status_code != 200:
             response.read()

@@ -51,7 +51,8 @@ def traced_job(system: EmbeddedSystem) -> Iterator[dict[str, Any]]:
     """One text-to-image job, with every process's metrics scraped before and after it."""
     nodes = ("ar", "dit", "results")
     before = {"api": scrape(f"{system.api_url}/metrics"), **{n: scrape(worker_url(system, n)) for n in nodes}}
-    with httpx.Client(base_url=system.api_url, timeout=30) as api:
+    with httpx.Client(base_url=system.api_url, timeout=30,
+                      headers={"authorization": f"Bearer {system.api_key}"}) as api:
         body = {"pipeline": "text-to-image", "input": {"prompt": "a lighthouse, traced"},
                 "params": {"dit": {"height": 48, "width": 48, "num_inference_steps": 2, "seed": 1}}}
         accepted = api.post("/v1/jobs", json=body, headers={"x-request-id": "trace-me-1"})

@@ -24,7 +24,7 @@ from tests.e2e.helpers import submit, wait_for_job
 
 @pytest.fixture
 def client(system: EmbeddedSystem) -> Iterator[OpenAI]:
-    with OpenAI(base_url=f"{system.api_url}/v1", api_key="not-checked", timeout=180) as c:
+    with OpenAI(base_url=f"{system.api_url}/v1", api_key=system.api_key, timeout=180) as c:
         yield c
 
 

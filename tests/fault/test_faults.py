@@ -26,6 +26,16 @@ def image_bytes(api: httpx.Client, job: dict[str, Any]) -> bytes:
     return api.get(f"/v1/jobs/{job['id']}/outputs/image").raise_for_status().content if image else b""
 
 
+def pixels_close(a: bytes, b: bytes) -> bool:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pa, pb = (np.asarray(Image.open(io.BytesIO(x)).convert("RGB"), dtype=np.int16) for x in (a, b))
+    return pa.shape == pb.shape and int(np.abs(pa - pb).max()) <= 1
+
+
 def wait_until(predicate: Any, timeout_s: float = 60, what: str = "condition") -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -79,7 +89,8 @@ def test_sigkill_dit_worker_mid_stage(faults: FaultSystem, api: httpx.Client) ->
     clean = wait_for_job(api, submit(api, "text-to-image", "kill test " + str(jobs.index(
         next(j for j in jobs if j["id"] == victim))), image_params(seed=jobs.index(
             next(j for j in jobs if j["id"] == victim))))["id"])
-    assert image_bytes(api, clean) == image_bytes(api, victim_job)
+    # (within 1/255 per pixel: the stage worker batches, and batch composition moves the last bit)
+    assert pixels_close(image_bytes(api, clean), image_bytes(api, victim_job))
     duplicated = count_duplicates(api, done)
     assert duplicated == 0
     report("SIGKILL DiT worker mid-stage", done, duplicated, recovery)

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.main import create_app
+from omni_jobs.auth import ApiKeys
 from omni_jobs.devservices import RunningService, free_port
 from omni_jobs.settings import Settings
 from omni_jobs.worker_registry import register_worker, unregister_worker
@@ -46,8 +47,9 @@ def test_not_ready_without_workers_names_each_queue_and_the_command(settings: Se
         assert body["status"] == "unavailable" and body["redis"] == "ok" and body["artifact_store"] == "ok"
         assert body["workers"] == {q: [] for q in needed}
         for queue in needed:
+            pool = "solo -c 1" if queue == "results" else "threads -c 16"
             assert (f"workers/{queue}: no live worker -> start one: celery -A workers.app:app worker -Q {queue} "
-                    f"-P solo -c 1 -n {queue}@%h") in body["missing"]
+                    f"-P {pool} -n {queue}@%h") in body["missing"]
         assert client.get("/healthz").json() == {"status": "ok"}  # alive, just not ready
 
         # Every queue but one gets a worker heartbeat (as a worker writes it): only that one is missing.
@@ -80,7 +82,9 @@ def test_a_job_waiting_for_a_worker_shows_in_queue_depth(settings: Settings) -> 
         before = client.get("/metrics").text
         assert metric(before, "omni_jobs_queue_depth", queue="ar") == 0
         assert metric(before, "omni_jobs_queue_workers", queue="ar") == 0
-        accepted = client.post("/v1/jobs", json={"pipeline": "text-to-text", "input": {"prompt": "hi"}})
+        key = ApiKeys(redis.Redis.from_url(settings.redis_url)).create("readiness")[0]
+        accepted = client.post("/v1/jobs", json={"pipeline": "text-to-text", "input": {"prompt": "hi"}},
+                               headers={"authorization": f"Bearer {key}"})
         assert accepted.status_code == 202, accepted.text
         after = client.get("/metrics")
         assert after.headers["content-type"].startswith("text/plain")

@@ -239,6 +239,14 @@ def s3_client_from_settings(
         "s3",
         endpoint_url=endpoint_url,
         aws_access_key_id=settings.s3_access_key_id,
-        aws_secret_access_key=settings.s3_secret_access_key,
+        aws_secret_access_key=_secret(settings.s3_secret_access_key),
         config=config,
     )
+
+
+def _secret(value: object) -> str | None:
+    """The S3 secret's text: a SecretStr from settings (a plain str where a copy skipped validation)."""
+    if value is None:
+        return None
+    reveal = getattr(value, "get_secret_value", None)
+    return str(reveal() if reveal is not None else value)

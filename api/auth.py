@@ -1,0 +1,43 @@
+"""Authentication of /v1 routes: ``Authorization: Bearer <API key>`` -> the caller's tenant.
+
+A missing, malformed, unknown or revoked key answers 401 with ``WWW-Authenticate: Bearer`` and
+the same message whichever it was (no oracle for key ids). The tenant is put on
+``request.state.tenant`` and returned, so routes scope every job lookup to it. With
+``OMNI_AUTH_ENABLED=false`` (the embedded demo, explicitly) every caller is tenant ``default``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request, status
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from api.deps import get_context
+from omni_jobs.auth import DEFAULT_TENANT, ApiKeys, InvalidApiKey
+
+_bearer = HTTPBearer(auto_error=False, description="An API key: `omni-jobs keys create --tenant T` prints one.")
+
+UNAUTHORIZED = "missing or invalid API key: send 'Authorization: Bearer <key>' (create one with omni-jobs keys create)"
+
+
+def authenticate(request: Request,
+                 credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
+    """The tenant of the request's API key (a sync dependency: FastAPI runs the Redis read in a thread)."""
+    ctx = get_context(request)
+    if not ctx.runtime.settings.auth_enabled:
+        request.state.tenant = DEFAULT_TENANT
+        return DEFAULT_TENANT
+    if credentials is None or credentials.scheme.lower() != "bearer":
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})
+    try:
+        info = ApiKeys(ctx.runtime.redis).verify(credentials.credentials)
+    except InvalidApiKey:
+        raise HTTPException(status.HTTP_401_UNAUTHORIZED, UNAUTHORIZED,
+                            headers={"WWW-Authenticate": 'Bearer error="invalid_token"'}) from None
+    request.state.tenant = info.tenant
+    return info.tenant
+
+
+Tenant = Annotated[str, Depends(authenticate)]
+"""A route parameter: the caller's tenant (401 before the route runs when there is none)."""

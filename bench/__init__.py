@@ -1,0 +1,1 @@
+"""Benchmarks that print ratios side by side (not timed tests): ``python -m bench``."""

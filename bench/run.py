@@ -1,0 +1,456 @@
+"""Throughput benchmark: the job system against direct engine calls and a naive Celery worker.
+
+``python -m bench`` (``--quick`` for a ~2-minute run) builds the benchmark models (omni_jobs.tiny),
+starts one EmbeddedSystem (real API, Redis, Celery workers) and, for each workload, in one run:
+
+* direct: the limit. ``LLM.generate`` on all prompts at once; the diffusers pipeline on batches of
+  the system's batch size. In this (driver) process, with the same engine arguments.
+* system: N jobs POSTed through the API to batched stage workers (threads pool, one engine,
+  omni_jobs.batching).
+* naive: the same jobs on a solo-pool worker, one job per task, batch size 1 (what a user would
+  write by hand): the same pipeline on the ``*-naive`` queues.
+
+It prints a table (jobs/s, p50/p95 job latency, per-stage time, peak RSS per worker, ratios
+system/direct and system/naive), the per-hop queue overhead (API -> worker -> next stage ->
+results), and the cache effects (the stage-output cache on a repeated request; the diffusers
+first-block cache on vs off), and writes everything as JSON under var/bench/results/.
+Run one workload at a time (the machine has 2 cores): every arm of a row is measured alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+import yaml
+
+from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.jobs.models import Job
+from omni_jobs.jobs.store import JobStore
+from omni_jobs.settings import Settings
+from omni_jobs.tiny import ensure_tiny_model
+
+ROOT = Path("var/bench")
+AR_MODEL, DIT_SMALL, DIT_LARGE = "tiny:bench-llama", "tiny:pixart", "tiny:bench-pixart"
+WORDS = ["harbor", "forest", "glacier", "market", "lantern", "orchard", "canyon", "meadow", "bridge", "castle"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One row of the table: a pipeline, its naive twin, and how to run the same work directly."""
+
+    name: str
+    pipeline: str
+    kind: str  # "ar" | "dit" | "multi"
+    dit_model: str = DIT_SMALL
+    size: int = 32
+
+
+@dataclass
+class Arm:
+    jobs_per_s: list[float] = field(default_factory=list)
+    latencies: list[float] = field(default_factory=list)
+    stage_s: dict[str, list[float]] = field(default_factory=dict)
+    rss_mib: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        lat = sorted(self.latencies)
+        return {
+            "jobs_per_s": statistics.median(self.jobs_per_s) if self.jobs_per_s else None,
+            "jobs_per_s_runs": [round(x, 3) for x in self.jobs_per_s],
+            "p50_s": _pct(lat, 50), "p95_s": _pct(lat, 95),
+            "stage_s": {k: statistics.median(v) for k, v in self.stage_s.items()},
+            "peak_rss_mib": self.rss_mib,
+        }
+
+
+def _pct(values: list[float], p: int) -> float | None:
+    if not values:
+        return None
+    k = min(len(values) - 1, max(0, round(p / 100 * (len(values) - 1))))
+    return sorted(values)[k]
+
+
+def prompts(n: int, rep: int = 0) -> list[str]:
+    """Distinct prompts of ~30 tokens (no two repeat, so the stage cache never hits by accident)."""
+    return [f"job {rep}-{i}: a detailed story about the {WORDS[i % 10]} and the {WORDS[(i * 7 + rep) % 10]} "
+            f"at dawn, number {i * 31 + rep}" for i in range(n)]
+
+
+def pipelines(batch: int, ar_tokens: int, steps: int) -> list[dict[str, Any]]:
+    """The benchmark pipelines: each batched one and its naive twin (solo queue, batch 1)."""
+    ar_args = {"max_num_seqs": max(batch, 16)}
+    naive = {"max_batch_size": 1, "wait_ms": 0, "max_in_flight": 1}
+    batched = {"max_batch_size": batch, "wait_ms": 20}
+
+    def ar_stage(queue: str, batching: dict[str, Any], tokens: int) -> dict[str, Any]:
+        return {"id": "ar", "engine": "ar", "model": AR_MODEL, "queue": queue, "inputs": {"prompt": "input.prompt"},
+                "engine_args": ar_args, "batching": batching,
+                "defaults": {"max_tokens": tokens, "temperature": 0.0, "prompt_template": "{prompt}"}}
+
+    def dit_stage(queue: str, batching: dict[str, Any], model: str, size: int, source: str,
+                  **extra: Any) -> dict[str, Any]:
+        return {"id": "dit", "engine": "dit", "model": model, "queue": queue, "inputs": {"prompt": source},
+                "engine_args": {"pipeline_class": "PixArtSigmaPipeline"}, "batching": batching,
+                "defaults": {"height": size, "width": size, "num_inference_steps": steps, "seed": 0}, **extra}
+
+    out: list[dict[str, Any]] = []
+    for suffix, queue_sfx, policy in (("", "", batched), ("-naive", "-naive", naive)):
+        inputs = {"prompt": {"type": "text", "max_length": 2000}}
+        out.append({"name": f"b-text{suffix}", "inputs": inputs, "stages": [ar_stage("ar" + queue_sfx, policy, ar_tokens)],
+                    "outputs": [{"name": "text", "from": "ar.text"}]})
+        for label, model, size in (("small", DIT_SMALL, 32), ("large", DIT_LARGE, 64)):
+            out.append({"name": f"b-image-{label}{suffix}", "inputs": inputs,
+                        "stages": [dit_stage("dit" + queue_sfx, policy, model, size, "input.prompt")],
+                        "outputs": [{"name": "image", "from": "dit.image"}]})
+        out.append({"name": f"b-multi{suffix}", "inputs": inputs,
+                    "stages": [ar_stage("ar" + queue_sfx, policy, 16),
+                               dit_stage("dit" + queue_sfx, policy, DIT_SMALL, 32, "ar.text")],
+                    "outputs": [{"name": "image", "from": "dit.image"}, {"name": "text", "from": "ar.text"}]})
+    out.append({"name": "b-image-cached", "inputs": {"prompt": {"type": "text"}},
+                "stages": [dit_stage("dit", batched, DIT_LARGE, 64, "input.prompt", cache={"enabled": True})],
+                "outputs": [{"name": "image", "from": "dit.image"}]})
+    return out
+
+
+WORKLOADS = [
+    Workload("text-to-text (AR)", "b-text", "ar"),
+    Workload("text-to-image DiT 32px small", "b-image-small", "dit", DIT_SMALL, 32),
+    Workload("text-to-image DiT 64px large", "b-image-large", "dit", DIT_LARGE, 64),
+    Workload("multi-stage AR->DiT", "b-multi", "multi", DIT_SMALL, 32),
+]
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.n: int = args.jobs
+        self.reps: int = args.reps
+        self.models_dir = (ROOT / "models").resolve()
+        self.system: EmbeddedSystem | None = None
+        self.api: httpx.Client | None = None
+        self.store: JobStore | None = None
+        self.results: dict[str, Any] = {"config": vars(args), "rows": {}, "hops": {}, "cache": {}}
+
+    # --- the system under test ---
+    def start(self) -> None:
+        for model in (AR_MODEL, DIT_SMALL, DIT_LARGE):
+            ensure_tiny_model(model.removeprefix("tiny:"), self.models_dir)
+        pipes_dir = ROOT / "pipelines"
+        pipes_dir.mkdir(parents=True, exist_ok=True)
+        for p in pipelines(self.args.batch, self.args.ar_tokens, self.args.steps):
+            (pipes_dir / f"{p['name']}.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
+        home = ROOT / "system"
+        settings = Settings(models_dir=self.models_dir, artifacts_dir=(home / "artifacts").resolve(),
+                            redis_url="redis://unused")
+        env = {"OMNI_PIPELINES_PATH": json.dumps([str(pipes_dir.resolve())]),
+               "OMNI_STAGE_MAX_IN_FLIGHT": str(self.args.batch * 2), "OMNI_BATCH_MAX_SIZE": str(self.args.batch),
+               "OMNI_LOG_FORMAT": "text", "OMNI_PROGRESS_INTERVAL_S": "0.5", "OMNI_AUTH_ENABLED": "false",
+               "OMNI_MAX_QUEUED_PER_QUEUE": "100000"}
+        queues = {"ar": "threads", "dit": "threads", "ar-naive": "solo", "dit-naive": "solo",
+                  "results": "solo", "webhooks": "threads"}
+        self.system = EmbeddedSystem(settings=settings, home=home.resolve(), extra_env=env, worker_queues=queues,
+                                     with_flower=False)
+        os.environ.setdefault("OMNI_AUTH_ENABLED", "false")
+        self.system.start(say=lambda m: print(f"  [system] {m}", flush=True))
+        assert self.system.redis_url
+        headers = {"Authorization": f"Bearer {self.system.api_key}"} if self.system.api_key else {}
+        self.api = httpx.Client(base_url=self.system.api_url, timeout=60, headers=headers)
+        self.store = JobStore(redis.Redis.from_url(self.system.redis_url), ttl_s=3600)
+
+    def stop(self) -> None:
+        if self.system is not None:
+            self.system.stop()
+
+    def worker_rss(self, queue: str) -> float:
+        """Peak RSS (VmHWM) of the worker process of ``queue``, MiB."""
+        assert self.system
+        for proc in self.system.processes:
+            if proc.name == f"worker-{queue}" and proc.pid:
+                for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def run_jobs(self, pipeline: str, texts: list[str]) -> list[Job]:
+        """POST every job through the API, then wait for all; returns the final jobs (from Redis)."""
+        assert self.api and self.store
+        api = self.api
+
+        def post(t: str) -> str:
+            r = api.post("/v1/jobs", json={"pipeline": pipeline, "input": {"prompt": t}})
+            if r.status_code != 202:
+                raise RuntimeError(f"submit {pipeline}: {r.status_code} {r.text}")
+            return str(r.json()["id"])
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(min(8, len(texts))) as pool:  # clients submit concurrently
+            ids = list(pool.map(post, texts))
+        deadline = time.monotonic() + 900
+        pending = set(ids)
+        while pending and time.monotonic() < deadline:
+            for job_id in list(pending):
+                job = self.store.get(job_id)
+                if job is not None and job.status.is_final:
+                    pending.discard(job_id)
+            time.sleep(0.05)
+        jobs = [self.store.require(i) for i in ids]
+        bad = [(j.id, j.status.value, j.error) for j in jobs if j.status.value != "succeeded"]
+        if bad:
+            raise RuntimeError(f"{pipeline}: {len(bad)} jobs did not succeed, e.g. {bad[0]}")
+        return jobs
+
+    def measure_system(self, pipeline: str, queues: list[str], arm: Arm) -> None:
+        for rep in range(self.reps):
+            texts = prompts(self.n, rep + (100 if pipeline.endswith("-naive") else 0))
+            jobs = self.run_jobs(pipeline, texts)
+            start = min(j.created_at for j in jobs)
+            end = max(j.completed_at or 0 for j in jobs)
+            arm.jobs_per_s.append(len(jobs) / (end - start))
+            arm.latencies += [(j.completed_at or 0) - j.created_at for j in jobs]
+            for j in jobs:
+                for rec in j.stages:
+                    if rec.started_at and rec.finished_at:
+                        arm.stage_s.setdefault(rec.id, []).append(rec.finished_at - rec.started_at)
+        arm.rss_mib = {q: round(self.worker_rss(q), 1) for q in queues}
+
+    # --- the limit: direct engine calls, in a fresh process per workload ---
+    def direct(self, w: Workload) -> Arm:
+        """Run in a child process: vLLM pins the threads of the process that loads it, which would
+        slow a diffusers pipeline run after it in the same process (and peak RSS would mix)."""
+        import subprocess
+
+        argv = [sys.executable, "-m", "bench.run", "--direct", w.name, "--jobs", str(self.n), "--reps", str(self.reps),
+                "--batch", str(self.args.batch), "--ar-tokens", str(self.args.ar_tokens), "--steps", str(self.args.steps)]
+        out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        data = json.loads(out)
+        return Arm(jobs_per_s=data["jobs_per_s"], latencies=data["latencies"], stage_s=data["stage_s"],
+                   rss_mib=data["rss_mib"])
+
+    def direct_here(self, w: Workload) -> Arm:
+        from omni_jobs.engines.ar import AREngine
+        from omni_jobs.engines.dit import DiTRequest
+        from omni_jobs.tiny import resolve_model
+
+        arm = Arm()
+        if not hasattr(self, "_ar"):
+            self._ar = AREngine(resolve_model(AR_MODEL, self.models_dir),
+                                engine_args={"max_num_seqs": max(self.args.batch, 16)})
+        dit = self._dit(w.dit_model) if w.kind != "ar" else None
+        for rep in range(self.reps):
+            texts = prompts(self.n, rep + 200)
+            t0 = time.perf_counter()
+            stage: dict[str, float] = {}
+            if w.kind in ("ar", "multi"):
+                from vllm import SamplingParams
+
+                tokens = self.args.ar_tokens if w.kind == "ar" else 16
+                outs = self._ar._llm.generate(texts, SamplingParams(max_tokens=tokens, temperature=0.0),
+                                              use_tqdm=False)
+                texts = [o.outputs[0].text or "empty" for o in outs]
+                stage["ar"] = time.perf_counter() - t0
+            if dit is not None:
+                t1 = time.perf_counter()
+                b = self.args.batch
+                for i in range(0, len(texts), b):
+                    dit.generate([DiTRequest(f"d{i + j}", prompt=t, height=w.size, width=w.size,
+                                             num_inference_steps=self.args.steps, seed=i + j)
+                                  for j, t in enumerate(texts[i:i + b])])
+                stage["dit"] = time.perf_counter() - t1
+            elapsed = time.perf_counter() - t0
+            arm.jobs_per_s.append(self.n / elapsed)
+            arm.latencies.append(elapsed)  # every job of a direct batch ends with the batch
+            for k, v in stage.items():
+                arm.stage_s.setdefault(k, []).append(v)
+        arm.rss_mib = {"driver": round(_self_rss(), 1)}
+        return arm
+
+    def _dit(self, model: str, cache: dict[str, Any] | None = None) -> Any:
+        from omni_jobs.engines.dit import DiTEngine
+        from omni_jobs.tiny import resolve_model
+
+        key = f"_dit_{model}_{json.dumps(cache, sort_keys=True)}"
+        if not hasattr(self, key):
+            setattr(self, key, DiTEngine(resolve_model(model, self.models_dir),
+                                         pipeline_class="PixArtSigmaPipeline", cache=cache))
+        return getattr(self, key)
+
+    # --- the rows ---
+    def row(self, w: Workload) -> None:
+        print(f"\n== {w.name}: {self.n} jobs x {self.reps} reps", flush=True)
+        queues = {"ar": ["ar"], "dit": ["dit"], "multi": ["ar", "dit"]}[w.kind]
+        # warm-up: one job through each path, so no arm pays first-call costs
+        self.run_jobs(w.pipeline, ["warm up one"])
+        self.run_jobs(w.pipeline + "-naive", ["warm up two"])
+        direct = self.direct(w)
+        print(f"  direct: {direct.jobs_per_s}", flush=True)
+        system = Arm()
+        self.measure_system(w.pipeline, queues, system)
+        print(f"  system: {system.jobs_per_s}", flush=True)
+        naive = Arm()
+        self.measure_system(w.pipeline + "-naive", [f"{q}-naive" for q in queues], naive)
+        print(f"  naive:  {naive.jobs_per_s}", flush=True)
+        s, d, n = system.summary(), direct.summary(), naive.summary()
+        self.results["rows"][w.name] = {
+            "system": s, "direct": d, "naive": n,
+            "system_over_direct": s["jobs_per_s"] / d["jobs_per_s"],
+            "system_over_naive": s["jobs_per_s"] / n["jobs_per_s"],
+        }
+
+    def hops(self) -> None:
+        """Queue overhead per hop on an idle system: jobs one at a time through the multi-stage pipeline."""
+        api_to_worker, worker_to_next, to_results = [], [], []
+        for i in range(self.args.hop_jobs):
+            (job,) = self.run_jobs("b-multi", [f"hop {i}"])
+            ar, dit = job.stage_record("ar"), job.stage_record("dit")
+            assert ar.started_at and ar.finished_at and dit.started_at and dit.finished_at and job.completed_at
+            api_to_worker.append(ar.started_at - job.created_at)
+            worker_to_next.append(dit.started_at - ar.finished_at)
+            to_results.append(job.completed_at - dit.finished_at)
+        self.results["hops"] = {
+            "api_to_worker_p50_ms": 1000 * statistics.median(api_to_worker),
+            "worker_to_next_stage_p50_ms": 1000 * statistics.median(worker_to_next),
+            "stage_to_results_done_p50_ms": 1000 * statistics.median(to_results),
+            "n": len(api_to_worker),
+        }
+
+    def caches(self) -> None:
+        """The stage-output cache (repeat the same jobs) and the first-block denoising cache."""
+        from omni_jobs.engines.dit import DiTRequest
+
+        nonce = int(time.time())  # the system's Redis keeps its cache across runs: new prompts, a cold cache
+        texts = [f"{t} ({nonce})" for t in prompts(self.n, 999)]
+        t0 = time.perf_counter()
+        first = self.run_jobs("b-image-cached", texts)
+        cold = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        again = self.run_jobs("b-image-cached", texts)
+        warm = time.perf_counter() - t0
+        hits = sum(1 for j in again if j.stage_record("dit").metrics.get("cache_hit") == 1.0)
+        self.results["cache"]["stage_cache"] = {
+            "jobs": self.n, "first_run_s": cold, "repeat_run_s": warm, "speedup": cold / warm,
+            "repeat_hits": hits, "first_hits": sum(1 for j in first if j.stage_record("dit").metrics.get("cache_hit")),
+        }
+        fbc: dict[str, Any] = {}
+        reqs = [DiTRequest(f"c{i}", prompt=t, height=64, width=64, num_inference_steps=max(self.args.steps, 16),
+                           seed=i) for i, t in enumerate(texts[: self.args.batch])]
+        for label, cache in (("off", None), ("first_block_0.2", {"type": "first_block", "threshold": 0.2})):
+            engine = self._dit(DIT_LARGE, cache)
+            engine.generate(reqs[:2])
+            times = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                out = engine.generate(reqs)
+                times.append(time.perf_counter() - t0)
+            fbc[label] = {"s": statistics.median(times), "images": out}
+        import numpy as np
+
+        diff = max(float(np.abs(np.asarray(a.image, float) - np.asarray(b.image, float)).mean())
+                   for a, b in zip(fbc["off"]["images"], fbc["first_block_0.2"]["images"], strict=True))
+        self.results["cache"]["first_block_cache"] = {
+            "batch": len(reqs), "steps": reqs[0].num_inference_steps, "off_s": fbc["off"]["s"],
+            "on_s": fbc["first_block_0.2"]["s"], "speedup": fbc["off"]["s"] / fbc["first_block_0.2"]["s"],
+            "max_mean_abs_pixel_diff": diff,
+        }
+
+
+def _self_rss() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _f(v: Any, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def table(results: dict[str, Any]) -> str:
+    header = (f"{'workload':32} {'arm':7} {'jobs/s':>8} {'p50 s':>7} {'p95 s':>7} {'stage s (median/job)':24} "
+              f"{'peak RSS MiB':22} {'sys/direct':>10} {'sys/naive':>9}")
+    lines = [header]
+    for name, row in results["rows"].items():
+        for arm in ("direct", "system", "naive"):
+            a = row[arm]
+            stages = " ".join(f"{k}={v:.3f}" for k, v in a["stage_s"].items())
+            rss = " ".join(f"{k}={v:.0f}" for k, v in a["peak_rss_mib"].items())
+            ratio = (f"{row['system_over_direct']:>10.2f} {row['system_over_naive']:>9.2f}" if arm == "system" else "")
+            lines.append(f"{name if arm == 'direct' else '':32} {arm:7} {_f(a['jobs_per_s']):>8} {_f(a['p50_s']):>7} "
+                         f"{_f(a['p95_s']):>7} {stages:24} {rss:22} {ratio}")
+    h = results.get("hops") or {}
+    if h:
+        lines.append(f"\nper-hop queue overhead (p50 of {h['n']} jobs, idle system): API->worker "
+                     f"{h['api_to_worker_p50_ms']:.1f} ms, worker->next stage {h['worker_to_next_stage_p50_ms']:.1f} ms, "
+                     f"last stage->results done {h['stage_to_results_done_p50_ms']:.1f} ms")
+    c = results.get("cache") or {}
+    if "stage_cache" in c:
+        s = c["stage_cache"]
+        lines.append(f"stage-output cache: {s['jobs']} jobs first run {s['first_run_s']:.2f} s, repeated "
+                     f"{s['repeat_run_s']:.2f} s ({s['speedup']:.1f}x; {s['repeat_hits']}/{s['jobs']} hits)")
+    if "first_block_cache" in c:
+        f = c["first_block_cache"]
+        lines.append(f"diffusers first-block cache (threshold 0.2, batch {f['batch']}, {f['steps']} steps, 64px large): "
+                     f"off {f['off_s']:.2f} s, on {f['on_s']:.2f} s ({f['speedup']:.2f}x; mean |pixel diff| "
+                     f"<= {f['max_mean_abs_pixel_diff']:.1f}/255)")
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="few jobs, one repetition (about 2 minutes)")
+    p.add_argument("--jobs", type=int, default=None, help="jobs per arm and repetition (default 64; quick 8)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per arm (default 3; quick 1)")
+    p.add_argument("--batch", type=int, default=None, help="max batch size of the stage workers (default 32)")
+    p.add_argument("--ar-tokens", type=int, default=32, help="new tokens per text-to-text job")
+    p.add_argument("--steps", type=int, default=8, help="denoising steps per image")
+    p.add_argument("--only", nargs="*", default=None, help="workload names (substring match) to run")
+    p.add_argument("--out", type=Path, default=ROOT / "results", help="where the JSON goes")
+    p.add_argument("--direct", default=None, help=argparse.SUPPRESS)  # internal: one direct arm, JSON out
+    args = p.parse_args(argv)
+    args.jobs = args.jobs or (8 if args.quick else 64)
+    args.reps = args.reps or (1 if args.quick else 3)
+    args.batch = args.batch or (8 if args.quick else 32)
+    args.hop_jobs = 5 if args.quick else 15
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    bench = Bench(args)
+    if args.direct:
+        (w,) = [w for w in WORKLOADS if w.name == args.direct]
+        arm = bench.direct_here(w)
+        print(json.dumps({"jobs_per_s": arm.jobs_per_s, "latencies": arm.latencies, "stage_s": arm.stage_s,
+                          "rss_mib": arm.rss_mib}))
+        return 0
+    started = time.time()
+    try:
+        bench.start()
+        for w in WORKLOADS:
+            if args.only is None or any(o in w.name for o in args.only):
+                bench.row(w)
+        bench.hops()
+        bench.caches()
+    finally:
+        bench.stop()
+    bench.results["wall_s"] = time.time() - started
+    print("\n" + table(bench.results))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"bench-{time.strftime('%Y%m%d-%H%M%S')}{'-quick' if args.quick else ''}.json"
+    path.write_text(json.dumps(bench.results, indent=2, default=str))
+    print(f"\nresults: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""API keys: each belongs to one tenant; only a hash of it is stored.
+
+A key reads ``ok_<id>_<secret>``: ``id`` (16 hex characters) names its record, so a check is one
+Redis read; ``secret`` is 32 random bytes. The record (``keys.api_key(id)``) holds the tenant, a
+name, the creation time, a revoked flag and the SHA-256 of the whole key, never the key itself.
+
+Why plain SHA-256 and not bcrypt/argon2: those slow hashes protect low-entropy passwords from
+guessing after a leak. A key with 256 random bits cannot be guessed however fast the hash is, and
+a slow hash would cost every request tens of milliseconds. The digest is compared in constant time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from omni_jobs import keys
+
+KEY_PREFIX = "ok_"
+ID_HEX = 16
+DEFAULT_TENANT = "default"
+"""The tenant of every job while auth is off (embedded demo only)."""
+
+TENANT_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_KEY_RE = re.compile(rf"^{KEY_PREFIX}(?P<id>[0-9a-f]{{{ID_HEX}}})_(?P<secret>[A-Za-z0-9_-]{{20,128}})$")
+
+
+class InvalidApiKey(Exception):
+    """Missing, malformed, unknown or revoked key (the caller answers 401 without saying which)."""
+
+
+@dataclass(frozen=True)
+class ApiKeyInfo:
+    """What is stored about a key (no secret, no hash): safe to print and list."""
+
+    id: str
+    tenant: str
+    name: str
+    created_at: float
+    revoked: bool
+
+
+def check_tenant(tenant: str) -> str:
+    if not TENANT_RE.match(tenant):
+        raise ValueError(f"tenant {tenant!r} must be 1-64 characters of letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit")
+    return tenant
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _decode(raw: dict[Any, Any]) -> dict[str, str]:
+    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()}
+
+
+class ApiKeys:
+    """Create, verify, revoke and list API keys in Redis."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.redis = client
+
+    def create(self, tenant: str, name: str = "") -> tuple[str, ApiKeyInfo]:
+        """A new key for ``tenant``: (the key, shown once and never again, and its record)."""
+        check_tenant(tenant)
+        if len(name) > 200:
+            raise ValueError("name must be at most 200 characters")
+        key_id = secrets.token_hex(ID_HEX // 2)
+        key = f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
+        info = ApiKeyInfo(id=key_id, tenant=tenant, name=name, created_at=time.time(), revoked=False)
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(keys.api_key(key_id), mapping={
+                "tenant": tenant, "name": name, "created_at": repr(info.created_at), "revoked": "0",
+                "hash": hash_key(key)})
+            pipe.zadd(keys.API_KEYS_INDEX, {key_id: info.created_at})
+            pipe.execute()
+        return key, info
+
+    def _record(self, key_id: str) -> dict[str, str] | None:
+        raw: dict[Any, Any] = self.redis.hgetall(keys.api_key(key_id))  # type: ignore[assignment]
+        return _decode(raw) if raw else None
+
+    @staticmethod
+    def _info(key_id: str, record: dict[str, str]) -> ApiKeyInfo:
+        return ApiKeyInfo(id=key_id, tenant=record["tenant"], name=record.get("name", ""),
+                          created_at=float(record.get("created_at", "0")), revoked=record.get("revoked") == "1")
+
+    def verify(self, key: str) -> ApiKeyInfo:
+        """The key's record if it is known and not revoked; InvalidApiKey otherwise."""
+        match = _KEY_RE.match(key.strip())
+        if match is None:
+            raise InvalidApiKey("malformed key")
+        record = self._record(match.group("id"))
+        if record is None or not hmac.compare_digest(record.get("hash", ""), hash_key(key.strip())):
+            raise InvalidApiKey("unknown key")
+        info = self._info(match.group("id"), record)
+        if info.revoked:
+            raise InvalidApiKey("revoked key")
+        return info
+
+    def revoke(self, key_id: str) -> ApiKeyInfo:
+        """Mark the key revoked (kept for the record); KeyError if there is no such key."""
+        key_id = key_id.removeprefix(KEY_PREFIX)[:ID_HEX]
+        record = self._record(key_id)
+        if record is None:
+            raise KeyError(key_id)
+        self.redis.hset(keys.api_key(key_id), "revoked", "1")
+        return self._info(key_id, {**record, "revoked": "1"})
+
+    def list(self) -> list[ApiKeyInfo]:
+        """Every key, oldest first (revoked ones included, marked)."""
+        ids: list[bytes] = self.redis.zrange(keys.API_KEYS_INDEX, 0, -1)  # type: ignore[assignment]
+        found: list[ApiKeyInfo] = []
+        for raw_id in ids:
+            key_id = raw_id.decode()
+            record = self._record(key_id)
+            if record is not None:
+                found.append(self._info(key_id, record))
+        return found

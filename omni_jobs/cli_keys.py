@@ -1,0 +1,72 @@
+"""``omni-jobs keys create|revoke|list``: manage API keys in the Redis that OMNI_REDIS_URL names.
+
+Run where Redis is reachable, e.g. ``docker compose run --rm api omni-jobs keys create --tenant acme``.
+The key is printed once, on stdout, and never stored; only its hash is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import redis
+
+from omni_jobs.auth import ApiKeys
+from omni_jobs.settings import Settings
+
+
+def _keys() -> ApiKeys:
+    return ApiKeys(redis.Redis.from_url(Settings().redis_url))
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    try:
+        key, info = _keys().create(args.tenant, args.name or "")
+    except ValueError as exc:
+        print(f"omni-jobs keys create: {exc}", file=sys.stderr)
+        return 2
+    print(key)
+    print(f"created key {info.id} for tenant {info.tenant!r}; it is shown only now: keep it "
+          f"(revoke: omni-jobs keys revoke {info.id})", file=sys.stderr)
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    try:
+        info = _keys().revoke(args.key_id)
+    except KeyError:
+        print(f"omni-jobs keys revoke: no key with id {args.key_id!r} (omni-jobs keys list shows them)",
+              file=sys.stderr)
+        return 1
+    print(f"revoked key {info.id} (tenant {info.tenant!r})")
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    rows: list[dict[str, Any]] = [info.__dict__ for info in _keys().list()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(row["created_at"]))
+        state = "revoked" if row["revoked"] else "active"
+        print(f"{row['id']}  {row['tenant']:<20} {state:<8} {created}Z  {row['name']}")
+    return 0
+
+
+def add_key_commands(sub: Any) -> None:
+    keys = sub.add_parser("keys", help="create, revoke and list API keys (in OMNI_REDIS_URL's Redis)")
+    actions = keys.add_subparsers(dest="keys_action", required=True)
+    create = actions.add_parser("create", help="make a key for a tenant; prints it once")
+    create.add_argument("--tenant", required=True, help="who owns the jobs made with this key")
+    create.add_argument("--name", default="", help="a note: who or what uses the key")
+    create.set_defaults(func=cmd_create)
+    revoke = actions.add_parser("revoke", help="revoke a key by its id (the 16 hex characters after ok_)")
+    revoke.add_argument("key_id")
+    revoke.set_defaults(func=cmd_revoke)
+    listing = actions.add_parser("list", help="every key: id, tenant, active or revoked, created, name")
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(func=cmd_list)

@@ -1,0 +1,97 @@
+"""No pickle: a pickled Celery message sent to a real queue, consumed by a real worker, is refused
+and never runs; the same task sent as JSON runs. And no source file unpickles anything."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import redis
+from celery import Celery
+
+from omni_jobs.devservices import RunningService
+from omni_jobs.dispatch import DELIVER_WEBHOOK_TASK
+from omni_jobs.jobs.models import Job, JobWebhook, StageRecord
+from omni_jobs.jobs.store import JobStore
+from omni_jobs.queueing import celery_config
+from omni_jobs.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_PICKLE_DB = 8  # apart from DB 0 (flushed by other tests), 3 (e2e), 6 (refusal), 7 (readiness)
+
+
+def new_job(store: JobStore) -> Job:
+    """A job whose webhook task, if it ever runs, records a delivery attempt on it: the marker."""
+    job = Job(id="job_" + uuid.uuid4().hex[:24], pipeline="text-to-text", input={"prompt": "x"},
+              stages=[StageRecord(id="ar", engine="ar", queue="ar")],
+              webhook=JobWebhook(url="http://127.0.0.1:9/unreachable", events=["completed"]))
+    store.create(job, [])
+    return job
+
+
+def test_a_pickled_message_is_refused_by_the_worker_and_never_runs(redis_service: RunningService,
+                                                                    tmp_path: Path) -> None:
+    url = f"redis://127.0.0.1:{redis_service.port}/{NO_PICKLE_DB}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    store = JobStore(client, ttl_s=600)
+    queue = f"nopickle-{uuid.uuid4().hex[:6]}"
+    settings = Settings(redis_url=url)
+    assert celery_config(settings)["accept_content"] == ["json"]
+
+    # An attacker-style producer: same broker, same task name, pickle serializer.
+    evil = Celery("evil")
+    evil.conf.update(broker_url=url, task_serializer="pickle", accept_content=["pickle", "json"])
+    pickled_job, json_job = new_job(store), new_job(store)
+    evil.send_task(DELIVER_WEBHOOK_TASK, args=[pickled_job.id, "msg_pickled", "completed"], queue=queue,
+                   serializer="pickle")
+    honest = Celery("honest")
+    honest.conf.update(celery_config(settings))
+    honest.send_task(DELIVER_WEBHOOK_TASK, args=[json_job.id, "msg_json", "completed"], queue=queue)
+
+    log_path = tmp_path / "worker.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_")}
+    env.update(OMNI_REDIS_URL=url, OMNI_MODELS_DIR=str(ROOT / "var" / "models"), PYTHONUNBUFFERED="1",
+               OMNI_ARTIFACTS_DIR=str(tmp_path / "artifacts"), OMNI_VERSION_CHECK="false",
+               OMNI_LOG_FORMAT="text")
+    argv = [sys.executable, "-m", "celery", "-A", "workers.app:app", "worker", "-Q", queue, "-P", "solo", "-c", "1",
+            "-n", f"{queue}@%h", "--loglevel", "INFO"]
+    with log_path.open("w") as log:
+        worker = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the JSON message behind the pickled one has run: both were consumed
+            done = store.require(json_job.id)
+            if done.webhook is not None and done.webhook.deliveries:
+                break
+            assert worker.poll() is None, log_path.read_text()
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the JSON task never ran:\n" + log_path.read_text())
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+    text = log_path.read_text()
+    after = store.require(pickled_job.id)
+    assert after.webhook is not None and after.webhook.deliveries == [], "the pickled task ran"
+    assert re.search(r"[Rr]efusing to deserialize untrusted content of type pickle", text), text[-3000:]
+    assert client.llen(queue) == 0  # refused and dropped, not left to be retried forever
+    client.flushdb()
+    client.close()
+
+
+def test_no_source_file_unpickles_or_torch_loads_without_weights_only() -> None:
+    offenders: list[str] = []
+    for package in ("omni_jobs", "workers", "api"):
+        for path in (ROOT / package).rglob("*.py"):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#", 1)[0]
+                if re.search(r"\bimport (c?pickle|dill|shelve)\b|\bpickle\.loads?\(|\bmarshal\.loads?\(", code) or (
+                        "torch.load(" in code and "weights_only=True" not in code):
+                    offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert offenders == []

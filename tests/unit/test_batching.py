@@ -1,0 +1,124 @@
+"""The request batcher: concurrent callers share engine calls, and each gets its own result or error."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from omni_jobs.batching import BatchDefaults, Batcher, BatchPolicy, Member
+
+
+class Recorder:
+    """A stand-in batch function that records every call: squares numbers, refuses negatives as a batch."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.calls: list[list[Any]] = []
+        self.delay_s = delay_s
+        self.lock = threading.Lock()
+
+    def __call__(self, batch: Sequence[Member[Any]]) -> list[Any]:
+        requests = [m.request for m in batch]
+        with self.lock:
+            self.calls.append(requests)
+        time.sleep(self.delay_s)
+        if any(isinstance(r, int) and r < 0 for r in requests):
+            raise ValueError(f"negative request in {requests}")
+        return [KeyError(r) if r == "bad" else (r * r if isinstance(r, int) else r.upper()) for r in requests]
+
+
+def submit_all(batcher: Batcher[Any, Any], requests: list[Any]) -> list[Any]:
+    """Submit every request from its own thread at once; each slot holds a result or the raised error."""
+    start = threading.Barrier(len(requests))
+
+    def one(r: Any) -> Any:
+        start.wait()
+        try:
+            return batcher.submit(r)
+        except Exception as exc:  # noqa: BLE001 - the slot holds what that caller raised
+            return exc
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(one, requests))
+
+
+def test_concurrent_requests_share_one_call_and_each_gets_its_own_result():
+    run = Recorder()
+    batcher: Batcher[int, int] = Batcher(run, BatchPolicy(max_batch_size=8, wait_ms=200))
+    results = submit_all(batcher, list(range(8)))
+    assert results == [i * i for i in range(8)]
+    assert len(run.calls) == 1 and sorted(run.calls[0]) == list(range(8))
+    assert batcher.batches == [8]
+
+
+def test_a_full_batch_does_not_wait_for_the_window():
+    batcher: Batcher[int, int] = Batcher(Recorder(), BatchPolicy(max_batch_size=4, wait_ms=10_000))
+    started = time.monotonic()
+    assert submit_all(batcher, [1, 2, 3, 4]) == [1, 4, 9, 16]
+    assert time.monotonic() - started < 5
+
+
+def test_batches_never_exceed_the_max_size():
+    run = Recorder(delay_s=0.01)
+    batcher: Batcher[int, int] = Batcher(run, BatchPolicy(max_batch_size=3, wait_ms=50))
+    assert submit_all(batcher, list(range(10))) == [i * i for i in range(10)]
+    assert max(len(c) for c in run.calls) <= 3
+    assert sorted(r for c in run.calls for r in c) == list(range(10))
+
+
+def test_incompatible_requests_go_to_separate_calls():
+    run = Recorder()
+    batcher: Batcher[Any, Any] = Batcher(run, BatchPolicy(max_batch_size=8, wait_ms=200), group_key=type)
+    results = submit_all(batcher, [1, "a", 2, "b"])
+    assert results == [1, "A", 4, "B"]
+    assert sorted(sorted(map(str, c)) for c in run.calls) == [["1", "2"], ["a", "b"]]
+
+
+def test_a_member_error_goes_to_that_member_only():
+    run = Recorder()
+    batcher: Batcher[Any, Any] = Batcher(run, BatchPolicy(max_batch_size=4, wait_ms=200))
+    results = submit_all(batcher, ["x", "bad", "y", "z"])
+    assert results[0] == "X" and results[2:] == ["Y", "Z"]
+    assert isinstance(results[1], KeyError)
+    assert len(run.calls) == 1
+
+
+def test_a_failing_batch_is_retried_singly_so_only_the_bad_request_fails():
+    run = Recorder()
+    batcher: Batcher[int, int] = Batcher(run, BatchPolicy(max_batch_size=4, wait_ms=200))
+    results = submit_all(batcher, [2, -1, 3, 4])
+    assert [results[0], results[2], results[3]] == [4, 9, 16]
+    assert isinstance(results[1], ValueError) and "-1" in str(results[1])
+    assert len(run.calls[0]) == 4 and all(len(c) == 1 for c in run.calls[1:]) and len(run.calls) == 5
+
+
+def test_requests_arriving_during_a_batch_form_the_next_one():
+    run = Recorder(delay_s=0.3)
+    batcher: Batcher[int, int] = Batcher(run, BatchPolicy(max_batch_size=16, wait_ms=0))
+    first = threading.Thread(target=batcher.submit, args=(1,))
+    first.start()
+    time.sleep(0.1)  # the first batch (just [1]) is running now
+    assert submit_all(batcher, [2, 3, 4]) == [4, 9, 16]
+    first.join()
+    assert run.calls[0] == [1] and sorted(run.calls[1]) == [2, 3, 4]
+
+
+def test_policy_and_defaults_validate_and_resolve():
+    with pytest.raises(ValueError, match="max_batch_size"):
+        BatchPolicy(max_batch_size=0)
+    with pytest.raises(ValueError, match="wait_ms"):
+        BatchPolicy(wait_ms=-1)
+    from omni_jobs.pipelines.spec import StageSpec
+
+    stage = StageSpec.model_validate({"id": "ar", "engine": "ar", "model": "tiny:llama",
+                                      "inputs": {"prompt": "input.prompt"},
+                                      "batching": {"max_batch_size": 4, "wait_ms": 0}})
+    defaults = BatchDefaults(max_batch_size=32, wait_ms=7, max_in_flight=9)
+    assert defaults.policy(stage) == BatchPolicy(max_batch_size=4, wait_ms=0)
+    assert defaults.in_flight(stage) == 9
+    plain = stage.model_copy(update={"batching": type(stage.batching)()})
+    assert defaults.policy(plain) == BatchPolicy(max_batch_size=32, wait_ms=7)
