@@ -72,6 +72,30 @@ def _check_model_exists(model: str) -> None:
         raise FileNotFoundError(f"AR model path {model!r} does not exist")
 
 
+def build_llm(model: str, engine_args: Mapping[str, Any] | None, *, kv_cache_bytes: int, max_model_len: int,
+              **forced: Any) -> Any:
+    """A vLLM ``LLM`` in single-process mode with our defaults, overridden by ``engine_args``, then ``forced``.
+
+    Shared by the generating engine and the pooling encoder so both start vLLM the same way.
+    """
+    _check_model_exists(model)
+    # Multiprocess mode cannot start inside a daemonic (prefork) process; must be set before LLM().
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    args: dict[str, Any] = {
+        "dtype": "float32",
+        "max_model_len": max_model_len,
+        "max_num_seqs": 16,
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": kv_cache_bytes,
+        "seed": 0,
+    }
+    args.update(engine_args or {})
+    args.update(forced)
+    return LLM(model=model, **args)
+
+
 class AREngine:
     """One vLLM engine in single-process mode (it must run inside Celery prefork children)."""
 
@@ -83,22 +107,8 @@ class AREngine:
         kv_cache_bytes: int = 256 * 2**20,
         max_model_len: int = 512,
     ) -> None:
-        _check_model_exists(model)
-        # Multiprocess mode cannot start inside a daemonic (prefork) process; must be set before LLM().
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
-
-        args: dict[str, Any] = {
-            "dtype": "float32",
-            "max_model_len": max_model_len,
-            "max_num_seqs": 16,
-            "enforce_eager": True,
-            "kv_cache_memory_bytes": kv_cache_bytes,
-            "seed": 0,
-        }
-        args.update(engine_args or {})
         self.model = model
-        self._llm = LLM(model=model, **args)
+        self._llm = build_llm(model, engine_args, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len)
         self._tokenizer = self._llm.get_tokenizer()
         self.max_model_len: int = int(self._llm.llm_engine.model_config.max_model_len)
         self._lock = threading.Lock()  # LLM is not thread-safe; one batch at a time

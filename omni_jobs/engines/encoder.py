@@ -8,14 +8,13 @@ such an engine cannot generate, so a worker that serves both tasks keeps two eng
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from omni_jobs import metrics
-from omni_jobs.engines.ar import _check_model_exists
+from omni_jobs.engines.ar import build_llm
 
 if TYPE_CHECKING:
     import torch
@@ -46,24 +45,11 @@ class AREncoder:
         kv_cache_bytes: int = 256 * 2**20,
         max_model_len: int = 512,
     ) -> None:
-        _check_model_exists(model)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # as AREngine: must run inside worker children
-        from vllm import LLM
         from vllm.config import PoolerConfig
 
-        args: dict[str, Any] = {
-            "dtype": "float32",
-            "max_model_len": max_model_len,
-            "max_num_seqs": 16,
-            "enforce_eager": True,
-            "kv_cache_memory_bytes": kv_cache_bytes,
-            "seed": 0,
-        }
-        args.update(engine_args or {})
-        args["runner"] = "pooling"
-        args["pooler_config"] = PoolerConfig(task="token_embed")
         self.model = model
-        self._llm = LLM(model=model, **args)
+        self._llm = build_llm(model, engine_args, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len,
+                              runner="pooling", pooler_config=PoolerConfig(task="token_embed"))
         self._tokenizer = self._llm.get_tokenizer()
         model_config = self._llm.llm_engine.model_config
         self.max_model_len: int = int(model_config.max_model_len)
