@@ -118,17 +118,21 @@ class ArtifactStore:
 
     def delete_job(self, job_id: str) -> int:
         """Delete everything a job wrote, in every backend; returns how many artifacts went."""
-        if not job_id or "/" in job_id or job_id in (".", ".."):
-            raise ValueError(f"invalid job id {job_id!r}")
+        _check_job_id(job_id)
         prefix = keys.job_artifact_prefix(job_id)
         return sum(b.delete_prefix(prefix) for b in self.backends)
 
     def delete_job_intermediates(self, job_id: str) -> int:
         """Delete what a job's stages handed each other, keeping its final outputs."""
-        if not job_id or "/" in job_id or job_id in (".", ".."):
-            raise ValueError(f"invalid job id {job_id!r}")
+        _check_job_id(job_id)
         prefix = keys.job_intermediates_prefix(job_id)
         return sum(b.delete_prefix(prefix) for b in self.backends)
+
+
+def _check_job_id(job_id: str) -> None:
+    """A job id becomes a key prefix: refuse ones that would reach outside the job's own keys."""
+    if not job_id or "/" in job_id or job_id in (".", ".."):
+        raise ValueError(f"invalid job id {job_id!r}")
 
 
 def artifact_store_from_settings(settings: Settings, redis_client: redis.Redis | None = None) -> ArtifactStore:
