@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -33,6 +34,7 @@ import httpx
 import redis
 import yaml
 
+from omni_jobs import keys
 from omni_jobs.embedded import EmbeddedSystem
 from omni_jobs.jobs.models import Job
 from omni_jobs.jobs.store import JobStore
@@ -40,7 +42,7 @@ from omni_jobs.settings import Settings
 from omni_jobs.tiny import ensure_tiny_model
 
 ROOT = Path("var/bench")
-AR_MODEL, DIT_SMALL, DIT_LARGE = "tiny:bench-llama", "tiny:pixart", "tiny:bench-pixart"
+AR_MODEL, DIT_SMALL, DIT_LARGE = "tiny:bench-llama-1024", "tiny:pixart", "tiny:bench-pixart"
 WORDS = ["harbor", "forest", "glacier", "market", "lantern", "orchard", "canyon", "meadow", "bridge", "castle"]
 
 
@@ -61,6 +63,10 @@ class Arm:
     latencies: list[float] = field(default_factory=list)
     stage_s: dict[str, list[float]] = field(default_factory=dict)
     rss_mib: dict[str, float] = field(default_factory=dict)
+    submit_span_s: list[float] = field(default_factory=list)
+    """First to last job created: how long the clients took to hand the system all the work."""
+    cpu_s: dict[str, list[float]] = field(default_factory=dict)
+    """CPU seconds (user + system) per process and repetition: where the machine's time went."""
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -70,6 +76,8 @@ class Arm:
             "p50_s": _pct(lat, 50), "p95_s": _pct(lat, 95),
             "stage_s": {k: statistics.median(v) for k, v in self.stage_s.items()},
             "peak_rss_mib": self.rss_mib,
+            "cpu_s": {k: statistics.median(v) for k, v in self.cpu_s.items()},
+            "submit_span_s": statistics.median(self.submit_span_s) if self.submit_span_s else None,
         }
 
 
@@ -150,6 +158,7 @@ class Bench:
         for p in pipelines(self.args.batch, self.args.ar_tokens, self.args.steps):
             (pipes_dir / f"{p['name']}.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
         home = ROOT / "system"
+        shutil.rmtree(home / "redis", ignore_errors=True)  # every run starts from an empty Redis
         settings = Settings(models_dir=self.models_dir, artifacts_dir=(home / "artifacts").resolve(),
                             redis_url="redis://unused")
         env = {"OMNI_PIPELINES_PATH": json.dumps([str(pipes_dir.resolve())]),
@@ -181,6 +190,15 @@ class Bench:
                         return int(line.split()[1]) / 1024
         return float("nan")
 
+    def cpu_times(self) -> dict[str, float]:
+        """CPU seconds used so far by each process of the system (Redis, API, workers) and this driver."""
+        assert self.system
+        out = {"driver": _cpu_s(os.getpid())}
+        for proc in self.system.processes:
+            if proc.pid:
+                out[proc.name.removeprefix("worker-")] = _cpu_s(proc.pid)
+        return out
+
     def run_jobs(self, pipeline: str, texts: list[str]) -> list[Job]:
         """POST every job through the API, then wait for all; returns the final jobs (from Redis)."""
         assert self.api and self.store
@@ -197,13 +215,12 @@ class Bench:
         with ThreadPoolExecutor(min(8, len(texts))) as pool:  # clients submit concurrently
             ids = list(pool.map(post, texts))
         deadline = time.monotonic() + 900
-        pending = set(ids)
-        while pending and time.monotonic() < deadline:
-            for job_id in list(pending):
-                job = self.store.get(job_id)
-                if job is not None and job.status.is_final:
-                    pending.discard(job_id)
-            time.sleep(0.05)
+        pending = list(ids)
+        while pending and time.monotonic() < deadline:  # cheap polling: the driver shares the 2 cores
+            time.sleep(0.1)
+            raws = self.store.redis.mget([keys.job(i) for i in pending])
+            pending = [i for i, raw in zip(pending, raws, strict=True)
+                       if raw is None or not Job.model_validate_json(raw).status.is_final]
         jobs = [self.store.require(i) for i in ids]
         bad = [(j.id, j.status.value, j.error) for j in jobs if j.status.value != "succeeded"]
         if bad:
@@ -213,10 +230,14 @@ class Bench:
     def measure_system(self, pipeline: str, queues: list[str], arm: Arm) -> None:
         for rep in range(self.reps):
             texts = prompts(self.n, rep + (100 if pipeline.endswith("-naive") else 0))
+            cpu_before = self.cpu_times()
             jobs = self.run_jobs(pipeline, texts)
+            for name, cpu in self.cpu_times().items():
+                arm.cpu_s.setdefault(name, []).append(cpu - cpu_before.get(name, 0.0))
             start = min(j.created_at for j in jobs)
             end = max(j.completed_at or 0 for j in jobs)
             arm.jobs_per_s.append(len(jobs) / (end - start))
+            arm.submit_span_s.append(max(j.created_at for j in jobs) - start)
             arm.latencies += [(j.completed_at or 0) - j.created_at for j in jobs]
             for j in jobs:
                 for rec in j.stages:
@@ -235,7 +256,7 @@ class Bench:
         out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         data = json.loads(out)
         return Arm(jobs_per_s=data["jobs_per_s"], latencies=data["latencies"], stage_s=data["stage_s"],
-                   rss_mib=data["rss_mib"])
+                   rss_mib=data["rss_mib"], cpu_s=data["cpu_s"])
 
     def direct_here(self, w: Workload) -> Arm:
         from omni_jobs.engines.ar import AREngine
@@ -247,8 +268,10 @@ class Bench:
             self._ar = AREngine(resolve_model(AR_MODEL, self.models_dir),
                                 engine_args={"max_num_seqs": max(self.args.batch, 16)})
         dit = self._dit(w.dit_model) if w.kind != "ar" else None
+        self._warm_up(w, dit)  # as the system's warm-up jobs do: no arm pays first-call costs
         for rep in range(self.reps):
             texts = prompts(self.n, rep + 200)
+            cpu0 = time.process_time()
             t0 = time.perf_counter()
             stage: dict[str, float] = {}
             if w.kind in ("ar", "multi"):
@@ -268,12 +291,26 @@ class Bench:
                                   for j, t in enumerate(texts[i:i + b])])
                 stage["dit"] = time.perf_counter() - t1
             elapsed = time.perf_counter() - t0
+            arm.cpu_s.setdefault("driver", []).append(time.process_time() - cpu0)
             arm.jobs_per_s.append(self.n / elapsed)
             arm.latencies.append(elapsed)  # every job of a direct batch ends with the batch
             for k, v in stage.items():
                 arm.stage_s.setdefault(k, []).append(v)
         arm.rss_mib = {"driver": round(_self_rss(), 1)}
         return arm
+
+    def _warm_up(self, w: Workload, dit: Any) -> None:
+        from vllm import SamplingParams
+
+        from omni_jobs.engines.dit import DiTRequest
+
+        n = min(self.args.batch, self.n)  # a full batch: the first call at a batch size allocates for it
+        if w.kind in ("ar", "multi"):
+            self._ar._llm.generate(prompts(n, 999), SamplingParams(max_tokens=4), use_tqdm=False)
+        if dit is not None:
+            dit.generate([DiTRequest(f"warm{i}", prompt=t, height=w.size, width=w.size,
+                                     num_inference_steps=self.args.steps, seed=i)
+                          for i, t in enumerate(prompts(n, 999))])
 
     def _dit(self, model: str, cache: dict[str, Any] | None = None) -> Any:
         from omni_jobs.engines.dit import DiTEngine
@@ -289,17 +326,17 @@ class Bench:
     def row(self, w: Workload) -> None:
         print(f"\n== {w.name}: {self.n} jobs x {self.reps} reps", flush=True)
         queues = {"ar": ["ar"], "dit": ["dit"], "multi": ["ar", "dit"]}[w.kind]
-        # warm-up: one job through each path, so no arm pays first-call costs
-        self.run_jobs(w.pipeline, ["warm up one"])
+        # warm-up: a full batch through the system, a job through the naive path: no arm pays first-call costs
+        self.run_jobs(w.pipeline, [f"warm up {t}" for t in prompts(min(self.args.batch, self.n), 998)])
         self.run_jobs(w.pipeline + "-naive", ["warm up two"])
         direct = self.direct(w)
-        print(f"  direct: {direct.jobs_per_s}", flush=True)
+        print(f"  direct: {direct.jobs_per_s} cpu {direct.summary()['cpu_s']}", flush=True)
         system = Arm()
         self.measure_system(w.pipeline, queues, system)
-        print(f"  system: {system.jobs_per_s}", flush=True)
+        print(f"  system: {system.jobs_per_s} cpu {_cpu_line(system)} submit span {system.submit_span_s}", flush=True)
         naive = Arm()
         self.measure_system(w.pipeline + "-naive", [f"{q}-naive" for q in queues], naive)
-        print(f"  naive:  {naive.jobs_per_s}", flush=True)
+        print(f"  naive:  {naive.jobs_per_s} cpu {_cpu_line(naive)}", flush=True)
         s, d, n = system.summary(), direct.summary(), naive.summary()
         self.results["rows"][w.name] = {
             "system": s, "direct": d, "naive": n,
@@ -364,6 +401,16 @@ class Bench:
         }
 
 
+def _cpu_line(arm: Arm) -> str:
+    return " ".join(f"{k}={v:.2f}" for k, v in arm.summary()["cpu_s"].items() if v >= 0.01)
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _self_rss() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -387,6 +434,13 @@ def table(results: dict[str, Any]) -> str:
             ratio = (f"{row['system_over_direct']:>10.2f} {row['system_over_naive']:>9.2f}" if arm == "system" else "")
             lines.append(f"{name if arm == 'direct' else '':32} {arm:7} {_f(a['jobs_per_s']):>8} {_f(a['p50_s']):>7} "
                          f"{_f(a['p95_s']):>7} {stages:24} {rss:22} {ratio}")
+    lines.append("\nwhere the CPU went (seconds per repetition, median; 2 cores) and how long the clients took to submit:")
+    for name, row in results["rows"].items():
+        direct_cpu = sum(row["direct"]["cpu_s"].values())
+        busy = {k: v for k, v in row["system"]["cpu_s"].items() if v >= 0.01}
+        span = row["system"].get("submit_span_s")
+        lines.append(f"  {name:32} direct {direct_cpu:.2f} | system " + " ".join(f"{k}={v:.2f}" for k, v in busy.items())
+                     + (f" | submit span {span:.2f} s" if span is not None else ""))
     h = results.get("hops") or {}
     if h:
         lines.append(f"\nper-hop queue overhead (p50 of {h['n']} jobs, idle system): API->worker "
@@ -412,7 +466,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=None, help="repetitions per arm (default 3; quick 1)")
     p.add_argument("--batch", type=int, default=None, help="max batch size of the stage workers (default 32)")
     p.add_argument("--ar-tokens", type=int, default=32, help="new tokens per text-to-text job")
-    p.add_argument("--steps", type=int, default=8, help="denoising steps per image")
+    p.add_argument("--steps", type=int, default=20, help="denoising steps per image (PixArt-Sigma's usual 20)")
     p.add_argument("--only", nargs="*", default=None, help="workload names (substring match) to run")
     p.add_argument("--out", type=Path, default=ROOT / "results", help="where the JSON goes")
     p.add_argument("--direct", default=None, help=argparse.SUPPRESS)  # internal: one direct arm, JSON out
@@ -431,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         (w,) = [w for w in WORKLOADS if w.name == args.direct]
         arm = bench.direct_here(w)
         print(json.dumps({"jobs_per_s": arm.jobs_per_s, "latencies": arm.latencies, "stage_s": arm.stage_s,
-                          "rss_mib": arm.rss_mib}))
+                          "rss_mib": arm.rss_mib, "cpu_s": arm.cpu_s}))
         return 0
     started = time.time()
     try:

@@ -26,12 +26,13 @@ from omni_jobs.engines.stage_exec import execute_dit, execute_encode
 from omni_jobs.errors import StageError
 from omni_jobs.input_files import load_input_image
 from omni_jobs.jobs import state
-from omni_jobs.jobs.models import Job, JobError, JobEvent, JobStatus, StageStatus, now
+from omni_jobs.jobs.models import Job, JobError, JobEvent, StageStatus, now
 from omni_jobs.jobs.store import JobStore
 from omni_jobs.payloads import FORMATS, decode_payload, encode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.params import ARParams
 from omni_jobs.pipelines.spec import INPUT_SOURCE, PipelineSpec, StageSpec
+from omni_jobs.progress_writer import ProgressWriter
 from omni_jobs.stage_cache import CachedOutputs, Eviction, StageCache, cache_key, text_digest
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,8 @@ class StageRunner:
         self._caches: dict[tuple[int, str], StageCache] = {}
         self._in_flight: dict[tuple[str, str], threading.BoundedSemaphore] = {}
         self._guard = threading.Lock()
+        # Batched engines report for many jobs from one thread: write from another, never inline.
+        self.progress = ProgressWriter(store, background=batching is not None)
 
     def run(self, job_id: str, stage_id: str, *, worker: str) -> StageOutcome:
         job = self.store.get(job_id)
@@ -164,6 +167,8 @@ class StageRunner:
         except StageError as exc:
             self.fail(job_id, stage_id, exc)
             return StageOutcome("failed", [])
+        finally:
+            self.progress.finish(job_id, stage_id)
         metrics = {"run_s": time.perf_counter() - started, "engine_s": engine_s}
         if cache is not None and digest:
             metrics["cache_hit"] = 1.0 if hit is not None else 0.0
@@ -291,16 +296,14 @@ class StageRunner:
                 )
             if deadline_at is not None and now() > deadline_at:
                 raise DeadlineExceeded(job_id)
+            if self.progress.canceled(job_id):
+                raise JobCanceled(job_id)
             if step < total and time.monotonic() - last_write < self.limits.progress_interval_s:
                 return
             last_write = time.monotonic()
-
-            def mutate(job: Job) -> list[JobEvent]:
-                if job.status is JobStatus.canceled:
-                    raise JobCanceled(job_id)
-                return state.stage_progress(job, stage.id, step, total, unit, now())
-
-            self.store.update(job_id, mutate)
+            self.progress.report(job_id, stage.id, step, total, unit)
+            if self.progress.canceled(job_id):  # an inline write may have just found it
+                raise JobCanceled(job_id)
 
         return report
 
