@@ -185,9 +185,7 @@ class Bench:
         assert self.system
         for proc in self.system.processes:
             if proc.name == f"worker-{queue}" and proc.pid:
-                for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) / 1024
+                return _peak_rss_mib(proc.pid)
         return float("nan")
 
     def cpu_times(self) -> dict[str, float]:
@@ -216,12 +214,16 @@ class Bench:
             ids = list(pool.map(post, texts))
         deadline = time.monotonic() + 900
         pending = list(ids)
+        finished: dict[str, Job] = {}
         while pending and time.monotonic() < deadline:  # cheap polling: the driver shares the 2 cores
             time.sleep(0.1)
             raws = self.store.redis.mget([keys.job(i) for i in pending])
-            pending = [i for i, raw in zip(pending, raws, strict=True)
-                       if raw is None or not Job.model_validate_json(raw).status.is_final]
-        jobs = [self.store.require(i) for i in ids]
+            for job_id, raw in zip(pending, raws, strict=True):
+                job = Job.model_validate_json(raw) if raw is not None else None
+                if job is not None and job.status.is_final:
+                    finished[job_id] = job
+            pending = [i for i in pending if i not in finished]
+        jobs = [finished.get(i) or self.store.require(i) for i in ids]
         bad = [(j.id, j.status.value, j.error) for j in jobs if j.status.value != "succeeded"]
         if bad:
             raise RuntimeError(f"{pipeline}: {len(bad)} jobs did not succeed, e.g. {bad[0]}")
@@ -296,7 +298,7 @@ class Bench:
             arm.latencies.append(elapsed)  # every job of a direct batch ends with the batch
             for k, v in stage.items():
                 arm.stage_s.setdefault(k, []).append(v)
-        arm.rss_mib = {"driver": round(_self_rss(), 1)}
+        arm.rss_mib = {"driver": round(_peak_rss_mib(os.getpid()), 1)}
         return arm
 
     def _warm_up(self, w: Workload, dit: Any) -> None:
@@ -333,10 +335,10 @@ class Bench:
         print(f"  direct: {direct.jobs_per_s} cpu {direct.summary()['cpu_s']}", flush=True)
         system = Arm()
         self.measure_system(w.pipeline, queues, system)
-        print(f"  system: {system.jobs_per_s} cpu {_cpu_line(system)} submit span {system.submit_span_s}", flush=True)
+        print(f"  system: {system.jobs_per_s} cpu {_cpu_line(system.summary()['cpu_s'])} submit span {system.submit_span_s}", flush=True)
         naive = Arm()
         self.measure_system(w.pipeline + "-naive", [f"{q}-naive" for q in queues], naive)
-        print(f"  naive:  {naive.jobs_per_s} cpu {_cpu_line(naive)}", flush=True)
+        print(f"  naive:  {naive.jobs_per_s} cpu {_cpu_line(naive.summary()['cpu_s'])}", flush=True)
         s, d, n = system.summary(), direct.summary(), naive.summary()
         self.results["rows"][w.name] = {
             "system": s, "direct": d, "naive": n,
@@ -401,8 +403,9 @@ class Bench:
         }
 
 
-def _cpu_line(arm: Arm) -> str:
-    return " ".join(f"{k}={v:.2f}" for k, v in arm.summary()["cpu_s"].items() if v >= 0.01)
+def _cpu_line(cpu_s: dict[str, float]) -> str:
+    """The processes that used any CPU, as ``name=seconds``."""
+    return " ".join(f"{k}={v:.2f}" for k, v in cpu_s.items() if v >= 0.01)
 
 
 def _cpu_s(pid: int) -> float:
@@ -411,8 +414,9 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _self_rss() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def _peak_rss_mib(pid: int) -> float:
+    """Peak RSS (VmHWM) of a process, MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
@@ -437,9 +441,8 @@ def table(results: dict[str, Any]) -> str:
     lines.append("\nwhere the CPU went (seconds per repetition, median; 2 cores) and how long the clients took to submit:")
     for name, row in results["rows"].items():
         direct_cpu = sum(row["direct"]["cpu_s"].values())
-        busy = {k: v for k, v in row["system"]["cpu_s"].items() if v >= 0.01}
         span = row["system"].get("submit_span_s")
-        lines.append(f"  {name:32} direct {direct_cpu:.2f} | system " + " ".join(f"{k}={v:.2f}" for k, v in busy.items())
+        lines.append(f"  {name:32} direct {direct_cpu:.2f} | system {_cpu_line(row['system']['cpu_s'])}"
                      + (f" | submit span {span:.2f} s" if span is not None else ""))
     h = results.get("hops") or {}
     if h:

@@ -398,7 +398,7 @@ that an LLM's hidden size matches the prompt-embedding size of the DiT it condit
 def build_bench_llama(path: Path) -> Path:
     """The benchmark's Llama: hidden 1024 x 8 layers (~100M parameters), so that the engine's compute,
     not the per-job work around it, sets the pace: 64 prompts x 32 tokens take ~3 s in one batched
-    ``generate`` on 2 CPU cores. (At hidden 512 that was ~1 s, and the ~10 ms of CPU each job costs
+    ``generate`` on 2 CPU cores. (At hidden 512 that was ~1 s, and the ~6-8 ms of CPU each job costs
     the API, Redis, Celery and the results step on the same 2 cores was a third of it.)"""
     return build_tiny_llama(path, hidden_size=1024, num_layers=8, num_heads=16)
 
