@@ -1,7 +1,8 @@
 """Celery tasks: one per kind of step. Each is a few lines around the core.
 
 Transient failures (artifact store or Redis unreachable) are retried with exponential backoff and
-jitter; anything else fails the job with the stage and reason recorded, never silently.
+jitter (in the worker while the broker is away); anything else fails the job with the stage and
+reason recorded, never silently.
 """
 
 from __future__ import annotations
@@ -9,11 +10,15 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
+from collections.abc import Callable
 from functools import lru_cache, partial
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from celery import Task, signals
+from celery.exceptions import Reject, Retry
+from kombu.exceptions import OperationalError as BrokerUnavailable
 
 from omni_jobs import metrics
 from omni_jobs.artifacts import ArtifactStoreUnavailable
@@ -37,7 +42,9 @@ from workers.app import app
 
 log = logging.getLogger(__name__)
 
-TRANSIENT_ERRORS = (ArtifactStoreUnavailable, TransientStageError, redis.ConnectionError, redis.TimeoutError)
+TRANSIENT_ERRORS = (ArtifactStoreUnavailable, TransientStageError, redis.ConnectionError, redis.TimeoutError,
+                    BrokerUnavailable)
+T = TypeVar("T")
 
 
 @lru_cache(maxsize=1)
@@ -63,42 +70,71 @@ def _retry_delay(retries: int) -> float:
     return min(delay, settings.visibility_timeout_s / 2)
 
 
+def _retrying_transient_errors(task: Task, what: str, attempt: Callable[[], T]) -> T:
+    """Run ``attempt``; after a transient error, retry it up to OMNI_STAGE_MAX_RETRIES times with
+    backoff, then let the error out.
+
+    A retry is a new message (Celery's ``retry``), so no worker thread waits. When the broker itself
+    is away, that message cannot be sent, and Celery would drop the task (``Reject(requeue=False)``),
+    leaving its job running forever. So this worker holds the task (acks_late) and retries it here.
+    """
+    max_retries = get_settings().stage_max_retries
+    while True:
+        try:
+            return attempt()
+        except TRANSIENT_ERRORS as exc:
+            retries = int(task.request.retries or 0)
+            if retries >= max_retries:
+                raise
+            delay = _retry_delay(retries)
+            log.warning("%s: transient error, retry %d of %d in %.1fs: %s", what, retries + 1, max_retries, delay, exc)
+            try:
+                raise task.retry(exc=exc, countdown=delay) from exc
+            except Reject:  # the retry could not be sent: the broker is away too
+                log.warning("%s: the broker is unreachable; retrying in this worker", what)
+                task.request.retries = retries + 1
+                time.sleep(delay)
+
+
 @app.task(name=RUN_STAGE_TASK, bind=True, acks_late=True, max_retries=None)  # our own limit: stage_max_retries
 def run_stage(self: Task, job_id: str, stage_id: str) -> str:
     rt = runtime()
-    try:
+
+    def attempt() -> str:
         _soft, hard = rt.stage_runner.time_limits(job_id, stage_id)
         on_expire = partial(rt.stage_runner.fail, job_id, stage_id, StageTimeout(
             f"stage '{stage_id}' ran past its hard time limit of {hard:g}s; its worker was restarted "
             "(set time_limit_s on the stage or OMNI_STAGE_TIME_LIMIT_S)"))
         with hard_time_limit(hard, on_expire):
             outcome = rt.stage_runner.run(job_id, stage_id, worker=str(self.request.hostname))
+        if outcome.status in ("succeeded", "failed"):
+            observability.record_stage_memory(rt, job_id, stage_id)
+        for step in outcome.next_steps:  # a failed send re-runs the attempt: an advance-only redelivery
+            dispatcher.dispatch(step)
+        return outcome.status
+
+    try:
+        return _retrying_transient_errors(self, f"job {job_id} stage {stage_id}", attempt)
+    except Retry:  # a retry message was sent: the job is not failed
+        raise
     except TRANSIENT_ERRORS as exc:
-        if self.request.retries >= rt.settings.stage_max_retries:
-            rt.stage_runner.fail(job_id, stage_id, exc)
-            return "failed"
-        log.warning("job %s stage %s: transient error, retrying: %s", job_id, stage_id, exc)
-        raise self.retry(exc=exc, countdown=_retry_delay(self.request.retries)) from exc
+        rt.stage_runner.fail(job_id, stage_id, exc)  # if Redis is still away, this raises: redelivered later
+        return "failed"
     except Exception as exc:
         rt.stage_runner.fail(job_id, stage_id, exc)
         raise
-    if outcome.status in ("succeeded", "failed"):
-        observability.record_stage_memory(rt, job_id, stage_id)
-    for step in outcome.next_steps:
-        dispatcher.dispatch(step)
-    return outcome.status
 
 
 @app.task(name=ASSEMBLE_RESULTS_TASK, bind=True, acks_late=True, max_retries=None)
 def assemble_results(self: Task, job_id: str) -> str:
     rt = runtime()
     try:
-        job = rt.results.assemble(job_id)
+        job = _retrying_transient_errors(self, f"job {job_id} results", lambda: rt.results.assemble(job_id))
+    except Retry:
+        raise
     except TRANSIENT_ERRORS as exc:
-        if self.request.retries >= rt.settings.stage_max_retries:
-            rt.stage_runner.fail(job_id, None, exc)
-            return "failed"
-        raise self.retry(exc=exc, countdown=_retry_delay(self.request.retries)) from exc
+        rt.stage_runner.fail(job_id, None, exc)
+        return "failed"
     except Exception as exc:
         rt.stage_runner.fail(job_id, None, exc)
         raise
