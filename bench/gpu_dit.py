@@ -20,10 +20,10 @@ from typing import Any
 
 from omni_jobs.batching import BatchPolicy, dit_batcher
 from omni_jobs.engines.dit import DiTEngine, DiTRequest
-from omni_jobs.tiny import build_bench_pixart, build_tiny_pixart
+from omni_jobs.tiny import build_bench_pixart, build_bench_pixart_small, build_tiny_pixart
 
-SIZES = [("small (tiny pixart)", "pixart", 32), ("large (bench pixart)", "bench-pixart", 64),
-         ("large (bench pixart)", "bench-pixart", 256)]
+SIZES = [("test model (tiny pixart)", "pixart", 32), ("small (bench-pixart-128)", "bench-pixart-128", 32),
+         ("large (bench-pixart)", "bench-pixart", 64), ("large (bench-pixart)", "bench-pixart", 256)]
 
 
 def _time(fn: Any, reps: int) -> float:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_dit")
     p.add_argument("--jobs", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path("var/bench/results/gpu-dit.json"))
     args = p.parse_args(argv)
@@ -67,13 +67,14 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     root = Path(tempfile.mkdtemp())
-    models = {"pixart": build_tiny_pixart(root / "pixart"), "bench-pixart": build_bench_pixart(root / "bench-pixart")}
+    models = {"pixart": build_tiny_pixart(root / "pixart"), "bench-pixart": build_bench_pixart(root / "bench-pixart"),
+              "bench-pixart-128": build_bench_pixart_small(root / "bench-pixart-128")}
     rows: dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rows": {}}
     for label, model, size in SIZES:
         engine = DiTEngine(str(models[model]), pipeline_class="PixArtSigmaPipeline", device=device)
         reqs = [DiTRequest(f"r{i}", prompt=f"a picture number {i} of a harbor", height=size, width=size,
                            num_inference_steps=args.steps, seed=i) for i in range(args.jobs)]
-        engine.generate(reqs[:2])  # warm-up (kernels, allocator)
+        engine.generate(reqs[:args.batch])  # warm-up at full batch (kernels, allocator)
         seq_s, batch_s, batcher_s, batcher = measure(engine, reqs, args.batch, args.reps)
         n = len(reqs)
         row = {"images_per_s": {"sequential": n / seq_s, "direct_batched": n / batch_s, "batcher": n / batcher_s},

@@ -14,7 +14,8 @@ It prints a table (jobs/s, p50/p95 job latency, per-stage time, peak RSS per wor
 system/direct and system/naive), the per-hop queue overhead (API -> worker -> next stage ->
 results), and the cache effects (the stage-output cache on a repeated request; the diffusers
 first-block cache on vs off), and writes everything as JSON under var/bench/results/.
-Run one workload at a time (the machine has 2 cores): every arm of a row is measured alone.
+One workload at a time (the machine has 2 cores); within a row the arms take turns, one repetition
+each, and the ratios are medians of the per-repetition ratios (paired: they share the machine's drift).
 """
 
 from __future__ import annotations
@@ -28,21 +29,22 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import redis
 import yaml
 
 from omni_jobs import keys
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.embedded import WORKER_QUEUES, EmbeddedSystem
 from omni_jobs.jobs.models import Job
 from omni_jobs.jobs.store import JobStore
 from omni_jobs.settings import Settings
 from omni_jobs.tiny import ensure_tiny_model
 
 ROOT = Path("var/bench")
-AR_MODEL, DIT_SMALL, DIT_LARGE = "tiny:bench-llama-1024", "tiny:pixart", "tiny:bench-pixart"
+AR_MODEL, DIT_SMALL, DIT_LARGE = "tiny:bench-llama-1024", "tiny:bench-pixart-128", "tiny:bench-pixart"
+DIT_TEST = "tiny:pixart"  # the test suite's DiT: per-job overhead, not compute, sets its pace
 WORDS = ["harbor", "forest", "glacier", "market", "lantern", "orchard", "canyon", "meadow", "bridge", "castle"]
 
 
@@ -116,7 +118,7 @@ def pipelines(batch: int, ar_tokens: int, steps: int) -> list[dict[str, Any]]:
         inputs = {"prompt": {"type": "text", "max_length": 2000}}
         out.append({"name": f"b-text{suffix}", "inputs": inputs, "stages": [ar_stage("ar" + queue_sfx, policy, ar_tokens)],
                     "outputs": [{"name": "text", "from": "ar.text"}]})
-        for label, model, size in (("small", DIT_SMALL, 32), ("large", DIT_LARGE, 64)):
+        for label, model, size in (("small", DIT_SMALL, 32), ("large", DIT_LARGE, 64), ("test", DIT_TEST, 32)):
             out.append({"name": f"b-image-{label}{suffix}", "inputs": inputs,
                         "stages": [dit_stage("dit" + queue_sfx, policy, model, size, "input.prompt")],
                         "outputs": [{"name": "image", "from": "dit.image"}]})
@@ -135,7 +137,10 @@ WORKLOADS = [
     Workload("text-to-image DiT 32px small", "b-image-small", "dit", DIT_SMALL, 32),
     Workload("text-to-image DiT 64px large", "b-image-large", "dit", DIT_LARGE, 64),
     Workload("multi-stage AR->DiT", "b-multi", "multi", DIT_SMALL, 32),
+    Workload("text-to-image DiT 32px test model", "b-image-test", "dit", DIT_TEST, 32),
 ]
+"""The last row is no target: the test suite's DiT does ~14 ms of engine work per image, so it shows
+the floor that the system's own per-job cost (API, Redis, Celery, results: a few ms) sets."""
 
 
 class Bench:
@@ -151,7 +156,7 @@ class Bench:
 
     # --- the system under test ---
     def start(self) -> None:
-        for model in (AR_MODEL, DIT_SMALL, DIT_LARGE):
+        for model in (AR_MODEL, DIT_SMALL, DIT_LARGE, DIT_TEST):
             ensure_tiny_model(model.removeprefix("tiny:"), self.models_dir)
         pipes_dir = ROOT / "pipelines"
         pipes_dir.mkdir(parents=True, exist_ok=True)
@@ -165,8 +170,7 @@ class Bench:
                "OMNI_STAGE_MAX_IN_FLIGHT": str(self.args.batch * 2), "OMNI_BATCH_MAX_SIZE": str(self.args.batch),
                "OMNI_LOG_FORMAT": "text", "OMNI_PROGRESS_INTERVAL_S": "0.5", "OMNI_AUTH_ENABLED": "false",
                "OMNI_MAX_QUEUED_PER_QUEUE": "100000"}
-        queues = {"ar": "threads", "dit": "threads", "ar-naive": "solo", "dit-naive": "solo",
-                  "results": "solo", "webhooks": "threads"}
+        queues = {**WORKER_QUEUES, "ar-naive": "solo", "dit-naive": "solo"}  # as `omni-jobs up`, plus the naive twins
         self.system = EmbeddedSystem(settings=settings, home=home.resolve(), extra_env=env, worker_queues=queues,
                                      with_flower=False)
         os.environ.setdefault("OMNI_AUTH_ENABLED", "false")
@@ -229,77 +233,74 @@ class Bench:
             raise RuntimeError(f"{pipeline}: {len(bad)} jobs did not succeed, e.g. {bad[0]}")
         return jobs
 
-    def measure_system(self, pipeline: str, queues: list[str], arm: Arm) -> None:
-        for rep in range(self.reps):
-            texts = prompts(self.n, rep + (100 if pipeline.endswith("-naive") else 0))
-            cpu_before = self.cpu_times()
-            jobs = self.run_jobs(pipeline, texts)
-            for name, cpu in self.cpu_times().items():
-                arm.cpu_s.setdefault(name, []).append(cpu - cpu_before.get(name, 0.0))
-            start = min(j.created_at for j in jobs)
-            end = max(j.completed_at or 0 for j in jobs)
-            arm.jobs_per_s.append(len(jobs) / (end - start))
-            arm.submit_span_s.append(max(j.created_at for j in jobs) - start)
-            arm.latencies += [(j.completed_at or 0) - j.created_at for j in jobs]
-            for j in jobs:
-                for rec in j.stages:
-                    if rec.started_at and rec.finished_at:
-                        arm.stage_s.setdefault(rec.id, []).append(rec.finished_at - rec.started_at)
-        arm.rss_mib = {q: round(self.worker_rss(q), 1) for q in queues}
+    def system_rep(self, pipeline: str, rep: int, arm: Arm) -> None:
+        """One repetition of N jobs through the API; adds its figures to ``arm``."""
+        texts = prompts(self.n, rep + (100 if pipeline.endswith("-naive") else 0))
+        cpu_before = self.cpu_times()
+        jobs = self.run_jobs(pipeline, texts)
+        for name, cpu in self.cpu_times().items():
+            arm.cpu_s.setdefault(name, []).append(cpu - cpu_before.get(name, 0.0))
+        start = min(j.created_at for j in jobs)
+        end = max(j.completed_at or 0 for j in jobs)
+        arm.jobs_per_s.append(len(jobs) / (end - start))
+        arm.submit_span_s.append(max(j.created_at for j in jobs) - start)
+        arm.latencies += [(j.completed_at or 0) - j.created_at for j in jobs]
+        for j in jobs:
+            for rec in j.stages:
+                if rec.started_at and rec.finished_at:
+                    arm.stage_s.setdefault(rec.id, []).append(rec.finished_at - rec.started_at)
 
-    # --- the limit: direct engine calls, in a fresh process per workload ---
-    def direct(self, w: Workload) -> Arm:
-        """Run in a child process: vLLM pins the threads of the process that loads it, which would
-        slow a diffusers pipeline run after it in the same process (and peak RSS would mix)."""
-        import subprocess
-
+    # --- the limit: direct engine calls, in a child process per workload ---
+    def direct_process(self, w: Workload) -> DirectProcess:
+        """vLLM pins the threads of the process that loads it, which would slow a diffusers pipeline
+        run after it in the same process (and peak RSS would mix): each workload gets a fresh one."""
         argv = [sys.executable, "-m", "bench.run", "--direct", w.name, "--jobs", str(self.n), "--reps", str(self.reps),
                 "--batch", str(self.args.batch), "--ar-tokens", str(self.args.ar_tokens), "--steps", str(self.args.steps)]
-        out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-        data = json.loads(out)
-        return Arm(jobs_per_s=data["jobs_per_s"], latencies=data["latencies"], stage_s=data["stage_s"],
-                   rss_mib=data["rss_mib"], cpu_s=data["cpu_s"])
+        return DirectProcess(argv, ROOT / "logs" / "direct.log")
 
-    def direct_here(self, w: Workload) -> Arm:
+    def serve_direct(self, w: Workload) -> None:
+        """The child's side of DirectProcess: load and warm up, then one repetition per request line."""
         from omni_jobs.engines.ar import AREngine
-        from omni_jobs.engines.dit import DiTRequest
         from omni_jobs.tiny import resolve_model
 
-        arm = Arm()
-        if not hasattr(self, "_ar"):
-            self._ar = AREngine(resolve_model(AR_MODEL, self.models_dir),
-                                engine_args={"max_num_seqs": max(self.args.batch, 16)})
+        self._ar = AREngine(resolve_model(AR_MODEL, self.models_dir),
+                            engine_args={"max_num_seqs": max(self.args.batch, 16)})
         dit = self._dit(w.dit_model) if w.kind != "ar" else None
         self._warm_up(w, dit)  # as the system's warm-up jobs do: no arm pays first-call costs
-        for rep in range(self.reps):
-            texts = prompts(self.n, rep + 200)
-            cpu0 = time.process_time()
-            t0 = time.perf_counter()
-            stage: dict[str, float] = {}
-            if w.kind in ("ar", "multi"):
-                from vllm import SamplingParams
+        _reply({"ready": True})
+        for line in sys.stdin:
+            if line.strip() == "quit":
+                break
+            _reply(self.direct_rep(w, dit, int(line)))
+        _reply({"rss_mib": {"driver": round(_peak_rss_mib(os.getpid()), 1)}})
 
-                tokens = self.args.ar_tokens if w.kind == "ar" else 16
-                outs = self._ar._llm.generate(texts, SamplingParams(max_tokens=tokens, temperature=0.0),
-                                              use_tqdm=False)
-                texts = [o.outputs[0].text or "empty" for o in outs]
-                stage["ar"] = time.perf_counter() - t0
-            if dit is not None:
-                t1 = time.perf_counter()
-                b = self.args.batch
-                for i in range(0, len(texts), b):
-                    dit.generate([DiTRequest(f"d{i + j}", prompt=t, height=w.size, width=w.size,
-                                             num_inference_steps=self.args.steps, seed=i + j)
-                                  for j, t in enumerate(texts[i:i + b])])
-                stage["dit"] = time.perf_counter() - t1
-            elapsed = time.perf_counter() - t0
-            arm.cpu_s.setdefault("driver", []).append(time.process_time() - cpu0)
-            arm.jobs_per_s.append(self.n / elapsed)
-            arm.latencies.append(elapsed)  # every job of a direct batch ends with the batch
-            for k, v in stage.items():
-                arm.stage_s.setdefault(k, []).append(v)
-        arm.rss_mib = {"driver": round(_peak_rss_mib(os.getpid()), 1)}
-        return arm
+    def direct_rep(self, w: Workload, dit: Any, rep: int) -> dict[str, Any]:
+        """One repetition of the same work as N jobs, by direct engine calls."""
+        from omni_jobs.engines.dit import DiTRequest
+
+        texts = prompts(self.n, rep + 200)
+        cpu0 = time.process_time()
+        t0 = time.perf_counter()
+        stage: dict[str, float] = {}
+        if w.kind in ("ar", "multi"):
+            from vllm import SamplingParams
+
+            tokens = self.args.ar_tokens if w.kind == "ar" else 16
+            outs = self._ar._llm.generate(texts, SamplingParams(max_tokens=tokens, temperature=0.0), use_tqdm=False)
+            texts = [o.outputs[0].text or "empty" for o in outs]
+            stage["ar"] = time.perf_counter() - t0
+        if dit is not None:
+            t1 = time.perf_counter()
+            b = self.args.batch
+            for i in range(0, len(texts), b):
+                dit.generate([DiTRequest(f"d{i + j}", prompt=t, height=w.size, width=w.size,
+                                         num_inference_steps=self.args.steps, seed=i + j)
+                              for j, t in enumerate(texts[i:i + b])])
+            stage["dit"] = time.perf_counter() - t1
+        elapsed = time.perf_counter() - t0
+        # every job of a direct batch ends with the batch: its latency is the whole call
+        return {"jobs_per_s": self.n / elapsed, "latency": elapsed, "stage_s": stage,
+                "cpu_s": time.process_time() - cpu0}
 
     def _warm_up(self, w: Workload, dit: Any) -> None:
         from vllm import SamplingParams
@@ -326,24 +327,39 @@ class Bench:
 
     # --- the rows ---
     def row(self, w: Workload) -> None:
+        """The three arms take turns, one repetition each, so that all of them share the machine's
+        drift (on a shared 2-core VM, speed moves by tens of % over minutes); the ratios are the
+        medians of the per-repetition ratios."""
         print(f"\n== {w.name}: {self.n} jobs x {self.reps} reps", flush=True)
         queues = {"ar": ["ar"], "dit": ["dit"], "multi": ["ar", "dit"]}[w.kind]
         # warm-up: a full batch through the system, a job through the naive path: no arm pays first-call costs
         self.run_jobs(w.pipeline, [f"warm up {t}" for t in prompts(min(self.args.batch, self.n), 998)])
         self.run_jobs(w.pipeline + "-naive", ["warm up two"])
-        direct = self.direct(w)
-        print(f"  direct: {direct.jobs_per_s} cpu {direct.summary()['cpu_s']}", flush=True)
-        system = Arm()
-        self.measure_system(w.pipeline, queues, system)
-        print(f"  system: {system.jobs_per_s} cpu {_cpu_line(system.summary()['cpu_s'])} submit span {system.submit_span_s}", flush=True)
-        naive = Arm()
-        self.measure_system(w.pipeline + "-naive", [f"{q}-naive" for q in queues], naive)
-        print(f"  naive:  {naive.jobs_per_s} cpu {_cpu_line(naive.summary()['cpu_s'])}", flush=True)
+        direct, system, naive = Arm(), Arm(), Arm()
+        with self.direct_process(w) as child:
+            for rep in range(self.reps):
+                d = child.rep(rep)
+                direct.jobs_per_s.append(d["jobs_per_s"])
+                direct.latencies.append(d["latency"])
+                direct.cpu_s.setdefault("driver", []).append(d["cpu_s"])
+                for k, v in d["stage_s"].items():
+                    direct.stage_s.setdefault(k, []).append(v)
+                self.system_rep(w.pipeline, rep, system)
+                self.system_rep(w.pipeline + "-naive", rep, naive)
+                print(f"  rep {rep + 1}: direct {direct.jobs_per_s[-1]:.2f}, system {system.jobs_per_s[-1]:.2f}, "
+                      f"naive {naive.jobs_per_s[-1]:.2f} jobs/s", flush=True)
+            direct.rss_mib = child.close()["rss_mib"]
+        system.rss_mib = {q: round(self.worker_rss(q), 1) for q in queues}
+        naive.rss_mib = {f"{q}-naive": round(self.worker_rss(f"{q}-naive"), 1) for q in queues}
+        print(f"  system cpu {_cpu_line(system.summary()['cpu_s'])} submit span {system.submit_span_s}", flush=True)
+        print(f"  naive  cpu {_cpu_line(naive.summary()['cpu_s'])}", flush=True)
         s, d, n = system.summary(), direct.summary(), naive.summary()
         self.results["rows"][w.name] = {
             "system": s, "direct": d, "naive": n,
-            "system_over_direct": s["jobs_per_s"] / d["jobs_per_s"],
-            "system_over_naive": s["jobs_per_s"] / n["jobs_per_s"],
+            "system_over_direct": _paired_ratio(system.jobs_per_s, direct.jobs_per_s),
+            "system_over_naive": _paired_ratio(system.jobs_per_s, naive.jobs_per_s),
+            "system_over_direct_runs": [round(a / b, 3) for a, b in zip(system.jobs_per_s, direct.jobs_per_s,
+                                                                        strict=True)],
         }
 
     def hops(self) -> None:
@@ -401,6 +417,61 @@ class Bench:
             "on_s": fbc["first_block_0.2"]["s"], "speedup": fbc["off"]["s"] / fbc["first_block_0.2"]["s"],
             "max_mean_abs_pixel_diff": diff,
         }
+
+
+class DirectProcess:
+    """The direct arm in a child process that loads its engines once and then runs one repetition
+    per request (lines on its stdin; JSON answers on its stdout behind a marker, since engines log there)."""
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        import subprocess
+
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        with open(log_path, "w") as log:  # the child keeps its own handle
+            self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                          text=True, bufsize=1)
+        self._read()  # {"ready": true} once loaded and warmed up
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def rep(self, rep: int) -> dict[str, Any]:
+        assert self._proc.stdin
+        self._proc.stdin.write(f"{rep}\n")
+        return self._read()
+
+    def close(self) -> dict[str, Any]:
+        assert self._proc.stdin
+        self._proc.stdin.write("quit\n")
+        self._proc.stdin.close()
+        last = self._read()
+        self._proc.wait(timeout=120)
+        return last
+
+    def _read(self) -> dict[str, Any]:
+        assert self._proc.stdout
+        for line in self._proc.stdout:
+            if line.startswith(_REPLY):
+                return dict(json.loads(line[len(_REPLY):]))
+        raise RuntimeError(f"the direct arm exited with {self._proc.wait()} before answering; see {self.log_path}")
+
+
+_REPLY = "BENCH-DIRECT "
+
+
+def _reply(data: dict[str, Any]) -> None:
+    print(_REPLY + json.dumps(data), flush=True)
+
+
+def _paired_ratio(a: list[float], b: list[float]) -> float:
+    """Median of a[i] / b[i]: repetition i of both arms ran back to back, under the same conditions."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def _cpu_line(cpu_s: dict[str, float]) -> str:
@@ -486,9 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     if args.direct:
         (w,) = [w for w in WORKLOADS if w.name == args.direct]
-        arm = bench.direct_here(w)
-        print(json.dumps({"jobs_per_s": arm.jobs_per_s, "latencies": arm.latencies, "stage_s": arm.stage_s,
-                          "rss_mib": arm.rss_mib, "cpu_s": arm.cpu_s}))
+        bench.serve_direct(w)
         return 0
     started = time.time()
     try:

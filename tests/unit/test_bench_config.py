@@ -1,0 +1,47 @@
+"""The benchmark's own configuration: its pipelines are valid specs, every row has a naive twin, and
+the table prints the ratios it is run for. (Its speed claims live in its output, not here.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from bench.run import WORKLOADS, pipelines, table
+from omni_jobs import tiny
+from omni_jobs.pipelines.catalogue import parse_pipeline
+
+
+@pytest.fixture(scope="module")
+def specs() -> dict[str, Any]:
+    return {p["name"]: parse_pipeline(p, source=p["name"]) for p in pipelines(batch=32, ar_tokens=32, steps=20)}
+
+
+def test_every_workload_has_a_valid_batched_pipeline_and_a_naive_twin(specs: dict[str, Any]) -> None:
+    for w in WORKLOADS:
+        batched, naive = specs[w.pipeline], specs[f"{w.pipeline}-naive"]
+        assert [s.id for s in batched.stages] == [s.id for s in naive.stages]
+        for b, n in zip(batched.stages, naive.stages, strict=True):
+            assert (b.model, b.engine, n.queue) == (n.model, n.engine, f"{b.queue}-naive")
+            assert b.batching.max_batch_size == 32
+            assert (n.batching.max_batch_size, n.batching.max_in_flight) == (1, 1)
+
+
+def test_every_benchmark_model_is_one_omni_jobs_tiny_builds(specs: dict[str, Any]) -> None:
+    names = {s.model.removeprefix("tiny:") for spec in specs.values() for s in spec.stages}
+    assert names <= set(tiny.TINY_MODELS) | set(tiny.BENCH_MODELS)
+    assert {"bench-llama-1024", "bench-pixart-128", "bench-pixart"} <= names  # larger than the test models
+
+
+def test_table_prints_ratios_and_where_the_cpu_went() -> None:
+    arm = {"jobs_per_s": 10.0, "p50_s": 1.0, "p95_s": 2.0, "stage_s": {"dit": 0.5}, "peak_rss_mib": {"dit": 800.0},
+           "cpu_s": {"dit": 4.0, "api": 0.2}, "submit_span_s": 0.3}
+    row = {"direct": {**arm, "jobs_per_s": 12.5}, "system": arm, "naive": {**arm, "jobs_per_s": 4.0},
+           "system_over_direct": 0.8, "system_over_naive": 2.5}
+    out = table({"rows": {"text-to-image": row},
+                 "hops": {"api_to_worker_p50_ms": 4.2, "worker_to_next_stage_p50_ms": 5.0,
+                          "stage_to_results_done_p50_ms": 4.4, "n": 15}})
+    system_line = next(line for line in out.splitlines() if line.lstrip().startswith("system"))
+    assert system_line.split()[-2:] == ["0.80", "2.50"]
+    assert "dit=4.00 api=0.20 | submit span 0.30 s" in out
+    assert "API->worker 4.2 ms" in out
