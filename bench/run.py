@@ -254,7 +254,7 @@ class Bench:
     def direct_process(self, w: Workload) -> DirectProcess:
         """vLLM pins the threads of the process that loads it, which would slow a diffusers pipeline
         run after it in the same process (and peak RSS would mix): each workload gets a fresh one."""
-        argv = [sys.executable, "-m", "bench.run", "--direct", w.name, "--jobs", str(self.n), "--reps", str(self.reps),
+        argv = [sys.executable, "-m", "bench.run", "--direct", w.name, "--jobs", str(self.n),  # reps: one per request
                 "--batch", str(self.args.batch), "--ar-tokens", str(self.args.ar_tokens), "--steps", str(self.args.steps)]
         return DirectProcess(argv, ROOT / "logs" / "direct.log")
 
@@ -353,13 +353,11 @@ class Bench:
         naive.rss_mib = {f"{q}-naive": round(self.worker_rss(f"{q}-naive"), 1) for q in queues}
         print(f"  system cpu {_cpu_line(system.summary()['cpu_s'])} submit span {system.submit_span_s}", flush=True)
         print(f"  naive  cpu {_cpu_line(naive.summary()['cpu_s'])}", flush=True)
-        s, d, n = system.summary(), direct.summary(), naive.summary()
+        over_direct, over_naive = _ratios(system.jobs_per_s, direct.jobs_per_s), _ratios(system.jobs_per_s, naive.jobs_per_s)
         self.results["rows"][w.name] = {
-            "system": s, "direct": d, "naive": n,
-            "system_over_direct": _paired_ratio(system.jobs_per_s, direct.jobs_per_s),
-            "system_over_naive": _paired_ratio(system.jobs_per_s, naive.jobs_per_s),
-            "system_over_direct_runs": [round(a / b, 3) for a, b in zip(system.jobs_per_s, direct.jobs_per_s,
-                                                                        strict=True)],
+            "system": system.summary(), "direct": direct.summary(), "naive": naive.summary(),
+            "system_over_direct": statistics.median(over_direct), "system_over_naive": statistics.median(over_naive),
+            "system_over_direct_runs": [round(r, 3) for r in over_direct],
         }
 
     def hops(self) -> None:
@@ -469,9 +467,9 @@ def _reply(data: dict[str, Any]) -> None:
     print(_REPLY + json.dumps(data), flush=True)
 
 
-def _paired_ratio(a: list[float], b: list[float]) -> float:
-    """Median of a[i] / b[i]: repetition i of both arms ran back to back, under the same conditions."""
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+def _ratios(a: list[float], b: list[float]) -> list[float]:
+    """a[i] / b[i]: repetition i of both arms ran back to back, under the same conditions."""
+    return [x / y for x, y in zip(a, b, strict=True)]
 
 
 def _cpu_line(cpu_s: dict[str, float]) -> str:
