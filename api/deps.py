@@ -1,17 +1,17 @@
-"""Dependencies of the routes: the process's Runtime and the Celery producer that enqueues stages."""
+"""Dependencies of the routes: the process's Runtime, and the outbox relay that publishes its dispatches."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from celery import Celery
 from fastapi import Request
 
-from omni_jobs.dispatch import SendTaskDispatcher, display_name
 from omni_jobs.jobs.watch import JobWatcher
-from omni_jobs.queueing import celery_config
+from omni_jobs.outbox import OutboxRelay
+from omni_jobs.queueing import celery_config, publish_steps
 from omni_jobs.runtime import Runtime
+from omni_jobs.steps import Step
 from omni_jobs.submission import JobSubmitter
 
 
@@ -22,17 +22,20 @@ class ApiContext:
         self.runtime = runtime
         self.celery = Celery("omni_jobs_api")
         self.celery.conf.update(celery_config(runtime.settings))
-        dispatcher = SendTaskDispatcher(self._send)
-        self.submitter: JobSubmitter = runtime.submitter(dispatcher)
+        self.submitter: JobSubmitter = runtime.submitter
         runtime.webhook_signer  # noqa: B018 - a malformed OMNI_WEBHOOK_SECRET stops the API here, clearly
-        runtime.enable_webhooks(dispatcher)  # e.g. a cancel here sends the `completed` webhook
+        # A submit or a cancel writes its dispatches to the outbox; this relay publishes them.
+        self.relay: OutboxRelay = runtime.relay(self._publish)
         self.watcher = JobWatcher.from_url(runtime.settings.redis_url)  # SSE and Prefer: wait
 
-    def _send(self, name: str, args: Sequence[Any], queue: str) -> None:
-        # shadow: Flower and the worker logs show omni.run_stage[job_.../ar], so a job id finds its tasks
-        self.celery.send_task(name, args=list(args), queue=queue, shadow=display_name(name, args))
+    def _publish(self, steps: Sequence[Step], ids: Sequence[str]) -> None:
+        publish_steps(self.celery, steps, ids)
+
+    def start(self) -> None:
+        self.relay.start()
 
     def close(self) -> None:
+        self.relay.stop()
         self.runtime.redis.close()
 
     async def aclose(self) -> None:

@@ -23,6 +23,7 @@ from omni_jobs.errors import (
     InvalidRequest,
     JobAlreadyFinished,
     JobNotFound,
+    NotDurable,
     Overloaded,
     UnknownPipeline,
 )
@@ -77,8 +78,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         configure_logging(settings.log_format, settings.log_level, service="api")  # JSON lines with job ids
-        ctx = ApiContext(Runtime(settings))
+        ctx = ApiContext(Runtime(settings, worker="api"))
         ctx.runtime.catalogue.names()  # load and validate pipelines at start: a bad YAML stops the API here
+        ctx.start()  # the outbox relay: what was accepted before a crash is published now
         if not settings.auth_enabled:
             log.warning("AUTHENTICATION IS OFF (OMNI_AUTH_ENABLED=false): anyone who reaches this API can submit, "
                         "read and cancel every job. Only for a local demo; never expose this port.")
@@ -107,6 +109,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(IdempotencyConflict, _conflict)
     app.add_exception_handler(Overloaded, _overloaded)
     app.add_exception_handler(ArtifactStoreUnavailable, _unavailable)
+    app.add_exception_handler(NotDurable, _unavailable)
     app.add_exception_handler(redis.ConnectionError, _unavailable)
     return app
 

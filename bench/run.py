@@ -37,8 +37,8 @@ import yaml
 
 from omni_jobs import keys
 from omni_jobs.embedded import WORKER_QUEUES, EmbeddedSystem
-from omni_jobs.jobs.models import Job
-from omni_jobs.jobs.store import JobStore
+from omni_jobs.jobs.models import Job, JobStatus
+from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.settings import Settings
 from omni_jobs.tiny import ensure_tiny_model
 
@@ -151,7 +151,7 @@ class Bench:
         self.models_dir = (ROOT / "models").resolve()
         self.system: EmbeddedSystem | None = None
         self.api: httpx.Client | None = None
-        self.store: JobStore | None = None
+        self.store: RedisJobStore | None = None
         self.results: dict[str, Any] = {"config": vars(args), "rows": {}, "hops": {}, "cache": {}}
 
     # --- the system under test ---
@@ -178,7 +178,7 @@ class Bench:
         assert self.system.redis_url
         headers = {"Authorization": f"Bearer {self.system.api_key}"} if self.system.api_key else {}
         self.api = httpx.Client(base_url=self.system.api_url, timeout=60, headers=headers)
-        self.store = JobStore(redis.Redis.from_url(self.system.redis_url), ttl_s=3600)
+        self.store = RedisJobStore(redis.Redis.from_url(self.system.redis_url), ttl_s=3600)
 
     def stop(self) -> None:
         if self.system is not None:
@@ -221,13 +221,18 @@ class Bench:
         finished: dict[str, Job] = {}
         while pending and time.monotonic() < deadline:  # cheap polling: the driver shares the 2 cores
             time.sleep(0.1)
-            raws = self.store.redis.mget([keys.job(i) for i in pending])
-            for job_id, raw in zip(pending, raws, strict=True):
-                job = Job.model_validate_json(raw) if raw is not None else None
-                if job is not None and job.status.is_final:
+            with self.store.redis.pipeline(transaction=False) as pipe:
+                for job_id in pending:
+                    pipe.hget(keys.job(job_id), "status")
+                statuses = pipe.execute()
+            final = [i for i, s in zip(pending, statuses, strict=True) if s is not None and JobStatus(s.decode()).is_final]
+            for job_id, job in zip(final, self.store.get_many(final), strict=True):
+                if job is not None:
                     finished[job_id] = job
             pending = [i for i in pending if i not in finished]
-        jobs = [finished.get(i) or self.store.require(i) for i in ids]
+        missing = [i for i in ids if i not in finished]
+        finished.update({i: j for i, j in zip(missing, self.store.get_many(missing), strict=True) if j is not None})
+        jobs = [finished[i] for i in ids if i in finished]
         bad = [(j.id, j.status.value, j.error) for j in jobs if j.status.value != "succeeded"]
         if bad:
             raise RuntimeError(f"{pipeline}: {len(bad)} jobs did not succeed, e.g. {bad[0]}")

@@ -114,15 +114,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("Press Ctrl-C to stop everything.")
         while True:
             time.sleep(1)
-            for proc in system.processes:
-                if not proc.running:
-                    # A worker ends itself after a hard time limit; like compose's restart policy,
-                    # start a fresh one. Anything else that stops ends the demo.
-                    if not proc.name.startswith("worker-"):
-                        print(f"{proc.name} exited; see {proc.log_path}", file=sys.stderr)
-                        return 1
-                    print(f"{proc.name} exited; restarting it (see {proc.log_path})", file=sys.stderr)
-                    proc.start()
+            # Like compose's restart policy: a worker that ended itself (hard time limit) or was
+            # killed, the API, or this system's Redis (from its AOF) starts again.
+            system.supervise(say=lambda msg: print(msg, file=sys.stderr))
     except KeyboardInterrupt:
         print("\nstopping ...")
         return 0
@@ -140,8 +134,8 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
     rt = Runtime(Settings())
     s = rt.settings
-    report = cleanup(rt.jobs, rt.artifacts, output_ttl_s=s.output_ttl_s, intermediate_ttl_s=s.intermediate_ttl_s,
-                     max_deadline_s=s.max_cancel_after_s)
+    report = cleanup(rt.ledger, rt.artifacts, output_ttl_s=s.output_ttl_s, intermediate_ttl_s=s.intermediate_ttl_s,
+                     max_deadline_s=s.max_cancel_after_s, reaper=rt.reaper)
     print(json.dumps(report.__dict__))
     return 0
 

@@ -199,9 +199,12 @@ def find_redis_server() -> str:
 
 
 def start_redis(
-    *, port: int | None = None, data_dir: Path, appendonly: bool = False, start_timeout_s: float = 10.0
+    *, port: int | None = None, data_dir: Path, appendonly: bool = False, appendfsync: str = "always",
+    replica_of: int | None = None, start_timeout_s: float = 10.0
 ) -> RunningService:
-    """A private redis-server on 127.0.0.1 (no RDB snapshots; AOF when ``appendonly``)."""
+    """A private redis-server on 127.0.0.1 (no RDB snapshots; AOF when ``appendonly``, fsynced per
+    ``appendfsync``: 'always' before each reply, so an acknowledged write survives a crash, or
+    'everysec'; see README "Reliability"). ``replica_of``: the port of a primary to replicate."""
     binary = find_redis_server()
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -214,9 +217,12 @@ def start_redis(
             "--save", "",
             "--daemonize", "no",
             "--appendonly", "yes" if appendonly else "no",
+            "--appendfsync", appendfsync,
             "--dir", str(data_dir),
             "--logfile", "",
         ]  # fmt: skip
+        if replica_of is not None:
+            argv += ["--replicaof", "127.0.0.1", str(replica_of)]
         return RunningService(
             "redis-server",
             argv,

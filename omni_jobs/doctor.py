@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from omni_jobs.dispatch import RESULTS_QUEUE
+from omni_jobs.steps import RESULTS_QUEUE, WEBHOOKS_QUEUE
 
 if TYPE_CHECKING:
     import redis
@@ -254,11 +254,7 @@ def required_queues(catalogue: PipelineCatalogue, settings: Settings | None = No
     """Queues that must have a live worker: every stage queue, results, and webhooks when enabled."""
     queues = {q for spec in catalogue for q in spec.queues()} | {RESULTS_QUEUE}
     if settings is not None and getattr(settings, "webhook_secret", None):
-        from omni_jobs import dispatch
-
-        webhooks = getattr(dispatch, "WEBHOOKS_QUEUE", None)
-        if webhooks:
-            queues.add(webhooks)
+        queues.add(WEBHOOKS_QUEUE)
     return queues
 
 

@@ -150,7 +150,8 @@ class EmbeddedSystem:
         if self.redis_url:
             say(f"using Redis at {self.redis_url}")
         else:
-            service = start_redis(data_dir=self.home / "redis", appendonly=True)
+            # AOF fsynced before every reply: a job answered 202 survives a crash (README "Reliability").
+            service = start_redis(data_dir=self.home / "redis", appendonly=True, appendfsync="always")
             self.processes.append(service)
             self.redis_url = service.url
             say(f"started Redis at {self.redis_url} (data in {self.home / 'redis'})")
@@ -174,15 +175,33 @@ class EmbeddedSystem:
         say("waiting for the workers to load their engines ...")
         self.wait_for_workers(set(self.worker_queues))
 
-    def start_worker(self, queue: str, *, name: str | None = None) -> RunningService:
+    def start_worker(self, queue: str, *, name: str | None = None, env: dict[str, str] | None = None,
+                     pool: str | None = None) -> RunningService:
         """One Celery worker process on one queue (tests start extra ones, or restart killed ones)."""
         node = name or queue
-        pool = self.worker_queues.get(queue, "solo")
+        pool = pool or self.worker_queues.get(queue, "solo")
         argv = [sys.executable, "-m", "celery", "-A", "workers.app:app", "worker", "-Q", queue, "-P", pool,
                 "-c", str(self.concurrency(queue)), "-n", f"{node}@%h", "--loglevel", "INFO"]
         self.metrics_ports[node] = free_port()
         return self._spawn(f"worker-{node}", argv, 0, lambda: True,
-                           env={"OMNI_METRICS_PORT": str(self.metrics_ports[node])})
+                           env={"OMNI_METRICS_PORT": str(self.metrics_ports[node]), **(env or {})})
+
+    def supervise(self, say: Callable[[str], None] = print) -> list[str]:
+        """Start again every process of this system that exited (as compose's restart policy does):
+        a worker killed or out of memory, the API, and the Redis this system started (from its AOF).
+        Returns the names restarted."""
+        restarted: list[str] = []
+        for proc in self.processes:
+            if proc.running:
+                continue
+            say(f"{proc.name} exited; restarting it (see {proc.log_path})")
+            try:
+                proc.start()
+            except Exception as exc:  # noqa: BLE001 - keep supervising the others; try again next time
+                say(f"{proc.name} did not start: {exc}")
+                continue
+            restarted.append(proc.name)
+        return restarted
 
     def concurrency(self, queue: str) -> int:
         """Tasks one worker of ``queue`` runs at once (stage queues: OMNI_STAGE_MAX_IN_FLIGHT, as the

@@ -95,3 +95,20 @@ class Overloaded(OmniError):
         super().__init__(
             f"queue '{queue}' is full ({depth} waiting, limit {limit}); retry after {retry_after_s}s"
         )
+
+
+class StoreUnavailable(OmniError):
+    """The job store (Redis) did not answer for as long as a step may wait for it."""
+
+    def __init__(self, what: str, waited_s: float, cause: BaseException) -> None:
+        self.waited_s = waited_s
+        super().__init__(f"{what}: the job store did not answer for {waited_s:.0f}s ({type(cause).__name__}: {cause}); "
+                         "check OMNI_REDIS_URL and that Redis is up")
+
+
+class NotDurable(OmniError):
+    """A write reached the primary but not the replicas it must reach before it is acknowledged."""
+
+    def __init__(self, acked: int, wanted: int, timeout_ms: int) -> None:
+        super().__init__(f"the job store's write reached {acked} of {wanted} replica(s) within {timeout_ms} ms "
+                         "(OMNI_REDIS_WAIT_REPLICAS); retry with the same Idempotency-Key")

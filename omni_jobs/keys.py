@@ -8,9 +8,10 @@ from __future__ import annotations
 
 PREFIX = "omni"
 
-# --- jobs ---
+# --- jobs (omni_jobs.jobs: every key of one job expires with it) ---
 def job(job_id: str) -> str:
-    """JSON document of one job (the Job model)."""
+    """Hash of one job: its fields, one field per stage attribute (``stage:<id>:status``, ...) and the
+    results step's (``results:status``, ...); a transition writes only the fields it changes."""
     return f"{PREFIX}:job:{job_id}"
 
 
@@ -19,26 +20,47 @@ def job_events(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:events"
 
 
-def job_lock(job_id: str) -> str:
-    """Short lock serialising read-modify-write updates of one job."""
-    return f"{PREFIX}:job:{job_id}:lock"
+def job_progress(job_id: str) -> str:
+    """JSON {stage, step, total, unit} of the running stage: written often, so apart from the job hash."""
+    return f"{PREFIX}:job:{job_id}:progress"
 
 
-def stage_enqueued(job_id: str, stage_id: str) -> str:
-    """SET NX marker: the stage was enqueued once (fan-in stages must not be enqueued twice)."""
-    return f"{PREFIX}:job:{job_id}:enqueued:{stage_id}"
+def job_webhooks(job_id: str) -> str:
+    """Hash of the job's webhook messages: ``<message id>:<field>`` (event, status, attempts, lease)."""
+    return f"{PREFIX}:job:{job_id}:webhooks"
+
+
+def job_deliveries(job_id: str) -> str:
+    """List of the job's webhook delivery attempts (JSON), newest last, capped."""
+    return f"{PREFIX}:job:{job_id}:deliveries"
 
 
 JOBS_INDEX = f"{PREFIX}:jobs"
 """Sorted set of every job id, scored by creation time (for listing)."""
 
 
+# --- the outbox, leases and the reaper (omni_jobs.outbox, omni_jobs.leases) ---
+OUTBOX = f"{PREFIX}:outbox"
+"""Sorted set of outbox entry ids (steps to publish), scored by when they are due (or held until)."""
+
+OUTBOX_ITEMS = f"{PREFIX}:outbox:items"
+"""Hash: outbox entry id -> the step as JSON."""
+
+LEASES = f"{PREFIX}:leases"
+"""Sorted set of leased step slots (``stage:<job>:<stage>``, ``results:<job>``, ``webhook:<job>:<msg>``),
+scored by when the lease expires: what the reaper reads."""
+
+REAPER_LOCK = f"{PREFIX}:reaper:lock"
+"""SET NX PX lock: one reaper pass at a time across all processes."""
+
+
 RETENTION_MARK = f"{PREFIX}:retention:intermediates-mark"
 """Creation time up to which jobs' intermediates were already cleaned (a high-water mark)."""
 
 
-def idempotency(key: str) -> str:
-    return f"{PREFIX}:idempotency:{key}"
+def idempotency(tenant: str, key: str) -> str:
+    """Hash {job_id, fingerprint} binding a tenant's Idempotency-Key to the job it created."""
+    return f"{PREFIX}:idempotency:{tenant}:{key}"
 
 
 # --- artifacts ---
@@ -57,9 +79,12 @@ def job_intermediates_prefix(job_id: str) -> str:
     return f"jobs/{job_id}/stages/"
 
 
-def intermediate_artifact(job_id: str, stage_id: str, name: str) -> str:
-    """Artifact key of an intermediate a stage hands to the next one."""
-    return f"jobs/{job_id}/stages/{stage_id}/{name}"
+def intermediate_artifact(job_id: str, stage_id: str, name: str, attempt: int | None = None) -> str:
+    """Artifact key of an intermediate a stage hands to the next one; each attempt writes its own,
+    so a stale attempt finishing late never overwrites what a newer one recorded."""
+    if attempt is None:
+        return f"jobs/{job_id}/stages/{stage_id}/{name}"
+    return f"jobs/{job_id}/stages/{stage_id}/attempt-{attempt}/{name}"
 
 
 def output_artifact(job_id: str, filename: str) -> str:
@@ -91,15 +116,21 @@ def broker_queue_lists(queue: str) -> list[str]:
     return [queue if p == 0 else f"{queue}{KOMBU_PRIORITY_SEPARATOR}{p}" for p in KOMBU_PRIORITY_STEPS]
 
 
-# --- queue positions and webhooks ---
+# --- queues: what waits and what runs, per queue (positions, metrics, the dispatch watchdog) ---
 def queue_waiting(queue: str) -> str:
-    """Sorted set of '<job id>:<stage id>' waiting on one queue, scored by queued time (queue position)."""
+    """Sorted set of step slots queued on one queue, scored by when they became runnable."""
     return f"{PREFIX}:queue:{queue}:waiting"
 
 
-def webhook_progress_throttle(job_id: str) -> str:
-    """SET NX PX marker: a progress webhook of this job was sent within the throttle interval."""
-    return f"{PREFIX}:job:{job_id}:webhook:progress"
+def queue_running(queue: str) -> str:
+    """Sorted set of step slots running on one queue (holding a lease), scored by start time."""
+    return f"{PREFIX}:queue:{queue}:running"
+
+
+def throttle(name: str) -> str:
+    """SET NX PX marker of a throttle (e.g. one progress webhook per job per interval)."""
+    return f"{PREFIX}:throttle:{name}"
+
 
 
 # --- API keys and tenants (omni_jobs.auth) ---

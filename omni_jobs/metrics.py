@@ -108,7 +108,7 @@ _FINAL = {"job.succeeded": "succeeded", "job.failed": "failed", "job.canceled": 
 
 # --- recording helpers (each one cheap, none raises into the caller) ---
 def record_job_events(job: Job, events: list[JobEvent]) -> None:
-    """JobStore commit listener: count status changes and observe stage timings from the events."""
+    """Ledger listener: count status changes and observe stage timings from the committed events."""
     for event in events:
         kind = event.type
         if kind == "job.queued" or kind == "job.running":
@@ -208,12 +208,16 @@ def _rss_bytes() -> int:
 
 # --- values read from Redis at scrape time (API only) ---
 class QueueCollector(Collector):
-    """Queue depth (messages waiting in the broker) and live workers, for each queue given."""
+    """Per queue: steps waiting and running (from the job store: what to scale on), messages in the
+    broker, and live workers."""
 
-    def __init__(self, broker: redis.Redis, state: redis.Redis, queues: Callable[[], Iterable[str]]) -> None:
+    def __init__(self, broker: redis.Redis, state: redis.Redis, queues: Callable[[], Iterable[str]],
+                 counts: Callable[[str], tuple[int, int]] | None = None) -> None:
+        """``counts``: queue -> (steps waiting, steps running), from the job store's queue indexes."""
         self.broker = broker
         self.state = state
         self.queues = queues
+        self.counts = counts
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         from omni_jobs.queue_depth import queue_depths
@@ -224,9 +228,19 @@ class QueueCollector(Collector):
                                   "a worker), read from the Redis broker.", labels=["queue"])
         workers = GaugeMetricFamily("omni_jobs_queue_workers", "Live workers listening on a queue (heartbeats).",
                                     labels=["queue"])
+        waiting = GaugeMetricFamily("omni_jobs_queue_waiting", "Steps queued on a queue and not yet started "
+                                    "(including retries waiting out their backoff).", labels=["queue"])
+        running = GaugeMetricFamily("omni_jobs_queue_running", "Steps running on a queue's workers (holding a "
+                                    "lease). Waiting + running is the work to scale a queue's workers on.",
+                                    labels=["queue"])
         try:
             for queue, n in queue_depths(self.broker, queues).items():
                 depth.add_metric([queue], n)
+            if self.counts is not None:
+                for queue in sorted(queues):
+                    w, r = self.counts(queue)
+                    waiting.add_metric([queue], w)
+                    running.add_metric([queue], r)
             live = live_workers(self.state)
             for queue in sorted(queues | set(live)):
                 workers.add_metric([queue], len(live.get(queue, [])))
@@ -235,6 +249,9 @@ class QueueCollector(Collector):
             return
         yield depth
         yield workers
+        if self.counts is not None:
+            yield waiting
+            yield running
 
 
 # --- exposition ---

@@ -1,11 +1,11 @@
 """Omni / AsyncOmni: run any pipeline in this process, with no broker and no services.
 
 ``Omni("text-to-image").generate({"prompt": "a red fox"})`` runs the same code a deployment runs,
-in one process: the JobSubmitter validates the request, the StageRunner runs each stage on the
-same engines (vLLM, diffusers) with the same payload formats, and the ResultsAssembler writes the
-same output files. Only the transport and the job store differ: next steps go to an in-process
-dispatcher that this object drains in order (instead of Celery queues), and jobs live in a
-MemoryJobStore (instead of Redis). So for the same inputs and seeds, the outputs are the bytes a
+in one process: the JobSubmitter validates the request, the same ledger records every transition,
+the same StepExecutor runs each step (stages on the same engines, vLLM and diffusers, with the same
+payload formats; the results step writes the same output files). Only the transport and the job
+store differ: this object drains the job's outbox itself, in order (instead of a relay publishing
+to Celery queues), and jobs live in a MemoryJobStore (instead of Redis). So for the same inputs and seeds, the outputs are the bytes a
 queued job produces. Artifacts go where the Settings say (a local directory by default).
 
 ``AsyncOmni`` is the same for asyncio code: ``await AsyncOmni(...).generate(...)`` runs the job in a
@@ -16,23 +16,24 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import collections
 import io
 import os
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omni_jobs.artifacts import ArtifactStore, artifact_store_from_settings, codecs
-from omni_jobs.dispatch import NextStep
 from omni_jobs.engines.cache import EngineCache
 from omni_jobs.engines.stage_exec import load_stage_engine
 from omni_jobs.errors import OmniError
+from omni_jobs.executor import StepExecutor
+from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
-from omni_jobs.jobs.models import Job, JobEvent, JobOutput, JobStatus
+from omni_jobs.jobs.models import Job, JobError, JobEvent, JobOutput, JobStatus, now
 from omni_jobs.jobs.store import JobStore
 from omni_jobs.payloads import AudioClip, decode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue, load_pipeline_file
@@ -58,19 +59,6 @@ class OmniJobFailed(OmniError):
         where = f" in stage '{error.stage}'" if error and error.stage else ""
         reason = f": {error.type}: {error.message}" if error else ""
         super().__init__(f"job {job.id} ({job.pipeline}) {job.status.value}{where}{reason}")
-
-
-class InProcessDispatcher:
-    """The Dispatcher of one in-process job: next steps queue up here and Omni runs them in order."""
-
-    def __init__(self) -> None:
-        self._steps: collections.deque[NextStep] = collections.deque()
-
-    def dispatch(self, step: NextStep) -> None:
-        self._steps.append(step)
-
-    def next(self) -> NextStep | None:
-        return self._steps.popleft() if self._steps else None
 
 
 @dataclass(frozen=True)
@@ -155,15 +143,19 @@ class Omni:
         else:
             self.spec = load_catalogue(s.pipelines_path).get(str(pipeline))
         self.catalogue = PipelineCatalogue([self.spec])
-        self.store = store if store is not None else MemoryJobStore(ttl_s=s.output_ttl_s)
+        self.store: JobStore = store if store is not None else MemoryJobStore(ttl_s=s.output_ttl_s)
+        self.ledger = JobLedger(self.store, lease_s=s.lease_s, max_attempts=1 + s.stage_max_retries)
         self.artifacts = artifacts if artifacts is not None else artifact_store_from_settings(s)
         self.engines = engines or EngineCache(
             s.models_dir, kv_cache_bytes=s.ar_kv_cache_bytes, max_model_len=s.ar_max_model_len, device=s.device
         )
         self.worker = worker or f"omni@{socket.gethostname()}:{os.getpid()}"
-        self.runner = StageRunner(store=self.store, catalogue=self.catalogue, artifacts=self.artifacts,
-                                  engines=self.engines)
-        self.results = ResultsAssembler(store=self.store, catalogue=self.catalogue, artifacts=self.artifacts)
+        self.owner = f"{self.worker}#{os.getpid()}"
+        self.runner = StageRunner(ledger=self.ledger, catalogue=self.catalogue, artifacts=self.artifacts,
+                                  engines=self.engines, retry_backoff_s=s.stage_retry_backoff_s)
+        self.results = ResultsAssembler(ledger=self.ledger, catalogue=self.catalogue, artifacts=self.artifacts,
+                                        retry_backoff_s=s.stage_retry_backoff_s)
+        self.executor = StepExecutor(self.runner, self.results)
 
     def load(self) -> Omni:
         """Load every stage's engine now (else each loads on first use); returns self."""
@@ -179,36 +171,40 @@ class Omni:
         ``on_event``: called with each of the job's events (stage started, progress, ...) as it happens.
         """
         values = {k: _image_value(v) if k in self.spec.file_inputs() else v for k, v in inputs.items()}
-        dispatcher = InProcessDispatcher()
-        submitter = JobSubmitter(self.store, self.catalogue, dispatcher, artifacts=self.artifacts,
-                                 webhooks_enabled=False)
+        submitter = JobSubmitter(self.ledger, self.catalogue, artifacts=self.artifacts, webhooks_enabled=False)
         listener = self._forward_events(on_event) if on_event is not None else None
         if listener is not None:
-            self.store.listeners.append(listener)
+            self.ledger.listeners.append(listener)
         try:
             job = submitter.submit(self.spec.name, values, dict(params or {}))
-            self._drain(job.id, dispatcher)
+            self._drain(job.id)
         finally:
             if listener is not None:
-                self.store.listeners.remove(listener)
-        final = self.store.require(job.id)
+                self.ledger.listeners.remove(listener)
+        final = self.ledger.require(job.id)
         if final.status is not JobStatus.succeeded:
             raise OmniJobFailed(final)
         return OmniResult(final, {o.name: OmniOutput(o, self.artifacts.get(o.artifact)) for o in final.outputs})
 
-    def _drain(self, job_id: str, dispatcher: InProcessDispatcher) -> None:
-        """Run the job's steps as they become runnable: what the workers do, one after another."""
-        while (step := dispatcher.next()) is not None:
-            try:
-                if step.stage_id is None:
-                    self.results.assemble(step.job_id)
-                    continue
-                outcome = self.runner.run(step.job_id, step.stage_id, worker=self.worker)
-            except Exception as exc:
-                self.runner.fail(step.job_id, step.stage_id, exc)
-                raise OmniJobFailed(self.store.require(job_id)) from exc
-            for following in outcome.next_steps:
-                dispatcher.dispatch(following)
+    def _drain(self, job_id: str) -> None:
+        """Run the job's steps as they become due, in this thread: what the relay and the workers do."""
+        while True:
+            entries = self.store.claim_outbox(now=now(), limit=16, hold_s=3600.0, job_id=job_id)
+            if not entries:
+                job = self.ledger.require(job_id)
+                if job.status.is_final:
+                    return
+                time.sleep(0.01)  # a step backing off after a transient error becomes due later
+                continue
+            for entry in entries:
+                try:
+                    self.executor.execute(entry.step, worker=self.worker, owner=self.owner)
+                except Exception as exc:
+                    self.ledger.fail(job_id, JobError(stage=getattr(entry.step, "stage_id", None),
+                                                      type=type(exc).__name__, message=str(exc) or repr(exc)))
+                    raise OmniJobFailed(self.ledger.require(job_id)) from exc
+                finally:
+                    self.store.ack_outbox([entry.id])
 
     @staticmethod
     def _forward_events(on_event: EventCallback) -> Callable[[Job, list[JobEvent]], None]:

@@ -1,21 +1,28 @@
 """Celery configuration as plain data, so the API (producer) and the workers (consumers) agree.
 
 The core does not import Celery; both shells build their app from this dict. JSON only, acks
-late, reject on worker lost, one task prefetched at a time, events on for Flower.
+late (a worker holds no more messages than it runs: what a killed worker held comes back through
+the reaper, see omni_jobs.leases), reject on worker lost, one task prefetched per slot, events on
+for Flower. The broker's visibility timeout is only a last resort: leases decide who runs a step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from omni_jobs.dispatch import (
+from omni_jobs.settings import Settings
+from omni_jobs.steps import (
     ASSEMBLE_RESULTS_TASK,
     CLEANUP_TASK,
     DELIVER_WEBHOOK_TASK,
     RESULTS_QUEUE,
+    TASK_OF,
     WEBHOOKS_QUEUE,
+    Step,
+    display_name,
+    task_args,
 )
-from omni_jobs.settings import Settings
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -43,9 +50,23 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {
             "visibility_timeout": settings.visibility_timeout_s,
-            # Prompt redelivery after a worker dies (FACTS.md: default sweep waits ~100 s).
-            "unacked_restore_interval": 1,
+            # How often a consumer looks for unacknowledged messages older than the visibility
+            # timeout. A redelivered message is recognised and skipped (its attempt already ran or runs).
+            "unacked_restore_interval": max(1, min(10, settings.visibility_timeout_s // 4)),
             "unacked_restore_throttle": 1,
         },
         "worker_hijack_root_logger": False,
     }
+
+
+def publish_steps(app: Any, steps: Sequence[Step], ids: Sequence[str]) -> None:
+    """Publish steps as tasks through a Celery app (given by the shell), over one producer connection.
+
+    The task id is the outbox entry id, so a re-published duplicate shows under the same id in
+    Flower; the display name (``shadow``) contains the job id: omni.run_stage[job_.../ar#1].
+    """
+    with app.producer_or_acquire() as producer:
+        for step, task_id in zip(steps, ids, strict=True):
+            name, args = TASK_OF[step.kind], task_args(step)
+            app.send_task(name, args=args, queue=step.queue, task_id=task_id, shadow=display_name(name, args),
+                          producer=producer)

@@ -4,25 +4,32 @@ One handler per output type (text, image, audio, each tensor modality, and the t
 writes a standard file (JSON, PNG, WAV, safetensors) under ``jobs/{id}/outputs/`` and describes it
 in the job's manifest: name, type, media type, size, and what a client needs before downloading
 (the text itself; an image's width and height; a clip's duration and sample rate; a tensor's
-shape). It runs once in effect: a job that already ended is left alone.
+shape). It runs once in effect: it holds a lease like a stage, and a job that ended is left alone.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+import random
+import threading
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, codecs
-from omni_jobs.jobs import state
-from omni_jobs.jobs.models import Job, JobEvent, JobOutput, now
-from omni_jobs.jobs.store import JobStore
+from omni_jobs.jobs.ledger import JobLedger, Lease, Refused
+from omni_jobs.jobs.models import Job, JobOutput
+from omni_jobs.jobs.patience import while_store_down
+from omni_jobs.leases import LeaseKeeper
 from omni_jobs.payloads import FORMATS, SAFETENSORS, PayloadFormat
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.modalities import OUTPUT_TYPES, TENSOR_MODALITIES, Modality
+from omni_jobs.stages import TRANSIENT_ERRORS, job_error
+from omni_jobs.steps import AssembleResults, StepOutcome
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 OutputHandler = Callable[[ArtifactStore, str, str, Sequence[bytes]], JobOutput]
 """(store, job id, output name, the stage payloads it is made of) -> the manifest entry of the written file."""
@@ -93,27 +100,62 @@ assert set(OUTPUT_HANDLERS) == set(OUTPUT_TYPES), "every output type a pipeline 
 
 
 class ResultsAssembler:
-    def __init__(self, *, store: JobStore, catalogue: PipelineCatalogue, artifacts: ArtifactStore) -> None:
-        self.store = store
+    """Runs the results step: takes its lease, writes the final files, ends the job succeeded.
+
+    The files are a pure function of the stages' recorded outputs, so a repeated attempt (after a
+    killed worker) rewrites the same bytes under the same keys: one file per output, however often.
+    """
+
+    def __init__(self, *, ledger: JobLedger, catalogue: PipelineCatalogue, artifacts: ArtifactStore,
+                 keeper: LeaseKeeper | None = None, retry_backoff_s: float = 1.0, store_wait_s: float = 600.0) -> None:
+        self.ledger = ledger
         self.catalogue = catalogue
         self.artifacts = artifacts
+        self.keeper = keeper
+        self.retry_backoff_s = retry_backoff_s
+        self.store_wait_s = store_wait_s
 
-    def assemble(self, job_id: str) -> Job | None:
-        job = self.store.get(job_id)
-        if job is None or job.status.is_final:
-            return job
+    def _patiently(self, call: Callable[[], T], what: str) -> T:
+        return while_store_down(call, wait_s=self.store_wait_s, what=what)
+
+    def run(self, step: AssembleResults, *, worker: str, owner: str) -> StepOutcome:
+        where = f"job {step.job_id} results attempt {step.attempt}"
+        taken = self._patiently(lambda: self.ledger.acquire(step, worker=worker, owner=owner), where)
+        if isinstance(taken, Refused):
+            return StepOutcome("skipped", taken.reason)
+        lost = threading.Event()
+        if self.keeper is None:
+            return self._assemble(taken.job, taken.lease, lost, where)
+        with self.keeper.hold(taken.lease, on_lost=lost.set):
+            return self._assemble(taken.job, taken.lease, lost, where)
+
+    def _assemble(self, job: Job, lease: Lease, lost: threading.Event, where: str) -> StepOutcome:
+        try:
+            outputs = self.write_outputs(job)
+        except TRANSIENT_ERRORS as exc:
+            delay = float(self.retry_backoff_s * (2 ** (lease.attempt - 1)) * random.uniform(0.5, 1.5))
+            error = job_error("results", exc)
+            outcome = self._patiently(lambda: self.ledger.retry_later(lease, error, delay), where)
+            log.warning("%s: transient error (%s: %s); %s", where, type(exc).__name__, exc, outcome)
+            return StepOutcome(outcome, str(exc))
+        except Exception as exc:  # any other error fails the job, with its reason recorded
+            failure = job_error(None, exc)
+            self._patiently(lambda: self.ledger.fail(job.id, failure, lease=lease), where)
+            log.exception("%s failed", where)
+            return StepOutcome("failed", str(exc))
+        if lost.is_set():
+            return StepOutcome("lost", "the lease was taken back while writing the outputs")
+        done = self._patiently(lambda: self.ledger.complete_results(lease, outputs), where)
+        if isinstance(done, Refused):
+            return StepOutcome("discarded", done.reason)
+        log.info("job %s succeeded with outputs %s", job.id, [o.name for o in outputs])
+        return StepOutcome("succeeded")
+
+    def write_outputs(self, job: Job) -> list[JobOutput]:
+        """Each declared output of the pipeline, written as its file, with its manifest entry."""
         spec = self.catalogue.get(job.pipeline)
         outputs: list[JobOutput] = []
         for out in spec.outputs:
             parts = [self.artifacts.get(job.stage_record(s.source).outputs[s.port]) for s in out.sources]
-            outputs.append(OUTPUT_HANDLERS[spec.output_type(out)](self.artifacts, job_id, out.name, parts))
-
-        def mutate(j: Job) -> list[JobEvent]:
-            if j.status.is_final:
-                return []
-            j.outputs = outputs
-            return state.job_succeeded(j, now())
-
-        job, _ = self.store.update(job_id, mutate)
-        log.info("job %s succeeded with outputs %s", job_id, [o.name for o in outputs])
-        return job
+            outputs.append(OUTPUT_HANDLERS[spec.output_type(out)](self.artifacts, job.id, out.name, parts))
+        return outputs

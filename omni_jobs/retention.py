@@ -15,8 +15,9 @@ from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactStore
 from omni_jobs.cancellation import cancel_job
 from omni_jobs.errors import JobAlreadyFinished, JobNotFound
+from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import now
-from omni_jobs.jobs.store import JobStore
+from omni_jobs.leases import Reaper
 
 log = logging.getLogger(__name__)
 
@@ -27,46 +28,50 @@ class CleanupReport:
     artifacts_deleted: int = 0
     intermediates_deleted: int = 0
     deadlines_canceled: int = 0
+    steps_requeued: int = 0
+    steps_redispatched: int = 0
 
 
-def _ids(raw: list[bytes]) -> list[str]:
-    return [r.decode() for r in raw]
-
-
-def cleanup(store: JobStore, artifacts: ArtifactStore, *, output_ttl_s: float, intermediate_ttl_s: float,
-            max_deadline_s: float, at: float | None = None) -> CleanupReport:
+def cleanup(ledger: JobLedger, artifacts: ArtifactStore, *, output_ttl_s: float, intermediate_ttl_s: float,
+            max_deadline_s: float, at: float | None = None, reaper: Reaper | None = None) -> CleanupReport:
+    """One retention pass; with ``reaper``, also one reaper pass (lost workers' steps come back)."""
     at = now() if at is None else at
     report = CleanupReport()
-    client = store.redis
+    store = ledger.store
 
     # 1. Jobs past the output TTL: their files go, then the job and its index entry.
-    for job_id in _ids(client.zrangebyscore(keys.JOBS_INDEX, "-inf", at - output_ttl_s)):  # type: ignore[arg-type]
+    for job_id in store.job_ids_created(after=None, until=at - output_ttl_s):
         report.artifacts_deleted += artifacts.delete_job(job_id)
         store.delete(job_id)
         report.jobs_expired += 1
 
     # 2. Finished jobs past the intermediate TTL: drop what stages handed each other.
-    mark_raw = client.get(keys.RETENTION_MARK)
-    mark = float(mark_raw) if mark_raw is not None else float("-inf")
+    mark_raw = store.get_mark(keys.RETENTION_MARK)
+    mark = float(mark_raw) if mark_raw is not None else None
     horizon = at - intermediate_ttl_s
-    low = f"({mark!r}" if mark_raw is not None else "-inf"
-    for job_id in _ids(client.zrangebyscore(keys.JOBS_INDEX, low, horizon)):  # type: ignore[arg-type]
+    for job_id in store.job_ids_created(after=mark, until=horizon):
         job = store.get(job_id)
         if job is not None and not job.status.is_final:
             horizon = min(horizon, job.created_at - 1e-6)  # still running: come back to it next time
             continue
         report.intermediates_deleted += artifacts.delete_job_intermediates(job_id)
-    client.set(keys.RETENTION_MARK, repr(max(horizon, mark)))
+    store.set_mark(keys.RETENTION_MARK, repr(max(horizon, mark) if mark is not None else horizon))
 
     # 3. Unfinished jobs past their deadline (e.g. never picked up because no worker ran).
-    for job_id in _ids(client.zrangebyscore(keys.JOBS_INDEX, at - max_deadline_s, "+inf")):  # type: ignore[arg-type]
+    for job_id in store.job_ids_created(after=at - max_deadline_s, until=float("inf")):
         job = store.get(job_id)
         if job is None or job.status.is_final or job.deadline_at is None or job.deadline_at > at:
             continue
         try:
-            cancel_job(store, job_id, reason="deadline exceeded (cancel_after)")
+            cancel_job(ledger, job_id, reason="deadline exceeded (cancel_after)")
             report.deadlines_canceled += 1
         except (JobAlreadyFinished, JobNotFound):
             continue
+
+    # 4. Steps whose worker died, when no worker is left to notice.
+    if reaper is not None:
+        reaped = reaper.run_once()
+        report.steps_requeued = reaped.requeued
+        report.steps_redispatched = reaped.redispatched
     log.info("cleanup: %s", report)
     return report

@@ -1,11 +1,15 @@
 """Wiring: build every core component from one Settings, for the API, the workers and tests.
 
 Components are made lazily and once per process, so the API never loads an engine and a worker
-loads only the engines its tasks ask for.
+loads only the engines its tasks ask for. The transport is given by the shell (``publish``): the
+core never imports Celery.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+from collections.abc import Iterable
 from functools import cached_property
 from typing import Any
 
@@ -13,35 +17,73 @@ from redis import Redis
 
 from omni_jobs.artifacts import ArtifactStore, artifact_store_from_settings
 from omni_jobs.batching import BatchDefaults
-from omni_jobs.dispatch import Dispatcher
 from omni_jobs.engines.cache import EngineCache
+from omni_jobs.executor import StepExecutor
+from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job
-from omni_jobs.jobs.store import JobStore
+from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.jobs.view import present_job
+from omni_jobs.leases import LeaseKeeper, Reaper, lease_owner
 from omni_jobs.limits import Limits
 from omni_jobs.metrics import record_job_events
 from omni_jobs.net_guard import NetGuard
+from omni_jobs.outbox import OutboxRelay, Publish
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
+from omni_jobs.queue_depth import queue_depth
 from omni_jobs.results import ResultsAssembler
+from omni_jobs.run_journal import RunJournal
 from omni_jobs.settings import Settings
 from omni_jobs.stages import StageLimits, StageRunner
+from omni_jobs.steps import RESULTS_QUEUE, WEBHOOKS_QUEUE
 from omni_jobs.submission import Admission, JobSubmitter
-from omni_jobs.webhooks import RetryPolicy, WebhookDeliverer, WebhookNotifier, WebhookSigner
+from omni_jobs.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner
 
 
 class Runtime:
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, worker: str | None = None) -> None:
+        """``worker``: this process's worker name (Celery's node name, e.g. ``dit@host``)."""
         self.settings = settings
+        self.worker = worker or socket.gethostname()
+        self._owner: tuple[int, str] | None = None
+        self._relay: OutboxRelay | None = None
+
+    @property
+    def owner(self) -> str:
+        """This process's lease owner token (made again in a forked child: each process owns its own)."""
+        if self._owner is None or self._owner[0] != os.getpid():
+            self._owner = (os.getpid(), lease_owner(self.worker))
+        return self._owner[1]
+
+    def set_worker(self, name: str) -> None:
+        self.worker = name
+        self._owner = None
 
     @cached_property
     def redis(self) -> Redis:
         return Redis.from_url(self.settings.redis_url, health_check_interval=30)
 
     @cached_property
-    def jobs(self) -> JobStore:
-        store = JobStore(self.redis, ttl_s=self.settings.output_ttl_s)
-        store.listeners.append(record_job_events)  # this process's Prometheus job and stage metrics
-        return store
+    def store(self) -> RedisJobStore:
+        s = self.settings
+        # Retention deletes a job (and its queue and outbox entries) once it is OMNI_OUTPUT_TTL_S old;
+        # its keys expire a day later by themselves, should no cleanup run.
+        return RedisJobStore(self.redis, ttl_s=s.output_ttl_s + 24 * 3600, wait_replicas=s.redis_wait_replicas,
+                             wait_timeout_ms=s.redis_wait_timeout_ms)
+
+    @cached_property
+    def ledger(self) -> JobLedger:
+        s = self.settings
+        policy = RetryPolicy.from_settings(s)
+        ledger = JobLedger(self.store, lease_s=s.lease_s, max_attempts=1 + s.stage_max_retries,
+                           webhook_progress_interval_s=s.webhook_progress_interval_s,
+                           webhook_attempts=policy.attempts_for, deliveries_kept=s.webhook_deliveries_kept)
+        ledger.listeners.append(record_job_events)  # this process's Prometheus job and stage metrics
+        return ledger
+
+    @property
+    def jobs(self) -> JobLedger:
+        """Reading and changing jobs (the name the API routes use)."""
+        return self.ledger
 
     @cached_property
     def catalogue(self) -> PipelineCatalogue:
@@ -58,19 +100,50 @@ class Runtime:
                            device=s.device)
 
     @cached_property
+    def keeper(self) -> LeaseKeeper:
+        return LeaseKeeper(self.ledger, every_s=self.settings.lease_s / 3)
+
+    @cached_property
     def stage_runner(self) -> StageRunner:
         s = self.settings
         limits = StageLimits(soft_time_limit_s=s.stage_soft_time_limit_s, time_limit_s=s.stage_time_limit_s,
                              progress_interval_s=s.progress_interval_s)
         batching = BatchDefaults(max_batch_size=s.batch_max_size, wait_ms=s.batch_wait_ms,
                                  max_in_flight=s.stage_max_in_flight)
-        return StageRunner(store=self.jobs, catalogue=self.catalogue, artifacts=self.artifacts, engines=self.engines,
-                           limits=limits, batching=batching, cache_redis=self.redis,
-                           cache_defaults=(s.stage_cache_max_entries, s.stage_cache_eviction))
+        return StageRunner(ledger=self.ledger, catalogue=self.catalogue, artifacts=self.artifacts,
+                           engines=self.engines, limits=limits, batching=batching, cache_redis=self.redis,
+                           cache_defaults=(s.stage_cache_max_entries, s.stage_cache_eviction), keeper=self.keeper,
+                           retry_backoff_s=s.stage_retry_backoff_s, store_wait_s=s.store_wait_s,
+                           run_journal=RunJournal(s.run_journal) if s.run_journal else None)
 
     @cached_property
     def results(self) -> ResultsAssembler:
-        return ResultsAssembler(store=self.jobs, catalogue=self.catalogue, artifacts=self.artifacts)
+        s = self.settings
+        return ResultsAssembler(ledger=self.ledger, catalogue=self.catalogue, artifacts=self.artifacts,
+                                keeper=self.keeper, retry_backoff_s=s.stage_retry_backoff_s,
+                                store_wait_s=s.store_wait_s)
+
+    @cached_property
+    def executor(self) -> StepExecutor:
+        return StepExecutor(self.stage_runner, self.results, self.webhooks)
+
+    def relay(self, publish: Publish) -> OutboxRelay:
+        """This process's outbox relay (one per process), woken by every commit that dispatches."""
+        if self._relay is None:
+            self._relay = OutboxRelay(self.store, publish, poll_s=self.settings.outbox_poll_s)
+            self.ledger.outbox_listeners.append(self._relay.wake)
+        return self._relay
+
+    def queues(self) -> Iterable[str]:
+        """Every queue a step of this catalogue can wait on."""
+        return {s.queue_name for spec in self.catalogue for s in spec.stages} | {RESULTS_QUEUE, WEBHOOKS_QUEUE}
+
+    @cached_property
+    def reaper(self) -> Reaper:
+        s = self.settings
+        return Reaper(self.ledger, self.store, owner=self.worker, queues=self.queues,
+                      queue_depth=lambda q: queue_depth(self.broker_redis, q),
+                      dispatch_timeout_s=s.dispatch_timeout_s, interval_s=s.reaper_interval_s)
 
     @cached_property
     def broker_redis(self) -> Redis:
@@ -79,10 +152,11 @@ class Runtime:
             return self.redis
         return Redis.from_url(self.settings.effective_broker_url)
 
-    def submitter(self, dispatcher: Dispatcher) -> JobSubmitter:
+    @cached_property
+    def submitter(self) -> JobSubmitter:
         s = self.settings
-        admission = Admission(self.broker_redis, s.max_queued_per_queue, s.overload_retry_after_s)
-        return JobSubmitter(self.jobs, self.catalogue, dispatcher, admission=admission,
+        admission = Admission(self.store, s.max_queued_per_queue, s.overload_retry_after_s)
+        return JobSubmitter(self.ledger, self.catalogue, admission=admission,
                             idempotency_ttl_s=s.idempotency_ttl_s, max_cancel_after_s=s.max_cancel_after_s,
                             webhooks_enabled=s.webhook_secret is not None, artifacts=self.artifacts,
                             net_guard=self.net_guard, limits=Limits.from_settings(s))
@@ -92,14 +166,6 @@ class Runtime:
         s = self.settings
         return present_job(job, public_url=s.public_url, artifacts=self.artifacts,
                            presign=s.output_urls == "presigned", queue_position=queue_position)
-
-    def enable_webhooks(self, dispatcher: Dispatcher) -> None:
-        """Send webhooks for the job changes this process commits, through ``dispatcher`` (once per process)."""
-        if any(isinstance(listener, WebhookNotifier) for listener in self.jobs.listeners):
-            return
-        self.jobs.listeners.append(
-            WebhookNotifier(self.redis, dispatcher, progress_interval_s=self.settings.webhook_progress_interval_s)
-        )
 
     @cached_property
     def webhook_signer(self) -> WebhookSigner | None:
@@ -120,9 +186,9 @@ class Runtime:
             signer, problem = self.webhook_signer, "this worker has no OMNI_WEBHOOK_SECRET to sign with"
         except ValueError as exc:
             signer, problem = None, str(exc)
-        return WebhookDeliverer(store=self.jobs, render=self.present, signer=signer, unsigned_reason=problem,
+        return WebhookDeliverer(ledger=self.ledger, render=self.present, signer=signer, unsigned_reason=problem,
                                 policy=RetryPolicy.from_settings(s), timeout_s=s.webhook_timeout_s,
-                                deliveries_kept=s.webhook_deliveries_kept, guard=self.net_guard)
+                                guard=self.net_guard, keeper=self.keeper, store_wait_s=s.store_wait_s)
 
     @cached_property
     def net_guard(self) -> NetGuard:

@@ -24,6 +24,11 @@ class Settings(BaseSettings):
     # --- Redis: job state, events, small artifacts, and (by default) the Celery broker ---
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for job state and small artifacts.")
     broker_url: str | None = Field(None, description="Celery broker URL; defaults to redis_url.")
+    redis_wait_replicas: int = Field(
+        0, ge=0, description="A submit is answered 202 only once this many Redis replicas have the job (WAIT); "
+        "0 relies on the primary's AOF with appendfsync always (README \"Reliability\").")
+    redis_wait_timeout_ms: int = Field(1000, gt=0, description="How long a submit waits for those replicas "
+                                       "before answering 503.")
 
     # --- Artifacts ---
     artifact_backend: Literal["local", "s3"] = Field(
@@ -109,8 +114,27 @@ class Settings(BaseSettings):
     )
     stage_cache_max_entries: int = Field(1000, ge=1, description="Entries of the stage-output cache per stage.")
     stage_cache_eviction: Literal["fifo", "lru"] = Field("lru", description="Which entry a full stage cache drops.")
-    stage_max_retries: int = Field(5, ge=0, description="Retries of a stage after a transient error (store down).")
+    stage_max_retries: int = Field(
+        5, ge=0, description="Retries of a stage (or the results step) after a transient error or a lost worker; "
+        "then its job fails.")
     stage_retry_backoff_s: float = Field(1.0, gt=0, description="First retry delay; doubles each retry, with jitter.")
+
+    # --- Job state: leases, the reaper, the outbox relay (README "Reliability") ---
+    lease_s: float = Field(
+        15, gt=0, description="A running step's lease: renewed every third of it while its worker lives; when it "
+        "expires (the worker was killed), the reaper queues the step's next attempt.")
+    reaper_interval_s: float = Field(2, gt=0, description="How often a worker runs the reaper (one pass at a time "
+                                     "across all processes).")
+    dispatch_timeout_s: float = Field(
+        20, gt=0, description="A step still waiting this long while its queue is empty is published again (its "
+        "message was lost, or held by a worker that died before starting it).")
+    outbox_poll_s: float = Field(0.5, gt=0, description="How often a relay looks for due outbox entries besides "
+                                 "being woken by its own process's commits.")
+    store_wait_s: float = Field(
+        600, gt=0, description="How long a worker waits for an unreachable job store before giving up on a step "
+        "(the step comes back through the reaper once Redis answers).")
+    run_journal: Path | None = Field(
+        None, description="Append one JSON line per engine run to this file (audits; the chaos test counts runs).")
 
     max_queued_per_queue: int = Field(
         1000, ge=1, description="New jobs are refused (503 + Retry-After) while their first queue holds this many."

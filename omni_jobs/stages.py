@@ -1,46 +1,52 @@
-"""Run one stage of one job: load its inputs, call its engine, store its outputs, say what is next.
+"""Run one attempt of one stage: take its lease, load its inputs, call its engine, store its
+outputs, record the result.
 
-This is the whole of a stage worker's logic; the Celery task around it only adds transport. It is
-idempotent under redelivery: a job that is finished or canceled is not touched, and a stage whose
-outputs already exist is not run again, only advanced.
+This is the whole of a stage worker's logic; the Celery task around it only adds transport. The
+attempt is fenced by its lease (omni_jobs.jobs.ledger): a duplicate or stale message is refused
+before any work, a result recorded only while the lease holds, and what the result makes runnable
+(the next stages, the results step) is dispatched in the same write. Each attempt writes its
+intermediates under its own key, so a late attempt never overwrites a newer one's outputs.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
 from omni_jobs import keys
-from omni_jobs.artifacts import ArtifactRef, ArtifactStore
+from omni_jobs.artifacts import ArtifactRef, ArtifactStore, ArtifactStoreUnavailable
 from omni_jobs.batching import BatchDefaults, BatchPolicy, ar_batcher
-from omni_jobs.dispatch import RESULTS_QUEUE, NextStep
 from omni_jobs.engines.ar import ARRequest, SamplingOptions
 from omni_jobs.engines.cache import EngineCache
 from omni_jobs.engines.stage_exec import execute_dit, execute_encode
-from omni_jobs.errors import StageError
+from omni_jobs.errors import JobAlreadyFinished, JobNotFound, StageError, TransientStageError
 from omni_jobs.input_files import load_input_image
-from omni_jobs.jobs import state
-from omni_jobs.jobs.models import Job, JobError, JobEvent, StageStatus, now
-from omni_jobs.jobs.store import JobStore
+from omni_jobs.jobs.ledger import JobLedger, Lease, Refused
+from omni_jobs.jobs.models import Job, JobError, now
+from omni_jobs.jobs.patience import STORE_DOWN, while_store_down
+from omni_jobs.leases import LeaseKeeper
 from omni_jobs.payloads import FORMATS, decode_payload, encode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.params import ARParams
 from omni_jobs.pipelines.spec import INPUT_SOURCE, PipelineSpec, StageSpec
 from omni_jobs.progress_writer import ProgressWriter
+from omni_jobs.run_journal import RunJournal
 from omni_jobs.stage_cache import CachedOutputs, Eviction, StageCache, cache_key, text_digest
+from omni_jobs.steps import RunStage, StepOutcome, stage_slot
 
 log = logging.getLogger(__name__)
 
-RESULTS_CLAIM = "__results__"
-"""Claim name of the results step among a job's stage claims (no stage may use this id)."""
-
+T = TypeVar("T")
 ProgressFn = Callable[[int, int], None]
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ArtifactStoreUnavailable, TransientStageError, *STORE_DOWN)
+"""Errors that may pass (a store or the broker unreachable): the next attempt backs off and retries."""
 
 
 class JobCanceled(Exception):
@@ -51,8 +57,17 @@ class DeadlineExceeded(JobCanceled):
     """The job's deadline (Cancel-After) passed: it ends canceled, like a user's cancel."""
 
 
+class LeaseLost(JobCanceled):
+    """This attempt's lease was taken back (the worker was cut off): another attempt runs it."""
+
+
 class StageTimeout(StageError):
     """The stage ran past its soft time limit; it stops at its next step or token."""
+
+
+def job_error(stage_id: str | None, exc: BaseException) -> JobError:
+    """The error a failed step records on its job: the stage, the exception type and its message."""
+    return JobError(stage=stage_id, type=type(exc).__name__, message=str(exc) or repr(exc))
 
 
 @dataclass(frozen=True)
@@ -66,14 +81,6 @@ class StageLimits:
     def for_stage(self, stage: StageSpec) -> tuple[float, float]:
         """(soft, hard) seconds for this stage."""
         return (stage.soft_time_limit_s or self.soft_time_limit_s, stage.time_limit_s or self.time_limit_s)
-
-
-@dataclass(frozen=True)
-class StageOutcome:
-    """What one run of a stage did, and what became runnable because of it."""
-
-    status: str  # "succeeded" | "skipped" | "failed" | "canceled"
-    next_steps: list[NextStep]
 
 
 def _execute_ar(engines: EngineCache, stage: StageSpec, params: ARParams, inputs: dict[str, Any], request_id: str,
@@ -91,24 +98,18 @@ def _execute_ar(engines: EngineCache, stage: StageSpec, params: ARParams, inputs
     return {"text": output.text, "token_ids": output.token_ids}
 
 
-def _mark_queued(stage_id: str) -> Callable[[Job], list[JobEvent]]:
-    def mutate(job: Job) -> list[JobEvent]:
-        if job.stage_record(stage_id).status is StageStatus.pending:
-            return state.stage_queued(job, stage_id, now())
-        return []
-
-    return mutate
-
-
 class StageRunner:
-    """Runs stages for any pipeline in the catalogue, with engines loaded once per process."""
+    """Runs stage attempts for any pipeline in the catalogue, with engines loaded once per process."""
 
-    def __init__(self, *, store: JobStore, catalogue: PipelineCatalogue, artifacts: ArtifactStore,
+    def __init__(self, *, ledger: JobLedger, catalogue: PipelineCatalogue, artifacts: ArtifactStore,
                  engines: EngineCache, limits: StageLimits | None = None, batching: BatchDefaults | None = None,
-                 cache_redis: redis.Redis | None = None, cache_defaults: tuple[int, Eviction] = (1000, "lru")) -> None:
+                 cache_redis: redis.Redis | None = None, cache_defaults: tuple[int, Eviction] = (1000, "lru"),
+                 keeper: LeaseKeeper | None = None, retry_backoff_s: float = 1.0, store_wait_s: float = 600.0,
+                 run_journal: RunJournal | None = None) -> None:
         """``batching``: engine calls go through the per-engine batcher (stage workers); None calls the
-        engine per job. ``cache_redis``: where stages with ``cache.enabled`` keep their outputs."""
-        self.store = store
+        engine per job. ``cache_redis``: where stages with ``cache.enabled`` keep their outputs.
+        ``keeper``: renews the leases of running attempts (workers; None in one process)."""
+        self.ledger = ledger
         self.catalogue = catalogue
         self.artifacts = artifacts
         self.engines = engines
@@ -116,92 +117,117 @@ class StageRunner:
         self.batching = batching
         self.cache_redis = cache_redis
         self.cache_defaults = cache_defaults
+        self.keeper = keeper
+        self.retry_backoff_s = retry_backoff_s
+        self.store_wait_s = store_wait_s
+        self.run_journal = run_journal
         self._caches: dict[tuple[int, str], StageCache] = {}
         self._in_flight: dict[tuple[str, str], threading.BoundedSemaphore] = {}
         self._guard = threading.Lock()
+        self._running: dict[str, Lease] = {}
         # Batched engines report for many jobs from one thread: write from another, never inline.
-        self.progress = ProgressWriter(store, background=batching is not None)
+        self.progress = ProgressWriter(ledger, background=batching is not None)
 
-    def run(self, job_id: str, stage_id: str, *, worker: str) -> StageOutcome:
-        job = self.store.get(job_id)
+    def _patiently(self, call: Callable[[], T], what: str) -> T:
+        return while_store_down(call, wait_s=self.store_wait_s, what=what)
+
+    def run(self, step: RunStage, *, worker: str, owner: str) -> StepOutcome:
+        """One attempt: take the lease, run the engine, record the outputs (or the failure)."""
+        where = f"job {step.job_id} stage {step.stage_id} attempt {step.attempt}"
+        job = self._patiently(lambda: self.ledger.get(step.job_id), where)
         if job is None:
-            log.warning("job %s is gone (expired or deleted); dropping stage %s", job_id, stage_id)
-            return StageOutcome("skipped", [])
-        if job.status.is_final:
-            log.info("job %s is %s; not running stage %s", job_id, job.status.value, stage_id)
-            return StageOutcome("skipped", [])
-        spec = self.catalogue.get(job.pipeline)
-        stage = spec.stage(stage_id)
-        record = job.stage_record(stage_id)
-        if record.status is StageStatus.succeeded and all(self.artifacts.exists(r) for r in record.outputs.values()):
-            # A redelivery: the first run may have died between storing and enqueueing, so the
-            # next steps are sent again (their own runs are idempotent, a duplicate is skipped).
-            log.info("job %s stage %s already succeeded; advancing only", job_id, stage_id)
-            return StageOutcome("skipped", self._next_steps(spec, self.store.require(job_id), stage_id, resend=True))
-        if job.deadline_at is not None and now() > job.deadline_at:
-            self.cancel_for_deadline(job_id)
-            return StageOutcome("canceled", [])
+            return StepOutcome("skipped", "job is gone (expired or deleted)")
+        taken = self._patiently(lambda: self.ledger.acquire(step, worker=worker, owner=owner, snapshot=job), where)
+        if isinstance(taken, Refused):
+            return StepOutcome("skipped", taken.reason)
+        job, lease = taken.job, taken.lease
+        self.progress.begin(lease)
+        with self._guard:
+            self._running[lease.slot] = lease
+        try:
+            if self.keeper is None:
+                return self._attempt(job, lease, step, where)
+            with self.keeper.hold(lease, on_lost=lambda: self.progress.stop(lease, "lost")):
+                return self._attempt(job, lease, step, where)
+        finally:
+            self.progress.finish(lease)
+            with self._guard:
+                self._running.pop(lease.slot, None)
 
-        self.store.update(job_id, lambda j: state.stage_started(j, stage_id, worker, now()))
+    def _attempt(self, job: Job, lease: Lease, step: RunStage, where: str) -> StepOutcome:
+        spec = self.catalogue.get(job.pipeline)
+        stage = spec.stage(step.stage_id)
         started = time.perf_counter()
+        if self.run_journal is not None:
+            self.run_journal.record(lease, "engine.start")
         try:
             inputs = self._load_inputs(spec, stage, job)
             cache, digest = self._stage_cache(spec, stage, job)
             hit = cache.get(f"{spec.name}.{stage.id}", digest) if cache is not None and digest else None
             if hit is not None:  # the same stage config, params and inputs ran before: skip the engine
-                refs = self._put_encoded(job_id, stage, hit)
+                refs = self._put_encoded(job.id, stage, hit, step.attempt)
                 engine_s = 0.0
             else:
-                values = self._execute(stage, job, inputs, spec.name)
+                values = self._execute(stage, job, inputs, lease, spec.name)
                 engine_s = time.perf_counter() - started
                 encoded = self._encode_outputs(stage, values)
-                refs = self._put_encoded(job_id, stage, encoded)
+                refs = self._put_encoded(job.id, stage, encoded, step.attempt)
                 if cache is not None and digest:
                     cache.put(f"{spec.name}.{stage.id}", digest, encoded.data, encoded.media_types)
-        except DeadlineExceeded:
-            self.cancel_for_deadline(job_id)
-            return StageOutcome("canceled", [])
-        except JobCanceled:
-            log.info("job %s was canceled during stage %s", job_id, stage_id)
-            return StageOutcome("canceled", [])
+        except JobCanceled as exc:
+            why = "lost" if isinstance(exc, LeaseLost) else "canceled"
+            if isinstance(exc, DeadlineExceeded):
+                self._patiently(lambda: self.cancel_for_deadline(job.id), where)
+            log.info("%s stopped: %s", where, "its lease was lost" if why == "lost" else "the job was canceled")
+            return StepOutcome(why, str(exc))
         except StageError as exc:
-            self.fail(job_id, stage_id, exc)
-            return StageOutcome("failed", [])
-        finally:
-            self.progress.finish(job_id, stage_id)
+            error = job_error(stage.id, exc)
+            self._patiently(lambda: self.ledger.fail(job.id, error, lease=lease), where)
+            log.error("%s failed: %s", where, exc)
+            return StepOutcome("failed", str(exc))
+        except TRANSIENT_ERRORS as exc:
+            delay, error = self.retry_delay(step.attempt), job_error(stage.id, exc)
+            outcome = self._patiently(lambda: self.ledger.retry_later(lease, error, delay), where)
+            log.warning("%s: transient error (%s: %s); %s", where, type(exc).__name__, exc,
+                        f"attempt {step.attempt + 1} in {delay:.1f}s" if outcome == "retrying" else outcome)
+            return StepOutcome("retrying" if outcome == "retrying" else outcome, str(exc))
         metrics = {"run_s": time.perf_counter() - started, "engine_s": engine_s}
         if cache is not None and digest:
             metrics["cache_hit"] = 1.0 if hit is not None else 0.0
-        job, _ = self.store.update(job_id, lambda j: state.stage_succeeded(j, stage_id, refs, metrics, now()))
-        return StageOutcome("succeeded", self._next_steps(spec, job, stage_id))
+        done = self._patiently(lambda: self.ledger.complete_stage(lease, refs, metrics, snapshot=job), where)
+        if isinstance(done, Refused):
+            log.warning("%s: result discarded: %s", where, done.reason)
+            return StepOutcome("discarded", done.reason)
+        if self.run_journal is not None:
+            self.run_journal.record(lease, "engine.recorded")
+        return StepOutcome("succeeded", "")
 
-    def fail(self, job_id: str, stage_id: str | None, exc: BaseException) -> None:
-        """End the job failed with the stage and reason recorded (unless it already ended)."""
-        error = JobError(stage=stage_id, type=type(exc).__name__, message=str(exc) or repr(exc))
+    def retry_delay(self, attempt: int) -> float:
+        """Exponential backoff with jitter before the next attempt after a transient error."""
+        return float(self.retry_backoff_s * (2 ** (attempt - 1)) * random.uniform(0.5, 1.5))
 
-        def mutate(job: Job) -> list[JobEvent]:
-            if job.status.is_final:
-                return []
-            return state.job_failed(job, error, now())
-
-        self.store.update(job_id, mutate)
-        log.error("job %s failed in stage %s: %s", job_id, stage_id, error.message)
+    def fail_running(self, job_id: str, stage_id: str, exc: BaseException) -> bool:
+        """Fail the job because of this process's running attempt of the stage (the hard time limit);
+        nothing happens when this process holds no such attempt (it was taken back meanwhile)."""
+        with self._guard:
+            lease = self._running.get(stage_slot(job_id, stage_id))
+        if lease is None:
+            return False
+        return self.ledger.fail(job_id, job_error(stage_id, exc), lease=lease)
 
     def time_limits(self, job_id: str, stage_id: str) -> tuple[float, float]:
         """(soft, hard) seconds for this stage of this job (defaults when the job is unknown)."""
-        job = self.store.get(job_id)
+        job = self.ledger.get(job_id)
         if job is None or job.pipeline not in self.catalogue:
             return (self.limits.soft_time_limit_s, self.limits.time_limit_s)
         return self.limits.for_stage(self.catalogue.get(job.pipeline).stage(stage_id))
 
     def cancel_for_deadline(self, job_id: str) -> None:
-        def mutate(job: Job) -> list[JobEvent]:
-            if job.status.is_final:
-                return []
-            return state.job_canceled(job, now(), reason="deadline exceeded (cancel_after)")
-
-        self.store.update(job_id, mutate)
-        log.info("job %s passed its deadline; canceled", job_id)
+        try:
+            self.ledger.cancel(job_id, reason="deadline exceeded (cancel_after)")
+            log.info("job %s passed its deadline; canceled", job_id)
+        except (JobAlreadyFinished, JobNotFound):
+            pass
 
     # --- steps of run() ---
     def _load_inputs(self, spec: PipelineSpec, stage: StageSpec, job: Job) -> dict[str, Any]:
@@ -254,16 +280,17 @@ class StageRunner:
                 self._in_flight[key] = threading.BoundedSemaphore(self.batching.in_flight(stage))
             return self._in_flight[key]
 
-    def _execute(self, stage: StageSpec, job: Job, inputs: dict[str, Any], pipeline: str = "") -> dict[str, Any]:
+    def _execute(self, stage: StageSpec, job: Job, inputs: dict[str, Any], lease: Lease,
+                 pipeline: str = "") -> dict[str, Any]:
         if self.batching is None:
-            return self._execute_now(stage, job, inputs, None)
+            return self._execute_now(stage, job, inputs, lease, None)
         with self._in_flight_slot(pipeline or job.pipeline, stage):
-            return self._execute_now(stage, job, inputs, self.batching.policy(stage))
+            return self._execute_now(stage, job, inputs, lease, self.batching.policy(stage))
 
-    def _execute_now(self, stage: StageSpec, job: Job, inputs: dict[str, Any],
+    def _execute_now(self, stage: StageSpec, job: Job, inputs: dict[str, Any], lease: Lease,
                      policy: BatchPolicy | None) -> dict[str, Any]:
         params = job.params.get(stage.id, {})
-        progress = self._progress_reporter(job.id, stage, job.deadline_at)
+        progress = self._progress_reporter(job, stage, lease)
         try:
             request_id = f"{job.id}:{stage.id}"
             if stage.engine == "ar" and stage.task_name == "generate":
@@ -278,13 +305,21 @@ class StageRunner:
             # Engine-level errors (bad model path, bad shape, too long a prompt) do not pass on retry.
             raise StageError(f"{type(exc).__name__}: {exc}") from exc
 
-    def _progress_reporter(self, job_id: str, stage: StageSpec, deadline_at: float | None) -> ProgressFn:
+    def _progress_reporter(self, job: Job, stage: StageSpec, lease: Lease) -> ProgressFn:
         """Called by the engine at every step/token: records progress (throttled) and is where a
-        running stage notices that its job was canceled, passed its deadline, or ran too long."""
+        running stage notices that its job was canceled, its lease lost, its deadline passed, or
+        that it ran too long."""
         unit = "tokens" if stage.engine == "ar" else "steps"
         soft_limit_s, _hard = self.limits.for_stage(stage)
         started = time.monotonic()
         last_write = float("-inf")
+
+        def check() -> None:
+            why = self.progress.stopped(lease)
+            if why == "lost":
+                raise LeaseLost(job.id)
+            if why is not None:
+                raise JobCanceled(job.id)
 
         def report(step: int, total: int) -> None:
             nonlocal last_write
@@ -294,21 +329,16 @@ class StageRunner:
                     f"stage '{stage.id}' ran {elapsed:.1f}s, past its soft time limit of {soft_limit_s:g}s "
                     f"(set soft_time_limit_s on the stage or OMNI_STAGE_SOFT_TIME_LIMIT_S)"
                 )
-            if deadline_at is not None and now() > deadline_at:
-                raise DeadlineExceeded(job_id)
-            if self.progress.canceled(job_id):
-                raise JobCanceled(job_id)
+            if job.deadline_at is not None and now() > job.deadline_at:
+                raise DeadlineExceeded(job.id)
+            check()
             if step < total and time.monotonic() - last_write < self.limits.progress_interval_s:
                 return
             last_write = time.monotonic()
-            self.progress.report(job_id, stage.id, step, total, unit)
-            if self.progress.canceled(job_id):  # an inline write may have just found it
-                raise JobCanceled(job_id)
+            self.progress.report(lease, job, step, total, unit)
+            check()  # an inline write may have just found it
 
         return report
-
-    def _store_outputs(self, job_id: str, stage: StageSpec, values: dict[str, Any]) -> dict[str, ArtifactRef]:
-        return self._put_encoded(job_id, stage, self._encode_outputs(stage, values))
 
     @staticmethod
     def _encode_outputs(stage: StageSpec, values: dict[str, Any]) -> CachedOutputs:
@@ -317,28 +347,10 @@ class StageRunner:
         media = {port: FORMATS[modality].media_type for port, modality in stage.outputs.items()}
         return CachedOutputs(data=data, media_types=media)
 
-    def _put_encoded(self, job_id: str, stage: StageSpec, encoded: CachedOutputs) -> dict[str, ArtifactRef]:
+    def _put_encoded(self, job_id: str, stage: StageSpec, encoded: CachedOutputs, attempt: int) -> dict[str, ArtifactRef]:
         refs: dict[str, ArtifactRef] = {}
         for port, modality in stage.outputs.items():
             fmt = FORMATS[modality]
-            key = keys.intermediate_artifact(job_id, stage.id, f"{port}.{fmt.extension}")
+            key = keys.intermediate_artifact(job_id, stage.id, f"{port}.{fmt.extension}", attempt)
             refs[port] = self.artifacts.put_intermediate(key, encoded.data[port], encoded.media_types[port])
         return refs
-
-    def _next_steps(self, spec: PipelineSpec, job: Job, stage_id: str, *, resend: bool = False) -> list[NextStep]:
-        """Downstream stages whose inputs are now all ready, or the results step when all are done.
-
-        Each is claimed once per job, so a fan-in stage is not enqueued by both parents; with
-        ``resend`` (a redelivered stage) unfinished ones are sent again, claim or not.
-        """
-        done = {r.id for r in job.stages if r.status is StageStatus.succeeded}
-        steps: list[NextStep] = []
-        for downstream in spec.downstream(stage_id):
-            if not downstream.upstream() <= done or downstream.id in done:
-                continue
-            if self.store.claim_enqueue(job.id, downstream.id) or resend:
-                self.store.update(job.id, _mark_queued(downstream.id))
-                steps.append(NextStep(job.id, downstream.id, downstream.queue_name))
-        if done == {s.id for s in spec.stages} and (self.store.claim_enqueue(job.id, RESULTS_CLAIM) or resend):
-            steps.append(NextStep(job.id, None, RESULTS_QUEUE))
-        return steps

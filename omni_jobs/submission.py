@@ -1,34 +1,31 @@
-"""Accepting a job: validate the request against its pipeline, store the job, enqueue its first stages.
+"""Accepting a job: validate the request against its pipeline, then store it and its first dispatches.
 
-Validation happens here, before any work is queued, and reports every bad field at once with its
-location (``input.prompt``, ``params.dit.height``) so the API can answer one clear 422.
+Validation happens here, before anything is written, and reports every bad field at once with its
+location (``input.prompt``, ``params.dit.height``) so the API can answer one clear 422. Then ONE
+atomic write (omni_jobs.jobs.ledger) stores the job, its Idempotency-Key record and the dispatch of
+its first stages (outbox): all of them, or none. A relay publishes the dispatches afterwards.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
-import redis
 from pydantic import ValidationError
 
-from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactStore
 from omni_jobs.auth import DEFAULT_TENANT
-from omni_jobs.dispatch import Dispatcher, NextStep
 from omni_jobs.errors import FieldError, IdempotencyConflict, InvalidRequest, Overloaded
 from omni_jobs.input_files import InputFiles, PreparedImage, parse_image_value
-from omni_jobs.jobs import state
-from omni_jobs.jobs.models import Job, JobEvent, JobWebhook, StageRecord, new_job_id, now
+from omni_jobs.jobs.ledger import JobLedger
+from omni_jobs.jobs.models import Job, JobWebhook, StageRecord, new_job_id
 from omni_jobs.jobs.store import JobStore
 from omni_jobs.limits import Limits
 from omni_jobs.net_guard import NetGuard, UnsafeWebhookUrl
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.spec import InputField, PipelineSpec
-from omni_jobs.queue_depth import queue_depth
 from omni_jobs.webhooks import validate_webhook
 
 _PY_TYPES: dict[str, tuple[type, ...]] = {
@@ -116,23 +113,29 @@ def build_job(spec: PipelineSpec, input_: dict[str, Any], params: dict[str, dict
         pipeline=spec.name,
         input=input_,
         params=params,
-        stages=[StageRecord(id=s.id, engine=s.engine, queue=s.queue_name) for s in spec.stages],
+        stages=[StageRecord(id=s.id, engine=s.engine, queue=s.queue_name, needs=sorted(s.upstream()))
+                for s in spec.stages],
     )
 
 
 @dataclass(frozen=True)
 class Admission:
-    """Refuses new jobs while the queue of their first stage is full (overload protection)."""
+    """Refuses new jobs while the queue of their first stage is full (overload protection).
 
-    broker: redis.Redis
+    It counts the steps waiting on the queue in the job store's own index, which includes what is
+    accepted but not yet published: so it holds while the broker is away, and a burst cannot slip
+    past it between a submit and its publish.
+    """
+
+    store: JobStore
     max_queued: int
     retry_after_s: int
 
     def check(self, spec: PipelineSpec) -> None:
         for queue in sorted({s.queue_name for s in spec.entry_stages()}):
-            depth = queue_depth(self.broker, queue)
-            if depth >= self.max_queued:
-                raise Overloaded(queue, depth, self.max_queued, self.retry_after_s)
+            waiting, _running = self.store.queue_counts(queue)
+            if waiting >= self.max_queued:
+                raise Overloaded(queue, waiting, self.max_queued, self.retry_after_s)
 
 
 def request_fingerprint(pipeline: str, input_: Any, params: Any, webhook: Any = None,
@@ -146,19 +149,18 @@ def request_fingerprint(pipeline: str, input_: Any, params: Any, webhook: Any = 
 class JobSubmitter:
     """Validates, stores and enqueues new jobs (used by the API and the in-process runner)."""
 
-    def __init__(self, store: JobStore, catalogue: PipelineCatalogue, dispatcher: Dispatcher, *,
+    def __init__(self, ledger: JobLedger, catalogue: PipelineCatalogue, *,
                  admission: Admission | None = None, idempotency_ttl_s: int = 24 * 3600,
                  max_cancel_after_s: float = 7 * 24 * 3600, webhooks_enabled: bool = True,
                  artifacts: ArtifactStore | None = None, net_guard: NetGuard | None = None,
                  limits: Limits | None = None) -> None:
-        self.store = store
+        self.ledger = ledger
         self.limits = limits
         self.net_guard = net_guard
-        self.input_files = (InputFiles(artifacts, store, max_bytes=limits.max_image_bytes if limits else None,
+        self.input_files = (InputFiles(artifacts, ledger.store, max_bytes=limits.max_image_bytes if limits else None,
                                        max_pixels=limits.max_image_pixels if limits else None)
                             if artifacts is not None else None)
         self.catalogue = catalogue
-        self.dispatcher = dispatcher
         self.admission = admission
         self.idempotency_ttl_s = idempotency_ttl_s
         self.max_cancel_after_s = max_cancel_after_s
@@ -231,27 +233,24 @@ class JobSubmitter:
         job = build_job(spec, clean_input, clean_params)
         job.webhook = hook
         job.tenant = tenant
+        claim = None
         if idempotency_key is not None:
-            earlier = self._claim_idempotency_key(idempotency_key, job.id, request_fingerprint(
-                pipeline, input_, params, webhook, webhook_events_filter), tenant=tenant)
-            if earlier is not None:
-                return earlier, False
+            claim = (idempotency_key, request_fingerprint(pipeline, input_, params, webhook, webhook_events_filter))
+            earlier = self.ledger.store.idempotency(tenant, idempotency_key)
+            if earlier is not None:  # a replay: answer it before any check that could refuse it
+                if earlier.fingerprint != claim[1]:
+                    raise IdempotencyConflict(idempotency_key, earlier.job_id)
+                existing = self.ledger.get(earlier.job_id)
+                if existing is not None:
+                    return existing, False
         if self.admission is not None:
             self.admission.check(spec)
         if files and self.input_files is not None:
             job.input = {**job.input, **self.input_files.store(job.id, files)}
-        at = now()
         if cancel_after_s is not None:
             job.deadline_at = job.created_at + cancel_after_s
-        events: list[JobEvent] = [JobEvent(job_id=job.id, type="job.queued", at=at, data={"pipeline": spec.name})]
-        entry = spec.entry_stages()
-        for stage in entry:
-            events += state.stage_queued(job, stage.id, at)
-        self.store.create(job, events)
-        for stage in entry:
-            if self.store.claim_enqueue(job.id, stage.id):
-                self.dispatcher.dispatch(NextStep(job.id, stage.id, stage.queue_name))
-        return job, True
+        return self.ledger.submit(job, [s.id for s in spec.entry_stages()], idempotency=claim,
+                                  idempotency_ttl_s=self.idempotency_ttl_s)
 
     def _prepare_files(self, spec: PipelineSpec, input_: dict[str, Any], tenant: str) -> dict[str, PreparedImage]:
         """Image inputs resolved and normalized before anything is claimed or stored."""
@@ -261,24 +260,3 @@ class JobSubmitter:
             raise InvalidRequest([FieldError(("input", name), "this server has no artifact store for file inputs")
                                   for name in spec.file_inputs() if name in input_])
         return self.input_files.prepare(spec, input_, tenant=tenant)
-
-    def _claim_idempotency_key(self, key: str, job_id: str, fingerprint: str, *,
-                               tenant: str = DEFAULT_TENANT) -> Job | None:
-        """None when the key is new (now bound to job_id); else the job it was used for (keys are per tenant)."""
-        redis_key = keys.idempotency(key if tenant == DEFAULT_TENANT else f"{tenant}:{key}")
-        record = json.dumps({"job_id": job_id, "fingerprint": fingerprint})
-        for _ in range(50):
-            if self.store.redis.set(redis_key, record, nx=True, ex=self.idempotency_ttl_s):
-                return None
-            raw = self.store.redis.get(redis_key)
-            if raw is None:  # expired between the two calls
-                continue
-            earlier = json.loads(raw)
-            if earlier["fingerprint"] != fingerprint:
-                raise IdempotencyConflict(key, earlier["job_id"])
-            # The first request may still be writing its job: wait for it briefly.
-            job = self.store.get(earlier["job_id"])
-            if job is not None:
-                return job
-            time.sleep(0.02)
-        raise IdempotencyConflict(key, "(unknown)")

@@ -7,11 +7,12 @@ Signing follows https://www.standardwebhooks.com: headers ``webhook-id`` (stable
 that receivers keep verifying while the secret rotates. The body is the job object, as GET shows it
 when the attempt is made. The secret lives only in settings: never in a job, a log or a message.
 
-Flow: the store calls ``WebhookNotifier`` after each committed change; it maps the job's new
-events to messages (``start`` = job.running, ``progress`` = stage progress or end, throttled,
-``completed`` = succeeded | failed | canceled) filtered by the job's ``events``, and hands each to
-the Dispatcher (the ``webhooks`` queue). A ``WebhookDeliverer`` then makes one attempt per task
-run and says whether and when to try again (``RetryPolicy``).
+Flow: a job transition whose events the job's webhook subscribes to (``start`` = job.running,
+``progress`` = stage progress or end, throttled, ``completed`` = succeeded | failed | canceled)
+creates the webhook message in the same atomic write (omni_jobs.jobs.ledger), with its first
+delivery attempt in the outbox. A ``WebhookDeliverer`` makes one attempt per step on the
+``webhooks`` queue, holding a lease like a stage does, records it on the job, and queues the next
+attempt (same webhook-id) after the ``RetryPolicy``'s delay, in the same write.
 """
 
 from __future__ import annotations
@@ -33,16 +34,15 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from omni_jobs import keys
-from omni_jobs.dispatch import WEBHOOKS_QUEUE, Dispatcher, NextStep, WebhookMessage
-from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound
-from omni_jobs.jobs.models import WEBHOOK_EVENTS, Job, JobEvent, JobWebhook, WebhookDelivery, now
+from omni_jobs.errors import FieldError, InvalidRequest
+from omni_jobs.jobs.ledger import JobLedger, Lease, Refused
+from omni_jobs.jobs.models import WEBHOOK_EVENTS, Job, JobWebhook, WebhookDelivery, now
+from omni_jobs.jobs.patience import while_store_down
+from omni_jobs.leases import LeaseKeeper
 from omni_jobs.net_guard import HostDoesNotResolve, NetGuard, UnsafeWebhookUrl
+from omni_jobs.steps import DeliverWebhook, StepOutcome
 
 if TYPE_CHECKING:
-    import redis
-
-    from omni_jobs.jobs.store import JobStore
     from omni_jobs.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -52,16 +52,6 @@ MAX_URL_LENGTH = 2048
 USER_AGENT = "omni-jobs-webhooks/0.1"
 EVENT_HEADER = "omni-webhook-event"
 """Names the event (start | progress | completed) of a delivery; not part of the signed content."""
-
-EVENT_OF: dict[str, str] = {
-    "job.running": "start",
-    "stage.progress": "progress",
-    "stage.succeeded": "progress",
-    "job.succeeded": "completed",
-    "job.failed": "completed",
-    "job.canceled": "completed",
-}
-"""Job event type -> webhook event. Other events (queued, stage.started, ...) send nothing."""
 
 REFUSED = "refused by the SSRF guard"
 """Start of a delivery error that is final: the URL resolved to an address webhooks may not reach."""
@@ -91,10 +81,6 @@ def parse_secrets(value: str) -> list[bytes]:
             raise ValueError(f"{where} decodes to {len(key)} bytes; use at least 24 (32 recommended)")
         keys_.append(key)
     return keys_
-
-
-def new_message_id() -> str:
-    return "msg_" + secrets.token_hex(12)
 
 
 class WebhookSigner:
@@ -160,43 +146,6 @@ def validate_webhook(url: Any, events: Any) -> JobWebhook | None:
     if errors:
         raise InvalidRequest(errors)
     return JobWebhook(url=url, events=chosen)
-
-
-# --- which events become deliveries ---
-class WebhookNotifier:
-    """A JobStore commit listener: the job's new events -> webhook messages on the webhooks queue."""
-
-    def __init__(self, redis_client: redis.Redis, dispatcher: Dispatcher, *, progress_interval_s: float,
-                 queue: str = WEBHOOKS_QUEUE) -> None:
-        self.redis = redis_client
-        self.dispatcher = dispatcher
-        self.progress_interval_s = progress_interval_s
-        self.queue = queue
-
-    def messages(self, job: Job, events: Sequence[JobEvent]) -> list[WebhookMessage]:
-        """At most one message per webhook event per commit, in the order they happened."""
-        if job.webhook is None:
-            return []
-        wanted: list[str] = []
-        for event in events:
-            name = EVENT_OF.get(event.type)
-            if name is None or name not in job.webhook.events or name in wanted:
-                continue
-            if event.type == "stage.progress" and not self._progress_due(job.id):
-                continue
-            wanted.append(name)
-        return [WebhookMessage(new_message_id(), name) for name in wanted]
-
-    def _progress_due(self, job_id: str) -> bool:
-        """Throttle across all processes working on the job (SET NX with an expiry)."""
-        if self.progress_interval_s <= 0:
-            return True
-        ms = max(1, int(self.progress_interval_s * 1000))
-        return bool(self.redis.set(keys.webhook_progress_throttle(job_id), b"1", nx=True, px=ms))
-
-    def __call__(self, job: Job, events: list[JobEvent]) -> None:
-        for message in self.messages(job, events):
-            self.dispatcher.dispatch(NextStep(job.id, None, self.queue, webhook=message))
 
 
 # --- retries ---
@@ -288,71 +237,67 @@ def post_webhook(client: httpx.Client, url: str, body: bytes, headers: dict[str,
     return AttemptResult(code, error, duration, retry_after)
 
 
-def record_delivery(job: Job, delivery: WebhookDelivery, *, keep: int) -> list[JobEvent]:
-    """Append one attempt to the job's record (latest ``keep`` kept). No event: it is not a job change."""
-    if job.webhook is None:
-        return []
-    job.webhook.deliveries.append(delivery)
-    del job.webhook.deliveries[:-keep]
-    return []
-
-
-@dataclass(frozen=True)
-class DeliveryOutcome:
-    status: str  # "delivered" | "retry" | "gave_up" | "rejected" | "skipped"
-    retry_in_s: float | None = None
-    status_code: int | None = None
-
-
 class WebhookDeliverer:
-    """Makes one delivery attempt of one message and records it on the job."""
+    """Makes one delivery attempt of one message, records it on the job, and schedules the next."""
 
-    def __init__(self, *, store: JobStore, render: Callable[[Job], dict[str, Any]], signer: WebhookSigner | None,
-                 policy: RetryPolicy, timeout_s: float, deliveries_kept: int,
-                 unsigned_reason: str = "no signing secret", client: httpx.Client | None = None,
-                 guard: NetGuard | None = None) -> None:
-        self.store = store
+    def __init__(self, *, ledger: JobLedger, render: Callable[[Job], dict[str, Any]], signer: WebhookSigner | None,
+                 policy: RetryPolicy, timeout_s: float, unsigned_reason: str = "no signing secret",
+                 client: httpx.Client | None = None, guard: NetGuard | None = None,
+                 keeper: LeaseKeeper | None = None, store_wait_s: float = 600.0) -> None:
+        self.ledger = ledger
         self.guard = guard
         self.render = render
         self.signer = signer
         self.unsigned_reason = unsigned_reason
         self.policy = policy
-        self.deliveries_kept = deliveries_kept
+        self.keeper = keeper
+        self.store_wait_s = store_wait_s
         self.client = client or httpx.Client(timeout=timeout_s, follow_redirects=False,
                                              headers={"user-agent": USER_AGENT})
 
-    def deliver(self, job_id: str, message_id: str, event: str, attempt: int) -> DeliveryOutcome:
-        job = self.store.get(job_id)
-        if job is None or job.webhook is None:
-            log.info("webhook %s: job %s is gone or has no webhook; dropping", message_id, job_id)
-            return DeliveryOutcome("skipped")
+    def run(self, step: DeliverWebhook, *, worker: str, owner: str) -> StepOutcome:
+        where = f"webhook {step.message_id} ({step.event}, job {step.job_id}) attempt {step.attempt}"
+        taken = while_store_down(lambda: self.ledger.acquire(step, worker=worker, owner=owner),
+                                 wait_s=self.store_wait_s, what=where)
+        if isinstance(taken, Refused):
+            return StepOutcome("skipped", taken.reason)
+        if self.keeper is None:
+            return self._attempt(taken.job, taken.lease, step, where)
+        with self.keeper.hold(taken.lease, on_lost=lambda: None):  # a POST is short: it finishes anyway
+            return self._attempt(taken.job, taken.lease, step, where)
+
+    def _attempt(self, job: Job, lease: Lease, step: DeliverWebhook, where: str) -> StepOutcome:
+        assert job.webhook is not None
         if self.signer is None:
             result = AttemptResult(None, f"not sent: {self.unsigned_reason}", 0.0)
         else:
             body = json.dumps(self.render(job), separators=(",", ":")).encode()
             timestamp = int(now())
-            headers = {"content-type": "application/json", EVENT_HEADER: event,
-                       **self.signer.headers(message_id, timestamp, body)}
+            headers = {"content-type": "application/json", EVENT_HEADER: step.event,
+                       **self.signer.headers(step.message_id, timestamp, body)}
             result = self._post(job.webhook.url, body, headers)
-        delivery = WebhookDelivery(id=message_id, event=event, attempt=attempt, at=now(),
+        delivery = WebhookDelivery(id=step.message_id, event=step.event, attempt=step.attempt, at=now(),
                                    status_code=result.status_code, error=result.error,
                                    duration_s=round(result.duration_s, 6))
-        try:
-            self.store.update(job_id, lambda j: record_delivery(j, delivery, keep=self.deliveries_kept))
-        except JobNotFound:
-            log.info("webhook %s: job %s expired during the attempt; not recording it", message_id, job_id)
-        if result.ok:
-            return DeliveryOutcome("delivered", status_code=result.status_code)
         refused = result.error is not None and result.error.startswith(REFUSED)
-        if self.signer is not None and result.retryable and not refused and attempt < self.policy.attempts_for(event):
-            delay = self.policy.delay(attempt, result.retry_after_s)
-            log.info("webhook %s (%s, job %s) attempt %d failed (%s); retrying in %.2fs",
-                     message_id, event, job_id, attempt, result.error, delay)
-            return DeliveryOutcome("retry", delay, result.status_code)
-        status = "gave_up" if result.retryable and not refused else "rejected"
-        log.warning("webhook %s (%s, job %s) %s after attempt %d: %s", message_id, event, job_id,
-                    status.replace("_", " "), attempt, result.error)
-        return DeliveryOutcome(status, None, result.status_code)
+        retry_at: float | None = None
+        if result.ok:
+            status = "delivered"
+        elif (self.signer is not None and result.retryable and not refused
+              and step.attempt < self.policy.attempts_for(step.event)):
+            status = "retry"
+            retry_at = now() + self.policy.delay(step.attempt, result.retry_after_s)
+            log.info("%s failed (%s); retrying in %.2fs", where, result.error, retry_at - now())
+        else:
+            status = "gave_up" if result.retryable and not refused else "rejected"
+            log.warning("%s: %s: %s", where, status.replace("_", " "), result.error)
+        recorded = while_store_down(
+            lambda: self.ledger.finish_webhook(lease, delivery, retry_at=retry_at,
+                                               final_status=status if status != "retry" else "queued"),
+            wait_s=self.store_wait_s, what=where)
+        if not recorded:
+            return StepOutcome("lost", "the lease was taken back during the attempt")
+        return StepOutcome(status, result.error or "")
 
     def _post(self, url: str, body: bytes, headers: dict[str, str]) -> AttemptResult:
         """Through the net guard when there is one: resolved and checked now, sent to that address."""

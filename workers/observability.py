@@ -11,12 +11,12 @@ import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from celery import Celery, signals
+from celery import signals
 
 from omni_jobs import metrics
-from omni_jobs.dispatch import display_name, task_subject
 from omni_jobs.logs import bind, configure_logging
 from omni_jobs.settings import get_settings
+from omni_jobs.steps import task_subject
 
 if TYPE_CHECKING:
     from omni_jobs.runtime import Runtime
@@ -76,15 +76,10 @@ def start_metrics(port: int) -> None:
     log.info("serving Prometheus metrics on port %d", port)
 
 
-def send_task(app: Celery, name: str, args: Sequence[Any], queue: str) -> None:
-    """``send_task`` with a display name that contains the job id (Celery's ``shadow``)."""
-    app.send_task(name, args=list(args), queue=queue, shadow=display_name(name, args))
-
-
 def record_stage_memory(rt: Runtime, job_id: str, stage_id: str) -> None:
     """After a stage ran here: what its engine's worker holds, labelled by pipeline and stage."""
     try:
-        job = rt.jobs.get(job_id)
+        job = rt.ledger.get(job_id)
         if job is None:
             return
         record = job.stage_record(stage_id)

@@ -1,40 +1,44 @@
-"""Celery tasks: one per kind of step. Each is a few lines around the core.
+"""Celery tasks: one per kind of step, each a few lines around the core's StepExecutor.
 
-Transient failures (artifact store or Redis unreachable) are retried with exponential backoff and
-jitter (in the worker while the broker is away); anything else fails the job with the stage and
-reason recorded, never silently.
+The core decides everything (omni_jobs.jobs.ledger): which attempt may run, what a failure means,
+when a retry is due. Retries are new attempts dispatched through the outbox with their backoff, not
+Celery retries, so nothing waits in a worker's memory for a countdown. A task that could not even
+record its step's start (Redis unreachable for OMNI_STORE_WAIT_S) gives the message back to the
+broker instead of dropping it.
+
+Every worker process also runs the outbox relay (publishing what its commits dispatch), the lease
+keeper (renewing its running steps' leases) and the reaper (taking back dead workers' steps).
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Sequence
 from functools import lru_cache, partial
-from typing import Any, TypeVar
+from typing import Any
 
-import redis
 from celery import Task, signals
-from celery.exceptions import Reject, Retry
-from kombu.exceptions import OperationalError as BrokerUnavailable
+from celery.exceptions import Reject
 
 from omni_jobs import metrics
-from omni_jobs.artifacts import ArtifactStoreUnavailable
-from omni_jobs.dispatch import (
-    ASSEMBLE_RESULTS_TASK,
-    CLEANUP_TASK,
-    DELIVER_WEBHOOK_TASK,
-    RUN_STAGE_TASK,
-    SendTaskDispatcher,
-)
 from omni_jobs.engines.stage_exec import load_stage_engine
-from omni_jobs.errors import TransientStageError
+from omni_jobs.errors import StoreUnavailable
+from omni_jobs.queueing import publish_steps
 from omni_jobs.retention import cleanup
 from omni_jobs.runtime import Runtime
 from omni_jobs.settings import get_settings
 from omni_jobs.stages import StageTimeout
+from omni_jobs.steps import (
+    ASSEMBLE_RESULTS_TASK,
+    CLEANUP_TASK,
+    DELIVER_WEBHOOK_TASK,
+    RUN_STAGE_TASK,
+    Step,
+    StepKind,
+    display_name,
+    from_task,
+)
 from omni_jobs.watchdog import hard_time_limit
 from omni_jobs.worker_registry import start_heartbeat, unregister_worker
 from workers import observability, startup
@@ -42,123 +46,75 @@ from workers.app import app
 
 log = logging.getLogger(__name__)
 
-TRANSIENT_ERRORS = (ArtifactStoreUnavailable, TransientStageError, redis.ConnectionError, redis.TimeoutError,
-                    BrokerUnavailable)
-T = TypeVar("T")
-
 
 @lru_cache(maxsize=1)
 def runtime() -> Runtime:
     """One Runtime per worker process: engines load on first use and stay loaded."""
     rt = Runtime(get_settings())
-    rt.enable_webhooks(dispatcher)  # job changes committed here send their webhooks
+    rt.relay(partial(publish_steps, app))  # this process publishes what its commits dispatch
     return rt
 
 
-def _send(name: str, args: Any, queue: str) -> None:
-    observability.send_task(app, name, args, queue)  # named omni.run_stage[job_.../stage] in Flower and logs
-
-
-dispatcher = SendTaskDispatcher(_send)
-
-
-def _retry_delay(retries: int) -> float:
-    """Exponential backoff with jitter, kept under half the visibility timeout: the Redis broker
-    redelivers a retry still waiting for its countdown once the timeout passes (a double run)."""
-    settings = get_settings()
-    delay = settings.stage_retry_backoff_s * (2**retries) * random.uniform(0.5, 1.5)
-    return min(delay, settings.visibility_timeout_s / 2)
-
-
-def _retrying_transient_errors(task: Task, what: str, attempt: Callable[[], T]) -> T:
-    """Run ``attempt``; after a transient error, retry it up to OMNI_STAGE_MAX_RETRIES times with
-    backoff, then let the error out.
-
-    A retry is a new message (Celery's ``retry``), so no worker thread waits. When the broker itself
-    is away, that message cannot be sent, and Celery would drop the task (``Reject(requeue=False)``),
-    leaving its job running forever. So this worker holds the task (acks_late) and retries it here.
-    """
-    max_retries = get_settings().stage_max_retries
-    while True:
-        try:
-            return attempt()
-        except TRANSIENT_ERRORS as exc:
-            retries = int(task.request.retries or 0)
-            if retries >= max_retries:
-                raise
-            delay = _retry_delay(retries)
-            log.warning("%s: transient error, retry %d of %d in %.1fs: %s", what, retries + 1, max_retries, delay, exc)
-            try:
-                raise task.retry(exc=exc, countdown=delay) from exc
-            except Reject:  # the retry could not be sent: the broker is away too
-                log.warning("%s: the broker is unreachable; retrying in this worker", what)
-                task.request.retries = retries + 1
-                time.sleep(delay)
-
-
-@app.task(name=RUN_STAGE_TASK, bind=True, acks_late=True, max_retries=None)  # our own limit: stage_max_retries
-def run_stage(self: Task, job_id: str, stage_id: str) -> str:
+def _execute(task: Task, name: str, args: Sequence[Any]) -> str:
     rt = runtime()
-
-    def attempt() -> str:
-        _soft, hard = rt.stage_runner.time_limits(job_id, stage_id)
-        on_expire = partial(rt.stage_runner.fail, job_id, stage_id, StageTimeout(
-            f"stage '{stage_id}' ran past its hard time limit of {hard:g}s; its worker was restarted "
-            "(set time_limit_s on the stage or OMNI_STAGE_TIME_LIMIT_S)"))
-        with hard_time_limit(hard, on_expire):
-            outcome = rt.stage_runner.run(job_id, stage_id, worker=str(self.request.hostname))
-        if outcome.status in ("succeeded", "failed"):
-            observability.record_stage_memory(rt, job_id, stage_id)
-        for step in outcome.next_steps:  # a failed send re-runs the attempt: an advance-only redelivery
-            dispatcher.dispatch(step)
-        return outcome.status
-
+    step: Step = from_task(name, args, str(task.request.delivery_info.get("routing_key") or ""))
+    worker = str(task.request.hostname)
+    if rt.worker != worker:
+        rt.set_worker(worker)
     try:
-        return _retrying_transient_errors(self, f"job {job_id} stage {stage_id}", attempt)
-    except Retry:  # a retry message was sent: the job is not failed
-        raise
-    except TRANSIENT_ERRORS as exc:
-        rt.stage_runner.fail(job_id, stage_id, exc)  # if Redis is still away, this raises: redelivered later
-        return "failed"
-    except Exception as exc:
-        rt.stage_runner.fail(job_id, stage_id, exc)
-        raise
+        if step.kind is StepKind.run_stage:
+            outcome = _run_stage_with_hard_limit(rt, step)
+        else:
+            outcome = rt.executor.execute(step, worker=worker, owner=rt.owner)
+    except StoreUnavailable as exc:
+        # Nothing was recorded (or the lease will expire and the reaper takes the step back): keep
+        # the message for another try rather than acknowledge work that did not happen.
+        log.error("%s; giving the message back to the broker", exc)
+        raise Reject(str(exc), requeue=True) from exc
+    if step.kind is StepKind.run_stage and outcome.status in ("succeeded", "failed"):
+        observability.record_stage_memory(rt, step.job_id, getattr(step, "stage_id", ""))
+    if step.kind is StepKind.deliver_webhook:
+        metrics.webhook_delivery(getattr(step, "event", ""), outcome.status)
+    if outcome.status == "skipped":
+        log.info("%s: skipped: %s", display_name(name, args), outcome.detail)
+    return outcome.status
 
 
-@app.task(name=ASSEMBLE_RESULTS_TASK, bind=True, acks_late=True, max_retries=None)
-def assemble_results(self: Task, job_id: str) -> str:
-    rt = runtime()
-    try:
-        job = _retrying_transient_errors(self, f"job {job_id} results", lambda: rt.results.assemble(job_id))
-    except Retry:
-        raise
-    except TRANSIENT_ERRORS as exc:
-        rt.stage_runner.fail(job_id, None, exc)
-        return "failed"
-    except Exception as exc:
-        rt.stage_runner.fail(job_id, None, exc)
-        raise
-    return job.status.value if job else "gone"
+def _run_stage_with_hard_limit(rt: Runtime, step: Any) -> Any:
+    _soft, hard = rt.stage_runner.time_limits(step.job_id, step.stage_id)
+    timeout = StageTimeout(f"stage '{step.stage_id}' ran past its hard time limit of {hard:g}s; its worker was "
+                           "restarted (set time_limit_s on the stage or OMNI_STAGE_TIME_LIMIT_S)")
+
+    def on_expire() -> None:
+        rt.stage_runner.fail_running(step.job_id, step.stage_id, timeout)
+
+    with hard_time_limit(hard, on_expire):
+        return rt.executor.execute(step, worker=rt.worker, owner=rt.owner)
+
+
+@app.task(name=RUN_STAGE_TASK, bind=True, acks_late=True)
+def run_stage(self: Task, job_id: str, stage_id: str, attempt: int) -> str:
+    return _execute(self, RUN_STAGE_TASK, [job_id, stage_id, attempt])
+
+
+@app.task(name=ASSEMBLE_RESULTS_TASK, bind=True, acks_late=True)
+def assemble_results(self: Task, job_id: str, attempt: int) -> str:
+    return _execute(self, ASSEMBLE_RESULTS_TASK, [job_id, attempt])
+
+
+@app.task(name=DELIVER_WEBHOOK_TASK, bind=True, acks_late=True)
+def deliver_webhook(self: Task, job_id: str, message_id: str, event: str, attempt: int) -> str:
+    return _execute(self, DELIVER_WEBHOOK_TASK, [job_id, message_id, event, attempt])
 
 
 @app.task(name=CLEANUP_TASK)
 def run_cleanup() -> dict[str, int]:
-    """Periodic retention (scheduled by ``celery beat``; see omni_jobs.queueing)."""
+    """Periodic retention and a reaper pass (scheduled by ``celery beat``; see omni_jobs.queueing)."""
     rt = runtime()
     s = rt.settings
-    report = cleanup(rt.jobs, rt.artifacts, output_ttl_s=s.output_ttl_s, intermediate_ttl_s=s.intermediate_ttl_s,
-                     max_deadline_s=s.max_cancel_after_s)
+    report = cleanup(rt.ledger, rt.artifacts, output_ttl_s=s.output_ttl_s, intermediate_ttl_s=s.intermediate_ttl_s,
+                     max_deadline_s=s.max_cancel_after_s, reaper=rt.reaper)
     return dict(report.__dict__)
-
-
-@app.task(name=DELIVER_WEBHOOK_TASK, bind=True, acks_late=True, max_retries=None)
-def deliver_webhook(self: Task, job_id: str, message_id: str, event: str) -> str:
-    """One attempt per run; a retry keeps the same message id (webhook-id) and counts the attempt."""
-    outcome = runtime().webhooks.deliver(job_id, message_id, event, attempt=self.request.retries + 1)
-    metrics.webhook_delivery(event, outcome.status)
-    if outcome.retry_in_s is not None:
-        raise self.retry(countdown=outcome.retry_in_s)
-    return outcome.status
 
 
 @signals.worker_init.connect
@@ -171,19 +127,25 @@ def on_worker_init(sender: Any = None, **_: Any) -> None:
 
 @signals.worker_ready.connect
 def on_worker_ready(sender: Any = None, **_: Any) -> None:
-    """Preload this worker's engines, then announce it (readiness means: can serve at once).
+    """Take back what this node's previous process held, preload the engines, then announce the
+    worker (readiness means: can serve at once) and start its relay and reaper.
 
     A model that cannot load stops the worker here (see workers.startup and OMNI_REFUSE_BROKEN_MODELS).
     """
     if sender is None:
         return
+    name = str(sender.hostname)
+    rt = runtime()
+    rt.set_worker(name)
+    rt.reaper.reclaim_node(name, rt.owner)  # a restarted worker's predecessor died holding these
     queues = sorted(q.name for q in sender.task_consumer.queues)
     settings = get_settings()
     if settings.preload_engines:
-        startup.check_models(str(sender.hostname), preload_engines(set(queues)), settings)
-    rt = runtime()
-    _heartbeat["stop"] = start_heartbeat(rt.redis, str(sender.hostname), queues)
-    _heartbeat["name"] = str(sender.hostname)
+        startup.check_models(name, preload_engines(set(queues)), settings)
+    rt.relay(partial(publish_steps, app)).start()
+    rt.reaper.start()
+    _heartbeat["stop"] = start_heartbeat(rt.redis, name, queues)
+    _heartbeat["name"] = name
 
 
 @signals.worker_shutdown.connect

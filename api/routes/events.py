@@ -19,7 +19,8 @@ from fastapi.responses import StreamingResponse
 from api.auth import Tenant, authenticate
 from api.deps import ApiContext, get_context
 from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound
-from omni_jobs.jobs.watch import FINAL_EVENTS, STREAM_ID
+from omni_jobs.jobs.models import FINAL_EVENTS
+from omni_jobs.jobs.watch import STREAM_ID
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authenticate)])
 Ctx = Annotated[ApiContext, Depends(get_context)]

@@ -21,6 +21,7 @@ router = APIRouter(tags=["health"])
 @router.get("/metrics", summary="Prometheus metrics (text exposition format)", response_class=Response)
 async def prometheus_metrics(ctx: Annotated[ApiContext, Depends(get_context)]) -> Response:
     rt = ctx.runtime
-    queues = metrics.QueueCollector(rt.broker_redis, rt.redis, lambda: required_queues(rt.catalogue, rt.settings))
+    queues = metrics.QueueCollector(rt.broker_redis, rt.redis, lambda: required_queues(rt.catalogue, rt.settings),
+                                    counts=rt.store.queue_counts)
     body, content_type = await run_in_threadpool(metrics.render, queues)
     return Response(body, media_type=content_type)

@@ -1,4 +1,4 @@
-"""Jobs: the Job model, its state machine and its Redis store."""
+"""Jobs: the Job model, its state machine, the stores that keep it and the ledger that changes it."""
 
 from omni_jobs.jobs.models import (
     FINAL_STATUSES,

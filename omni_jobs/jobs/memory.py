@@ -1,71 +1,105 @@
-"""MemoryJobStore: the JobStore contract kept in this process's memory, for running without Redis.
+"""MemoryJobStore: the JobStore contract in this process's memory, for running with no services.
 
-The in-process runner (``omni_jobs.Omni``) uses it so that a notebook, a test or a benchmark needs
-no service at all. It is a second backend of the same interface, not a stand-in: jobs are kept as
-JSON documents (a reader gets its own copy, as from Redis), ``update`` applies a mutation to a
-copy and commits it atomically under a lock (a mutation that raises writes nothing), events get
-increasing stream ids and can be waited for, and ``claim_enqueue`` is true once per (job, stage).
-Jobs live as long as the process; there is no expiry.
+The in-process runner (``omni_jobs.Omni``) uses it, so that a notebook, a test or a benchmark needs
+no Redis. It keeps the same layout as Redis (hashes, sorted sets, streams, lists under the same
+key names) and applies a Change's guards and writes under one lock, with the same semantics as the
+Lua script; the contract tests (tests/contract) run against both. Keys expire: their TTLs are kept
+and checked when read.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import threading
-from typing import Any, cast
+import time
+from collections.abc import Sequence
+from typing import Any
 
-from omni_jobs.errors import JobNotFound
-from omni_jobs.jobs.models import Job, JobEvent, JobStatus
-from omni_jobs.jobs.store import JobPage, JobStore, Mutation
-
-
-def _stream_id(seq: int) -> str:
-    return f"{seq}-0"
-
-
-def _seq(stream_id: str) -> int:
-    head = stream_id.split("-", 1)[0]
-    return int(head) if head.isdigit() else 0
+from omni_jobs import keys
+from omni_jobs.jobs import codec
+from omni_jobs.jobs.change import Change, Conflict, OutboxEntry
+from omni_jobs.jobs.models import Job, JobEvent, JobStatus, StageStatus
+from omni_jobs.jobs.store import IdempotencyRecord, JobPage, WebhookSlot, decode_webhook_slots, job_pending_steps
+from omni_jobs.steps import from_json, stage_slot
 
 
-class MemoryJobStore(JobStore):
-    """Jobs and their event streams in a dict, safe for the threads of one process."""
+class MemoryJobStore:
+    """Jobs, events, outbox and indexes in dicts, safe for the threads of one process."""
 
     def __init__(self, *, ttl_s: int = 7 * 24 * 3600, events_maxlen: int = 2000) -> None:
-        super().__init__(cast(Any, None), ttl_s=ttl_s, events_maxlen=events_maxlen)  # no Redis client
-        self._jobs: dict[str, str] = {}
-        self._order: list[str] = []
-        self._events: dict[str, list[tuple[int, str]]] = {}
-        self._claims: set[tuple[str, str]] = set()
-        self._seq = 0
+        self.ttl_s = ttl_s
+        self.events_maxlen = events_maxlen
+        self._hashes: dict[str, dict[str, str]] = {}
+        self._strings: dict[str, str] = {}
+        self._zsets: dict[str, dict[str, float]] = {}
+        self._streams: dict[str, list[tuple[int, str]]] = {}
+        self._lists: dict[str, list[str]] = {}
+        self._expiry: dict[str, float] = {}
+        self._seq = itertools.count(1)
         self._changed = threading.Condition()
 
+    # --- the key space (caller holds the lock) ---
+    def _alive(self, key: str) -> bool:
+        at = self._expiry.get(key)
+        if at is not None and at <= time.time():
+            self._drop(key)
+            return False
+        return True
+
+    def _drop(self, key: str) -> None:
+        for space in (self._hashes, self._strings, self._zsets, self._streams, self._lists):
+            space.pop(key, None)  # type: ignore[attr-defined]
+        self._expiry.pop(key, None)
+
+    def _hash(self, key: str) -> dict[str, str]:
+        return dict(self._hashes.get(key, {})) if self._alive(key) else {}
+
+    def _string(self, key: str) -> str | None:
+        return self._strings.get(key) if self._alive(key) else None
+
+    def _zset(self, key: str) -> dict[str, float]:
+        return self._zsets.get(key, {}) if self._alive(key) else {}
+
+    @staticmethod
+    def _ordered(zset: dict[str, float]) -> list[tuple[str, float]]:
+        return sorted(zset.items(), key=lambda item: (item[1], item[0]))
+
     # --- reading ---
+    def _read(self, job_id: str) -> Job | None:
+        return codec.decode(self._hash(keys.job(job_id)), self._string(keys.job_progress(job_id)),
+                            list(self._lists.get(keys.job_deliveries(job_id), [])))
+
     def get(self, job_id: str) -> Job | None:
         with self._changed:
-            raw = self._jobs.get(job_id)
-        return Job.model_validate_json(raw) if raw is not None else None
+            return self._read(job_id)
+
+    def get_many(self, job_ids: Sequence[str]) -> list[Job | None]:
+        with self._changed:
+            return [self._read(job_id) for job_id in job_ids]
 
     def page(self, *, limit: int, cursor: str | None = None, status: JobStatus | None = None,
              tenant: str | None = None) -> JobPage:
-        """Newest first; the cursor is an offset into the newest-first order, as with Redis."""
-        start = int(cursor) if cursor and cursor.isdigit() else 0
+        """Newest first; the cursor is an offset into the newest-first index, as with Redis."""
+        index = keys.JOBS_INDEX if tenant is None else keys.tenant_jobs(tenant)
+        position = int(cursor) if cursor and cursor.isdigit() else 0
         with self._changed:
-            ids = list(reversed(self._order))
-        jobs: list[Job] = []
-        position = start
-        while position < len(ids) and len(jobs) < limit:
-            job = self.get(ids[position])
-            position += 1
-            if job is not None and (status is None or job.status is status) and tenant in (None, job.tenant):
-                jobs.append(job)
+            ids = [m for m, _ in reversed(self._ordered(self._zset(index)))]
+            jobs: list[Job] = []
+            while position < len(ids) and len(jobs) < limit:
+                job = self._read(ids[position])
+                position += 1
+                if job is not None and (status is None or job.status is status):
+                    jobs.append(job)
         return JobPage(jobs, str(position) if position < len(ids) else None)
 
-    def events(self, job_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 100) -> list[JobEvent]:
-        """Events after stream id ``after``; waits up to ``block_ms`` for new ones when asked."""
-        after_seq = _seq(after)
+    def events(self, job_id: str, *, after: str = "0-0", block_ms: int | None = None,
+               count: int = 100) -> list[JobEvent]:
+        after_seq = int(after.split("-", 1)[0]) if after.split("-", 1)[0].isdigit() else 0
+        stream_key = keys.job_events(job_id)
 
         def newer() -> list[tuple[int, str]]:
-            return [(s, raw) for s, raw in self._events.get(job_id, []) if s > after_seq][:count]
+            return [(s, raw) for s, raw in self._streams.get(stream_key, []) if s > after_seq][:count]
 
         with self._changed:
             found = newer()
@@ -75,56 +109,171 @@ class MemoryJobStore(JobStore):
         events = []
         for seq, raw in found:
             event = JobEvent.model_validate_json(raw)
-            event.id = _stream_id(seq)
+            event.id = f"{seq}-0"
             events.append(event)
         return events
 
-    # --- writing ---
-    def create(self, job: Job, events: list[JobEvent]) -> None:
+    def webhook_slots(self, job_id: str) -> dict[str, WebhookSlot]:
         with self._changed:
-            if job.id not in self._jobs:
-                self._order.append(job.id)
-            self._jobs[job.id] = job.model_dump_json()
-            self._append(job.id, events)
-        self._notify(job, events)
+            return decode_webhook_slots(self._hash(keys.job_webhooks(job_id)))
 
-    def update(self, job_id: str, mutate: Mutation) -> tuple[Job, list[JobEvent]]:
-        """Apply ``mutate`` atomically; it may raise to abort without writing."""
+    def idempotency(self, tenant: str, key: str) -> IdempotencyRecord | None:
         with self._changed:
-            raw = self._jobs.get(job_id)
-            if raw is None:
-                raise JobNotFound(job_id)
-            job = Job.model_validate_json(raw)
-            events = mutate(job)
-            self._jobs[job_id] = job.model_dump_json()
-            self._append(job_id, events)
-        self._notify(job, events)
-        return job, events
+            raw = self._hash(keys.idempotency(tenant, key))
+        return IdempotencyRecord(raw["job_id"], raw["fingerprint"]) if "job_id" in raw else None
 
-    def queue_position(self, job: Job) -> int | None:
-        """No queues in one process: a step runs as soon as the one before it ends."""
+    # --- the one way to write ---
+    def commit(self, change: Change) -> Conflict | None:
+        with self._changed:
+            for guard in change.guards:
+                found = self._hash(guard.key).get(guard.field)
+                if found not in guard.allowed:
+                    return Conflict(guard, found)
+            for op in change.ops:
+                self._apply(op)
+            if change.events:
+                self._changed.notify_all()
         return None
 
-    def claim_enqueue(self, job_id: str, stage_id: str) -> bool:
+    def _apply(self, op: tuple[Any, ...]) -> None:
+        kind, key = op[0], op[1]
+        if kind != "del":
+            self._alive(key)
+        if kind == "hset":
+            self._hashes.setdefault(key, {}).update(op[2])
+        elif kind == "hdel":
+            fields = self._hashes.get(key, {})
+            for name in op[2]:
+                fields.pop(name, None)
+            if not fields:
+                self._hashes.pop(key, None)
+        elif kind == "del":
+            self._drop(key)
+        elif kind == "set":
+            self._strings[key] = op[2]
+            if op[3] > 0:
+                self._expiry[key] = time.time() + op[3]
+            else:
+                self._expiry.pop(key, None)
+        elif kind == "expire":
+            if any(key in space for space in (self._hashes, self._strings, self._zsets, self._streams, self._lists)):
+                self._expiry[key] = time.time() + op[2]
+        elif kind == "zadd":
+            self._zsets.setdefault(key, {})[op[2]] = float(op[3])
+        elif kind == "zrem":
+            self._zsets.get(key, {}).pop(op[2], None)
+        elif kind == "xadd":
+            stream = self._streams.setdefault(key, [])
+            stream.append((next(self._seq), op[3]))
+            del stream[: max(0, len(stream) - op[2])]
+        elif kind == "rpush":
+            values = self._lists.setdefault(key, [])
+            values.append(op[2])
+            del values[: max(0, len(values) - op[3])]
+        else:
+            raise ValueError(f"unknown op {kind!r}")
+
+    # --- outbox ---
+    def claim_outbox(self, *, now: float, limit: int, hold_s: float, job_id: str | None = None) -> list[OutboxEntry]:
+        entries: list[OutboxEntry] = []
         with self._changed:
-            if (job_id, stage_id) in self._claims:
+            outbox, items = self._zsets.setdefault(keys.OUTBOX, {}), self._hashes.setdefault(keys.OUTBOX_ITEMS, {})
+            for entry_id, due in self._ordered(outbox):
+                if due > now or len(entries) >= limit:
+                    break
+                if job_id is not None and f":{job_id}:" not in entry_id:
+                    continue
+                if entry_id not in items:
+                    outbox.pop(entry_id)
+                    continue
+                outbox[entry_id] = now + hold_s
+                entries.append(OutboxEntry(from_json(items[entry_id]), now))
+        return entries
+
+    def ack_outbox(self, ids: Sequence[str]) -> None:
+        with self._changed:
+            for entry_id in ids:
+                self._zsets.get(keys.OUTBOX, {}).pop(entry_id, None)
+                self._hashes.get(keys.OUTBOX_ITEMS, {}).pop(entry_id, None)
+
+    def outbox_holds(self, ids: Sequence[str]) -> set[str]:
+        with self._changed:
+            outbox = self._zsets.get(keys.OUTBOX, {})
+            return {i for i in ids if i in outbox}
+
+    def next_outbox_due(self) -> float | None:
+        with self._changed:
+            ordered = self._ordered(self._zsets.get(keys.OUTBOX, {}))
+        return ordered[0][1] if ordered else None
+
+    # --- leases and queues ---
+    def expired_leases(self, *, now: float, limit: int) -> list[str]:
+        with self._changed:
+            ordered = self._ordered(self._zset(keys.LEASES))
+        return [m for m, s in ordered if s <= now][:limit]
+
+    def leased_slots(self) -> list[str]:
+        with self._changed:
+            return [m for m, _ in self._ordered(self._zset(keys.LEASES))]
+
+    def waiting(self, queue: str, *, queued_before: float, limit: int) -> list[str]:
+        with self._changed:
+            ordered = self._ordered(self._zset(keys.queue_waiting(queue)))
+        return [m for m, s in ordered if s <= queued_before][:limit]
+
+    def queue_counts(self, queue: str) -> tuple[int, int]:
+        with self._changed:
+            return len(self._zset(keys.queue_waiting(queue))), len(self._zset(keys.queue_running(queue)))
+
+    def queue_position(self, job: Job) -> int | None:
+        waiting = [r for r in job.stages if r.status is StageStatus.queued]
+        if job.status.is_final or not waiting:
+            return None
+        record = min(waiting, key=lambda r: r.queued_at or 0.0)
+        with self._changed:
+            ordered = [m for m, _ in self._ordered(self._zset(keys.queue_waiting(record.queue)))]
+        member = stage_slot(job.id, record.id)
+        return ordered.index(member) + 1 if member in ordered else None
+
+    def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
+        with self._changed:
+            if self._string(name) is not None:
                 return False
-            self._claims.add((job_id, stage_id))
+            self._apply(("set", name, owner, 0))
+            self._expiry[name] = time.time() + ttl_s
             return True
+
+    def throttle(self, name: str, interval_s: float) -> bool:
+        return interval_s <= 0 or self.try_lock(keys.throttle(name), "1", interval_s)
+
+    # --- retention ---
+    def job_ids_created(self, *, after: float | None, until: float) -> list[str]:
+        with self._changed:
+            ordered = self._ordered(self._zset(keys.JOBS_INDEX))
+        scores = [s for _, s in ordered]
+        start = 0 if after is None else bisect.bisect_right(scores, after)
+        return [m for m, s in ordered[start:] if s <= until]
 
     def delete(self, job_id: str) -> None:
         with self._changed:
-            self._jobs.pop(job_id, None)
-            self._events.pop(job_id, None)
-            self._order = [i for i in self._order if i != job_id]
-            self._claims = {c for c in self._claims if c[0] != job_id}
+            fields = self._hash(keys.job(job_id))
+            pending = job_pending_steps(job_id, fields, self._hash(keys.job_webhooks(job_id)))
+            tenant = fields.get("tenant")
+            for key in (keys.job(job_id), keys.job_events(job_id), keys.job_progress(job_id),
+                        keys.job_webhooks(job_id), keys.job_deliveries(job_id)):
+                self._drop(key)
+            self._zsets.get(keys.JOBS_INDEX, {}).pop(job_id, None)
+            if tenant is not None:
+                self._zsets.get(keys.tenant_jobs(tenant), {}).pop(job_id, None)
+            for queue, slot, entry_id in pending:
+                for index in (keys.queue_waiting(queue), keys.queue_running(queue), keys.LEASES, keys.OUTBOX):
+                    self._zsets.get(index, {}).pop(entry_id if index == keys.OUTBOX else slot, None)
+                self._hashes.get(keys.OUTBOX_ITEMS, {}).pop(entry_id, None)
 
-    def _append(self, job_id: str, events: list[JobEvent]) -> None:
-        """Caller holds the lock. Keeps the newest ``events_maxlen`` events, as the Redis stream does."""
-        stream = self._events.setdefault(job_id, [])
-        for event in events:
-            self._seq += 1
-            stream.append((self._seq, event.model_dump_json(exclude={"id"})))
-        del stream[: max(0, len(stream) - self.events_maxlen)]
-        if events:
-            self._changed.notify_all()
+    def get_mark(self, name: str) -> str | None:
+        with self._changed:
+            return self._string(name)
+
+    def set_mark(self, name: str, value: str) -> None:
+        with self._changed:
+            self._apply(("set", name, value, 0))

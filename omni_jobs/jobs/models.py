@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -22,6 +22,11 @@ def now() -> float:
 
 def new_job_id() -> str:
     return "job_" + secrets.token_hex(12)
+
+
+def new_message_id() -> str:
+    """A webhook message id (its ``webhook-id``): one per message, the same for all its attempts."""
+    return "msg_" + secrets.token_hex(12)
 
 
 class JobStatus(str, Enum):
@@ -46,6 +51,27 @@ class StageStatus(str, Enum):
     succeeded = "succeeded"
     failed = "failed"
     canceled = "canceled"
+
+
+class EventType(StrEnum):
+    """Every entry of a job's event stream (SSE ``event:``), and so every change a client can see."""
+
+    job_queued = "job.queued"
+    job_running = "job.running"
+    job_succeeded = "job.succeeded"
+    job_failed = "job.failed"
+    job_canceled = "job.canceled"
+    stage_queued = "stage.queued"
+    stage_started = "stage.started"
+    stage_progress = "stage.progress"
+    stage_succeeded = "stage.succeeded"
+    stage_retrying = "stage.retrying"
+    """The attempt hit a transient error (store down); the next attempt is queued after a backoff."""
+    stage_requeued = "stage.requeued"
+    """The attempt's worker stopped renewing its lease (killed, lost); the next attempt is queued now."""
+
+
+FINAL_EVENTS = frozenset({EventType.job_succeeded, EventType.job_failed, EventType.job_canceled})
 
 
 class Model(BaseModel):
@@ -73,12 +99,29 @@ class StageRecord(Model):
     attempts: int = 0
     outputs: dict[str, ArtifactRef] = Field(default_factory=dict)
     metrics: dict[str, float] = Field(default_factory=dict, description="Stage timings, e.g. engine_s.")
+    lease_owner: str | None = Field(None, exclude=True)
+    """Which worker process holds the running attempt (internal: fencing, never shown)."""
+    lease_until: float | None = Field(None, exclude=True)
+    """When that lease expires unless renewed (internal: the reaper reads it)."""
+    needs: list[str] = Field(default_factory=list, exclude=True)
+    """Stages whose outputs this one reads: it is queued once they all succeeded (internal)."""
 
     @property
     def duration_s(self) -> float | None:
         if self.started_at is None or self.finished_at is None:
             return None
         return self.finished_at - self.started_at
+
+
+class StepSlot(Model):
+    """A step that is not a pipeline stage (the results step): its status, attempts and lease."""
+
+    status: StageStatus = StageStatus.pending
+    attempts: int = 0
+    queued_at: float | None = None
+    worker: str | None = None
+    lease_owner: str | None = None
+    lease_until: float | None = None
 
 
 class JobOutput(Model):
@@ -146,6 +189,8 @@ class Job(Model):
     webhook: JobWebhook | None = None
     deadline_at: float | None = Field(None, description="The job is canceled if it has not finished by then.")
     tenant: str = Field("default", description="Who owns the job (the API key's tenant); only it sees the job.")
+    results: StepSlot = Field(default_factory=StepSlot, exclude=True)
+    """The results step (internal: it is not a stage of the pipeline)."""
 
     def stage_record(self, stage_id: str) -> StageRecord:
         for record in self.stages:
@@ -168,11 +213,22 @@ class Job(Model):
         return {"queue_time_s": queue_time, "run_time_s": run_time, "total_time_s": total}
 
 
+WEBHOOK_EVENT_OF: dict[EventType, str] = {
+    EventType.job_running: "start",
+    EventType.stage_progress: "progress",
+    EventType.stage_succeeded: "progress",
+    EventType.job_succeeded: "completed",
+    EventType.job_failed: "completed",
+    EventType.job_canceled: "completed",
+}
+"""Job event -> the webhook event it sends. Other events (queued, stage.started, ...) send none."""
+
+
 class JobEvent(Model):
     """One entry of a job's event stream (status change, stage change, progress)."""
 
     id: str = ""
     job_id: str
-    type: str = Field(description="job.queued | job.running | stage.started | stage.progress | ... ")
+    type: EventType
     at: float = Field(default_factory=now)
     data: dict[str, Any] = Field(default_factory=dict)

@@ -1,29 +1,24 @@
-"""JobStore: jobs as JSON documents in Redis, changed only by optimistic transactions.
+"""JobStore: where job state lives. A Protocol with two implementations that pass the same tests:
+``RedisJobStore`` (here) for every deployment, ``MemoryJobStore`` for one process with no services.
 
-Several workers and the API change one job concurrently (progress, stage results, cancel), so
-every change is read-modify-write under WATCH: a lost update is retried, never silently dropped.
-Each change appends its events to the job's Redis stream in the same transaction.
+A store reads (jobs, events, indexes) and applies Changes atomically; it decides nothing. The
+decisions (which transition is legal, what it dispatches) are made once, in the ledger, for both.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 
 from omni_jobs import keys
-from omni_jobs.errors import JobNotFound
-from omni_jobs.jobs import queue_index
-from omni_jobs.jobs.models import Job, JobEvent, JobStatus
-
-log = logging.getLogger(__name__)
-
-Mutation = Callable[[Job], list[JobEvent]]
-CommitListener = Callable[[Job, list[JobEvent]], None]
-"""Called with the job and its new events after each committed change (e.g. the webhook notifier)."""
+from omni_jobs.errors import NotDurable
+from omni_jobs.jobs import codec
+from omni_jobs.jobs.change import Change, Conflict, Guard, OutboxEntry
+from omni_jobs.jobs.models import Job, JobEvent, JobStatus, StageStatus
+from omni_jobs.steps import RESULTS_QUEUE, WEBHOOKS_QUEUE, from_json, results_slot, stage_slot, webhook_slot
 
 
 @dataclass(frozen=True)
@@ -32,127 +27,359 @@ class JobPage:
     next_cursor: str | None
 
 
-class JobStore:
-    """Redis-backed store of jobs and their event streams."""
+@dataclass(frozen=True)
+class WebhookSlot:
+    """One webhook message of a job: its event, delivery status, attempts and lease."""
 
-    def __init__(self, client: redis.Redis, *, ttl_s: int, events_maxlen: int = 2000) -> None:
+    message_id: str
+    event: str
+    status: str  # queued | sending | delivered | gave_up | rejected
+    attempts: int
+    lease_owner: str | None = None
+    lease_until: float | None = None
+
+
+def webhook_field(message_id: str, name: str) -> str:
+    return f"{message_id}:{name}"
+
+
+def decode_webhook_slots(raw: dict[str, str]) -> dict[str, WebhookSlot]:
+    ids = {name.split(":", 1)[0] for name in raw}
+    slots: dict[str, WebhookSlot] = {}
+    for mid in sorted(ids):
+        get = lambda n, mid=mid: raw.get(webhook_field(mid, n))
+        event, status = get("event"), get("status")
+        if event is None or status is None:
+            continue
+        until = get("lease_until")
+        slots[mid] = WebhookSlot(mid, event, status, int(get("attempts") or 0), get("lease_owner"),
+                                 float(until) if until is not None else None)
+    return slots
+
+
+@dataclass(frozen=True)
+class IdempotencyRecord:
+    job_id: str
+    fingerprint: str
+
+
+class JobStore(Protocol):
+    """What the ledger, the relay, the reaper, retention and the API read and write."""
+
+    ttl_s: int
+    events_maxlen: int
+
+    # --- jobs and events ---
+    def get(self, job_id: str) -> Job | None: ...
+    def get_many(self, job_ids: Sequence[str]) -> list[Job | None]: ...
+    def page(self, *, limit: int, cursor: str | None = None, status: JobStatus | None = None,
+             tenant: str | None = None) -> JobPage: ...
+    def events(self, job_id: str, *, after: str = "0-0", block_ms: int | None = None,
+               count: int = 100) -> list[JobEvent]: ...
+    def webhook_slots(self, job_id: str) -> dict[str, WebhookSlot]: ...
+    def idempotency(self, tenant: str, key: str) -> IdempotencyRecord | None: ...
+
+    # --- the one way to write ---
+    def commit(self, change: Change) -> Conflict | None:
+        """Apply ``change`` if all its guards hold (None), else write nothing and say which did not."""
+        ...
+
+    # --- outbox, leases, queues ---
+    def claim_outbox(self, *, now: float, limit: int, hold_s: float, job_id: str | None = None) -> list[OutboxEntry]:
+        """Due entries, each held for ``hold_s`` (another claimer skips it meanwhile; after that it is due again)."""
+        ...
+    def ack_outbox(self, ids: Sequence[str]) -> None: ...
+    def outbox_holds(self, ids: Sequence[str]) -> set[str]:
+        """Which of these entry ids are still in the outbox (not yet published)."""
+        ...
+    def next_outbox_due(self) -> float | None: ...
+    def expired_leases(self, *, now: float, limit: int) -> list[str]: ...
+    def leased_slots(self) -> list[str]: ...
+    def waiting(self, queue: str, *, queued_before: float, limit: int) -> list[str]: ...
+    def queue_counts(self, queue: str) -> tuple[int, int]:
+        """(waiting, running) step slots of a queue."""
+        ...
+    def queue_position(self, job: Job) -> int | None: ...
+    def try_lock(self, name: str, owner: str, ttl_s: float) -> bool: ...
+    def throttle(self, name: str, interval_s: float) -> bool:
+        """True at most once per ``interval_s`` for ``name``, across all processes."""
+        ...
+
+    # --- retention ---
+    def job_ids_created(self, *, after: float | None, until: float) -> list[str]: ...
+    def delete(self, job_id: str) -> None: ...
+    def get_mark(self, name: str) -> str | None: ...
+    def set_mark(self, name: str, value: str) -> None: ...
+
+
+_COMMIT = """
+local spec = cjson.decode(ARGV[1])
+for i, g in ipairs(spec.g) do
+  local v = redis.call('HGET', g[1], g[2])
+  local ok = false
+  for _, a in ipairs(g[3]) do
+    if (a == cjson.null and v == false) or (a ~= cjson.null and v == a) then ok = true break end
+  end
+  if not ok then
+    if v == false then return {0, i} end
+    return {0, i, v}
+  end
+end
+for _, op in ipairs(spec.o) do
+  local k = op[1]
+  if k == 'hset' then
+    local flat = {}
+    for f, v in pairs(op[3]) do flat[#flat + 1] = f; flat[#flat + 1] = v end
+    if #flat > 0 then redis.call('HSET', op[2], unpack(flat)) end
+  elseif k == 'hdel' then redis.call('HDEL', op[2], unpack(op[3]))
+  elseif k == 'del' then redis.call('DEL', op[2])
+  elseif k == 'set' then
+    if op[4] > 0 then redis.call('SET', op[2], op[3], 'EX', op[4]) else redis.call('SET', op[2], op[3]) end
+  elseif k == 'expire' then redis.call('EXPIRE', op[2], op[3])
+  elseif k == 'zadd' then redis.call('ZADD', op[2], op[4], op[3])
+  elseif k == 'zrem' then redis.call('ZREM', op[2], op[3])
+  elseif k == 'xadd' then redis.call('XADD', op[2], 'MAXLEN', '~', op[3], '*', 'event', op[4])
+  elseif k == 'rpush' then
+    redis.call('RPUSH', op[2], op[3])
+    redis.call('LTRIM', op[2], -op[4], -1)
+  else return redis.error_reply('unknown op ' .. tostring(k)) end
+end
+return {1}
+"""
+
+_CLAIM = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]) * 4)
+local out = {}
+for _, id in ipairs(due) do
+  if #out >= tonumber(ARGV[3]) * 2 then break end
+  if ARGV[4] == '' or string.find(id, ARGV[4], 1, true) then
+    local item = redis.call('HGET', KEYS[2], id)
+    if item then
+      redis.call('ZADD', KEYS[1], ARGV[2], id)
+      out[#out + 1] = id
+      out[#out + 1] = item
+    else
+      redis.call('ZREM', KEYS[1], id)
+    end
+  end
+end
+return out
+"""
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisJobStore:
+    """Jobs as hashes, events as streams, the outbox and leases as sorted sets, in one Redis."""
+
+    def __init__(self, client: redis.Redis, *, ttl_s: int, events_maxlen: int = 2000, wait_replicas: int = 0,
+                 wait_timeout_ms: int = 1000) -> None:
+        """``wait_replicas``: a durable change (a submit) is acknowledged only once this many replicas
+        have it (Redis WAIT); 0 relies on the primary's own AOF (``appendfsync always``)."""
         self.redis = client
         self.ttl_s = ttl_s
         self.events_maxlen = events_maxlen
-        self.listeners: list[CommitListener] = []
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self._commit = client.register_script(_COMMIT)
+        self._claim = client.register_script(_CLAIM)
 
     # --- reading ---
-    def get(self, job_id: str) -> Job | None:
-        raw = self.redis.get(keys.job(job_id))
-        return Job.model_validate_json(raw) if raw is not None else None
+    def _read(self, pipe: Any, job_id: str) -> None:
+        pipe.hgetall(keys.job(job_id))
+        pipe.get(keys.job_progress(job_id))
+        pipe.lrange(keys.job_deliveries(job_id), 0, -1)
 
-    def require(self, job_id: str, *, tenant: str | None = None) -> Job:
-        """The job; JobNotFound when unknown or, with ``tenant``, owned by another tenant (same answer)."""
-        job = self.get(job_id)
-        if job is None or (tenant is not None and job.tenant != tenant):
-            raise JobNotFound(job_id)
-        return job
+    def get(self, job_id: str) -> Job | None:
+        return self.get_many([job_id])[0]
+
+    def get_many(self, job_ids: Sequence[str]) -> list[Job | None]:
+        if not job_ids:
+            return []
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                self._read(pipe, job_id)
+            replies = pipe.execute()
+        return [codec.decode(replies[i], replies[i + 1], replies[i + 2]) for i in range(0, len(replies), 3)]
 
     def page(self, *, limit: int, cursor: str | None = None, status: JobStatus | None = None,
              tenant: str | None = None) -> JobPage:
         """Newest first. The cursor is an opaque offset into the index (the tenant's own, when given)."""
         index = keys.JOBS_INDEX if tenant is None else keys.tenant_jobs(tenant)
-        start = int(cursor) if cursor and cursor.isdigit() else 0
-        jobs: list[Job] = []
-        position = start
+        position = int(cursor) if cursor and cursor.isdigit() else 0
+        found: list[str] = []
         batch = max(limit, 50)
-        while len(jobs) < limit:
-            ids: list[bytes] = self.redis.zrevrange(index, position, position + batch - 1)  # type: ignore[assignment]
+        while len(found) < limit:
+            ids = [_text(i) for i in self.redis.zrevrange(index, position, position + batch - 1)]
             if not ids:
-                return JobPage(jobs, None)
-            raws: list[bytes | None] = self.redis.mget([keys.job(i.decode()) for i in ids])  # type: ignore[assignment]
-            for raw_id, raw in zip(ids, raws, strict=True):
+                return JobPage(self._jobs(found), None)
+            with self.redis.pipeline(transaction=False) as pipe:
+                for job_id in ids:
+                    pipe.hget(keys.job(job_id), "status")
+                statuses = pipe.execute()
+            for job_id, raw in zip(ids, statuses, strict=True):
                 position += 1
                 if raw is None:  # expired: drop it from the index lazily
-                    self.redis.zrem(index, raw_id)
+                    self.redis.zrem(index, job_id)
                     position -= 1
-                    continue
-                job = Job.model_validate_json(raw)
-                if status is None or job.status is status:
-                    jobs.append(job)
-                if len(jobs) == limit:
+                elif status is None or _text(raw) == status.value:
+                    found.append(job_id)
+                if len(found) == limit:
                     break
-        more = self.redis.zcard(index) > position
-        return JobPage(jobs, str(position) if more else None)
+        more = int(self.redis.zcard(index)) > position  # type: ignore[arg-type]
+        return JobPage(self._jobs(found), str(position) if more else None)
 
-    def events(self, job_id: str, *, after: str = "0-0", block_ms: int | None = None, count: int = 100) -> list[JobEvent]:
-        """Events after stream id ``after``; blocks up to ``block_ms`` for new ones when asked."""
+    def _jobs(self, ids: list[str]) -> list[Job]:
+        return [j for j in self.get_many(ids) if j is not None]
+
+    def events(self, job_id: str, *, after: str = "0-0", block_ms: int | None = None,
+               count: int = 100) -> list[JobEvent]:
         reply: Any = self.redis.xread({keys.job_events(job_id): after}, count=count, block=block_ms)
-        events: list[JobEvent] = []
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                event = JobEvent.model_validate_json(fields[b"event"])
-                event.id = entry_id.decode()
-                events.append(event)
-        return events
+        return parse_stream(reply)
+
+    def webhook_slots(self, job_id: str) -> dict[str, WebhookSlot]:
+        raw = self.redis.hgetall(keys.job_webhooks(job_id))
+        return decode_webhook_slots({_text(k): _text(v) for k, v in raw.items()})
+
+    def idempotency(self, tenant: str, key: str) -> IdempotencyRecord | None:
+        raw = {_text(k): _text(v) for k, v in self.redis.hgetall(keys.idempotency(tenant, key)).items()}
+        return IdempotencyRecord(raw["job_id"], raw["fingerprint"]) if "job_id" in raw else None
 
     # --- writing ---
-    def create(self, job: Job, events: list[JobEvent]) -> None:
-        with self.redis.pipeline(transaction=True) as pipe:
-            pipe.set(keys.job(job.id), job.model_dump_json(), ex=self.ttl_s)
-            pipe.zadd(keys.JOBS_INDEX, {job.id: job.created_at})
-            pipe.zadd(keys.tenant_jobs(job.tenant), {job.id: job.created_at})
-            self._append_events(pipe, job.id, events)
-            queue_index.track(pipe, job, events, ttl_s=self.ttl_s)
-            pipe.execute()
-        self._notify(job, events)
+    def commit(self, change: Change) -> Conflict | None:
+        if change.durable and self.wait_replicas > 0:
+            with self.redis.pipeline(transaction=False) as pipe:
+                self._commit(args=[change.wire()], client=pipe)
+                pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+                reply, acked = pipe.execute()
+            if int(reply[0]) == 1 and int(acked) < self.wait_replicas:
+                raise NotDurable(int(acked), self.wait_replicas, self.wait_timeout_ms)
+        else:
+            reply = self._commit(args=[change.wire()])
+        if int(reply[0]) == 1:
+            return None
+        guard: Guard = change.guards[int(reply[1]) - 1]
+        return Conflict(guard, _text(reply[2]) if len(reply) > 2 else None)
 
-    def update(self, job_id: str, mutate: Mutation) -> tuple[Job, list[JobEvent]]:
-        """Apply ``mutate`` atomically; it may raise to abort without writing."""
-        key = keys.job(job_id)
-        with self.redis.pipeline(transaction=True) as pipe:
-            while True:
-                try:
-                    pipe.watch(key)
-                    raw = pipe.get(key)
-                    if raw is None:
-                        raise JobNotFound(job_id)
-                    job = Job.model_validate_json(raw)
-                    events = mutate(job)
-                    pipe.multi()
-                    pipe.set(key, job.model_dump_json(), keepttl=True)
-                    self._append_events(pipe, job_id, events)
-                    queue_index.track(pipe, job, events, ttl_s=self.ttl_s)
-                    pipe.execute()
-                    break
-                except redis.WatchError:
-                    continue
-        self._notify(job, events)
-        return job, events
+    # --- outbox ---
+    def claim_outbox(self, *, now: float, limit: int, hold_s: float, job_id: str | None = None) -> list[OutboxEntry]:
+        reply = self._claim(keys=[keys.OUTBOX, keys.OUTBOX_ITEMS],
+                            args=[repr(now), repr(now + hold_s), limit, f":{job_id}:" if job_id else ""])
+        return [OutboxEntry(from_json(reply[i + 1]), now) for i in range(0, len(reply), 2)][:limit]
+
+    def ack_outbox(self, ids: Sequence[str]) -> None:
+        if ids:
+            with self.redis.pipeline(transaction=True) as pipe:
+                pipe.zrem(keys.OUTBOX, *ids)
+                pipe.hdel(keys.OUTBOX_ITEMS, *ids)
+                pipe.execute()
+
+    def outbox_holds(self, ids: Sequence[str]) -> set[str]:
+        if not ids:
+            return set()
+        scores = self.redis.zmscore(keys.OUTBOX, list(ids))
+        return {i for i, s in zip(ids, scores, strict=True) if s is not None}  # type: ignore[arg-type]
+
+    def next_outbox_due(self) -> float | None:
+        first = self.redis.zrange(keys.OUTBOX, 0, 0, withscores=True)
+        return float(first[0][1]) if first else None  # type: ignore[index]
+
+    # --- leases and queues ---
+    def expired_leases(self, *, now: float, limit: int) -> list[str]:
+        return [_text(m) for m in self.redis.zrangebyscore(keys.LEASES, "-inf", now, start=0, num=limit)]
+
+    def leased_slots(self) -> list[str]:
+        return [_text(m) for m in self.redis.zrange(keys.LEASES, 0, -1)]
+
+    def waiting(self, queue: str, *, queued_before: float, limit: int) -> list[str]:
+        members = self.redis.zrangebyscore(keys.queue_waiting(queue), "-inf", queued_before, start=0, num=limit)
+        return [_text(m) for m in members]
+
+    def queue_counts(self, queue: str) -> tuple[int, int]:
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(keys.queue_waiting(queue))
+            pipe.zcard(keys.queue_running(queue))
+            waiting, running = pipe.execute()
+        return int(waiting), int(running)
 
     def queue_position(self, job: Job) -> int | None:
-        """Where the job's waiting stage stands on its queue (1 = next); None when no stage waits."""
-        return queue_index.position(self.redis, job)
+        """1-based place of the job's waiting stage on its queue (1 = next to start); None when none waits."""
+        waiting = [r for r in job.stages if r.status is StageStatus.queued]
+        if job.status.is_final or not waiting:
+            return None
+        record = min(waiting, key=lambda r: r.queued_at or 0.0)
+        rank = self.redis.zrank(keys.queue_waiting(record.queue), stage_slot(job.id, record.id))
+        return None if rank is None else int(rank) + 1  # type: ignore[arg-type]
 
-    def _notify(self, job: Job, events: list[JobEvent]) -> None:
-        """Tell the listeners; a failing listener is logged and never undoes or fails the change."""
-        if not events:
-            return
-        for listener in self.listeners:
-            try:
-                listener(job, events)
-            except Exception:
-                log.exception("job %s: commit listener %r failed", job.id, listener)
+    def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
+        return bool(self.redis.set(name, owner, nx=True, px=max(1, int(ttl_s * 1000))))
 
-    def claim_enqueue(self, job_id: str, stage_id: str) -> bool:
-        """True exactly once per (job, stage): guards fan-in stages and redelivered parents."""
-        return bool(self.redis.set(keys.stage_enqueued(job_id, stage_id), b"1", nx=True, ex=self.ttl_s))
+    def throttle(self, name: str, interval_s: float) -> bool:
+        if interval_s <= 0:
+            return True
+        return bool(self.redis.set(keys.throttle(name), b"1", nx=True, px=max(1, int(interval_s * 1000))))
+
+    # --- retention ---
+    def job_ids_created(self, *, after: float | None, until: float) -> list[str]:
+        low = "-inf" if after is None else f"({after!r}"
+        return [_text(i) for i in self.redis.zrangebyscore(keys.JOBS_INDEX, low, until)]
 
     def delete(self, job_id: str) -> None:
-        job = self.get(job_id)
-        self.redis.delete(keys.job(job_id), keys.job_events(job_id))
-        self.redis.zrem(keys.JOBS_INDEX, job_id)
-        if job is not None:
-            self.redis.zrem(keys.tenant_jobs(job.tenant), job_id)
+        """The job and everything indexed under it: an expired job must not stay counted on a queue,
+        nor leave a dispatch waiting in the outbox."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.job(job_id))
+            pipe.hgetall(keys.job_webhooks(job_id))
+            raw, hooks = pipe.execute()
+        fields = {_text(k): _text(v) for k, v in raw.items()}
+        pending = job_pending_steps(job_id, fields, {_text(k): _text(v) for k, v in hooks.items()})
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.job(job_id), keys.job_events(job_id), keys.job_progress(job_id),
+                        keys.job_webhooks(job_id), keys.job_deliveries(job_id))
+            pipe.zrem(keys.JOBS_INDEX, job_id)
+            if "tenant" in fields:
+                pipe.zrem(keys.tenant_jobs(fields["tenant"]), job_id)
+            for queue, slot, entry_id in pending:
+                for index in (keys.queue_waiting(queue), keys.queue_running(queue), keys.LEASES):
+                    pipe.zrem(index, slot)
+                pipe.zrem(keys.OUTBOX, entry_id)
+                pipe.hdel(keys.OUTBOX_ITEMS, entry_id)
+            pipe.execute()
 
-    def _append_events(self, pipe: redis.client.Pipeline, job_id: str, events: list[JobEvent]) -> None:
-        stream = keys.job_events(job_id)
-        for event in events:
-            pipe.xadd(stream, {"event": event.model_dump_json(exclude={"id"})}, maxlen=self.events_maxlen, approximate=True)
-        if events:
-            pipe.expire(stream, self.ttl_s)
+    def get_mark(self, name: str) -> str | None:
+        raw = self.redis.get(name)
+        return _text(raw) if raw is not None else None  # type: ignore[arg-type]
+
+    def set_mark(self, name: str, value: str) -> None:
+        self.redis.set(name, value)
+
+
+def job_pending_steps(job_id: str, fields: dict[str, str], hooks: dict[str, str]) -> list[tuple[str, str, str]]:
+    """(queue, slot, outbox id of its next attempt) of every step slot of a job (stages, results,
+    webhook messages), from its hash fields: what deleting the job must also take off the indexes."""
+    import json
+
+    found: list[tuple[str, str, str]] = []
+    for stage in json.loads(fields.get("stages", "[]")):
+        slot = stage_slot(job_id, stage["id"])
+        attempts = int(fields.get(f"stage:{stage['id']}:attempts", "0"))
+        found.append((stage["queue"], slot, f"{slot}:{attempts + 1}"))
+    slot = results_slot(job_id)
+    found.append((RESULTS_QUEUE, slot, f"{slot}:{int(fields.get('results:attempts', '0')) + 1}"))
+    for message_id, slot_info in decode_webhook_slots(hooks).items():
+        slot = webhook_slot(job_id, message_id)
+        found.append((WEBHOOKS_QUEUE, slot, f"{slot}:{slot_info.attempts + 1}"))
+    return found
+
+
+def parse_stream(reply: Any) -> list[JobEvent]:
+    """XREAD's reply -> events, each with its stream id."""
+    events: list[JobEvent] = []
+    for _stream, entries in reply or []:
+        for entry_id, fields in entries:
+            event = JobEvent.model_validate_json(fields[b"event"] if b"event" in fields else fields["event"])
+            event.id = _text(entry_id)
+            events.append(event)
+    return events

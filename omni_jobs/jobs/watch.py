@@ -15,9 +15,10 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from omni_jobs import keys
-from omni_jobs.jobs.models import Job, JobEvent
+from omni_jobs.jobs import codec
+from omni_jobs.jobs.models import FINAL_EVENTS, Job, JobEvent
+from omni_jobs.jobs.store import parse_stream
 
-FINAL_EVENTS = frozenset({"job.succeeded", "job.failed", "job.canceled"})
 MAX_BLOCK_S = 15.0
 """Longest blocking read; callers' heartbeats and waits are cut into pieces no longer than this."""
 STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
@@ -34,20 +35,18 @@ class JobWatcher:
         return cls(aioredis.Redis.from_url(url, health_check_interval=30, socket_timeout=MAX_BLOCK_S + 15))
 
     async def get(self, job_id: str) -> Job | None:
-        raw = await self.redis.get(keys.job(job_id))
-        return Job.model_validate_json(raw) if raw is not None else None
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.job(job_id))
+            pipe.get(keys.job_progress(job_id))
+            pipe.lrange(keys.job_deliveries(job_id), 0, -1)
+            fields, progress, deliveries = await pipe.execute()
+        return codec.decode(fields, progress, deliveries)
 
     async def events(self, job_id: str, *, after: str = "0-0", block_ms: int | None = None,
                      count: int = 100) -> list[JobEvent]:
         """Events after stream id ``after``; waits up to ``block_ms`` (> 0) for new ones when asked."""
         reply: Any = await self.redis.xread({keys.job_events(job_id): after}, count=count, block=block_ms)
-        events: list[JobEvent] = []
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                event = JobEvent.model_validate_json(fields[b"event"])
-                event.id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-                events.append(event)
-        return events
+        return parse_stream(reply)
 
     async def follow(self, job_id: str, *, after: str = "0-0", heartbeat_s: float = 15.0
                      ) -> AsyncIterator[JobEvent | None]:

@@ -1,0 +1,136 @@
+"""One atomic change of job state: guards, then writes, applied all together or not at all.
+
+A transition (omni_jobs.jobs.ledger) reads a job, decides, and expresses what it decided as a
+Change: the field values its decision depended on (guards: compare-and-set on hash fields) and
+the writes it makes (job fields, events, outbox entries, index entries). A store applies it in
+one step: Redis with one Lua script, memory under one lock. If a guard no longer holds, nothing
+is written and the transition reads again: optimistic concurrency in one round trip, with no
+WATCH loop and no whole-document rewrite.
+
+The writes are a small closed set of operations (below), so both stores implement exactly the
+same semantics and the same contract tests hold for both.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_jobs import keys
+from omni_jobs.jobs.models import JobEvent
+from omni_jobs.steps import Step, step_id, to_json
+
+
+@dataclass(frozen=True)
+class Guard:
+    """HGET key field must be one of ``allowed`` (None: the field is absent)."""
+
+    key: str
+    field: str
+    allowed: tuple[str | None, ...]
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """The first guard that did not hold, and the value found instead (None: absent)."""
+
+    guard: Guard
+    found: str | None
+
+
+@dataclass(frozen=True)
+class OutboxEntry:
+    """A step to publish, due at ``due_at`` (a delayed retry is due later)."""
+
+    step: Step
+    due_at: float
+
+    @property
+    def id(self) -> str:
+        return step_id(self.step)
+
+
+Op = tuple[Any, ...]
+"""One write: ("hset", key, {field: value}) | ("hdel", key, [fields]) | ("del", key)
+| ("set", key, value, ttl_s) | ("expire", key, ttl_s) | ("zadd", key, member, score) | ("zrem", key, member)
+| ("xadd", key, maxlen, payload) | ("rpush", key, value, keep_last)."""
+
+
+@dataclass
+class Change:
+    guards: list[Guard] = field(default_factory=list)
+    ops: list[Op] = field(default_factory=list)
+    events: list[JobEvent] = field(default_factory=list)
+    """The events the ops append (kept for in-process listeners: metrics)."""
+    outbox: list[OutboxEntry] = field(default_factory=list)
+    durable: bool = False
+    """Acknowledged only once it is as durable as the store is configured to make it (a submit: the
+    202 promises the job survives a crash). Redis: WAIT for replicas when OMNI_REDIS_WAIT_REPLICAS > 0."""
+
+    # --- guards ---
+    def expect(self, key: str, name: str, *allowed: str | None) -> Change:
+        self.guards.append(Guard(key, name, tuple(allowed)))
+        return self
+
+    # --- writes ---
+    def hset(self, key: str, values: dict[str, str]) -> Change:
+        if values:
+            self.ops.append(("hset", key, dict(values)))
+        return self
+
+    def hdel(self, key: str, names: list[str]) -> Change:
+        if names:
+            self.ops.append(("hdel", key, list(names)))
+        return self
+
+    def delete(self, key: str) -> Change:
+        self.ops.append(("del", key))
+        return self
+
+    def set(self, key: str, value: str, ttl_s: int) -> Change:
+        self.ops.append(("set", key, value, int(ttl_s)))
+        return self
+
+    def expire(self, key: str, ttl_s: int) -> Change:
+        self.ops.append(("expire", key, int(ttl_s)))
+        return self
+
+    def zadd(self, key: str, member: str, score: float) -> Change:
+        self.ops.append(("zadd", key, member, float(score)))
+        return self
+
+    def zrem(self, key: str, member: str) -> Change:
+        self.ops.append(("zrem", key, member))
+        return self
+
+    def event(self, event: JobEvent, *, maxlen: int, ttl_s: int) -> Change:
+        stream = keys.job_events(event.job_id)
+        self.ops.append(("xadd", stream, int(maxlen), event.model_dump_json(exclude={"id"})))
+        self.ops.append(("expire", stream, int(ttl_s)))
+        self.events.append(event)
+        return self
+
+    def rpush(self, key: str, value: str, keep_last: int) -> Change:
+        self.ops.append(("rpush", key, value, int(keep_last)))
+        return self
+
+    def dispatch(self, step: Step, due_at: float) -> Change:
+        """Publish ``step`` once this change commits (outbox); an entry with the same id is replaced."""
+        entry = OutboxEntry(step, due_at)
+        self.outbox.append(entry)
+        self.ops.append(("hset", keys.OUTBOX_ITEMS, {entry.id: to_json(step)}))
+        self.ops.append(("zadd", keys.OUTBOX, entry.id, float(due_at)))
+        return self
+
+    def extend(self, other: Change) -> Change:
+        self.guards.extend(other.guards)
+        self.ops.extend(other.ops)
+        self.events.extend(other.events)
+        self.outbox.extend(other.outbox)
+        return self
+
+    def wire(self) -> str:
+        """The change as the Lua script reads it."""
+        return json.dumps({"g": [[g.key, g.field, list(g.allowed)] for g in self.guards],
+                           "o": [list(op) for op in self.ops]}, separators=(",", ":"))

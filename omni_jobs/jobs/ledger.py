@@ -1,0 +1,650 @@
+"""JobLedger: the only writer of job state. Each method is one transition, committed atomically
+with everything it causes.
+
+A transition reads the job (or uses the snapshot its caller already holds), decides with the pure
+state machine (omni_jobs.jobs.state), and commits one Change: the job fields it changed, guarded
+by the fields its decision read; its events; and what the difference *causes*, derived here in one
+place so that no side effect can leave its state change on its own:
+
+- a slot (a stage, the results step, a webhook message) that becomes ``queued`` dispatches its
+  next attempt through the outbox, and enters its queue's waiting index;
+- a slot that becomes ``running`` holds a lease (owner, expiry) in the lease index; leaving
+  ``running`` releases it;
+- events that a job's webhook subscribes to create webhook messages, dispatched the same way.
+
+If a guard fails (another process changed what the decision read), the transition reads again and
+decides again. Steps are fenced by attempt: a worker may start attempt N only while the slot waits
+for exactly N, and may record a result only while it still holds attempt N's lease. So duplicate
+messages, stale attempts and late results are refused here, whatever the broker redelivers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from omni_jobs import keys
+from omni_jobs.artifacts.refs import ArtifactRef
+from omni_jobs.errors import IdempotencyConflict, JobAlreadyFinished, JobNotFound
+from omni_jobs.jobs import codec, state
+from omni_jobs.jobs.change import Change
+from omni_jobs.jobs.models import (
+    WEBHOOK_EVENT_OF,
+    EventType,
+    Job,
+    JobError,
+    JobEvent,
+    JobOutput,
+    JobStatus,
+    StageRecord,
+    StageStatus,
+    StepSlot,
+    WebhookDelivery,
+    new_message_id,
+    now,
+)
+from omni_jobs.jobs.store import JobPage, JobStore, webhook_field
+from omni_jobs.steps import (
+    RESULTS_QUEUE,
+    WEBHOOKS_QUEUE,
+    AssembleResults,
+    DeliverWebhook,
+    RunStage,
+    Step,
+    StepKind,
+    parse_slot,
+    results_slot,
+    stage_slot,
+    step_id,
+    webhook_slot,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Listener = Callable[[Job, list[JobEvent]], None]
+"""Called in this process after each committed transition (metrics); never part of the transaction."""
+
+MAX_CONFLICTS = 100
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The right to run one attempt of one step, held by one worker process (``owner``)."""
+
+    step: Step
+    owner: str
+
+    @property
+    def slot(self) -> str:
+        return self.step.slot
+
+    @property
+    def attempt(self) -> int:
+        return self.step.attempt
+
+    @property
+    def job_id(self) -> str:
+        return self.step.job_id
+
+
+@dataclass(frozen=True)
+class Acquired:
+    job: Job
+    lease: Lease
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The step was not started (or its result not recorded): a duplicate, a stale attempt, a job
+    that ended. Not an error: the message is acknowledged and dropped."""
+
+    reason: str
+
+
+@dataclass
+class _Decision(Generic[T]):
+    """What a transition decided: the job after it (None: write nothing), its events, its result."""
+
+    value: T
+    after: Job | None = None
+    events: list[JobEvent] = field(default_factory=list)
+    guard: tuple[str, ...] = ()
+    """Job fields whose values the decision read (besides ``status``): they must not have changed."""
+    extra: Change | None = None
+
+
+class JobLedger:
+    def __init__(self, store: JobStore, *, lease_s: float = 15.0, max_attempts: int = 6,
+                 webhook_progress_interval_s: float = 2.0, webhook_attempts: Callable[[str], int] | None = None,
+                 deliveries_kept: int = 100) -> None:
+        """``max_attempts``: attempts of a stage (or the results step) before its job fails, counting
+        those lost with their worker; ``webhook_attempts``: attempts of a webhook message, by event."""
+        self.store = store
+        self.lease_s = lease_s
+        self.max_attempts = max_attempts
+        self.webhook_progress_interval_s = webhook_progress_interval_s
+        self.webhook_attempts = webhook_attempts or (lambda _event: 10)
+        self.deliveries_kept = deliveries_kept
+        self.listeners: list[Listener] = []
+        self.outbox_listeners: list[Callable[[], None]] = []
+        """Called after a commit that wrote outbox entries (the relay of this process wakes up)."""
+
+    # --- reading ---
+    def get(self, job_id: str) -> Job | None:
+        return self.store.get(job_id)
+
+    def require(self, job_id: str, *, tenant: str | None = None) -> Job:
+        """The job; JobNotFound when unknown or, with ``tenant``, owned by another tenant (same answer)."""
+        job = self.store.get(job_id)
+        if job is None or (tenant is not None and job.tenant != tenant):
+            raise JobNotFound(job_id)
+        return job
+
+    def page(self, *, limit: int, cursor: str | None = None, status: JobStatus | None = None,
+             tenant: str | None = None) -> JobPage:
+        return self.store.page(limit=limit, cursor=cursor, status=status, tenant=tenant)
+
+    def events(self, job_id: str, *, after: str = "0-0", block_ms: int | None = None,
+               count: int = 100) -> list[JobEvent]:
+        return self.store.events(job_id, after=after, block_ms=block_ms, count=count)
+
+    def queue_position(self, job: Job) -> int | None:
+        return self.store.queue_position(job)
+
+    # --- the machinery: decide, derive, commit, retry on conflict ---
+    def _transition(self, job_id: str, decide: Callable[[Job], _Decision[T]], *, missing: Callable[[], T],
+                    snapshot: Job | None = None) -> T:
+        job = snapshot if snapshot is not None else self.store.get(job_id)
+        for _ in range(MAX_CONFLICTS):
+            if job is None:
+                return missing()
+            decision = decide(job)
+            if decision.after is None and decision.extra is None:
+                return decision.value
+            change = self._change(job, decision)
+            if self.store.commit(change) is None:
+                self._committed(decision.after or job, change)
+                return decision.value
+            job = self.store.get(job_id)
+        raise RuntimeError(f"job {job_id}: more than {MAX_CONFLICTS} conflicting writers; giving up this transition")
+
+    def _change(self, before: Job, decision: _Decision[T], *, new_job: bool = False) -> Change:
+        """The Change of a decision: guarded field writes, and everything the difference causes.
+        ``new_job``: ``before`` is not stored yet; all of ``after`` is written, once."""
+        change = Change()
+        after = decision.after or before
+        job_key = keys.job(before.id)
+        old, new = codec.encode(before), codec.encode(after)
+        if new_job:
+            change.expect(job_key, "id", None).hset(job_key, new).expire(job_key, self.store.ttl_s)
+            change.zadd(keys.JOBS_INDEX, after.id, after.created_at)
+            change.zadd(keys.tenant_jobs(after.tenant), after.id, after.created_at)
+        else:
+            for name in ("status", *decision.guard):
+                change.expect(job_key, name, old.get(name))
+            sets, dels = codec.diff(old, new)
+            change.hset(job_key, sets).hdel(job_key, dels)
+        if after.progress != before.progress:
+            progress_key = keys.job_progress(before.id)
+            if after.progress is None:
+                change.delete(progress_key)
+            else:
+                change.set(progress_key, after.progress.model_dump_json(), self.store.ttl_s)
+        for event in decision.events:
+            change.event(event, maxlen=self.store.events_maxlen, ttl_s=self.store.ttl_s)
+        for was, rec in zip(before.stages, after.stages, strict=True):
+            self._slot_effects(change, stage_slot(before.id, rec.id), rec.queue, was, rec,
+                               RunStage(before.id, rec.id, rec.attempts + 1, rec.queue),
+                               RunStage(before.id, rec.id, was.attempts + 1, rec.queue))
+        self._slot_effects(change, results_slot(before.id), RESULTS_QUEUE, before.results, after.results,
+                           AssembleResults(before.id, after.results.attempts + 1),
+                           AssembleResults(before.id, before.results.attempts + 1))
+        self._webhook_messages(after, decision.events, change)
+        if decision.extra is not None:
+            change.extend(decision.extra)
+        return change
+
+    @staticmethod
+    def _slot_effects(change: Change, slot: str, queue: str, was: StageRecord | StepSlot,
+                      now_: StageRecord | StepSlot, next_step: Step, waited_step: Step) -> None:
+        """Dispatch, queue index and lease index entries implied by one slot's before/after."""
+        queued, running = StageStatus.queued, StageStatus.running
+        if now_.status is queued and (was.status is not queued or was.attempts != now_.attempts
+                                      or was.queued_at != now_.queued_at):
+            due = now_.queued_at if now_.queued_at is not None else now()
+            change.zadd(keys.queue_waiting(queue), slot, due).dispatch(next_step, due)
+        if was.status is queued and now_.status is not queued:
+            change.zrem(keys.queue_waiting(queue), slot)
+            if now_.status is not running:  # ended while waiting: its message need not go out
+                change.zrem(keys.OUTBOX, step_id(waited_step)).hdel(keys.OUTBOX_ITEMS, [step_id(waited_step)])
+        if now_.status is running:
+            if was.status is not running:
+                change.zadd(keys.queue_running(queue), slot, now())
+            if now_.lease_until is not None and now_.lease_until != was.lease_until:
+                change.zadd(keys.LEASES, slot, now_.lease_until)
+        if was.status is running and now_.status is not running:
+            change.zrem(keys.queue_running(queue), slot).zrem(keys.LEASES, slot)
+
+    def _webhook_messages(self, job: Job, events: list[JobEvent], change: Change) -> None:
+        """One message per subscribed webhook event among ``events`` (progress throttled per job)."""
+        hook = job.webhook
+        if hook is None or not events:
+            return
+        chosen: list[str] = []
+        for event in events:
+            name = WEBHOOK_EVENT_OF.get(event.type)
+            if name is None or name not in hook.events or name in chosen:
+                continue
+            if event.type is EventType.stage_progress and not self.store.throttle(
+                    f"webhook-progress:{job.id}", self.webhook_progress_interval_s):
+                continue
+            chosen.append(name)
+        hooks_key = keys.job_webhooks(job.id)
+        at = now()
+        for name in chosen:
+            mid = new_message_id()
+            change.hset(hooks_key, {webhook_field(mid, "event"): name, webhook_field(mid, "status"): "queued",
+                                    webhook_field(mid, "attempts"): "0"}).expire(hooks_key, self.store.ttl_s)
+            change.zadd(keys.queue_waiting(WEBHOOKS_QUEUE), webhook_slot(job.id, mid), at)
+            change.dispatch(DeliverWebhook(job.id, mid, name, 1), at)
+
+    def _committed(self, job: Job, change: Change) -> None:
+        if change.events:
+            for listener in self.listeners:
+                try:
+                    listener(job, change.events)
+                except Exception:
+                    log.exception("job %s: listener %r failed", job.id, listener)
+        if change.outbox:
+            for wake in self.outbox_listeners:
+                wake()
+
+    def _commit_or_none(self, change: Change, job: Job | None = None) -> bool:
+        if self.store.commit(change) is not None:
+            return False
+        if job is not None:
+            self._committed(job, change)
+        elif change.outbox:
+            for wake in self.outbox_listeners:
+                wake()
+        return True
+
+    # --- submit ---
+    def submit(self, job: Job, entry_stages: list[str], *, idempotency: tuple[str, str] | None = None,
+               idempotency_ttl_s: int = 24 * 3600) -> tuple[Job, bool]:
+        """Store a new job, its idempotency record and its first dispatches in one write.
+
+        ``idempotency``: (key, request fingerprint). A key used before returns (that job, False), or
+        IdempotencyConflict when the body differed.
+        """
+        at = job.created_at
+        after = job.model_copy(deep=True)
+        events = [JobEvent(job_id=job.id, type=EventType.job_queued, at=at, data={"pipeline": job.pipeline})]
+        for stage_id in entry_stages:
+            events += state.stage_queued(after, stage_id, at)
+        change = self._change(job, _Decision(None, after, events), new_job=True)
+        if idempotency is not None:
+            record_key = keys.idempotency(job.tenant, idempotency[0])
+            change.expect(record_key, "job_id", None)
+            change.hset(record_key, {"job_id": job.id, "fingerprint": idempotency[1]})
+            change.expire(record_key, idempotency_ttl_s)
+        change.durable = True
+        conflict = self.store.commit(change)
+        if conflict is None:
+            self._committed(after, change)
+            return after, True
+        if idempotency is None or conflict.guard.field != "job_id":
+            raise RuntimeError(f"job id {job.id} already exists")
+        earlier = self.store.idempotency(job.tenant, idempotency[0])
+        if earlier is None:  # expired between the two reads: try again
+            return self.submit(job, entry_stages, idempotency=idempotency, idempotency_ttl_s=idempotency_ttl_s)
+        if earlier.fingerprint != idempotency[1]:
+            raise IdempotencyConflict(idempotency[0], earlier.job_id)
+        existing = self.store.get(earlier.job_id)
+        if existing is None:
+            raise IdempotencyConflict(idempotency[0], earlier.job_id)
+        return existing, False
+
+    # --- taking a step ---
+    def acquire(self, step: Step, *, worker: str, owner: str, snapshot: Job | None = None) -> Acquired | Refused:
+        """Start ``step`` in this worker: its slot must be waiting for exactly this attempt."""
+        if isinstance(step, DeliverWebhook):
+            return self._acquire_webhook(step, worker=worker, owner=owner)
+        lease = Lease(step, owner)
+
+        def decide(job: Job) -> _Decision[Acquired | Refused]:
+            if job.status.is_final:
+                return _Decision(Refused(f"job is {job.status.value}"))
+            at = now()
+            slot: StageRecord | StepSlot = (job.stage_record(step.stage_id) if isinstance(step, RunStage)
+                                             else job.results)
+            if slot.status is StageStatus.running and slot.attempts == step.attempt and slot.lease_owner == owner:
+                return _Decision(Acquired(job, lease))  # this worker took it already (a retried write)
+            if slot.status is not StageStatus.queued or slot.attempts != step.attempt - 1:
+                return _Decision(Refused(_why_not(slot, step.attempt)))
+            after = job.model_copy(deep=True)
+            if job.deadline_at is not None and at > job.deadline_at:
+                events = state.job_canceled(after, at, reason="deadline exceeded (cancel_after)")
+                return _Decision(Refused("the job passed its deadline (cancel_after): canceled"), after, events)
+            if isinstance(step, RunStage):
+                events = state.stage_started(after, step.stage_id, worker, at)
+                held: StageRecord | StepSlot = after.stage_record(step.stage_id)
+                guard = (f"stage:{step.stage_id}:status", f"stage:{step.stage_id}:attempts")
+            else:
+                if job.status is not JobStatus.running:
+                    return _Decision(Refused(f"job is {job.status.value}"))
+                events = []
+                state.results_started(after, worker)
+                held = after.results
+                guard = ("results:status", "results:attempts")
+            held.lease_owner = owner
+            held.lease_until = at + self.lease_s
+            return _Decision(Acquired(after, lease), after, events, guard)
+
+        return self._transition(step.job_id, decide, missing=lambda: Refused("job is gone (expired or deleted)"),
+                                snapshot=snapshot)
+
+    def _acquire_webhook(self, step: DeliverWebhook, *, worker: str, owner: str) -> Acquired | Refused:
+        job = self.store.get(step.job_id)
+        slot = self.store.webhook_slots(step.job_id).get(step.message_id)
+        if job is None or slot is None:
+            return Refused("job or webhook message is gone")
+        lease = Lease(step, owner)
+        if slot.status == "sending" and slot.attempts == step.attempt and slot.lease_owner == owner:
+            return Acquired(job, lease)
+        if slot.status != "queued" or slot.attempts != step.attempt - 1:
+            return Refused(f"webhook {step.message_id} is {slot.status} at attempt {slot.attempts}, "
+                           f"not waiting for attempt {step.attempt}")
+        hooks, name = keys.job_webhooks(step.job_id), step.message_id
+        until = now() + self.lease_s
+        change = (Change().expect(hooks, webhook_field(name, "status"), "queued")
+                  .expect(hooks, webhook_field(name, "attempts"), str(step.attempt - 1))
+                  .hset(hooks, {webhook_field(name, "status"): "sending", webhook_field(name, "attempts"): str(step.attempt),
+                                webhook_field(name, "worker"): worker, webhook_field(name, "lease_owner"): owner,
+                                webhook_field(name, "lease_until"): repr(until)})
+                  .zrem(keys.queue_waiting(WEBHOOKS_QUEUE), step.slot)
+                  .zadd(keys.queue_running(WEBHOOKS_QUEUE), step.slot, now())
+                  .zadd(keys.LEASES, step.slot, until))
+        if not self._commit_or_none(change):
+            return self._acquire_webhook(step, worker=worker, owner=owner)
+        return Acquired(job, lease)
+
+    def renew(self, leases: list[Lease]) -> list[Lease]:
+        """Extend each lease; returns those this process no longer holds (job ended, or reaped)."""
+        lost: list[Lease] = []
+        for lease in leases:
+            until = now() + self.lease_s
+            change = Change()
+            if isinstance(lease.step, DeliverWebhook):
+                hooks, name = keys.job_webhooks(lease.job_id), lease.step.message_id
+                change.expect(hooks, webhook_field(name, "status"), "sending")
+                change.expect(hooks, webhook_field(name, "attempts"), str(lease.attempt))
+                change.expect(hooks, webhook_field(name, "lease_owner"), lease.owner)
+                change.hset(hooks, {webhook_field(name, "lease_until"): repr(until)})
+            else:
+                job_key = keys.job(lease.job_id)
+                prefix = f"stage:{lease.step.stage_id}:" if isinstance(lease.step, RunStage) else "results:"
+                change.expect(job_key, "status", JobStatus.running.value)
+                change.expect(job_key, prefix + "status", StageStatus.running.value)
+                change.expect(job_key, prefix + "attempts", str(lease.attempt))
+                change.expect(job_key, prefix + "lease_owner", lease.owner)
+                change.hset(job_key, {prefix + "lease_until": repr(until)})
+            change.zadd(keys.LEASES, lease.slot, until)
+            if self.store.commit(change) is not None:
+                lost.append(lease)
+        return lost
+
+    # --- while a stage runs ---
+    def progress(self, lease: Lease, snapshot: Job, step: int, total: int, unit: str) -> str:
+        """Record a running stage's progress: 'ok', or 'canceled' / 'lost' (stop working on it)."""
+        assert isinstance(lease.step, RunStage)
+        stage_id = lease.step.stage_id
+        after = snapshot.model_copy(deep=True)
+        events = state.stage_progress(after, stage_id, step, total, unit, now())
+        decision = _Decision(None, after, events, (f"stage:{stage_id}:status", f"stage:{stage_id}:attempts",
+                                                   f"stage:{stage_id}:lease_owner"))
+        base = snapshot.model_copy(update={"progress": None})
+        change = self._change(base, decision)
+        if self.store.commit(change) is None:
+            self._committed(after, change)
+            return "ok"
+        current = self.store.get(lease.job_id)
+        return "canceled" if current is None or current.status is JobStatus.canceled else "lost"
+
+    # --- a step ends ---
+    def complete_stage(self, lease: Lease, outputs: dict[str, ArtifactRef], metrics: dict[str, float], *,
+                       snapshot: Job | None = None) -> Job | Refused:
+        """Record the stage's outputs and queue what became runnable (next stages, or the results step)."""
+        step = lease.step
+        assert isinstance(step, RunStage)
+
+        def decide(job: Job) -> _Decision[Job | Refused]:
+            record = job.stage_record(step.stage_id)
+            if record.status is StageStatus.succeeded and record.attempts == step.attempt:
+                return _Decision(job)  # recorded already (a retried write)
+            if not _holds(job, record, lease):
+                return _Decision(Refused(f"stale attempt {step.attempt}: {_why_not(record, step.attempt)}"))
+            at = now()
+            after = job.model_copy(deep=True)
+            events = state.stage_succeeded(after, step.stage_id, outputs, metrics, at)
+            done = {r.id for r in after.stages if r.status is StageStatus.succeeded}
+            for rec in after.stages:
+                if rec.status is StageStatus.pending and set(rec.needs) <= done:
+                    events += state.stage_queued(after, rec.id, at)
+            if done == {r.id for r in after.stages}:
+                state.results_queued(after, at)
+            guard = tuple(f"stage:{r.id}:{f}" for r in job.stages for f in ("status", "attempts")) + (
+                f"stage:{step.stage_id}:lease_owner",)
+            return _Decision(after, after, events, guard)
+
+        return self._transition(step.job_id, decide, missing=lambda: Refused("job is gone"), snapshot=snapshot)
+
+    def complete_results(self, lease: Lease, outputs: list[JobOutput]) -> Job | Refused:
+        """The job's final files are written: it ends succeeded."""
+
+        def decide(job: Job) -> _Decision[Job | Refused]:
+            if job.status is JobStatus.succeeded and job.results.attempts == lease.attempt:
+                return _Decision(job)
+            if not _holds(job, job.results, lease):
+                return _Decision(Refused(f"stale results attempt {lease.attempt}"))
+            after = job.model_copy(deep=True)
+            after.outputs = list(outputs)
+            events = state.job_succeeded(after, now())
+            return _Decision(after, after, events, ("results:status", "results:attempts", "results:lease_owner"))
+
+        return self._transition(lease.job_id, decide, missing=lambda: Refused("job is gone"))
+
+    def retry_later(self, lease: Lease, error: JobError, delay_s: float) -> str:
+        """The attempt hit a transient error: queue the next one after ``delay_s``, or fail the job
+        once ``max_attempts`` are used. Returns 'retrying', 'failed' or 'stale'."""
+
+        def decide(job: Job) -> _Decision[str]:
+            slot = _slot_of(job, lease.step)
+            if not _holds(job, slot, lease):
+                return _Decision("stale")
+            at = now()
+            after = job.model_copy(deep=True)
+            if slot.attempts >= self.max_attempts:
+                return _Decision("failed", after, state.job_failed(after, error, at))
+            if isinstance(lease.step, RunStage):
+                events = state.stage_requeued(after, lease.step.stage_id, at, reason=f"{error.type}: {error.message}",
+                                              retry_at=at + delay_s, lost=False)
+            else:
+                events = []
+                state.results_requeued(after, at + delay_s)
+            return _Decision("retrying", after, events, _slot_guard(lease.step))
+
+        return self._transition(lease.job_id, decide, missing=lambda: "stale")
+
+    def fail(self, job_id: str, error: JobError, *, lease: Lease | None = None) -> bool:
+        """End the job failed with the stage and reason recorded. With ``lease``, only while that
+        attempt is still the current one (a stale attempt's failure is discarded)."""
+
+        def decide(job: Job) -> _Decision[bool]:
+            if job.status.is_final:
+                return _Decision(False)
+            if lease is not None and not _holds(job, _slot_of(job, lease.step), lease):
+                return _Decision(False)
+            after = job.model_copy(deep=True)
+            guard = _slot_guard(lease.step) if lease is not None else ()
+            return _Decision(True, after, state.job_failed(after, error, now()), guard)
+
+        return self._transition(job_id, decide, missing=lambda: False)
+
+    def cancel(self, job_id: str, reason: str = "canceled by request") -> Job:
+        def decide(job: Job) -> _Decision[Job]:
+            if job.status.is_final:
+                raise JobAlreadyFinished(job.id, job.status.value)
+            after = job.model_copy(deep=True)
+            return _Decision(after, after, state.job_canceled(after, now(), reason))
+
+        return self._transition(job_id, decide, missing=lambda: _raise(JobNotFound(job_id)))
+
+    def finish_webhook(self, lease: Lease, delivery: WebhookDelivery, *, retry_at: float | None,
+                       final_status: str = "delivered") -> bool:
+        """Record one delivery attempt; queue the next attempt at ``retry_at``, or end the message
+        with ``final_status`` (delivered | gave_up | rejected). False if the lease was lost."""
+        step = lease.step
+        assert isinstance(step, DeliverWebhook)
+        hooks, name = keys.job_webhooks(step.job_id), step.message_id
+        status = "queued" if retry_at is not None else final_status
+        change = (Change().expect(hooks, webhook_field(name, "status"), "sending")
+                  .expect(hooks, webhook_field(name, "attempts"), str(step.attempt))
+                  .expect(hooks, webhook_field(name, "lease_owner"), lease.owner)
+                  .hset(hooks, {webhook_field(name, "status"): status})
+                  .hdel(hooks, [webhook_field(name, "lease_owner"), webhook_field(name, "lease_until")])
+                  .zrem(keys.queue_running(WEBHOOKS_QUEUE), step.slot).zrem(keys.LEASES, step.slot)
+                  .rpush(keys.job_deliveries(step.job_id), delivery.model_dump_json(), self.deliveries_kept)
+                  .expire(keys.job_deliveries(step.job_id), self.store.ttl_s))
+        if retry_at is not None:
+            change.zadd(keys.queue_waiting(WEBHOOKS_QUEUE), step.slot, retry_at)
+            change.dispatch(DeliverWebhook(step.job_id, name, step.event, step.attempt + 1), retry_at)
+        return self._commit_or_none(change)
+
+    # --- recovery (the reaper) ---
+    def expire(self, slot_name: str, *, dead_owner: Callable[[str | None], bool] | None = None) -> str:
+        """Take back a slot whose lease expired (or, with ``dead_owner``, whose owner is known dead):
+        its next attempt is queued now, or the job fails after ``max_attempts``. Returns what was done."""
+        slot = parse_slot(slot_name)
+        if slot.kind is StepKind.deliver_webhook:
+            assert slot.name is not None
+            return self._expire_webhook(slot.job_id, slot.name, slot_name, dead_owner)
+
+        def decide(job: Job) -> _Decision[str]:
+            record: StageRecord | StepSlot = job.stage_record(slot.name) if slot.name else job.results
+            at = now()
+            dead = dead_owner(record.lease_owner) if dead_owner else (
+                record.lease_until is not None and record.lease_until <= at)
+            if job.status.is_final or record.status is not StageStatus.running:
+                cleanup = Change().zrem(keys.LEASES, slot_name)  # a stale index entry
+                return _Decision("cleaned", extra=cleanup)
+            if not dead:
+                return _Decision("alive")
+            after = job.model_copy(deep=True)
+            who = record.worker or "its worker"
+            reason = (f"lease expired: {who} stopped renewing it (killed, or cut off from Redis)" if not dead_owner
+                      else f"{who} restarted without finishing it")
+            prefix = f"stage:{slot.name}:" if slot.name else "results:"
+            guard = (prefix + "status", prefix + "attempts", prefix + "lease_until", prefix + "lease_owner")
+            if record.attempts >= self.max_attempts:
+                error = JobError(stage=slot.name or "results", type="WorkerLost",
+                                 message=f"attempt {record.attempts} of {slot.name or 'the results step'} was lost: "
+                                 f"{reason}; gave up after {record.attempts} attempts (a stage that kills its "
+                                 "worker every time, e.g. out of memory, ends here)")
+                return _Decision("failed", after, state.job_failed(after, error, at), guard)
+            if slot.name:
+                events = state.stage_requeued(after, slot.name, at, reason=reason, retry_at=at, lost=True)
+            else:
+                events = []
+                state.results_requeued(after, at)
+            log.warning("job %s: %s attempt %d lost (%s); queued attempt %d", job.id, slot.name or "results",
+                        record.attempts, reason, record.attempts + 1)
+            return _Decision("requeued", after, events, guard)
+
+        return self._transition(slot.job_id, decide, missing=lambda: self._drop_lease(slot_name))
+
+    def _expire_webhook(self, job_id: str, message_id: str, slot_name: str,
+                        dead_owner: Callable[[str | None], bool] | None) -> str:
+        slot = self.store.webhook_slots(job_id).get(message_id)
+        if slot is None or slot.status != "sending":
+            return self._drop_lease(slot_name)
+        at = now()
+        dead = dead_owner(slot.lease_owner) if dead_owner else (slot.lease_until or 0) <= at
+        if not dead:
+            return "alive"
+        hooks = keys.job_webhooks(job_id)
+        change = (Change().expect(hooks, webhook_field(message_id, "status"), "sending")
+                  .expect(hooks, webhook_field(message_id, "attempts"), str(slot.attempts))
+                  .expect(hooks, webhook_field(message_id, "lease_owner"), slot.lease_owner)
+                  .hdel(hooks, [webhook_field(message_id, "lease_owner"), webhook_field(message_id, "lease_until")])
+                  .zrem(keys.queue_running(WEBHOOKS_QUEUE), slot_name).zrem(keys.LEASES, slot_name))
+        if slot.attempts >= self.webhook_attempts(slot.event):
+            change.hset(hooks, {webhook_field(message_id, "status"): "gave_up"})
+            outcome = "gave_up"
+        else:
+            change.hset(hooks, {webhook_field(message_id, "status"): "queued"})
+            change.zadd(keys.queue_waiting(WEBHOOKS_QUEUE), slot_name, at)
+            change.dispatch(DeliverWebhook(job_id, message_id, slot.event, slot.attempts + 1), at)
+            outcome = "requeued"
+        return outcome if self._commit_or_none(change) else "conflict"
+
+    def _drop_lease(self, slot_name: str) -> str:
+        self.store.commit(Change().zrem(keys.LEASES, slot_name))
+        return "cleaned"
+
+    def redispatch(self, slot_name: str) -> bool:
+        """Publish a waiting slot's next attempt again (its message was lost by the broker, or held
+        by a worker that died before starting it). A duplicate is harmless: only one can start it."""
+        slot = parse_slot(slot_name)
+        step: Step
+        if slot.kind is StepKind.deliver_webhook:
+            assert slot.name is not None
+            hook = self.store.webhook_slots(slot.job_id).get(slot.name)
+            if hook is None or hook.status != "queued":
+                return False
+            step = DeliverWebhook(slot.job_id, slot.name, hook.event, hook.attempts + 1)
+        else:
+            job = self.store.get(slot.job_id)
+            if job is None or job.status.is_final:
+                return False
+            record: StageRecord | StepSlot = job.stage_record(slot.name) if slot.name else job.results
+            if record.status is not StageStatus.queued:
+                return False
+            step = (RunStage(job.id, slot.name, record.attempts + 1, job.stage_record(slot.name).queue)
+                    if slot.name else AssembleResults(job.id, record.attempts + 1))
+        if self.store.outbox_holds([step_id(step)]):
+            return False  # not published yet: nothing was lost
+        return self._commit_or_none(Change().dispatch(step, now()))
+
+
+def _raise(exc: Exception) -> Job:
+    raise exc
+
+
+def _slot_of(job: Job, step: Step) -> StageRecord | StepSlot:
+    return job.stage_record(step.stage_id) if isinstance(step, RunStage) else job.results
+
+
+def _slot_guard(step: Step) -> tuple[str, ...]:
+    prefix = f"stage:{step.stage_id}:" if isinstance(step, RunStage) else "results:"
+    return (prefix + "status", prefix + "attempts", prefix + "lease_owner")
+
+
+def _holds(job: Job, slot: StageRecord | StepSlot, lease: Lease) -> bool:
+    return (not job.status.is_final and slot.status is StageStatus.running and slot.attempts == lease.attempt
+            and slot.lease_owner == lease.owner)
+
+
+def _why_not(slot: StageRecord | StepSlot, attempt: int) -> str:
+    if slot.status is StageStatus.running and slot.attempts == attempt:
+        return f"attempt {attempt} is running on {slot.worker or 'another worker'}"
+    return f"the slot is {slot.status.value} after {slot.attempts} attempt(s), not waiting for attempt {attempt}"
+
+
+def describe(value: object) -> str:
+    """For logs: a Refused's reason, or the value."""
+    return value.reason if isinstance(value, Refused) else json.dumps(value, default=str)

@@ -1,0 +1,201 @@
+"""Leases: how a running step proves its worker is alive, and how a dead worker's steps come back.
+
+A worker that starts a step holds a lease on its slot (owner, attempt, expiry). ``LeaseKeeper``
+renews every lease of its process from its own thread, which never waits on an engine, so a busy
+GPU never lets a lease lapse; a lease it finds lost (the job was canceled, or the lease was taken
+back after a network cut) is reported so the step stops. ``Reaper`` runs in every worker and in
+cleanup, one pass at a time under a lock. It:
+
+- queues the next attempt of every slot whose lease expired (its worker was killed, OOM, lost);
+- at a worker's start, takes back at once what the previous process of the same node held;
+- publishes again a waiting step whose message vanished: queued for longer than
+  ``dispatch_timeout_s`` while its queue is empty (lost by the broker, or prefetched by a worker
+  that died before starting it). A duplicate is harmless: the ledger starts each attempt once.
+
+So recovery takes seconds (``lease_s`` plus a reaper pass), not the broker's visibility timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from omni_jobs import keys
+from omni_jobs.jobs.ledger import JobLedger, Lease
+from omni_jobs.jobs.models import now
+from omni_jobs.jobs.store import JobStore
+
+log = logging.getLogger(__name__)
+
+
+def lease_owner(worker: str) -> str:
+    """This process's lease owner token: ``<node>#<pid>.<nonce>``, unique even when a restarted
+    worker reuses its node name (which is how its predecessor's leases are recognised). Each step
+    execution adds ``/<token>`` to it (omni_jobs.executor)."""
+    return f"{worker}#{os.getpid()}.{secrets.token_hex(4)}"
+
+
+def node_of(owner: str | None) -> str | None:
+    """The worker node of a lease owner: ``dit@host`` of ``dit@host#12.ab/cd``."""
+    return owner.split("/", 1)[0].rsplit("#", 1)[0] if owner and "#" in owner else None
+
+
+def process_of(owner: str | None) -> str | None:
+    """The process part of a lease owner: ``dit@host#12.ab`` of ``dit@host#12.ab/cd``."""
+    return owner.split("/", 1)[0] if owner else None
+
+
+class LeaseKeeper:
+    """Renews the leases this process holds, every ``every_s``, from a daemon thread."""
+
+    def __init__(self, ledger: JobLedger, *, every_s: float) -> None:
+        self.ledger = ledger
+        self.every_s = every_s
+        self._held: dict[str, tuple[Lease, Callable[[], None]]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+
+    @contextmanager
+    def hold(self, lease: Lease, on_lost: Callable[[], None]) -> Iterator[None]:
+        """Keep ``lease`` renewed while the body runs; ``on_lost`` is called if it is lost meanwhile."""
+        self._ensure_thread()
+        with self._lock:
+            self._held[lease.slot] = (lease, on_lost)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held.pop(lease.slot, None)
+
+    def held(self) -> list[Lease]:
+        with self._lock:
+            return [lease for lease, _ in self._held.values()]
+
+    def renew_now(self) -> list[Lease]:
+        """One renewal pass; returns the leases found lost (their holders were told)."""
+        with self._lock:
+            held = dict(self._held)
+        if not held:
+            return []
+        lost = self.ledger.renew([lease for lease, _ in held.values()])
+        for lease in lost:
+            log.warning("job %s: lost the lease of %s attempt %d (job ended, or the lease was taken back); "
+                        "stopping it", lease.job_id, lease.slot, lease.attempt)
+            held[lease.slot][1]()
+        return lost
+
+    def _ensure_thread(self) -> None:
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive() and self._pid == os.getpid():
+                return
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._loop, name="omni-lease-keeper", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.every_s)
+            try:
+                self.renew_now()
+            except Exception as exc:  # noqa: BLE001 - Redis away: the leases keep until they expire; try again
+                log.warning("cannot renew leases (%s: %s); retrying in %.1fs", type(exc).__name__, exc, self.every_s)
+
+
+@dataclass
+class ReapReport:
+    requeued: int = 0
+    failed: int = 0
+    cleaned: int = 0
+    redispatched: int = 0
+    details: list[str] = field(default_factory=list)
+
+    def count(self, outcome: str, slot: str) -> None:
+        if outcome in ("requeued", "gave_up"):
+            self.requeued += 1
+        elif outcome == "failed":
+            self.failed += 1
+        elif outcome == "cleaned":
+            self.cleaned += 1
+        else:
+            return
+        self.details.append(f"{slot}: {outcome}")
+
+
+class Reaper:
+    def __init__(self, ledger: JobLedger, store: JobStore, *, owner: str, queues: Callable[[], Iterable[str]],
+                 queue_depth: Callable[[str], int] | None = None, dispatch_timeout_s: float = 20.0,
+                 interval_s: float = 2.0, batch: int = 100) -> None:
+        """``queue_depth``: messages waiting in the broker for a queue (None: no dispatch watchdog)."""
+        self.ledger = ledger
+        self.store = store
+        self.owner = owner
+        self.queues = queues
+        self.queue_depth = queue_depth
+        self.dispatch_timeout_s = dispatch_timeout_s
+        self.interval_s = interval_s
+        self.batch = batch
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def run_once(self) -> ReapReport:
+        report = ReapReport()
+        # One pass per interval across all processes. The lock saves work, not correctness: every
+        # transition below is guarded, so two overlapping passes cannot both take a slot back.
+        if not self.store.try_lock(keys.REAPER_LOCK, self.owner, max(0.2, self.interval_s * 0.9)):
+            return report
+        for slot in self.store.expired_leases(now=now(), limit=self.batch):
+            report.count(self.ledger.expire(slot), slot)
+        if self.queue_depth is not None:
+            for queue in sorted(set(self.queues())):
+                self._watch_dispatches(queue, report)
+        if report.details:
+            log.info("reaper: %s", ", ".join(report.details))
+        return report
+
+    def _watch_dispatches(self, queue: str, report: ReapReport) -> None:
+        assert self.queue_depth is not None
+        stale = self.store.waiting(queue, queued_before=now() - self.dispatch_timeout_s, limit=self.batch)
+        if not stale or self.queue_depth(queue) > 0:
+            return  # nothing old, or messages still wait in the broker: it may be a backlog
+        for slot in stale:
+            if self.ledger.redispatch(slot):
+                report.redispatched += 1
+                report.details.append(f"{slot}: redispatched (queue '{queue}' was empty for "
+                                      f"{self.dispatch_timeout_s:g}s while it waited)")
+
+    def reclaim_node(self, node: str, current_owner: str) -> ReapReport:
+        """At a worker's start: what earlier processes of the same node held is lost; take it back now."""
+        report = ReapReport()
+
+        def dead(owner: str | None) -> bool:
+            return owner is not None and process_of(owner) != current_owner and node_of(owner) == node
+
+        for slot in self.store.leased_slots():
+            report.count(self.ledger.expire(slot, dead_owner=dead), slot)
+        if report.details:
+            log.warning("worker %s restarted: took back %s", node, ", ".join(report.details))
+        return report
+
+    def start(self) -> Reaper:
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="omni-reaper", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.run_once()
+            except Exception as exc:  # noqa: BLE001 - Redis away: try again next interval
+                log.warning("reaper pass failed (%s: %s); next in %.1fs", type(exc).__name__, exc, self.interval_s)

@@ -1,0 +1,104 @@
+"""The outbox relay: publishes the steps that committed transitions wrote to the outbox.
+
+A transition never publishes: it writes its dispatches into the outbox in the same atomic write
+as the state change (omni_jobs.jobs.ledger). A relay in each process that writes (the API, every
+worker) wakes up at once after its own commits, and every ``poll_s`` anyway, claims the due
+entries (each claim holds an entry for ``hold_s``, so two relays do not publish it together),
+publishes them through the transport, and removes them. A relay that dies after claiming leaves
+its entries to the others once the hold runs out; one that dies after publishing but before
+removing makes the next relay publish a duplicate, which the ledger refuses by attempt. So every
+dispatch is published at least once, whatever crashes, and runs at most once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from omni_jobs.jobs.change import OutboxEntry
+from omni_jobs.jobs.models import now
+from omni_jobs.jobs.store import JobStore
+from omni_jobs.steps import Step
+
+log = logging.getLogger(__name__)
+
+Publish = Callable[[list[Step], list[str]], None]
+"""(steps, their outbox ids) -> None once the transport accepted them all; raises if it did not."""
+
+
+class OutboxRelay:
+    def __init__(self, store: JobStore, publish: Publish, *, hold_s: float = 5.0, poll_s: float = 0.5,
+                 batch: int = 200) -> None:
+        self.store = store
+        self.publish = publish
+        self.hold_s = hold_s
+        self.poll_s = poll_s
+        self.batch = batch
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
+        self._guard = threading.Lock()
+        self._failing_since: float | None = None
+
+    def run_once(self) -> int:
+        """Publish what is due now; returns how many entries went out."""
+        entries: list[OutboxEntry] = self.store.claim_outbox(now=now(), limit=self.batch, hold_s=self.hold_s)
+        if not entries:
+            return 0
+        ids = [e.id for e in entries]
+        self.publish([e.step for e in entries], ids)
+        self.store.ack_outbox(ids)
+        return len(entries)
+
+    def wake(self) -> None:
+        """A commit of this process wrote outbox entries: publish them now (starts the relay if needed)."""
+        self.start()
+        self._wake.set()
+
+    def start(self) -> OutboxRelay:
+        """Run in a daemon thread of this process (again after a fork: threads do not survive one)."""
+        with self._guard:
+            if self._thread is not None and self._thread.is_alive() and self._pid == os.getpid():
+                return self
+            self._pid = os.getpid()
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="omni-outbox-relay", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            thread.join(timeout_s)
+
+    def drain(self, timeout_s: float = 10.0) -> bool:
+        """Publish until nothing is due (tests, shutdown); False if it did not get there in time."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.run_once() == 0:
+                return True
+        return False
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                sent = self.run_once()
+                if self._failing_since is not None:
+                    log.info("outbox relay: publishing again after %.1fs", time.monotonic() - self._failing_since)
+                    self._failing_since = None
+            except Exception as exc:  # noqa: BLE001 - Redis or the broker is away: the entries stay, retried later
+                if self._failing_since is None:
+                    self._failing_since = time.monotonic()
+                    log.warning("outbox relay: cannot publish (%s: %s); retrying every %.1fs",
+                                type(exc).__name__, exc, self.poll_s)
+                sent = 0
+            if sent >= self.batch:
+                continue
+            self._wake.wait(self.poll_s)
