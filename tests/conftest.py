@@ -23,6 +23,7 @@ MARKERS = {
     "e2e": "end-to-end: API + workers + services together",
     "slow": "takes more than a few seconds",
     "fault": "stops or kills a service or worker on purpose",
+    "chaos": "the chaos run: 200 jobs while every process is SIGKILLed (minutes; deselected by default)",
 }
 
 _HERE = Path(__file__).parent

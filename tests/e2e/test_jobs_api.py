@@ -174,7 +174,7 @@ def test_flower_is_behind_basic_auth_and_sees_workers_and_tasks(api: httpx.Clien
     assert {n.split("@")[0] for n in workers} >= {"ar", "dit", "results"}, workers
     job = wait_for_job(api, submit(api, "text-to-text", "for flower", {"ar": {"max_tokens": 2}})["id"])
     tasks = flower.get("/api/tasks").json()
-    mine = [t for t in tasks.values() if job["id"] in str(t.get("args"))]
-    # Task names carry the job id (Celery shadow names), so an operator can find a job's tasks.
-    assert {t["name"] for t in mine} == {f"omni.run_stage[{job['id']}/ar]", f"omni.assemble_results[{job['id']}]"}, mine
-    assert {t["state"] for t in mine} == {"SUCCESS"}
+    mine = {uuid: t for uuid, t in tasks.items() if job["id"] in str(t.get("args"))}
+    # Task ids are the steps' ids (slot and attempt), so an operator finds a job's tasks by its id.
+    assert set(mine) == {f"stage:{job['id']}:ar:1", f"results:{job['id']}:1"}, mine
+    assert {t["state"] for t in mine.values()} == {"SUCCESS"}

@@ -145,7 +145,7 @@ def test_llm_conditioned_image_hands_hidden_states_to_the_dit(
 
     # What the AR stage handed over: one hidden state per prompt token, of the LLM's hidden size.
     ref = ArtifactRef.model_validate(encoder["outputs"]["hidden_states"])
-    assert ref.media_type == "application/vnd.safetensors" and ref.key.endswith("/encoder/hidden_states.safetensors")
+    assert ref.media_type == "application/vnd.safetensors" and ref.key.endswith("/encoder/attempt-1/hidden_states.safetensors")
     tensors = codecs.decode_tensors(system_artifacts.get(ref))
     tokens = len(AutoTokenizer.from_pretrained(models_dir() / "tiny-llama")(prompt)["input_ids"])
     assert list(tensors) == ["hidden_states"]

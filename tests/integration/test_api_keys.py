@@ -19,10 +19,12 @@ from standardwebhooks.webhooks import Webhook
 from api.main import create_app
 from omni_jobs import keys
 from omni_jobs.auth import ApiKeys, InvalidApiKey, hash_key
-from omni_jobs.jobs.models import Job, JobWebhook, StageRecord
-from omni_jobs.jobs.store import JobStore
+from omni_jobs.jobs.ledger import JobLedger
+from omni_jobs.jobs.models import Job, JobWebhook, StageRecord, now
+from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.net_guard import NetGuard
 from omni_jobs.settings import Settings
+from omni_jobs.steps import DeliverWebhook
 from omni_jobs.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner, generate_secret
 from tests.webhook_receiver import WebhookReceiver
 
@@ -173,46 +175,60 @@ def test_keys_cli_creates_lists_and_revokes(redis_url: str, redis_client: redis.
 
 
 # --- the webhook deliverer through the SSRF guard (real Redis job store, real loopback receiver) ---
-def _guarded_deliverer(store: JobStore, guard: NetGuard, secret: str) -> WebhookDeliverer:
-    return WebhookDeliverer(store=store, render=lambda j: j.model_dump(mode="json"),
+def _guarded_deliverer(ledger: JobLedger, guard: NetGuard, secret: str) -> WebhookDeliverer:
+    return WebhookDeliverer(ledger=ledger, render=lambda j: j.model_dump(mode="json"),
                             signer=WebhookSigner.from_setting(secret), policy=RetryPolicy(base_s=0.1, max_attempts=3),
-                            timeout_s=5, deliveries_kept=100, guard=guard)
+                            timeout_s=5, guard=guard)
 
 
-def _job_with_hook(store: JobStore, url: str) -> Job:
+def _completed_message(ledger: JobLedger, url: str) -> tuple[Job, DeliverWebhook]:
+    """A job with a ``completed`` webhook, canceled: the ledger queued the message's first delivery
+    attempt in the outbox, which is taken here as the relay would."""
     job = Job(id="job_" + uuid.uuid4().hex[:24], pipeline="text-to-text", input={"prompt": "x"},
               stages=[StageRecord(id="ar", engine="ar", queue="ar")], webhook=JobWebhook(url=url, events=["completed"]))
-    store.create(job, [])
-    return job
+    ledger.submit(job, ["ar"])
+    ledger.cancel(job.id)
+    entries = ledger.store.claim_outbox(now=now(), limit=10, hold_s=60.0, job_id=job.id)
+    ledger.store.ack_outbox([e.id for e in entries])
+    (step,) = [e.step for e in entries]
+    assert isinstance(step, DeliverWebhook) and (step.event, step.attempt) == ("completed", 1)
+    return job, step
 
 
 def test_delivery_connects_to_the_checked_address_with_the_original_host(redis_client: redis.Redis) -> None:
     """'hooks.test' exists in no DNS: only the guard's pinned address can have reached the receiver."""
-    store = JobStore(redis_client, ttl_s=600)
+    ledger = JobLedger(RedisJobStore(redis_client, ttl_s=600))
     secret = generate_secret()
     with WebhookReceiver() as receiver:
         port = receiver.server.server_address[1]
         guard = NetGuard(allow_hosts=["hooks.test"], resolve=lambda host, _port: {"hooks.test": ["127.0.0.1"]}[host])
-        job = _job_with_hook(store, f"http://hooks.test:{port}/hook")
-        outcome = _guarded_deliverer(store, guard, secret).deliver(job.id, "msg_pin", "completed", attempt=1)
-        assert outcome.status == "delivered", store.require(job.id).webhook
+        job, step = _completed_message(ledger, f"http://hooks.test:{port}/hook")
+        outcome = _guarded_deliverer(ledger, guard, secret).run(step, worker="wh", owner="wh#1")
+        assert outcome.status == "delivered", ledger.require(job.id).webhook
         got = receiver.at("/hook")
         assert len(got) == 1 and got[0].headers["host"] == f"hooks.test:{port}"
+        assert got[0].message_id == step.message_id
         assert Webhook(secret).verify(got[0].body, got[0].headers)["id"] == job.id
+    assert ledger.store.webhook_slots(job.id)[step.message_id].status == "delivered"
+    delivery = ledger.require(job.id).webhook.deliveries[0]  # type: ignore[union-attr]
+    assert (delivery.id, delivery.attempt, delivery.status_code, delivery.error) == (step.message_id, 1, 200, None)
 
 
 def test_a_host_that_rebinds_to_a_private_address_is_refused_at_delivery_and_not_retried(
         redis_client: redis.Redis) -> None:
-    store = JobStore(redis_client, ttl_s=600)
+    ledger = JobLedger(RedisJobStore(redis_client, ttl_s=600))
     table = {"hooks.example": ["93.184.216.34"]}
     guard = NetGuard(resolve=lambda host, _port: table[host])
     guard.check("https://hooks.example/hook")  # what submit saw
-    job = _job_with_hook(store, "https://hooks.example/hook")
+    job, step = _completed_message(ledger, "https://hooks.example/hook")
     with WebhookReceiver() as receiver:
         table["hooks.example"] = ["127.0.0.1"]  # rebinding: now it points inside
-        outcome = _guarded_deliverer(store, guard, generate_secret()).deliver(job.id, "msg_r", "completed", attempt=1)
-        assert outcome.status == "rejected" and outcome.retry_in_s is None
+        outcome = _guarded_deliverer(ledger, guard, generate_secret()).run(step, worker="wh", owner="wh#1")
+        assert outcome.status == "rejected" and "127.0.0.1" in outcome.detail
         assert receiver.at("/hook") == []
-    delivery = store.require(job.id).webhook.deliveries[0]  # type: ignore[union-attr]
+    # Final at the first attempt: no next attempt is queued, however many the policy allows.
+    assert ledger.store.webhook_slots(job.id)[step.message_id].status == "rejected"
+    assert ledger.store.claim_outbox(now=now() + 3600, limit=10, hold_s=60.0, job_id=job.id) == []
+    delivery = ledger.require(job.id).webhook.deliveries[0]  # type: ignore[union-attr]
     assert delivery.status_code is None and "refused by the SSRF guard" in (delivery.error or "")
     assert "127.0.0.1" in (delivery.error or "")

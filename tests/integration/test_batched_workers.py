@@ -2,7 +2,8 @@
 real Redis), and each job still gets its own result, its own seed, its own error, its own cancel.
 
 Threads here stand in for the Celery threads pool of a stage worker (-P threads -c N): each runs
-StageRunner.run for one job, as the pool's threads do.
+StageRunner.run for one job's step, taken from the outbox, as the pool's threads do (one process,
+so one lease owner for all of them).
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from PIL import Image
 from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
 from omni_jobs.batching import BatchDefaults, ar_batcher, dit_batcher
 from omni_jobs.cancellation import cancel_job
-from omni_jobs.dispatch import NextStep
 from omni_jobs.engines.ar import ARRequest, SamplingOptions
 from omni_jobs.engines.dit import DiTRequest
-from omni_jobs.jobs.models import JobStatus, StageStatus
-from omni_jobs.jobs.store import JobStore
+from omni_jobs.jobs.ledger import JobLedger
+from omni_jobs.jobs.models import EventType, Job, JobStatus, StageStatus, now
+from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
 from omni_jobs.stages import StageLimits, StageRunner
+from omni_jobs.steps import AssembleResults, RunStage, Step, StepOutcome
 from omni_jobs.submission import JobSubmitter
 
 PIPELINES = list(yaml.safe_load_all("""
@@ -71,39 +73,65 @@ def engine_cache() -> Any:
     return EngineCache(MODELS_DIR, kv_cache_bytes=256 * 2**20, max_model_len=512, device="cpu")
 
 
-class Collect:
-    def __init__(self) -> None:
-        self.steps: list[NextStep] = []
-
-    def dispatch(self, step: NextStep) -> None:
-        self.steps.append(step)
-
-
 @pytest.fixture
 def parts(redis_client: redis.Redis, tmp_path: Path, engine_cache: Any) -> dict[str, Any]:
     catalogue = PipelineCatalogue([parse_pipeline(p, source="test") for p in PIPELINES])
-    store = JobStore(redis_client, ttl_s=600)
+    store = RedisJobStore(redis_client, ttl_s=600)
+    ledger = JobLedger(store, lease_s=30.0)
     artifacts = ArtifactStore(LocalBackend(tmp_path), RedisBackend(redis_client))
-    runner = StageRunner(store=store, catalogue=catalogue, artifacts=artifacts, engines=engine_cache,
+    runner = StageRunner(ledger=ledger, catalogue=catalogue, artifacts=artifacts, engines=engine_cache,
                          limits=StageLimits(progress_interval_s=0), batching=BatchDefaults())
     ar_stage, dit_stage = catalogue.get("batch-text").stage("ar"), catalogue.get("batch-image").stage("dit")
     ar = engine_cache.ar(ar_stage.model, ar_stage.engine_args)
     dit = engine_cache.dit(dit_stage.model, dit_stage.engine_args)
-    return {"store": store, "runner": runner, "submit": JobSubmitter(store, catalogue, Collect()),
+    return {"store": store, "ledger": ledger, "runner": runner, "submit": JobSubmitter(ledger, catalogue),
             "artifacts": artifacts, "ar": ar, "dit": dit,
             "ar_batcher": ar_batcher(ar, BatchDefaults().policy(ar_stage)),
             "dit_batcher": dit_batcher(dit, BatchDefaults().policy(dit_stage))}
 
 
-def run_all(parts: dict[str, Any], jobs: list[Any], stage: str) -> list[str]:
+def dispatched(parts: dict[str, Any], job_id: str) -> list[Step]:
+    """The job's due steps, taken from the outbox as the relay takes them."""
+    store: RedisJobStore = parts["store"]
+    entries = store.claim_outbox(now=now(), limit=100, hold_s=60.0, job_id=job_id)
+    store.ack_outbox([e.id for e in entries])
+    return [e.step for e in entries]
+
+
+def first_step(parts: dict[str, Any], job: Job, stage: str) -> RunStage:
+    (step,) = dispatched(parts, job.id)
+    assert step == RunStage(job.id, stage, 1, stage)
+    return step
+
+
+def run(parts: dict[str, Any], step: RunStage) -> StepOutcome:
+    outcome: StepOutcome = parts["runner"].run(step, worker="test", owner="test#1")
+    return outcome
+
+
+def run_all(parts: dict[str, Any], jobs: list[Job], stage: str) -> list[str]:
     """Run one stage of every job at once, one thread per job (a threads-pool worker)."""
+    steps = [first_step(parts, j, stage) for j in jobs]
     with ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(lambda j: parts["runner"].run(j.id, stage, worker="test").status, jobs))
+        return list(pool.map(lambda s: run(parts, s).status, steps))
 
 
 def output(parts: dict[str, Any], job_id: str, stage: str, port: str) -> bytes:
-    ref = parts["store"].require(job_id).stage_record(stage).outputs[port]
+    ref = parts["ledger"].require(job_id).stage_record(stage).outputs[port]
     return parts["artifacts"].get(ref)  # type: ignore[no-any-return]
+
+
+def progress_steps(parts: dict[str, Any], job_id: str) -> list[int]:
+    return [e.data["step"] for e in parts["ledger"].events(job_id, count=10_000) if e.type is EventType.stage_progress]
+
+
+def assert_next_steps(parts: dict[str, Any], jobs: list[Job], statuses: list[str]) -> None:
+    """Each succeeded job dispatched its results step, once; a failed or canceled one dispatched
+    nothing (no retry, no results); none holds a lease any more."""
+    for job, status in zip(jobs, statuses, strict=True):
+        expected = [AssembleResults(job.id, 1)] if status == "succeeded" else []
+        assert dispatched(parts, job.id) == expected, (job.id, status)
+    assert parts["store"].leased_slots() == []
 
 
 def test_concurrent_ar_jobs_share_one_vllm_batch_and_each_gets_its_own_text(parts: dict[str, Any]) -> None:
@@ -111,6 +139,7 @@ def test_concurrent_ar_jobs_share_one_vllm_batch_and_each_gets_its_own_text(part
     jobs = [parts["submit"].submit("batch-text", {"prompt": p}) for p in prompts]
     before = len(parts["ar_batcher"].batches)
     assert run_all(parts, jobs, "ar") == ["succeeded"] * len(jobs)
+    assert_next_steps(parts, jobs, ["succeeded"] * len(jobs))
     sizes = parts["ar_batcher"].batches[before:]  # negative: requests that joined a running batch
     assert sum(abs(s) for s in sizes) == len(jobs) and max(sizes) > 1, f"jobs were not batched: {sizes}"
     # Greedy decoding: each job's text is exactly what a call with its prompt alone gives.
@@ -125,44 +154,49 @@ def test_concurrent_ar_jobs_share_one_vllm_batch_and_each_gets_its_own_text(part
 
 
 def test_ar_requests_arriving_mid_batch_join_it_and_return_early(parts: dict[str, Any]) -> None:
-    store = parts["store"]
     long_job = parts["submit"].submit("batch-text", {"prompt": "long"}, {"ar": {"max_tokens": 300}})
     short = [parts["submit"].submit("batch-text", {"prompt": f"short {i}"}, {"ar": {"max_tokens": 4}})
              for i in range(3)]
+    long_step, short_steps = first_step(parts, long_job, "ar"), [first_step(parts, j, "ar") for j in short]
     before = len(parts["ar_batcher"].batches)
     with ThreadPoolExecutor(4) as pool:
-        first = pool.submit(parts["runner"].run, long_job.id, "ar", worker="test")
+        first = pool.submit(run, parts, long_step)
         deadline = time.monotonic() + 60
-        while not any(e.type == "stage.progress" for e in store.events(long_job.id)):
+        while not progress_steps(parts, long_job.id):
             assert time.monotonic() < deadline
             time.sleep(0.005)
-        later = [pool.submit(parts["runner"].run, j.id, "ar", worker="test") for j in short]
+        later = [pool.submit(run, parts, s) for s in short_steps]
         assert [f.result(60).status for f in later] == ["succeeded"] * 3
         assert not first.done(), "the short jobs waited for the long one's batch to end"
         assert first.result(60).status == "succeeded"
     sizes = parts["ar_batcher"].batches[before:]
     assert sizes[0] == 1 and any(s < 0 for s in sizes[1:]), f"nobody joined the running batch: {sizes}"
+    assert_next_steps(parts, [long_job, *short], ["succeeded"] * 4)
 
 
 def test_one_bad_ar_request_fails_alone(parts: dict[str, Any]) -> None:
     too_long = " ".join(f"w{i}" for i in range(1500))  # far more tokens than max_model_len
     jobs = [parts["submit"].submit("batch-text", {"prompt": p}) for p in ["fine one", too_long, "fine two"]]
     assert run_all(parts, jobs, "ar") == ["succeeded", "failed", "succeeded"]
-    failed = parts["store"].require(jobs[1].id)
+    failed = parts["ledger"].require(jobs[1].id)
     assert failed.status is JobStatus.failed and failed.error is not None
     assert failed.error.stage == "ar" and "max_model_len" in failed.error.message
+    assert failed.error.type == "StageError" and failed.stage_record("ar").attempts == 1  # not retried
+    assert [parts["ledger"].require(j.id).status for j in jobs] == [JobStatus.running, JobStatus.failed,
+                                                                     JobStatus.running]
+    assert_next_steps(parts, jobs, ["succeeded", "failed", "succeeded"])
 
 
 def test_canceling_one_ar_member_does_not_cancel_its_batch_mates(parts: dict[str, Any]) -> None:
     params = {"ar": {"max_tokens": 300, "temperature": 1.0, "seed": 5}}
     jobs = [parts["submit"].submit("batch-text", {"prompt": f"tell {i}"}, params) for i in range(3)]
-    store = parts["store"]
+    ledger = parts["ledger"]
 
     def cancel_when_running() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if any(e.type == "stage.progress" for e in store.events(jobs[1].id)):
-                cancel_job(store, jobs[1].id)
+            if progress_steps(parts, jobs[1].id):
+                cancel_job(ledger, jobs[1].id)
                 return
             time.sleep(0.005)
 
@@ -170,11 +204,12 @@ def test_canceling_one_ar_member_does_not_cancel_its_batch_mates(parts: dict[str
     watcher.start()
     assert run_all(parts, jobs, "ar") == ["succeeded", "canceled", "succeeded"]
     watcher.join(5)
-    steps = [e.data["step"] for e in store.events(jobs[1].id) if e.type == "stage.progress"]
+    steps = progress_steps(parts, jobs[1].id)
     assert steps and max(steps) < 300
-    assert [store.require(j.id).stage_record("ar").status for j in jobs] == [
+    assert [ledger.require(j.id).stage_record("ar").status for j in jobs] == [
         StageStatus.succeeded, StageStatus.canceled, StageStatus.succeeded]
-    assert store.require(jobs[1].id).status is JobStatus.canceled
+    assert ledger.require(jobs[1].id).status is JobStatus.canceled
+    assert_next_steps(parts, jobs, ["succeeded", "canceled", "succeeded"])
 
 
 def pixels(data: bytes) -> np.ndarray:
@@ -189,6 +224,7 @@ def test_concurrent_dit_jobs_batch_and_honour_each_seed(parts: dict[str, Any]) -
             for i, s in enumerate(seeds)]
     before = len(parts["dit_batcher"].batches)
     assert run_all(parts, jobs, "dit") == ["succeeded"] * 4
+    assert_next_steps(parts, jobs, ["succeeded"] * 4)
     sizes = parts["dit_batcher"].batches[before:]
     assert sum(sizes) == 4 and max(sizes) > 1, f"jobs were not batched: {sizes}"
     images = [pixels(output(parts, j.id, "dit", "image")) for j in jobs]
@@ -224,13 +260,13 @@ def test_incompatible_dit_sizes_do_not_share_a_call(parts: dict[str, Any]) -> No
 def test_canceling_one_dit_member_does_not_cancel_its_batch_mates(parts: dict[str, Any]) -> None:
     params = {"dit": {"num_inference_steps": 60, "height": 64, "width": 64}}
     jobs = [parts["submit"].submit("batch-image", {"prompt": f"slow {i}"}, params) for i in range(3)]
-    store = parts["store"]
+    ledger = parts["ledger"]
 
     def cancel_when_running() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if any(e.type == "stage.progress" for e in store.events(jobs[0].id)):
-                cancel_job(store, jobs[0].id)
+            if progress_steps(parts, jobs[0].id):
+                cancel_job(ledger, jobs[0].id)
                 return
             time.sleep(0.005)
 
@@ -238,6 +274,8 @@ def test_canceling_one_dit_member_does_not_cancel_its_batch_mates(parts: dict[st
     watcher.start()
     assert run_all(parts, jobs, "dit") == ["canceled", "succeeded", "succeeded"]
     watcher.join(5)
-    assert [store.require(j.id).stage_record("dit").status for j in jobs] == [
+    assert [ledger.require(j.id).stage_record("dit").status for j in jobs] == [
         StageStatus.canceled, StageStatus.succeeded, StageStatus.succeeded]
-    assert store.require(jobs[0].id).status is JobStatus.canceled
+    assert ledger.require(jobs[0].id).status is JobStatus.canceled
+    assert max(progress_steps(parts, jobs[0].id)) < 60
+    assert_next_steps(parts, jobs, ["canceled", "succeeded", "succeeded"])

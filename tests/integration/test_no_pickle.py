@@ -15,23 +15,31 @@ import redis
 from celery import Celery
 
 from omni_jobs.devservices import RunningService
-from omni_jobs.dispatch import DELIVER_WEBHOOK_TASK
-from omni_jobs.jobs.models import Job, JobWebhook, StageRecord
-from omni_jobs.jobs.store import JobStore
+from omni_jobs.jobs.ledger import JobLedger
+from omni_jobs.jobs.models import Job, JobWebhook, StageRecord, now
+from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.queueing import celery_config
 from omni_jobs.settings import Settings
+from omni_jobs.steps import DELIVER_WEBHOOK_TASK, DeliverWebhook, task_args
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_PICKLE_DB = 8  # apart from DB 0 (flushed by other tests), 3 (e2e), 6 (refusal), 7 (readiness)
 
 
-def new_job(store: JobStore) -> Job:
-    """A job whose webhook task, if it ever runs, records a delivery attempt on it: the marker."""
+def new_message(ledger: JobLedger) -> tuple[Job, DeliverWebhook]:
+    """A canceled job with a ``completed`` webhook message waiting for its first attempt. The step, if
+    it ever runs, records that attempt on the job: the marker. Its outbox entry is taken and dropped
+    here, so that the only messages on the broker are the ones this test sends."""
     job = Job(id="job_" + uuid.uuid4().hex[:24], pipeline="text-to-text", input={"prompt": "x"},
               stages=[StageRecord(id="ar", engine="ar", queue="ar")],
               webhook=JobWebhook(url="http://127.0.0.1:9/unreachable", events=["completed"]))
-    store.create(job, [])
-    return job
+    ledger.submit(job, ["ar"])
+    ledger.cancel(job.id)
+    entries = ledger.store.claim_outbox(now=now(), limit=10, hold_s=60.0, job_id=job.id)
+    ledger.store.ack_outbox([e.id for e in entries])
+    (step,) = [e.step for e in entries]
+    assert isinstance(step, DeliverWebhook)
+    return job, step
 
 
 def test_a_pickled_message_is_refused_by_the_worker_and_never_runs(redis_service: RunningService,
@@ -39,7 +47,7 @@ def test_a_pickled_message_is_refused_by_the_worker_and_never_runs(redis_service
     url = f"redis://127.0.0.1:{redis_service.port}/{NO_PICKLE_DB}"
     client = redis.Redis.from_url(url)
     client.flushdb()
-    store = JobStore(client, ttl_s=600)
+    ledger = JobLedger(RedisJobStore(client, ttl_s=600))
     queue = f"nopickle-{uuid.uuid4().hex[:6]}"
     settings = Settings(redis_url=url)
     assert celery_config(settings)["accept_content"] == ["json"]
@@ -47,12 +55,11 @@ def test_a_pickled_message_is_refused_by_the_worker_and_never_runs(redis_service
     # An attacker-style producer: same broker, same task name, pickle serializer.
     evil = Celery("evil")
     evil.conf.update(broker_url=url, task_serializer="pickle", accept_content=["pickle", "json"])
-    pickled_job, json_job = new_job(store), new_job(store)
-    evil.send_task(DELIVER_WEBHOOK_TASK, args=[pickled_job.id, "msg_pickled", "completed"], queue=queue,
-                   serializer="pickle")
+    (pickled_job, pickled), (json_job, honest_step) = new_message(ledger), new_message(ledger)
+    evil.send_task(DELIVER_WEBHOOK_TASK, args=task_args(pickled), queue=queue, serializer="pickle")
     honest = Celery("honest")
     honest.conf.update(celery_config(settings))
-    honest.send_task(DELIVER_WEBHOOK_TASK, args=[json_job.id, "msg_json", "completed"], queue=queue)
+    honest.send_task(DELIVER_WEBHOOK_TASK, args=task_args(honest_step), queue=queue)
 
     log_path = tmp_path / "worker.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_")}
@@ -66,7 +73,7 @@ def test_a_pickled_message_is_refused_by_the_worker_and_never_runs(redis_service
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # the JSON message behind the pickled one has run: both were consumed
-            done = store.require(json_job.id)
+            done = ledger.require(json_job.id)
             if done.webhook is not None and done.webhook.deliveries:
                 break
             assert worker.poll() is None, log_path.read_text()
@@ -77,8 +84,12 @@ def test_a_pickled_message_is_refused_by_the_worker_and_never_runs(redis_service
         worker.terminate()
         worker.wait(timeout=30)
     text = log_path.read_text()
-    after = store.require(pickled_job.id)
+    after = ledger.require(pickled_job.id)
     assert after.webhook is not None and after.webhook.deliveries == [], "the pickled task ran"
+    untouched = ledger.store.webhook_slots(pickled_job.id)[pickled.message_id]
+    assert (untouched.status, untouched.attempts) == ("queued", 0)  # never even started
+    (ran,) = ledger.require(json_job.id).webhook.deliveries  # type: ignore[union-attr]
+    assert (ran.id, ran.attempt) == (honest_step.message_id, 1)
     assert re.search(r"[Rr]efusing to deserialize untrusted content of type pickle", text), text[-3000:]
     assert client.llen(queue) == 0  # refused and dropped, not left to be retried forever
     client.flushdb()

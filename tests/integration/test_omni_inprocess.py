@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -11,10 +12,11 @@ import yaml
 from PIL import Image
 
 import omni_jobs
+from omni_jobs.artifacts import ArtifactRef, ArtifactStore, ArtifactStoreUnavailable, LocalBackend
 from omni_jobs.engines.cache import EngineCache
 from omni_jobs.errors import InvalidRequest
 from omni_jobs.jobs.memory import MemoryJobStore
-from omni_jobs.jobs.models import JobEvent
+from omni_jobs.jobs.models import EventType, JobEvent, StageStatus, now
 from omni_jobs.omni import AsyncOmni, Omni, OmniJobFailed, OmniResult
 from omni_jobs.pipelines.catalogue import parse_pipeline
 from omni_jobs.settings import Settings
@@ -43,6 +45,12 @@ def omni(pipeline: object, settings: Settings, engines: EngineCache, store: Memo
     return Omni(pipeline, settings=settings, engines=engines, store=store)  # type: ignore[arg-type]
 
 
+def assert_settled(store: MemoryJobStore, job_id: str) -> None:
+    """A finished in-process job leaves nothing behind: no lease, nothing (even delayed) in the outbox."""
+    assert not [s for s in store.leased_slots() if job_id in s]
+    assert store.claim_outbox(now=now() + 3600, limit=10, hold_s=1.0, job_id=job_id) == []
+
+
 def test_package_level_api_runs_text_to_image(settings: Settings, engines: EngineCache, store: MemoryJobStore) -> None:
     events: list[JobEvent] = []
     runner = omni_jobs.Omni("text-to-image", settings=settings, engines=engines, store=store)
@@ -54,8 +62,12 @@ def test_package_level_api_runs_text_to_image(settings: Settings, engines: Engin
     assert image.size == (48, 32) and image.mode == "RGB"
     assert result["image"].entry.width == 48 and result["text"].text is not None
     assert [s.worker for s in result.job.stages] == [runner.worker] * 2
+    assert [s.attempts for s in result.job.stages] == [1, 1]
     types = [e.type for e in events]
     assert types[0] == "job.queued" and types[-1] == "job.succeeded"
+    assert [(e.type, e.data["stage"]) for e in events if e.type in ("stage.started", "stage.succeeded")] == [
+        ("stage.started", "ar"), ("stage.succeeded", "ar"), ("stage.started", "dit"), ("stage.succeeded", "dit")]
+    assert_settled(store, result.job.id)
     steps = [e.data["step"] for e in events if e.type == "stage.progress" and e.data["stage"] == "dit"]
     assert steps and steps[-1] == 3  # diffusion progress reached the last step
     # The files are where a worker would have written them.
@@ -106,6 +118,8 @@ outputs: [{name: audio, from: sound.audio}]
     job = failed.value.job
     assert job.status.value == "failed" and job.error is not None and job.error.stage == "sound"
     assert "does not make audio" in job.error.message and "StableAudioPipeline" in job.error.message
+    assert job.stage_record("sound").attempts == 1  # a stage error is final: not retried
+    assert_settled(store, job.id)
 
 
 def test_embedding_size_mismatch_found_at_load(settings: Settings, engines: EngineCache, store: MemoryJobStore,
@@ -129,11 +143,55 @@ outputs: [{{name: image, from: dit.image}}]
     assert "prompt embeddings of size 256, but model" in error.message and "takes 32" in error.message
 
 
+class FlakyArtifacts(ArtifactStore):
+    """A directory store whose next ``failures`` intermediate writes fail as a blip would (transient)."""
+
+    def __init__(self, root: Path, failures: int) -> None:
+        super().__init__(LocalBackend(root))
+        self.failures = failures
+
+    def put_intermediate(self, key: str, data: bytes, media_type: str) -> ArtifactRef:
+        if self.failures > 0:
+            self.failures -= 1
+            raise ArtifactStoreUnavailable("local", "put", key, "disk went away")
+        return super().put_intermediate(key, data, media_type)
+
+
+def test_a_transient_error_is_retried_in_process_after_its_backoff(engines: EngineCache, store: MemoryJobStore,
+                                                                   tmp_path: Path) -> None:
+    settings = Settings(models_dir=MODELS, artifacts_dir=tmp_path, stage_retry_backoff_s=0.3, stage_max_retries=2)
+    events: list[JobEvent] = []
+    runner = Omni("text-to-text", settings=settings, engines=engines, store=store,
+                  artifacts=FlakyArtifacts(tmp_path, failures=1))
+    started = time.monotonic()
+    result = runner.generate({"prompt": "retry me"}, {"ar": {"max_tokens": 4}}, on_event=events.append)
+    waited = time.monotonic() - started
+    record = result.job.stage_record("ar")
+    assert record.status is StageStatus.succeeded and record.attempts == 2
+    assert all(r.key.startswith(f"jobs/{result.job.id}/stages/ar/attempt-2/") for r in record.outputs.values())
+    (retrying,) = [e for e in events if e.type is EventType.stage_retrying]
+    assert retrying.data["attempt"] == 1 and retrying.data["reason"].startswith("ArtifactStoreUnavailable: ")
+    assert 0.15 <= retrying.data["retry_in_s"] <= 0.45 and waited >= retrying.data["retry_in_s"]
+    assert [e.data["attempt"] for e in events if e.type is EventType.stage_started] == [1, 2]
+    assert result["text"].text
+    assert_settled(store, result.job.id)
+
+    always = Omni("text-to-text", settings=settings, engines=engines, store=store,
+                  artifacts=FlakyArtifacts(tmp_path, failures=1000))
+    with pytest.raises(OmniJobFailed) as failed:
+        always.generate({"prompt": "never"}, {"ar": {"max_tokens": 4}})
+    job = failed.value.job
+    assert job.error is not None and (job.error.stage, job.error.type) == ("ar", "ArtifactStoreUnavailable")
+    assert job.stage_record("ar").attempts == 3  # 1 + OMNI_STAGE_MAX_RETRIES
+    assert "disk went away" in str(failed.value)
+    assert_settled(store, job.id)
+
+
 def test_async_omni_concurrent_and_streamed(settings: Settings, engines: EngineCache, store: MemoryJobStore) -> None:
     runner = AsyncOmni("text-to-text-and-image", settings=settings, engines=engines, store=store)
     sequential = runner.omni.generate({"prompt": "a dog"}, {"dit": {"seed": 1}})
 
-    async def main() -> tuple[list[OmniResult], list[object]]:
+    async def main() -> tuple[list[OmniResult], list[JobEvent | OmniResult]]:
         await runner.load()
         together = await asyncio.gather(*(runner.generate({"prompt": "a dog"}, {"dit": {"seed": 1}})
                                           for _ in range(2)))
@@ -143,10 +201,11 @@ def test_async_omni_concurrent_and_streamed(settings: Settings, engines: EngineC
     together, streamed = asyncio.run(main())
     for result in together:
         assert {n: o.data for n, o in result.outputs.items()} == {n: o.data for n, o in sequential.outputs.items()}
-    *events, last = streamed
+    *items, last = streamed
     assert isinstance(last, OmniResult) and last["text_and_image"].data == sequential["text_and_image"].data
-    assert all(isinstance(e, JobEvent) and e.job_id == last.job.id for e in events)
-    assert [e.type for e in events][-1] == "job.succeeded"
+    events = [e for e in items if isinstance(e, JobEvent)]
+    assert len(events) == len(items) and all(e.job_id == last.job.id for e in events)
+    assert events[0].type == "job.queued" and events[-1].type == "job.succeeded"
     bundle = last["text_and_image"]
     assert bundle.text == sequential["text"].text and isinstance(bundle.image(), Image.Image)
 

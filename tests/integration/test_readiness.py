@@ -1,8 +1,11 @@
 """/readyz and the queue metrics of an API with real Redis and no workers (the e2e tests cover the
-ready system): what is missing is named with its fix, and a job waiting on its queue is counted."""
+ready system): what is missing is named with its fix, and a job waiting on its queue is counted,
+first in the job store (written with the job) and then in the broker (once the relay published it)."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +15,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from api.main import create_app
+from omni_jobs import keys
 from omni_jobs.auth import ApiKeys
 from omni_jobs.devservices import RunningService, free_port
 from omni_jobs.settings import Settings
@@ -86,13 +90,30 @@ def test_a_job_waiting_for_a_worker_shows_in_queue_depth(settings: Settings) -> 
         accepted = client.post("/v1/jobs", json={"pipeline": "text-to-text", "input": {"prompt": "hi"}},
                                headers={"authorization": f"Bearer {key}"})
         assert accepted.status_code == 202, accepted.text
-        after = client.get("/metrics")
-        assert after.headers["content-type"].startswith("text/plain")
-        assert metric(after.text, "omni_jobs_queue_depth", queue="ar") == 1  # the Celery message, not yet taken
-        assert metric(after.text, "omni_jobs_queue_depth", queue="dit") == 0
-        queued = metric(after.text, "omni_jobs_jobs_total", pipeline="text-to-text", status="queued")
+        job_id = accepted.json()["id"]
+        # The step is waiting on its queue from the moment the job is accepted: same write as the job.
+        now_ = client.get("/metrics")
+        assert now_.headers["content-type"].startswith("text/plain")
+        assert metric(now_.text, "omni_jobs_queue_waiting", queue="ar") == 1
+        assert metric(now_.text, "omni_jobs_queue_running", queue="ar") == 0
+        # The API's relay publishes it without being asked: then it is one Celery message, not yet taken.
+        deadline = time.monotonic() + 10
+        after = now_.text
+        while metric(after, "omni_jobs_queue_depth", queue="ar") != 1:
+            assert time.monotonic() < deadline, "the relay did not publish the accepted job's first step"
+            time.sleep(0.05)
+            after = client.get("/metrics").text
+        assert metric(after, "omni_jobs_queue_depth", queue="dit") == 0
+        assert metric(after, "omni_jobs_queue_waiting", queue="ar") == 1  # published, still not started
+        broker = redis.Redis.from_url(settings.redis_url)
+        (raw,) = broker.lrange("ar", 0, -1)
+        headers = json.loads(raw)["headers"]
+        assert (headers["task"], headers["id"]) == ("omni.run_stage", f"stage:{job_id}:ar:1")  # task id = outbox id
+        assert broker.zcard(keys.OUTBOX) == 0  # published entries leave the outbox
+        broker.close()
+        queued = metric(after, "omni_jobs_jobs_total", pipeline="text-to-text", status="queued")
         assert queued is not None and queued >= 1
-        assert metric(after.text, "omni_jobs_http_requests_total", method="POST", route="/v1/jobs",
+        assert metric(after, "omni_jobs_http_requests_total", method="POST", route="/v1/jobs",
                       status="202") is not None
         # The request id comes back on every answer, as given or made up.
         assert client.get("/healthz", headers={"x-request-id": "req-42"}).headers["x-request-id"] == "req-42"

@@ -10,14 +10,17 @@ import pytest
 import redis
 import yaml
 
+from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
 from omni_jobs.batching import BatchDefaults, dit_batcher
-from omni_jobs.dispatch import NextStep
 from omni_jobs.errors import PipelineSpecError
-from omni_jobs.jobs.store import JobStore
+from omni_jobs.jobs.ledger import JobLedger
+from omni_jobs.jobs.models import Job, now
+from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
 from omni_jobs.stage_cache import StageCache, cache_key
 from omni_jobs.stages import StageLimits, StageRunner
+from omni_jobs.steps import AssembleResults, RunStage
 from omni_jobs.submission import JobSubmitter
 
 CACHED = yaml.safe_load("""
@@ -41,33 +44,38 @@ outputs: [{name: image, from: dit.image}]
 """)
 
 
-class Collect:
-    def dispatch(self, step: NextStep) -> None:
-        pass
-
-
 @pytest.fixture
 def parts(redis_client: redis.Redis, tmp_path: Path, engine_cache: Any) -> dict[str, Any]:
     catalogue = PipelineCatalogue([parse_pipeline(CACHED, source="test")])
-    store = JobStore(redis_client, ttl_s=600)
+    store = RedisJobStore(redis_client, ttl_s=600)
+    ledger = JobLedger(store)
     artifacts = ArtifactStore(LocalBackend(tmp_path), RedisBackend(redis_client))
-    runner = StageRunner(store=store, catalogue=catalogue, artifacts=artifacts, engines=engine_cache,
+    runner = StageRunner(ledger=ledger, catalogue=catalogue, artifacts=artifacts, engines=engine_cache,
                          limits=StageLimits(progress_interval_s=0), batching=BatchDefaults(wait_ms=0),
                          cache_redis=redis_client)
     stage = catalogue.get("cached-image").stage("dit")
     batcher = dit_batcher(engine_cache.dit(stage.model, stage.engine_args), BatchDefaults(wait_ms=0).policy(stage))
-    return {"store": store, "runner": runner, "artifacts": artifacts, "batcher": batcher,
-            "submit": JobSubmitter(store, catalogue, Collect())}
+    return {"store": store, "ledger": ledger, "runner": runner, "artifacts": artifacts, "batcher": batcher,
+            "submit": JobSubmitter(ledger, catalogue)}
 
 
-def run_job(parts: dict[str, Any], prompt: str, params: dict[str, Any] | None = None) -> Any:
+def run_job(parts: dict[str, Any], prompt: str, params: dict[str, Any] | None = None) -> Job:
+    """Submit, then run each stage as the outbox dispatches it: a cache hit advances the job like a run."""
+    store: RedisJobStore = parts["store"]
     job = parts["submit"].submit("cached-image", {"prompt": prompt}, params)
     for stage in ("ar", "dit"):
-        assert parts["runner"].run(job.id, stage, worker="test").status == "succeeded"
-    return parts["store"].require(job.id)
+        entries = store.claim_outbox(now=now(), limit=10, hold_s=60.0, job_id=job.id)
+        store.ack_outbox([e.id for e in entries])
+        assert [e.step for e in entries] == [RunStage(job.id, stage, 1, stage)]
+        assert parts["runner"].run(entries[0].step, worker="test", owner="test#1").status == "succeeded"
+    done = store.claim_outbox(now=now(), limit=10, hold_s=60.0, job_id=job.id)
+    assert [e.step for e in done] == [AssembleResults(job.id, 1)]
+    store.ack_outbox([e.id for e in done])
+    final: Job = parts["ledger"].require(job.id)
+    return final
 
 
-def stage_bytes(parts: dict[str, Any], job: Any, stage: str) -> dict[str, bytes]:
+def stage_bytes(parts: dict[str, Any], job: Job, stage: str) -> dict[str, bytes]:
     return {p: parts["artifacts"].get(r) for p, r in job.stage_record(stage).outputs.items()}
 
 
@@ -81,8 +89,9 @@ def test_a_repeated_request_skips_its_stages_and_gets_identical_bytes(parts: dic
         assert again.stage_record(stage).metrics["cache_hit"] == 1.0
         assert again.stage_record(stage).metrics["engine_s"] == 0.0
         assert stage_bytes(parts, again, stage) == stage_bytes(parts, first, stage)
-    # the hit is stored as the new job's own artifact, not a pointer into the first job
-    assert again.stage_record("dit").outputs["image"].key != first.stage_record("dit").outputs["image"].key
+    # the hit is stored as the new job's own artifact (of its own attempt), not a pointer into the first job
+    for job in (first, again):
+        assert job.stage_record("dit").outputs["image"].key == keys.intermediate_artifact(job.id, "dit", "image.png", 1)
 
 
 def test_another_seed_or_prompt_misses(parts: dict[str, Any]) -> None:

@@ -1,7 +1,8 @@
-"""The stage runner in-process on real Redis and real engines: cancel, deadlines, time limits, redelivery.
+"""The stage runner in-process on real Redis and real engines: cancel, deadlines, time limits,
+redelivery, lost leases and transient errors.
 
-The dispatcher here is the in-process transport: it only collects the next steps, so each test
-decides when the next stage runs.
+No relay runs here: each test takes the dispatches from the outbox itself (as the relay would) and
+decides when the next step runs, so it can also run a step twice, late, or out of turn.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ import pytest
 import redis
 import yaml
 
-from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
-from omni_jobs.dispatch import NextStep
+from omni_jobs import keys
+from omni_jobs.artifacts import ArtifactRef, ArtifactStore, ArtifactStoreUnavailable, LocalBackend, RedisBackend
+from omni_jobs.cancellation import cancel_job
 from omni_jobs.errors import IdempotencyConflict
-from omni_jobs.jobs.models import JobStatus, StageStatus
-from omni_jobs.jobs.store import JobStore
+from omni_jobs.jobs.ledger import JobLedger
+from omni_jobs.jobs.models import EventType, JobEvent, JobStatus, StageStatus, now
+from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, builtin_pipelines, parse_pipeline
 from omni_jobs.results import ResultsAssembler
 from omni_jobs.stages import StageLimits, StageRunner
+from omni_jobs.steps import AssembleResults, RunStage, Step, step_id
 from omni_jobs.submission import JobSubmitter
 
 SLOW_DIT = yaml.safe_load("""
@@ -39,16 +43,9 @@ outputs: [{name: image, from: dit.image}]
 """)
 TOO_SLOW_DIT = {**SLOW_DIT, "name": "too-slow-image",
                 "stages": [{**SLOW_DIT["stages"][0], "soft_time_limit_s": 0.6}]}
-
-
-class Collect:
-    """In-process dispatcher: remembers what should run next."""
-
-    def __init__(self) -> None:
-        self.steps: list[NextStep] = []
-
-    def dispatch(self, step: NextStep) -> None:
-        self.steps.append(step)
+MAX_ATTEMPTS = 3
+BACKOFF_S = 10.0
+"""First retry delay of the runner here: long enough that "due later" cannot be mistaken for "due now"."""
 
 
 @pytest.fixture
@@ -57,28 +54,39 @@ def parts(redis_client: redis.Redis, tmp_path: Path, engine_cache: Any) -> dict[
                                    parse_pipeline(TOO_SLOW_DIT, source="test")])
     slow = catalogue.get("slow-image").stage("dit")
     engine_cache.dit(slow.model, slow.engine_args)  # loaded beforehand: limits and deadlines count the work only
-    store = JobStore(redis_client, ttl_s=600)
+    store = RedisJobStore(redis_client, ttl_s=600)
+    ledger = JobLedger(store, lease_s=30.0, max_attempts=MAX_ATTEMPTS)
     artifacts = ArtifactStore(LocalBackend(tmp_path), RedisBackend(redis_client))
-    runner = StageRunner(store=store, catalogue=catalogue, artifacts=artifacts, engines=engine_cache,
-                         limits=StageLimits(progress_interval_s=0))
-    collect = Collect()
-    submitter = JobSubmitter(store, catalogue, collect)
-    results = ResultsAssembler(store=store, catalogue=catalogue, artifacts=artifacts)
-    return {"store": store, "runner": runner, "submit": submitter, "dispatch": collect, "results": results}
+    runner = StageRunner(ledger=ledger, catalogue=catalogue, artifacts=artifacts, engines=engine_cache,
+                         limits=StageLimits(progress_interval_s=0), retry_backoff_s=BACKOFF_S)
+    return {"redis": redis_client, "dir": tmp_path, "store": store, "ledger": ledger, "runner": runner, "artifacts": artifacts,
+            "submit": JobSubmitter(ledger, catalogue, artifacts=artifacts),
+            "results": ResultsAssembler(ledger=ledger, catalogue=catalogue, artifacts=artifacts)}
 
 
-def cancel_on_first_progress(store: JobStore, job_id: str) -> threading.Thread:
+def dispatched(parts: dict[str, Any], job_id: str, *, at: float | None = None) -> list[Step]:
+    """The job's steps due by ``at`` (now), taken from the outbox as the relay takes them."""
+    store: RedisJobStore = parts["store"]
+    entries = store.claim_outbox(now=now() if at is None else at, limit=100, hold_s=60.0, job_id=job_id)
+    store.ack_outbox([e.id for e in entries])
+    return [e.step for e in entries]
+
+
+def events_of(parts: dict[str, Any], job_id: str, kind: EventType) -> list[JobEvent]:
+    return [e for e in parts["ledger"].events(job_id, count=10_000) if e.type is kind]
+
+
+def cancel_on_first_progress(ledger: JobLedger, job_id: str) -> threading.Thread:
     """Watch the job's event stream like a client would, and cancel at the first progress event."""
-    from omni_jobs.cancellation import cancel_job
 
     def watch() -> None:
         last = "0-0"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            for event in store.events(job_id, after=last, block_ms=200):
+            for event in ledger.events(job_id, after=last, block_ms=200):
                 last = event.id
-                if event.type == "stage.progress":
-                    cancel_job(store, job_id)
+                if event.type is EventType.stage_progress:
+                    cancel_job(ledger, job_id)
                     return
 
     thread = threading.Thread(target=watch, daemon=True)
@@ -86,75 +94,248 @@ def cancel_on_first_progress(store: JobStore, job_id: str) -> threading.Thread:
     return thread
 
 
+def assert_nothing_left(parts: dict[str, Any], job_id: str) -> None:
+    """The job holds no lease, waits on no queue index, and has nothing (even delayed) to publish."""
+    store: RedisJobStore = parts["store"]
+    assert not [s for s in store.leased_slots() if job_id in s]
+    assert dispatched(parts, job_id, at=now() + 3600) == []
+    assert all(job_id not in m.decode() for q in ("ar", "dit", "results")
+               for m in parts["redis"].zrange(keys.queue_waiting(q), 0, -1))
+
+
 def test_cancel_stops_an_ar_stage_at_the_next_token(parts: dict[str, Any]) -> None:
-    store, runner = parts["store"], parts["runner"]
+    ledger, runner = parts["ledger"], parts["runner"]
     job = parts["submit"].submit("text-to-text", {"prompt": "count"}, {"ar": {"max_tokens": 400, "temperature": 1.0,
                                                                              "seed": 3}})
-    watcher = cancel_on_first_progress(store, job.id)
-    outcome = runner.run(job.id, "ar", worker="test")
+    (step,) = dispatched(parts, job.id)
+    assert step == RunStage(job.id, "ar", 1, "ar")
+    watcher = cancel_on_first_progress(ledger, job.id)
+    outcome = runner.run(step, worker="test", owner="test#1")
     watcher.join(5)
-    final = store.require(job.id)
-    assert outcome.status == "canceled" and outcome.next_steps == []
+    final = ledger.require(job.id)
+    assert outcome.status == "canceled"
     assert final.status is JobStatus.canceled and final.stage_record("ar").status is StageStatus.canceled
-    progress = [e for e in store.events(job.id) if e.type == "stage.progress"]
+    assert final.stage_record("ar").outputs == {} and final.outputs == []
+    progress = events_of(parts, job.id, EventType.stage_progress)
     assert progress and progress[-1].data["step"] < 400  # stopped early, not after generating everything
+    assert_nothing_left(parts, job.id)  # no results step, no retry
     # The engine is still usable: the next job on it runs to the end.
     ok = parts["submit"].submit("text-to-text", {"prompt": "again"}, {"ar": {"max_tokens": 4}})
-    assert runner.run(ok.id, "ar", worker="test").status == "succeeded"
+    (ok_step,) = dispatched(parts, ok.id)
+    assert runner.run(ok_step, worker="test", owner="test#1").status == "succeeded"
 
 
 def test_cancel_stops_a_dit_stage_at_the_next_step(parts: dict[str, Any]) -> None:
-    store, runner = parts["store"], parts["runner"]
+    ledger, runner = parts["ledger"], parts["runner"]
     job = parts["submit"].submit("slow-image", {"prompt": "slow"}, {"dit": {"num_inference_steps": 200}})
-    watcher = cancel_on_first_progress(store, job.id)
-    assert runner.run(job.id, "dit", worker="test").status == "canceled"
+    (step,) = dispatched(parts, job.id)
+    watcher = cancel_on_first_progress(ledger, job.id)
+    assert runner.run(step, worker="test", owner="test#1").status == "canceled"
     watcher.join(5)
-    steps = [e.data["step"] for e in store.events(job.id) if e.type == "stage.progress"]
+    steps = [e.data["step"] for e in events_of(parts, job.id, EventType.stage_progress)]
     assert steps and max(steps) < 200
-    assert store.require(job.id).status is JobStatus.canceled
+    assert ledger.require(job.id).status is JobStatus.canceled
+    assert_nothing_left(parts, job.id)
 
 
 def test_soft_time_limit_fails_the_job_with_a_clear_reason(parts: dict[str, Any]) -> None:
-    store, runner = parts["store"], parts["runner"]
+    ledger, runner = parts["ledger"], parts["runner"]
     job = parts["submit"].submit("too-slow-image", {"prompt": "too slow"})
+    (step,) = dispatched(parts, job.id)
     started = time.monotonic()
-    assert runner.run(job.id, "dit", worker="test").status == "failed"
+    assert runner.run(step, worker="test", owner="test#1").status == "failed"
     assert time.monotonic() - started < 20
-    final = store.require(job.id)
+    final = ledger.require(job.id)
     assert final.status is JobStatus.failed
     assert final.error is not None and final.error.stage == "dit" and final.error.type == "StageTimeout"
     assert "soft time limit of 0.6s" in final.error.message
+    record = final.stage_record("dit")
+    assert record.status is StageStatus.failed and record.attempts == 1  # not a transient error: no retry
+    assert events_of(parts, job.id, EventType.stage_retrying) == []
+    assert_nothing_left(parts, job.id)
 
 
 def test_deadline_cancels_a_running_job(parts: dict[str, Any]) -> None:
-    store, runner = parts["store"], parts["runner"]
+    ledger, runner = parts["ledger"], parts["runner"]
     job = parts["submit"].submit("slow-image", {"prompt": "deadline"}, cancel_after_s=0.5)
-    assert runner.run(job.id, "dit", worker="test").status == "canceled"
-    final = store.require(job.id)
+    (step,) = dispatched(parts, job.id)
+    assert runner.run(step, worker="test", owner="test#1").status == "canceled"
+    final = ledger.require(job.id)
     assert final.status is JobStatus.canceled and final.deadline_at == pytest.approx(final.created_at + 0.5)
-    assert store.events(job.id)[-1].data["reason"] == "deadline exceeded (cancel_after)"
+    assert final.stage_record("dit").attempts == 1  # it had started: the deadline stopped it while running
+    assert ledger.events(job.id)[-1].data["reason"] == "deadline exceeded (cancel_after)"
+    assert_nothing_left(parts, job.id)
 
 
-def test_redelivered_stage_is_not_run_again_but_advances(parts: dict[str, Any]) -> None:
-    store, runner, collect = parts["store"], parts["runner"], parts["dispatch"]
+def test_a_step_taken_after_the_deadline_does_not_start_and_cancels_the_job(parts: dict[str, Any]) -> None:
+    ledger, runner = parts["ledger"], parts["runner"]
+    job = parts["submit"].submit("slow-image", {"prompt": "too late"}, cancel_after_s=0.05)
+    (step,) = dispatched(parts, job.id)
+    time.sleep(0.1)  # no worker took it in time
+    outcome = runner.run(step, worker="test", owner="test#1")
+    assert outcome.status == "skipped" and "deadline" in outcome.detail
+    final = ledger.require(job.id)
+    assert final.status is JobStatus.canceled and final.stage_record("dit").attempts == 0
+    assert events_of(parts, job.id, EventType.stage_started) == []
+    assert ledger.events(job.id)[-1].data["reason"] == "deadline exceeded (cancel_after)"
+    assert_nothing_left(parts, job.id)
+
+
+def test_redelivered_steps_are_not_run_again_and_dispatch_nothing(parts: dict[str, Any]) -> None:
+    """Each step's result dispatches the next step once, in the same write; a redelivered message is
+    refused by attempt, whatever the broker does, and re-sends nothing."""
+    ledger, runner, results = parts["ledger"], parts["runner"], parts["results"]
     job = parts["submit"].submit("text-to-image", {"prompt": "once"}, {"ar": {"max_tokens": 4},
                                                                      "dit": {"height": 32, "width": 32,
                                                                              "num_inference_steps": 2}})
-    assert [s.stage_id for s in collect.steps] == ["ar"]
-    first = runner.run(job.id, "ar", worker="w1")
-    assert first.status == "succeeded" and [s.stage_id for s in first.next_steps] == ["dit"]
-    outputs = store.require(job.id).stage_record("ar").outputs
-    again = runner.run(job.id, "ar", worker="w2")  # the broker redelivered the message
-    assert again.status == "skipped" and [s.stage_id for s in again.next_steps] == ["dit"]
-    record = store.require(job.id).stage_record("ar")
-    assert record.attempts == 1 and record.worker == "w1" and record.outputs == outputs
-    assert runner.run(job.id, "dit", worker="w1").next_steps == [NextStep(job.id, None, "results")]
-    assert runner.run(job.id, "dit", worker="w2").next_steps == [NextStep(job.id, None, "results")]
-    done = parts["results"].assemble(job.id)
-    assert done.status is JobStatus.succeeded
-    again_done = parts["results"].assemble(job.id)  # results run once in effect
-    assert again_done.completed_at == done.completed_at
-    assert runner.run(job.id, "ar", worker="w3").status == "skipped"  # a finished job is never re-run
+    ar = RunStage(job.id, "ar", 1, "ar")
+    assert dispatched(parts, job.id) == [ar]
+    assert runner.run(ar, worker="w1", owner="w1#1").status == "succeeded"
+    dit = RunStage(job.id, "dit", 1, "dit")
+    assert dispatched(parts, job.id) == [dit]
+    record = ledger.require(job.id).stage_record("ar")
+    assert record.outputs["text"].key.startswith(f"jobs/{job.id}/stages/ar/attempt-1/")
+    again = runner.run(ar, worker="w2", owner="w2#1")  # the broker redelivered the message
+    assert again.status == "skipped" and "not waiting for attempt 1" in again.detail
+    assert dispatched(parts, job.id) == []
+    assert ledger.require(job.id).stage_record("ar") == record  # attempts 1, worker w1, the same outputs
+    assert record.attempts == 1 and record.worker == "w1"
+
+    assert runner.run(dit, worker="w1", owner="w1#1").status == "succeeded"
+    assert dispatched(parts, job.id) == [AssembleResults(job.id, 1)]
+    assert runner.run(dit, worker="w2", owner="w2#1").status == "skipped"
+    assert dispatched(parts, job.id) == []
+
+    assert results.run(AssembleResults(job.id, 1), worker="r", owner="r#1").status == "succeeded"
+    done = ledger.require(job.id)
+    assert done.status is JobStatus.succeeded and [o.name for o in done.outputs] == ["image", "text"]
+    assert results.run(AssembleResults(job.id, 1), worker="r2", owner="r2#1").status == "skipped"
+    assert ledger.require(job.id).completed_at == done.completed_at  # results run once in effect
+    # A finished job is never re-run, whichever attempt a message names.
+    for late in (ar, RunStage(job.id, "ar", 2, "ar"), RunStage(job.id, "dit", 2, "dit")):
+        assert runner.run(late, worker="w3", owner="w3#1").status == "skipped"
+    assert results.run(AssembleResults(job.id, 2), worker="w3", owner="w3#1").status == "skipped"
+    assert ledger.require(job.id) == done
+    assert [e.type for e in ledger.events(job.id)].count(EventType.stage_started) == 2
+    assert_nothing_left(parts, job.id)
+
+
+def test_a_stage_whose_lease_is_taken_back_stops_and_its_next_attempt_is_queued(parts: dict[str, Any]) -> None:
+    """The reaper takes the attempt back (as when its worker is cut off from Redis): the attempt stops
+    at its next step without recording anything, and attempt 2 is dispatched at once."""
+    ledger, runner = parts["ledger"], parts["runner"]
+    job = parts["submit"].submit("slow-image", {"prompt": "cut off"})
+    (step,) = dispatched(parts, job.id)
+    outcomes: list[str] = []
+
+    def reap_on_first_progress() -> None:
+        last = "0-0"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for event in ledger.events(job.id, after=last, block_ms=200):
+                last = event.id
+                if event.type is EventType.stage_progress:
+                    outcomes.append(ledger.expire(step.slot, dead_owner=lambda owner: owner == "w1#1"))
+                    return
+
+    reaper = threading.Thread(target=reap_on_first_progress, daemon=True)
+    reaper.start()
+    outcome = runner.run(step, worker="w1", owner="w1#1")
+    reaper.join(5)
+    assert outcomes == ["requeued"] and outcome.status == "lost"
+    after = ledger.require(job.id)
+    record = after.stage_record("dit")
+    assert after.status is JobStatus.running and after.error is None
+    assert record.status is StageStatus.queued and record.attempts == 1 and record.outputs == {}
+    (requeued,) = events_of(parts, job.id, EventType.stage_requeued)
+    assert requeued.data["attempt"] == 1 and "w1 restarted without finishing it" in requeued.data["reason"]
+    steps = [e.data["step"] for e in events_of(parts, job.id, EventType.stage_progress)]
+    assert steps and max(steps) < 200  # stopped at its next step, not at the end
+    assert not list(parts["redis"].scan_iter(keys.artifact(f"jobs/{job.id}/*")))  # nothing stored
+    assert not (parts["dir"] / "jobs" / job.id).exists()
+    assert dispatched(parts, job.id) == [RunStage(job.id, "dit", 2, "dit")]  # due now: no backoff
+    assert runner.run(step, worker="w1", owner="w1#1").status == "skipped"  # attempt 1 never comes back
+    cancel_job(ledger, job.id)
+
+
+class FlakyIntermediates:
+    """The artifact store's intermediates are unreachable for the next ``failures`` puts (an S3 or
+    Redis blip): a transient error, raised after the engine ran."""
+
+    def __init__(self, artifacts: ArtifactStore, failures: int) -> None:
+        self.put = artifacts.put_intermediate
+        self.failures = failures
+        self.calls = 0
+
+    def __call__(self, key: str, data: bytes, media_type: str) -> ArtifactRef:
+        self.calls += 1
+        if self.failures > 0:
+            self.failures -= 1
+            raise ArtifactStoreUnavailable("redis", "put", key, "Connection refused")
+        return self.put(key, data, media_type)
+
+
+def test_a_transient_error_queues_the_next_attempt_after_a_backoff(parts: dict[str, Any],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    ledger, runner = parts["ledger"], parts["runner"]
+    monkeypatch.setattr(parts["artifacts"], "put_intermediate", FlakyIntermediates(parts["artifacts"], 1))
+    job = parts["submit"].submit("text-to-text", {"prompt": "blip"}, {"ar": {"max_tokens": 4}})
+    (first,) = dispatched(parts, job.id)
+    outcome = runner.run(first, worker="w1", owner="w1#1")
+    assert outcome.status == "retrying" and "Connection refused" in outcome.detail
+
+    after = ledger.require(job.id)
+    record = after.stage_record("ar")
+    assert after.status is JobStatus.running and after.error is None
+    assert record.status is StageStatus.queued and record.attempts == 1 and record.lease_owner is None
+    (retrying,) = events_of(parts, job.id, EventType.stage_retrying)
+    assert retrying.data["attempt"] == 1 and retrying.data["reason"].startswith("ArtifactStoreUnavailable: ")
+    assert BACKOFF_S * 0.5 <= retrying.data["retry_in_s"] <= BACKOFF_S * 1.5  # attempt 1's backoff, with jitter
+    # Attempt 2 waits in the outbox (and on its queue's index) until the backoff is over, not in a worker.
+    second = RunStage(job.id, "ar", 2, "ar")
+    due = parts["redis"].zscore(keys.OUTBOX, step_id(second))
+    assert due is not None and due == pytest.approx(retrying.at + retrying.data["retry_in_s"], abs=0.01)
+    assert record.queued_at == pytest.approx(due)
+    assert parts["redis"].zscore(keys.queue_waiting("ar"), second.slot) == pytest.approx(due)
+    assert parts["store"].queue_counts("ar") == (1, 0) and parts["store"].leased_slots() == []
+    assert dispatched(parts, job.id) == []  # not due yet
+    assert runner.run(first, worker="w2", owner="w2#1").status == "skipped"  # attempt 1 is over
+    assert dispatched(parts, job.id, at=due) == [second]
+
+    assert runner.run(second, worker="w2", owner="w2#1").status == "succeeded"
+    done = ledger.require(job.id).stage_record("ar")
+    assert done.status is StageStatus.succeeded and done.attempts == 2 and done.worker == "w2"
+    assert all(r.key.startswith(f"jobs/{job.id}/stages/ar/attempt-2/") for r in done.outputs.values())
+    assert dispatched(parts, job.id) == [AssembleResults(job.id, 1)]
+
+
+def test_a_stage_that_keeps_hitting_transient_errors_fails_with_the_original_error(
+        parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    ledger, runner = parts["ledger"], parts["runner"]
+    flaky = FlakyIntermediates(parts["artifacts"], 1000)
+    monkeypatch.setattr(parts["artifacts"], "put_intermediate", flaky)
+    job = parts["submit"].submit("text-to-text", {"prompt": "outage"}, {"ar": {"max_tokens": 4}})
+    statuses: list[str] = []
+    step = dispatched(parts, job.id)
+    while step:
+        (only,) = step
+        assert only == RunStage(job.id, "ar", len(statuses) + 1, "ar")
+        statuses.append(runner.run(only, worker="w", owner="w#1").status)
+        step = dispatched(parts, job.id, at=now() + 3600)  # whatever the backoff, the next attempt is due then
+    assert statuses == ["retrying"] * (MAX_ATTEMPTS - 1) + ["failed"]
+    assert flaky.calls == MAX_ATTEMPTS  # one engine run and one failed put per attempt
+    retries = events_of(parts, job.id, EventType.stage_retrying)
+    assert [e.data["attempt"] for e in retries] == [1, 2]
+    delays = [e.data["retry_in_s"] for e in retries]
+    assert BACKOFF_S * 0.5 <= delays[0] <= BACKOFF_S * 1.5 and 2 * BACKOFF_S * 0.5 <= delays[1] <= 2 * BACKOFF_S * 1.5
+    final = ledger.require(job.id)
+    assert final.status is JobStatus.failed and final.error is not None
+    assert (final.error.stage, final.error.type) == ("ar", "ArtifactStoreUnavailable")
+    assert "Connection refused" in final.error.message
+    record = final.stage_record("ar")
+    assert record.status is StageStatus.failed and record.attempts == MAX_ATTEMPTS
+    assert ledger.events(job.id)[-1].type is EventType.job_failed
+    assert_nothing_left(parts, job.id)
 
 
 def test_idempotency_key_returns_the_same_job_or_conflicts(parts: dict[str, Any]) -> None:
@@ -162,6 +343,8 @@ def test_idempotency_key_returns_the_same_job_or_conflicts(parts: dict[str, Any]
     a, created_a = submit.submit_idempotent("text-to-text", {"prompt": "hi"}, None, idempotency_key="k-1")
     b, created_b = submit.submit_idempotent("text-to-text", {"prompt": "hi"}, None, idempotency_key="k-1")
     assert created_a and not created_b and a.id == b.id
-    assert len(parts["dispatch"].steps) == 1  # the replay enqueued nothing
+    assert dispatched(parts, a.id) == [RunStage(a.id, "ar", 1, "ar")]  # the replay dispatched nothing more
+    assert [j.id for j in parts["ledger"].page(limit=10).jobs] == [a.id]
     with pytest.raises(IdempotencyConflict, match=a.id):
         submit.submit_idempotent("text-to-text", {"prompt": "other"}, None, idempotency_key="k-1")
+    assert [j.id for j in parts["ledger"].page(limit=10).jobs] == [a.id]

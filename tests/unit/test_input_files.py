@@ -21,6 +21,7 @@ from omni_jobs.input_files import (
     normalize_image,
     parse_image_value,
 )
+from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import Job, JobOutput, StageRecord
 from omni_jobs.pipelines.catalogue import load_catalogue
@@ -111,7 +112,7 @@ def test_prepare_store_and_load(tmp_path: Path) -> None:
     job = Job(id="job_old", pipeline="text-to-image", input={}, stages=[StageRecord(id="dit", engine="dit", queue="dit")],
               outputs=[JobOutput(name="image", type="image", media_type="image/png", size=earlier.size,
                                  artifact=earlier)])
-    jobs.create(job, [])
+    JobLedger(jobs).submit(job, [])
     prepared = files.prepare(spec, {"prompt": "x", "image": {"job_id": "job_old", "output": "image"}})
     records = files.store("job_new", prepared)
     record = records["image"]

@@ -41,13 +41,27 @@ def test_happy_path_timeline_and_events() -> None:
     ]
 
 
-def test_redelivered_stage_counts_attempts() -> None:
+def test_a_lost_attempt_is_requeued_and_the_next_one_counts() -> None:
     job = new_job()
     state.stage_queued(job, "ar", 1.0)
     state.stage_started(job, "ar", "w1", 2.0)
-    state.stage_started(job, "ar", "w2", 3.0)  # the first worker died; the broker redelivered
+    with pytest.raises(InvalidTransition):  # a second start needs the first attempt to have ended
+        state.stage_started(job, "ar", "w2", 2.5)
+    events = state.stage_requeued(job, "ar", 3.0, reason="lease expired", retry_at=3.0, lost=True)
+    assert [e.type for e in events] == ["stage.requeued"] and events[0].data["attempt"] == 1
+    assert job.stage_record("ar").status is StageStatus.queued and job.stage_record("ar").queued_at == 3.0
+    state.stage_started(job, "ar", "w2", 4.0)
     record = job.stage_record("ar")
-    assert record.attempts == 2 and record.worker == "w2" and record.started_at == 3.0
+    assert record.attempts == 2 and record.worker == "w2" and record.started_at == 4.0
+
+
+def test_a_transient_error_backs_off_before_the_next_attempt() -> None:
+    job = new_job()
+    state.stage_queued(job, "ar", 1.0)
+    state.stage_started(job, "ar", "w1", 2.0)
+    (event,) = state.stage_requeued(job, "ar", 3.0, reason="S3 down", retry_at=5.0, lost=False)
+    assert event.type == "stage.retrying" and event.data["retry_in_s"] == 2.0
+    assert job.stage_record("ar").queued_at == 5.0  # runnable from then on: the wait is measured from there
 
 
 def test_finished_job_cannot_run_again() -> None:

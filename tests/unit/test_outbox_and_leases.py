@@ -1,0 +1,150 @@
+"""The relay, the lease keeper and the reaper, on the in-memory store: what each does when things
+die around it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+
+from omni_jobs.jobs.ledger import Acquired, JobLedger
+from omni_jobs.jobs.memory import MemoryJobStore
+from omni_jobs.jobs.models import Job, JobStatus, StageRecord, StageStatus, new_job_id, now
+from omni_jobs.leases import LeaseKeeper, Reaper, lease_owner, node_of
+from omni_jobs.outbox import OutboxRelay
+from omni_jobs.steps import RunStage, Step
+
+
+def job() -> Job:
+    return Job(id=new_job_id(), pipeline="p", input={}, stages=[StageRecord(id="ar", engine="ar", queue="ar")])
+
+
+class Transport:
+    """A broker stand-in that records what was published, and can be down."""
+
+    def __init__(self) -> None:
+        self.published: list[str] = []
+        self.down = False
+        self.lock = threading.Lock()
+
+    def publish(self, steps: list[Step], ids: list[str]) -> None:
+        if self.down:
+            raise ConnectionError("broker unreachable")
+        with self.lock:
+            self.published.extend(ids)
+
+
+def test_the_relay_publishes_a_commit_at_once_and_each_entry_once() -> None:
+    store = MemoryJobStore()
+    ledger = JobLedger(store)
+    transport = Transport()
+    relay = OutboxRelay(store, transport.publish, poll_s=5.0)  # a long poll: only the wake-up can be this fast
+    ledger.outbox_listeners.append(relay.wake)
+    submitted = ledger.submit(job(), ["ar"])[0]
+    deadline = time.monotonic() + 2
+    while not transport.published and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert transport.published == [f"stage:{submitted.id}:ar:1"]
+    relay.stop()
+
+
+def test_entries_wait_out_a_broker_outage_and_two_relays_never_both_publish_one() -> None:
+    store = MemoryJobStore()
+    ledger = JobLedger(store)
+    transport = Transport()
+    transport.down = True
+    first = OutboxRelay(store, transport.publish, hold_s=0.2, poll_s=0.05)
+    ids = [ledger.submit(job(), ["ar"])[0].id for _ in range(20)]
+    first.start()
+    time.sleep(0.3)
+    assert transport.published == []  # nothing acknowledged while the broker is away: nothing lost
+    second = OutboxRelay(store, transport.publish, hold_s=0.2, poll_s=0.05).start()
+    transport.down = False
+    for _ in range(50):
+        ledger.submit(job(), ["ar"])
+    deadline = time.monotonic() + 5
+    while len(transport.published) < 70 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    first.stop()
+    second.stop()
+    counts = Counter(transport.published)
+    assert len(counts) == 70 and set(counts.values()) == {1}
+    assert all(f"stage:{i}:ar:1" in counts for i in ids)
+
+
+def test_a_relay_that_dies_holding_entries_leaves_them_to_the_next() -> None:
+    store = MemoryJobStore()
+    ledger = JobLedger(store)
+    submitted = ledger.submit(job(), ["ar"])[0]
+    dying = store.claim_outbox(now=now(), limit=10, hold_s=0.2)  # claimed, then the process was killed
+    assert len(dying) == 1
+    transport = Transport()
+    survivor = OutboxRelay(store, transport.publish, hold_s=0.2)
+    assert survivor.run_once() == 0  # still held
+    time.sleep(0.25)
+    assert survivor.run_once() == 1 and transport.published == [f"stage:{submitted.id}:ar:1"]
+
+
+def started(ledger: JobLedger, owner: str) -> Acquired:
+    submitted = ledger.submit(job(), ["ar"])[0]
+    taken = ledger.acquire(RunStage(submitted.id, "ar", 1, "ar"), worker=node_of(owner) or owner, owner=owner)
+    assert isinstance(taken, Acquired)
+    return taken
+
+
+def test_the_keeper_renews_while_held_and_reports_a_lost_lease() -> None:
+    store = MemoryJobStore()
+    ledger = JobLedger(store, lease_s=0.6)
+    keeper = LeaseKeeper(ledger, every_s=0.1)
+    taken = started(ledger, lease_owner("ar@h"))
+    lost = threading.Event()
+    with keeper.hold(taken.lease, on_lost=lost.set):
+        time.sleep(1.0)  # longer than the lease: it lives only because it is renewed
+        record = ledger.require(taken.job.id).stage_record("ar")
+        assert record.lease_until is not None and record.lease_until > now() + 0.3
+        assert store.expired_leases(now=now(), limit=10) == []
+        ledger.cancel(taken.job.id)
+        assert lost.wait(2)
+    assert keeper.held() == []
+
+
+def test_the_reaper_requeues_expired_leases_one_pass_at_a_time() -> None:
+    store = MemoryJobStore()
+    ledger = JobLedger(store, lease_s=0.1)
+    taken = started(ledger, "ar@dead#1.a")
+    store.ack_outbox([e.id for e in store.claim_outbox(now=now(), limit=10, hold_s=60)])
+    time.sleep(0.15)
+    reapers = [Reaper(ledger, store, owner=f"r{i}", queues=lambda: ["ar"], interval_s=1.0) for i in range(2)]
+    reports = [r.run_once() for r in reapers]
+    assert [r.requeued for r in reports] == [1, 0]  # the second found the pass taken
+    record = ledger.require(taken.job.id).stage_record("ar")
+    assert record.status is StageStatus.queued
+    assert [e.step for e in store.claim_outbox(now=now(), limit=10, hold_s=1)] == [RunStage(taken.job.id, "ar", 2, "ar")]
+
+
+def test_the_watchdog_republishes_only_what_waits_on_an_empty_queue() -> None:
+    store = MemoryJobStore()
+    ledger = JobLedger(store)
+    submitted = ledger.submit(job(), ["ar"])[0]
+    store.ack_outbox([e.id for e in store.claim_outbox(now=now(), limit=10, hold_s=60)])  # published, then lost
+    depth = {"ar": 3}
+    reaper = Reaper(ledger, store, owner="r", queues=lambda: ["ar"], queue_depth=lambda q: depth[q],
+                    dispatch_timeout_s=0.05, interval_s=0.01)
+    time.sleep(0.1)
+    assert reaper.run_once().redispatched == 0  # messages still wait in the broker: maybe a backlog
+    depth["ar"] = 0
+    time.sleep(0.25)  # the next pass (the pass lock lasts at least 0.2 s)
+    assert reaper.run_once().redispatched == 1
+    assert [e.step for e in store.claim_outbox(now=now(), limit=10, hold_s=1)] == [RunStage(submitted.id, "ar", 1, "ar")]
+
+
+def test_a_restarted_worker_takes_back_its_predecessors_steps_at_once() -> None:
+    store = MemoryJobStore()
+    ledger = JobLedger(store, lease_s=3600)  # the lease would hold for an hour
+    old = started(ledger, "dit@host#100.aa")
+    other = started(ledger, "ar@host#101.bb")
+    reaper = Reaper(ledger, store, owner="r", queues=list)
+    report = reaper.reclaim_node("dit@host", current_owner="dit@host#200.cc")
+    assert report.requeued == 1
+    assert ledger.require(old.job.id).stage_record("ar").status is StageStatus.queued
+    assert ledger.require(other.job.id).status is JobStatus.running  # another node's step is left alone
