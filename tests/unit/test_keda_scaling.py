@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import yaml
@@ -57,7 +57,7 @@ class Rule:
     down_select: str
 
     @classmethod
-    def from_manifest(cls, queue: str = "dit") -> "Rule":
+    def from_manifest(cls, queue: str = "dit") -> Rule:
         docs = [d for d in yaml.safe_load_all(KEDA_YAML.read_text(encoding="utf-8")) if d]
         (so,) = [d for d in docs if d["kind"] == "ScaledObject" and d["metadata"]["name"].endswith(f"-{queue}")]
         spec = so["spec"]
@@ -259,7 +259,7 @@ def test_a_lull_shorter_than_the_scale_down_window_keeps_the_workers(replays):
 def test_workers_are_never_scaled_below_the_work_there_is(replays):
     """A scale-down leaves at least ceil((waiting + running) / threshold) workers. (A leaving worker
     finishes its stages: warm shutdown within terminationGracePeriodSeconds.)"""
-    sim, rows = replays["ours"]
+    sim, _ = replays["ours"]
     assert not sim.short_scale_downs, f"(t, from, to, waiting, running): {sim.short_scale_downs}"
     assert any(d < 0 for _, d in sim.events[1:-1]), "the curve should make it scale down on the way"
 
@@ -277,10 +277,10 @@ def test_after_the_load_the_workers_scale_to_zero_after_the_cooldown(replays):
 
 def test_a_waiting_only_metric_scales_busy_workers_away_and_flaps(replays):
     ours, _ = replays["ours"]
-    llen, llen_rows = replays["llen"]
+    llen, _ = replays["llen"]
     assert llen.short_scale_downs, "the list length would scale workers away from work still running"
     assert llen.activations > ours.activations, "and wake from zero again and again under a steady load"
-    p95 = lambda waits: sorted(waits)[int(0.95 * (len(waits) - 1))]  # noqa: E731
+    p95 = lambda waits: sorted(waits)[int(0.95 * (len(waits) - 1))]
     assert p95(ours.waits) < p95(llen.waits), "and stages would wait longer"
     print(f"\nwaiting + running: {ours.activations} activation(s), {len(ours.short_scale_downs)} scale-downs below "
           f"the work, p95 queue wait {p95(ours.waits)} s; waiting only: {llen.activations} activations, "
