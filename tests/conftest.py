@@ -23,6 +23,7 @@ MARKERS = {
     "e2e": "end-to-end: API + workers + services together",
     "slow": "takes more than a few seconds",
     "fault": "stops or kills a service or worker on purpose",
+    "docker": "builds images and runs the compose stack in Docker (opt-in: OMNI_DOCKER_TESTS=1)",
 }
 
 _HERE = Path(__file__).parent
