@@ -24,6 +24,7 @@ MARKERS = {
     "slow": "takes more than a few seconds",
     "fault": "stops or kills a service or worker on purpose",
     "chaos": "the chaos run: 200 jobs while every process is SIGKILLed (minutes; deselected by default)",
+    "docker": "builds images and runs the compose stack in Docker (opt-in: OMNI_DOCKER_TESTS=1)",
 }
 
 _HERE = Path(__file__).parent

@@ -1,8 +1,11 @@
-"""Offline checks of the deployment files: compose.yaml, .env.example, Dockerfile, .dockerignore.
+"""Offline checks of the deployment files: compose.yaml, compose.cpu.yaml, .env.example,
+Dockerfile, .dockerignore.
 
-No Docker engine, no service and no network: compose.yaml is validated against the Compose
+No Docker engine, no service and no network: the compose files are validated against the Compose
 Specification schema that check-jsonschema vendors, then parsed with PyYAML (which resolves the
-anchors and `<<` merge keys as compose does) and its properties asserted as values.
+anchors and `<<` merge keys as compose does) and their properties asserted as values. Where
+docker-compose is installed, it merges compose.yaml with compose.cpu.yaml and the merged
+services are checked too. tests/e2e/test_compose_stack.py builds and runs the stack itself.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
+COMPOSE_CPU = ROOT / "compose.cpu.yaml"
 ENV_EXAMPLE = ROOT / ".env.example"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
@@ -114,7 +118,8 @@ def seconds(duration: str | int) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_compose_matches_compose_spec_schema():
+@pytest.mark.parametrize("path", [COMPOSE, COMPOSE_CPU], ids=lambda p: p.name)
+def test_compose_matches_compose_spec_schema(path):
     exe = Path(sys.executable).parent / "check-jsonschema"
     if not exe.exists():
         found = shutil.which("check-jsonschema")
@@ -125,14 +130,14 @@ def test_compose_matches_compose_spec_schema():
             )
         exe = Path(found)
     proc = subprocess.run(
-        [str(exe), "--builtin-schema", "vendor.compose-spec", str(COMPOSE)],
+        [str(exe), "--builtin-schema", "vendor.compose-spec", str(path)],
         capture_output=True,
         check=False,
         text=True,
         timeout=120,
         cwd=ROOT,
     )
-    assert proc.returncode == 0, f"compose.yaml fails the compose-spec schema:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, f"{path.name} fails the compose-spec schema:\n{proc.stdout}\n{proc.stderr}"
 
 
 def test_every_dollar_is_a_wellformed_interpolation_or_escaped():
@@ -149,7 +154,7 @@ def test_every_dollar_is_a_wellformed_interpolation_or_escaped():
 
 
 def test_expected_services_exist(services):
-    for name in ("redis", "minio", *OMNI_SERVICES):
+    for name in ("redis", "s3", *OMNI_SERVICES):
         assert name in services, f"service {name!r} missing"
 
 
@@ -166,7 +171,7 @@ def test_every_omni_service_gets_redis_and_s3(services, name):
     assert redis_url.startswith("redis://:${REDIS_PASSWORD:?"), f"{name}: {redis_url!r}"
     assert redis_url.endswith("@redis:6379/0"), f"{name}: {redis_url!r}"
     assert env.get("OMNI_ARTIFACT_BACKEND") == "s3", name
-    assert env.get("OMNI_S3_ENDPOINT_URL") == "http://minio:9000", name
+    assert env.get("OMNI_S3_ENDPOINT_URL") == "http://s3:9000", name
     assert env.get("OMNI_S3_BUCKET"), name
     assert env.get("OMNI_S3_ACCESS_KEY_ID"), name
     assert env.get("OMNI_S3_SECRET_ACCESS_KEY"), name
@@ -196,7 +201,7 @@ def test_long_running_services_restart(services, name):
 
 
 # ---------------------------------------------------------------------------------------------
-# redis and minio
+# redis and s3 (MinIO)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -206,6 +211,9 @@ def test_redis_persists_and_requires_a_password(services):
     args = argv(redis)
     assert args[0] == "redis-server"
     assert option_value(args, "--appendonly") == "yes"
+    # A job answered 202 survives a SIGKILL of Redis: every write is fsynced before Redis answers.
+    assert option_value(args, "--appendfsync") == "always"
+    assert option_value(args, "--dir") == "/data"
     password = option_value(args, "--requirepass")
     assert password and is_required_ref(password, "REDIS_PASSWORD"), password
     assert "redis-data:/data" in [str(v) for v in redis.get("volumes", [])]
@@ -220,7 +228,7 @@ def services_volumes(service: dict) -> list[str]:
 
 
 def test_minio_requires_credentials_and_is_healthchecked(services):
-    minio = services["minio"]
+    minio = services["s3"]
     assert str(minio["image"]).startswith("minio/minio")
     env = env_of(minio)
     assert is_required_ref(env["MINIO_ROOT_USER"], "MINIO_ROOT_USER"), env["MINIO_ROOT_USER"]
@@ -229,7 +237,7 @@ def test_minio_requires_credentials_and_is_healthchecked(services):
     assert healthcheck_text(minio)
 
 
-@pytest.mark.parametrize("name", ["redis", "minio"])
+@pytest.mark.parametrize("name", ["redis", "s3"])
 def test_stores_publish_no_ports(services, name):
     assert not services[name].get("ports"), f"{name} must not publish ports by default"
 
@@ -271,7 +279,7 @@ def test_api_command_port_and_healthcheck(services):
     # Readiness (Redis, MinIO, a worker per queue): `docker compose up --wait` returns once jobs can run.
     assert "/readyz" in healthcheck_text(api)
     assert seconds(api["healthcheck"]["start_period"]) >= seconds(services["ar-worker"]["healthcheck"]["start_period"])
-    for store in ("redis", "minio"):
+    for store in ("redis", "s3"):
         assert api["depends_on"][store]["condition"] == "service_healthy", store
 
 
@@ -309,7 +317,7 @@ def test_gpu_workers_reserve_one_nvidia_gpu(services, name):
     assert "gpu" in device["capabilities"]
 
 
-@pytest.mark.parametrize("name", ["api", "results-worker", "webhooks-worker", "flower", "models", "redis", "minio"])
+@pytest.mark.parametrize("name", ["api", "results-worker", "webhooks-worker", "flower", "models", "redis", "s3"])
 def test_only_gpu_workers_reserve_gpus(services, name):
     assert "devices" not in str(services[name].get("deploy", {})), name
 
@@ -317,7 +325,7 @@ def test_only_gpu_workers_reserve_gpus(services, name):
 @pytest.mark.parametrize("name", sorted(WORKERS))
 def test_workers_get_time_to_finish_a_stage(services, name):
     assert seconds(services[name]["stop_grace_period"]) >= 120, name
-    for store in ("redis", "minio"):
+    for store in ("redis", "s3"):
         assert services[name]["depends_on"][store]["condition"] == "service_healthy", (name, store)
 
 
@@ -375,9 +383,10 @@ def test_env_example_lists_every_variable_compose_reads():
 
 def test_dockerfile_is_one_nonroot_image_with_the_gpu_cpu_switch():
     text = DOCKERFILE.read_text(encoding="utf-8")
-    assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim$", text, re.MULTILINE)
+    assert re.search(r"^ARG BASE=python:3\.11-slim$", text, re.MULTILINE)
+    assert re.search(r"^FROM \$\{BASE\} AS base$", text, re.MULTILINE)
     assert re.search(r"^ARG EXTRA=gpu$", text, re.MULTILINE)
-    assert 'pip install ".[gpu]"' in text and '".[cpu]"' in text
+    assert '"EXTRA must be gpu or cpu' in text.replace("'", '"') and '".[$EXTRA]"' in text
     runs = [line for line in text.splitlines() if line.startswith("RUN")]
     pip_runs = [i for i, line in enumerate(runs) if "pip" in line or "--mount=type=cache" in line]
     uninstall = [i for i, line in enumerate(runs) if "pip uninstall -y torchvision torchaudio torchcodec" in line]
@@ -387,10 +396,44 @@ def test_dockerfile_is_one_nonroot_image_with_the_gpu_cpu_switch():
     assert not re.search(r"^(ENV|ARG)\s+\S*(PASSWORD|SECRET)", text, re.MULTILINE | re.IGNORECASE), "no secrets in the image"
 
 
+S3_STANDIN_DOCKERFILE = ROOT / "deploy" / "docker" / "s3-standin.Dockerfile"
+
+
+@pytest.mark.parametrize("path", [DOCKERFILE, S3_STANDIN_DOCKERFILE], ids=lambda p: p.name)
+def test_dockerfiles_build_offline_with_any_builder(path):
+    """No BuildKit-only syntax: a `# syntax=` line makes BuildKit fetch its frontend from Docker Hub,
+    and heredocs / RUN --mount need that frontend (the legacy builder and docker-compose 1.29's
+    builder know neither). The base image and pip's sources are build arguments."""
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    assert not any(re.match(r"#\s*syntax\s*=", line, re.IGNORECASE) for line in lines[:5]), "no # syntax= line"
+    instructions = [line for line in lines if line and not line.startswith("#")]
+    assert not any("<<" in line for line in instructions), "no heredocs"
+    assert not any("--mount" in line for line in instructions), "no RUN --mount"
+    assert re.search(r"^ARG BASE=python:3\.11-slim$", text, re.MULTILINE)
+    froms = re.findall(r"^FROM\s+(\S+)", text, re.MULTILINE)
+    assert froms and all(f in ("${BASE}", "base", "build") for f in froms), froms
+    # Every pip install takes PIP_OPTIONS (compose.cpu.yaml: --no-index --find-links /wheels).
+    joined = re.sub(r"\\\n", " ", "\n".join(instructions))
+    installs = [m for m in re.findall(r"(?<!by )pip install[^\n]*", joined) if "uninstall" not in m]
+    assert installs and all("$PIP_OPTIONS" in m for m in installs), installs
+
+
+def test_the_wheelhouse_stays_out_of_the_runtime_image():
+    text = DOCKERFILE.read_text(encoding="utf-8")
+    stages = re.split(r"^FROM ", text, flags=re.MULTILINE)[1:]
+    named = {stage.split()[2]: stage for stage in stages}
+    assert "COPY deploy/docker/wheels/ /wheels/" in named["build"]
+    assert "/wheels" not in named["runtime"] and "COPY --from=build /opt/venv /opt/venv" in named["runtime"]
+
+
 def test_dockerignore_keeps_local_state_out_of_the_build():
     entries = {line.strip() for line in DOCKERIGNORE.read_text(encoding="utf-8").splitlines()}
     for entry in (".git", ".venv", "var", ".env", ".pytest_cache"):
         assert entry in entries, entry
+    assert not ({"deploy", "deploy/", "deploy/docker", "deploy/docker/", "deploy/docker/wheels"} & entries), (
+        "the Dockerfile copies deploy/docker/ (requirements helper, wheelhouse)"
+    )
 
 
 def test_webhooks_worker_delivers_in_threads_and_every_service_gets_the_secret(services):
@@ -436,3 +479,94 @@ def test_prometheus_is_optional_and_scrapes_the_api_every_worker_and_flower(serv
     assert set(dns["names"]) == set(WORKERS) and str(dns["port"]) == METRICS_PORT
     assert jobs["flower"]["static_configs"][0]["targets"] == ["flower:5555"]
     assert all(job["metrics_path"] == "/metrics" for job in jobs.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# compose.cpu.yaml: the same stack without a GPU and without Docker Hub
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_override() -> dict:
+    with COMPOSE_CPU.open(encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def test_compose_yaml_runs_on_compose_v1_too(compose):
+    """docker-compose 1.29 (Debian's) refuses a top-level `name`; the project name comes from .env."""
+    assert "name" not in compose
+    assert "COMPOSE_PROJECT_NAME=omni-jobs" in ENV_EXAMPLE.read_text(encoding="utf-8").splitlines()
+
+
+def test_cpu_override_parks_the_gpu_workers_in_a_profile(cpu_override, services):
+    over = cpu_override["services"]
+    for name in GPU_WORKERS:
+        assert over[name] == {"profiles": ["gpu"]}, "override files cannot drop the GPU reservation"
+    assert not any("deploy" in svc for svc in over.values()), "the CPU stack reserves no device"
+
+
+def json_dump(value) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+@pytest.mark.parametrize("name", GPU_WORKERS)
+def test_cpu_override_runs_each_stage_queue_on_a_cpu_worker(cpu_override, services, name):
+    cpu = cpu_override["services"][f"{name}-cpu"]
+    assert argv(cpu) == argv(services[name]), "same worker as on a GPU host"
+    assert env_of(cpu) == {"OMNI_DEVICE": "cpu"}
+    assert cpu["extends"] == {"file": "compose.yaml", "service": "models"}, "compose.yaml's shared env"
+    assert "models:/models:ro" in cpu["volumes"]
+    assert cpu["depends_on"]["models"]["condition"] == "service_completed_successfully"
+    queue = WORKERS[name]
+    assert f"{queue}@$$HOSTNAME" in healthcheck_text(cpu)
+    assert seconds(cpu["stop_grace_period"]) >= 120
+
+
+def test_cpu_override_builds_every_omni_image_offline_from_the_debian_base(cpu_override, services):
+    over = cpu_override["services"]
+    for name in (*[n for n in OMNI_SERVICES if n not in GPU_WORKERS], "beat", "ar-worker-cpu", "dit-worker-cpu"):
+        service = over[name]
+        assert service["image"] == "${OMNI_CPU_IMAGE:-omni-jobs:cpu}", name
+        args = service["build"]["args"]
+        assert args["EXTRA"] == "cpu" and args["PIP_OPTIONS"] == "--no-index --find-links /wheels", name
+        assert args["BASE"] == "${OMNI_BASE_IMAGE:-omni-jobs-base:bookworm}" and args["TORCH_CPU_INDEX_URL"] == ""
+    assert over["redis"]["image"] == "${OMNI_BASE_IMAGE:-omni-jobs-base:bookworm}"
+    assert over["redis"]["user"] == "redis"
+    s3 = over["s3"]
+    assert argv(s3)[0] == "moto_server" and option_value(argv(s3), "-p") == "9000"
+    assert s3["build"]["dockerfile"] == "deploy/docker/s3-standin.Dockerfile"
+    assert "9000" in healthcheck_text(s3)
+    assert str(services["s3"]["image"]).startswith("minio/minio"), "compose.yaml alone keeps MinIO"
+
+
+def _merged_cpu_config(tmp_path: Path) -> dict:
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.skip("docker-compose is not installed (apt-get install -y docker-compose): merged config not checked")
+    env_file = tmp_path / "env"
+    env_file.write_text(ENV_EXAMPLE.read_text(encoding="utf-8"), encoding="utf-8")
+    proc = subprocess.run(
+        [exe, "--project-directory", str(ROOT), "--env-file", str(env_file), "-f", str(COMPOSE), "-f", str(COMPOSE_CPU),
+         "config"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return yaml.safe_load(proc.stdout)
+
+
+def test_merged_cpu_stack_has_every_queue_and_no_device(tmp_path, compose):
+    merged = _merged_cpu_config(tmp_path)["services"]
+    active = {name: svc for name, svc in merged.items() if not svc.get("profiles")}
+    assert "devices" not in json_dump(active), "an active service still reserves a GPU"
+    queues = {option_value(argv(svc), "-Q") for svc in active.values() if argv(svc)[:4] == [
+        "celery", "-A", "workers.app:app", "worker"]}
+    assert queues == {"ar", "dit", "results", "webhooks"}, queues
+    shared = {k: str(v) for k, v in compose["x-omni-env"].items()}
+    for name in ("ar-worker-cpu", "dit-worker-cpu"):
+        env = {k: str(v) for k, v in merged[name]["environment"].items()}
+        assert set(env) == set(shared) | {"OMNI_DEVICE"}, name
+        assert merged[name]["image"] == "omni-jobs:cpu" and merged[name]["init"] is True
+        assert merged[name]["restart"] == "unless-stopped"
+    assert merged["api"]["image"] == "omni-jobs:cpu"
