@@ -23,6 +23,7 @@ MARKERS = {
     "e2e": "end-to-end: API + workers + services together",
     "slow": "takes more than a few seconds",
     "fault": "stops or kills a service or worker on purpose",
+    "ui": "the web console (tests/ui): HTTP rules, and pages in a real browser (Playwright + chromium)",
 }
 
 _HERE = Path(__file__).parent
