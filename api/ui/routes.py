@@ -361,6 +361,15 @@ async def job_stream(job_id: str, request: Request, ctx: Ctx, who: Viewer,
             yield _sse("end", {"reason": "gone"})
             return
         yield text
+        try:
+            async for text in follow(job):
+                yield text
+        except JobNotFound:  # expired or deleted while the page was open
+            yield _sse("end", {"reason": "gone"})
+            return
+        yield _sse("end", {"reason": "final"})
+
+    async def follow(job: dict[str, Any]) -> AsyncIterator[str]:
         last_id: str | None = None
         if job["status"] not in views.FINAL:
             last_render = quiet = time.monotonic()
@@ -391,7 +400,6 @@ async def job_stream(job_id: str, request: Request, ctx: Ctx, who: Viewer,
                 yield text
         async for text in webhook_tail(job, last_id):
             yield text
-        yield _sse("end", {"reason": "final"})
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 

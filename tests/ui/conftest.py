@@ -109,19 +109,32 @@ def tenant_keys(ui_system: EmbeddedSystem) -> dict[str, str]:
 
 @pytest.fixture
 def new_page(browser: Any, ui_system: EmbeddedSystem) -> Iterator[Callable[..., Any]]:
-    """``new_page()`` -> a page in a fresh browser context (its own cookies) on the system's API."""
+    """``new_page()`` -> a page in a fresh browser context (its own cookies) on the system's API.
+
+    Any script error or Content-Security-Policy violation in those pages fails the test.
+    """
     contexts: list[Any] = []
+    problems: list[str] = []
+
+    def console(message: Any) -> None:
+        # A 404 page the test asked for on purpose is not a problem; anything else the browser reports is.
+        if message.type == "error" and not message.text.startswith("Failed to load resource"):
+            problems.append(f"console: {message.text}")
 
     def make(**options: Any) -> Any:
         context = browser.new_context(base_url=ui_system.api_url, viewport={"width": 1280, "height": 900},
                                       **options)
         context.set_default_timeout(30_000)
         contexts.append(context)
-        return context.new_page()
+        page = context.new_page()
+        page.on("console", console)
+        page.on("pageerror", lambda error: problems.append(f"script error: {error}"))
+        return page
 
     yield make
     for context in contexts:
         context.close()
+    assert not problems, problems
 
 
 @pytest.fixture

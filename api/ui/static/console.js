@@ -83,7 +83,7 @@
       var d = ev.data || {};
       var key = d.output || d.name || d.stage || "preview";
       var src = null;
-      if (typeof d.url === "string" && d.url.indexOf("/") === 0) src = d.url;
+      if (typeof d.url === "string" && /^\/(?!\/)/.test(d.url)) src = d.url;  // this site's own paths only
       else if (typeof d.data === "string") src = "data:" + (d.media_type || "image/png") + ";base64," + d.data;
       if (!src) return;
       var img = box.querySelector('img[data-live="' + CSS.escape(key) + '"]');
