@@ -17,6 +17,7 @@ from api import body_limit
 from api.deps import ApiContext
 from api.observability import ObservabilityMiddleware
 from api.routes import events, health, jobs, metrics, openai, pipelines
+from api.ui import router as ui_router
 from omni_jobs.artifacts import ArtifactStoreUnavailable
 from omni_jobs.errors import (
     IdempotencyConflict,
@@ -99,6 +100,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(events.router)
     app.include_router(metrics.router)
+    app.include_router(ui_router)  # the web console under /ui (server-rendered pages over the same core)
     openai.install(app)  # /v1/chat/completions, /v1/images/generations, /v1/audio/speech, /v1/models
     app.add_middleware(ObservabilityMiddleware)  # request id, job id in logs, access log, HTTP metrics
     body_limit.install(app, settings.max_request_bytes)  # outermost: 413 before a large body is read

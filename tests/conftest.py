@@ -25,6 +25,7 @@ MARKERS = {
     "fault": "stops or kills a service or worker on purpose",
     "chaos": "the chaos run: 200 jobs while every process is SIGKILLed (minutes; deselected by default)",
     "docker": "builds images and runs the compose stack in Docker (opt-in: OMNI_DOCKER_TESTS=1)",
+    "ui": "the web console (tests/ui): HTTP rules, and pages in a real browser (Playwright + chromium)",
 }
 
 _HERE = Path(__file__).parent

@@ -1,0 +1,315 @@
+"""The console's rules over HTTP, through the real app and real Redis (no browser, no workers needed:
+submitted jobs just wait on their queues). Sign-in, cookies, CSRF, tenancy, redirects, headers,
+the playground's validation, paging with filters, and the job page's live stream."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from api.main import create_app
+from omni_jobs.auth import ApiKeys
+from omni_jobs.settings import Settings
+
+pytestmark = [pytest.mark.ui, pytest.mark.integration]
+
+HTML = {"accept": "text/html,application/xhtml+xml"}
+CSRF = re.compile(r'name="csrf_token" value="([^"]+)"')
+MISSING = "job_000000000000000000000000"
+
+
+@pytest.fixture
+def settings(redis_url: str, redis_client: redis.Redis, tmp_path: Path) -> Settings:
+    return Settings(redis_url=redis_url, artifacts_dir=tmp_path / "artifacts", models_dir=tmp_path / "models")
+
+
+@pytest.fixture
+def app(settings: Settings) -> Any:
+    return create_app(settings)
+
+
+@pytest.fixture
+def keys(redis_client: redis.Redis) -> dict[str, str]:
+    store = ApiKeys(redis_client)
+    return {"acme": store.create("acme", "ui")[0], "other": store.create("other", "ui")[0]}
+
+
+@pytest.fixture
+def anonymous(app: Any) -> Iterator[TestClient]:
+    with TestClient(app, follow_redirects=False) as client:
+        yield client
+
+
+def csrf_of(client: TestClient, path: str = "/ui/login") -> str:
+    match = CSRF.search(client.get(path, headers=HTML).text)
+    assert match, f"no CSRF token on {path}"
+    return match.group(1)
+
+
+def signed_in(app: Any, key: str) -> TestClient:
+    client = TestClient(app, follow_redirects=False)
+    client.__enter__()
+    token = csrf_of(client)
+    response = client.post("/ui/login", data={"api_key": key, "csrf_token": token, "next": "/ui/jobs"})
+    assert response.status_code == 303 and response.headers["location"] == "/ui/jobs", response.text
+    return client
+
+
+@pytest.fixture
+def acme(app: Any, keys: dict[str, str]) -> Iterator[TestClient]:
+    client = signed_in(app, keys["acme"])
+    yield client
+    client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def other(app: Any, keys: dict[str, str]) -> Iterator[TestClient]:
+    client = signed_in(app, keys["other"])
+    yield client
+    client.__exit__(None, None, None)
+
+
+def submit(client: TestClient, pipeline: str = "text-to-text", **fields: str) -> Any:
+    token = csrf_of(client, f"/ui/pipelines/{pipeline}")
+    data = {"csrf_token": token, "input.prompt": "hello", "submission": secrets.token_hex(8), **fields}
+    return client.post(f"/ui/pipelines/{pipeline}", data=data, files={"_": ("", b"")})
+
+
+def test_pages_ask_to_sign_in_and_come_back(anonymous: TestClient, keys: dict[str, str]) -> None:
+    response = anonymous.get("/ui/jobs?status=running", headers=HTML)
+    assert response.status_code == 303
+    assert response.headers["location"] == "/ui/login?next=%2Fui%2Fjobs%3Fstatus%3Drunning"
+    for path in ("/ui/jobs/stream", f"/ui/jobs/{MISSING}/stream", f"/ui/jobs/{MISSING}/outputs/image"):
+        assert anonymous.get(path).status_code == 401, path  # streams and files: no redirect to a page
+    token = csrf_of(anonymous, "/ui/login?next=/ui/jobs%3Fstatus%3Drunning")
+    response = anonymous.post("/ui/login", data={"api_key": keys["acme"], "csrf_token": token,
+                                                 "next": "/ui/jobs?status=running"})
+    assert response.status_code == 303 and response.headers["location"] == "/ui/jobs?status=running"
+
+
+def test_the_session_cookie_holds_the_key_safely(app: Any, keys: dict[str, str]) -> None:
+    for base, secure in (("http://testserver", False), ("https://testserver", True)):
+        with TestClient(app, base_url=base, follow_redirects=False) as client:
+            token = csrf_of(client)
+            response = client.post("/ui/login", data={"api_key": keys["acme"], "csrf_token": token})
+            cookies = {c.split("=", 1)[0]: c for c in response.headers.get_list("set-cookie")}
+            session = cookies["omni_ui_session"]
+            assert "HttpOnly" in session and "SameSite=strict" in session and "Path=/ui" in session
+            assert ("Secure" in session) is secure
+            assert keys["acme"] not in response.headers["location"]
+            assert cookies["omni_ui_csrf"].split(";")[0] != f"omni_ui_csrf={token}", "a new CSRF token at sign-in"
+            page = client.get("/ui/jobs", headers=HTML)
+            assert page.status_code == 200 and keys["acme"] not in page.text
+            assert "script-src 'self'" in page.headers["content-security-policy"]
+            assert page.headers["cache-control"] == "no-store" and page.headers["x-frame-options"] == "DENY"
+
+
+def test_a_wrong_or_revoked_key_does_not_sign_in(anonymous: TestClient, app: Any, keys: dict[str, str],
+                                                 redis_client: redis.Redis) -> None:
+    token = csrf_of(anonymous)
+    for key in ("", "nonsense", "ok_0123456789abcdef_" + "A" * 43, keys["acme"][:-2] + "zz"):
+        response = anonymous.post("/ui/login", data={"api_key": key, "csrf_token": token})
+        assert response.status_code == 401 and "omni_ui_session" not in response.headers.get("set-cookie", "")
+        assert 'class="field-error"' in response.text
+    client = signed_in(app, keys["acme"])
+    try:
+        assert client.get("/ui/jobs", headers=HTML).status_code == 200
+        store = ApiKeys(redis_client)
+        store.revoke(next(i.id for i in store.list() if i.tenant == "acme"))
+        response = client.get("/ui/jobs", headers=HTML)
+        assert response.status_code == 303 and response.headers["location"].startswith("/ui/login")
+    finally:
+        client.__exit__(None, None, None)
+
+
+def test_forms_without_their_csrf_token_or_from_another_site_are_refused(acme: TestClient) -> None:
+    token = csrf_of(acme, "/ui/pipelines/text-to-text")
+    form = {"input.prompt": "hello", "submission": "csrf-test-1"}
+    for data, headers in (
+            (form, {}),                                                    # no token
+            ({**form, "csrf_token": "forged"}, {}),                        # a wrong one
+            ({**form, "csrf_token": token}, {"origin": "https://evil.example"}),  # right token, another site
+            ({**form, "csrf_token": token}, {"origin": "null"})):
+        response = acme.post("/ui/pipelines/text-to-text", data=data, headers=headers, files={"_": ("", b"")})
+        assert response.status_code == 403, (data, headers)
+    assert acme.post("/ui/logout", data={}).status_code == 403
+    assert acme.post(f"/ui/jobs/{MISSING}/cancel", data={"csrf_token": "x"}).status_code == 403
+    assert 'data-job-id=' not in acme.get("/ui/jobs", headers=HTML).text, "no job was made"
+    ok = acme.post("/ui/pipelines/text-to-text", data={**form, "csrf_token": token},
+                   headers={"origin": "http://testserver"}, files={"_": ("", b"")})
+    assert ok.status_code == 303 and ok.headers["location"].startswith("/ui/jobs/job_")
+
+
+@pytest.mark.parametrize("target", ["//evil.example/x", "https://evil.example/", "/v1/jobs", "/ui\\..\\x",
+                                    "/ui/login?next=/ui/jobs", "javascript:alert(1)"])
+def test_sign_in_never_redirects_off_the_console(anonymous: TestClient, keys: dict[str, str], target: str) -> None:
+    token = csrf_of(anonymous)
+    response = anonymous.post("/ui/login", data={"api_key": keys["acme"], "csrf_token": token, "next": target})
+    assert response.headers["location"] == "/ui/jobs"
+
+
+def test_submit_then_the_job_page_then_cancel(acme: TestClient) -> None:
+    response = submit(acme, "text-to-image", **{"params.dit.height": "32", "params.ar.max_tokens": "3"})
+    assert response.status_code == 303
+    job_page = response.headers["location"]
+    page = acme.get(job_page, headers=HTML)
+    assert page.status_code == 200
+    assert 'data-status="queued"' in page.text and 'id="cancel-job"' in page.text
+    assert "height=32" in page.text and "max_tokens=3" in page.text  # the recorded params
+    assert "width=64" in page.text  # defaults the form left alone still apply
+    job_id = job_page.rsplit("/", 1)[1]
+    assert f'data-job-id="{job_id}"' in acme.get("/ui/jobs", headers=HTML).text
+    token = CSRF.search(page.text).group(1)  # type: ignore[union-attr]
+    response = acme.post(f"{job_page}/cancel", data={"csrf_token": token})
+    assert response.status_code == 303 and response.headers["location"] == f"{job_page}?notice=canceled"
+    page = acme.get(response.headers["location"], headers=HTML)
+    assert 'data-status="canceled"' in page.text and "The job was canceled." in page.text
+    assert 'id="cancel-job"' not in page.text
+    again = acme.post(f"{job_page}/cancel", data={"csrf_token": token})
+    assert again.headers["location"].endswith("notice=already-finished")
+
+
+def test_a_double_submit_makes_one_job(acme: TestClient) -> None:
+    token = csrf_of(acme, "/ui/pipelines/text-to-text")
+    data = {"csrf_token": token, "input.prompt": "once", "submission": "same-form-0001"}
+    first = acme.post("/ui/pipelines/text-to-text", data=data, files={"_": ("", b"")})
+    second = acme.post("/ui/pipelines/text-to-text", data=data, files={"_": ("", b"")})
+    assert first.headers["location"] == second.headers["location"]
+    changed = acme.post("/ui/pipelines/text-to-text", data={**data, "input.prompt": "twice"}, files={"_": ("", b"")})
+    assert changed.status_code == 409 and "already used to submit job" in changed.text
+
+
+def field_errors(html: str) -> dict[str, str]:
+    return dict(re.findall(r'id="f-([a-z0-9-]+)-error" role="alert">([^<]+)<', html))
+
+
+def test_errors_land_beside_their_fields(acme: TestClient) -> None:
+    # The core's validation names each bad field; the page puts each message beside its field.
+    response = submit(acme, "text-to-image", **{"input.prompt": "", "params.dit.height": "100",
+                                                "params.ar.temperature": "9", "params.dit.seed": "7"})
+    assert response.status_code == 422
+    errors = field_errors(response.text)
+    assert set(errors) == {"input-prompt", "params-dit-height", "params-ar-temperature"}, errors
+    assert "must not be empty" in errors["input-prompt"]
+    assert "multiple of 8" in errors["params-dit-height"]
+    assert "less than or equal to 2" in errors["params-ar-temperature"]
+    assert 'aria-invalid="true"' in response.text
+    # What was typed comes back as typed.
+    assert 'name="params.dit.height" type="number" value="100"' in response.text
+    assert 'name="params.dit.seed" type="number" value="7"' in response.text
+    # A value that is not a number at all is caught before the core is asked.
+    response = submit(acme, "text-to-image", **{"params.dit.width": "abc"})
+    assert field_errors(response.text) == {"params-dit-width": "must be a whole number"}
+    # Options too: cancel-after out of range is named beside the option.
+    response = submit(acme, "text-to-text", cancel_after="-5")
+    assert response.status_code == 422 and set(field_errors(response.text)) == {"cancel-after"}
+    # A stage-wide rule (image-to-image: strength x steps >= 1) is shown on the stage's fieldset.
+    response = submit(acme, "image-to-image", **{"params.dit.strength": "0.1", "params.dit.num_inference_steps": "2"})
+    assert re.search(r'id="f-params-dit-error" role="alert">[^<]*leaves no denoising step', response.text)
+    assert "data-job-id=" not in acme.get("/ui/jobs", headers=HTML).text, "no job was made"
+
+
+def test_another_tenants_jobs_are_404_and_unlisted(acme: TestClient, other: TestClient) -> None:
+    job_page = submit(acme).headers["location"]
+    job_id = job_page.rsplit("/", 1)[1]
+    theirs = other.get(job_page, headers=HTML)
+    unknown = other.get(f"/ui/jobs/{MISSING}", headers=HTML)
+    assert theirs.status_code == unknown.status_code == 404
+    assert theirs.text.replace(job_id, MISSING) == unknown.text.replace(CSRF.search(unknown.text).group(1),  # type: ignore[union-attr]
+                                                                       CSRF.search(theirs.text).group(1))  # type: ignore[union-attr]
+    for path in (f"{job_page}/stream", f"{job_page}/outputs/text"):
+        assert other.get(path).status_code == 404
+    token = csrf_of(other, "/ui/jobs")
+    assert other.post(f"{job_page}/cancel", data={"csrf_token": token}).status_code == 404
+    assert job_id not in other.get("/ui/jobs", headers=HTML).text
+    assert 'data-status="queued"' in acme.get(job_page, headers=HTML).text, "untouched by the other tenant"
+    form = other.get(f"/ui/pipelines/text-to-text?from={job_id}", headers=HTML)
+    assert form.status_code == 200 and "Filled in from job" not in form.text
+
+
+def test_paging_with_a_pipeline_filter_reads_on_through_the_core_pages(acme: TestClient) -> None:
+    made: list[tuple[str, str]] = []
+    for index in range(23):
+        pipeline = "text-to-audio" if index % 4 == 0 else "text-to-text"
+        made.append((pipeline, submit(acme, pipeline).headers["location"].rsplit("/", 1)[1]))
+    newest_first = list(reversed(made))
+    for pipeline, limit in (("text-to-audio", 10), ("text-to-text", 10), ("", 25), ("", 10)):
+        seen: list[str] = []
+        url: str | None = f"/ui/jobs?pipeline={pipeline}&limit={limit}"
+        while url:
+            page = acme.get(url, headers=HTML).text
+            rows = re.findall(r'<tr data-job-id="(job_[0-9a-f]+)"', page)
+            assert len(rows) <= limit
+            seen += rows
+            found = re.search(r'<a href="([^"]+)" rel="next"', page)
+            url = found.group(1).replace("&amp;", "&") if found else None
+        assert seen == [job for p, job in newest_first if p == pipeline or not pipeline], (pipeline, limit)
+    statuses = acme.get("/ui/jobs?status=succeeded", headers=HTML).text
+    assert "data-job-id=" not in statuses and "match these filters" in statuses
+
+
+def read_events(lines: Iterator[str], until: str) -> list[tuple[str, dict[str, Any]]]:
+    events: list[tuple[str, dict[str, Any]]] = []
+    name = None
+    for line in lines:
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: ") and name:
+            events.append((name, json.loads(line[6:])))
+            if name == until:
+                return events
+    return events
+
+
+def test_the_job_page_stream_sends_fresh_sections_until_the_job_ends(acme: TestClient) -> None:
+    job_page = submit(acme).headers["location"]
+    token = csrf_of(acme, job_page)
+    with acme.stream("GET", f"{job_page}/stream") as stream:
+        assert stream.headers["content-type"].startswith("text/event-stream")
+        lines = stream.iter_lines()
+        first: list[str] = []
+        for line in lines:
+            first.append(line)
+            if line.startswith("data: "):
+                break
+        snapshot = json.loads(first[-1][6:])
+        assert snapshot["status"] == "queued" and not snapshot["final"]
+        assert set(snapshot["sections"]) == {"job-status", "job-timeline", "job-outputs", "job-error", "job-webhook"}
+        assert 'id="cancel-job"' in snapshot["sections"]["job-status"]
+        acme.post(f"{job_page}/cancel", data={"csrf_token": token})
+        rest = read_events(lines, until="end")
+    sections = [data for name, data in rest if name == "sections"]
+    assert sections and sections[-1]["status"] == "canceled" and sections[-1]["final"]
+    assert 'id="cancel-job"' not in sections[-1]["sections"]["job-status"]
+    assert rest[-1][0] == "end"
+
+
+def test_with_auth_off_there_is_no_sign_in(redis_url: str, redis_client: redis.Redis, tmp_path: Path) -> None:
+    settings = Settings(redis_url=redis_url, artifacts_dir=tmp_path / "a", models_dir=tmp_path / "m",
+                        auth_enabled=False)
+    with TestClient(create_app(settings), follow_redirects=False) as client:
+        page = client.get("/ui/jobs", headers=HTML)
+        assert page.status_code == 200 and "auth off" in page.text and 'id="sign-out"' not in page.text
+        assert client.get("/ui/login", headers=HTML).headers["location"] == "/ui/jobs"
+
+
+def test_static_files_come_from_the_package_with_cache_busting(anonymous: TestClient) -> None:
+    page = anonymous.get("/ui/login", headers=HTML).text
+    for name in ("console.css", "console.js", "favicon.svg"):
+        url = re.search(rf'/ui/static/{re.escape(name)}\?v=([0-9a-f]{{12}})', page)
+        assert url, name
+        response = anonymous.get(url.group(0))
+        assert response.status_code == 200 and "immutable" in response.headers["cache-control"]
+        assert anonymous.get(url.group(0), headers={"if-none-match": response.headers["etag"]}).status_code == 304
+    assert anonymous.get("/ui/static/../session.py").status_code == 404
+    assert anonymous.get("/ui/static/nope.js").status_code == 404
+    assert "<script" not in re.sub(r'<script src="/ui/static/console\.js\?v=[0-9a-f]+" defer></script>', "", page)
+
