@@ -129,6 +129,8 @@ class EmbeddedSystem:
             "PYTHONUNBUFFERED": "1",
         })
         env.setdefault("OMNI_WEBHOOK_SECRET", self.webhook_secret)
+        if self.with_flower:
+            env.setdefault("OMNI_UI_FLOWER_URL", self.flower_url)  # the web console's header links to it
         env.update(self.extra_env)
         return env
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request, Response, status
+from fastapi import APIRouter, Depends, Query, Request, Response, status
 
 from api.deps import ApiContext, get_context
 from omni_jobs.artifacts.backends import ArtifactBackend
@@ -43,7 +43,11 @@ def _probe(request: Request, ctx: ApiContext) -> ArtifactBackend:
 
 @router.get("/readyz", summary="Redis, the artifact store and a worker per needed queue are reachable",
             responses={503: {"description": "Not ready: `missing` says what and how to fix it."}})
-def readyz(ctx: Annotated[ApiContext, Depends(get_context)], request: Request, response: Response) -> dict[str, Any]:
+def readyz(ctx: Annotated[ApiContext, Depends(get_context)], request: Request, response: Response,
+           workers_required: Annotated[bool, Query(alias="workers", description=(
+               "false: a queue with no live worker does not make the API unready (still listed). For "
+               "deployments that scale stage workers to zero: jobs must reach the API to wake them."))] = True,
+           ) -> dict[str, Any]:
     rt = ctx.runtime
     settings = rt.settings
     checks: list[Check] = [check_redis(rt.redis, url=settings.redis_url)]
@@ -55,7 +59,8 @@ def readyz(ctx: Annotated[ApiContext, Depends(get_context)], request: Request, r
         for check in check_workers(rt.redis, required_queues(rt.catalogue, settings)):
             checks.append(check)
             workers[check.name] = check.detail.split(", ") if check.ok else []
-    missing = [f"{c.section}/{c.name}: {c.detail}" + (f" -> {c.fix}" if c.fix else "") for c in checks if not c.ok]
+    missing = [f"{c.section}/{c.name}: {c.detail}" + (f" -> {c.fix}" if c.fix else "") for c in checks
+               if not c.ok and (workers_required or c.section != "workers")]
     body: dict[str, Any] = {
         "status": "ok" if not missing else "unavailable",
         "redis": "ok" if checks[0].ok else checks[0].detail,

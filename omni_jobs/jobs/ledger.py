@@ -236,7 +236,7 @@ class JobLedger:
             return
         chosen: list[str] = []
         for event in events:
-            name = WEBHOOK_EVENT_OF.get(event.type)
+            name = WEBHOOK_EVENT_OF.get(event.type) if isinstance(event.type, EventType) else None
             if name is None or name not in hook.events or name in chosen:
                 continue
             if event.type is EventType.stage_progress and not self.store.throttle(

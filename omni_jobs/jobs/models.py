@@ -229,6 +229,8 @@ class JobEvent(Model):
 
     id: str = ""
     job_id: str
-    type: EventType
+    type: EventType | str = Field(union_mode="left_to_right",
+                                  description="An EventType; a reader accepts a type it does not know yet "
+                                  "(a newer writer's), and shows it as is.")
     at: float = Field(default_factory=now)
     data: dict[str, Any] = Field(default_factory=dict)

@@ -68,6 +68,19 @@ def test_not_ready_without_workers_names_each_queue_and_the_command(settings: Se
         assert ready.json()["workers"]["dit"] == ["dit@test"]
         unregister_worker(r, "dit@test")
         assert client.get("/readyz").status_code == 503
+        # A deployment that scales stage workers to zero asks without them (its readiness probe).
+        scaled_to_zero = client.get("/readyz", params={"workers": "false"})
+        assert scaled_to_zero.status_code == 200 and scaled_to_zero.json()["missing"] == []
+        assert scaled_to_zero.json()["workers"]["dit"] == []  # still shown
+
+
+def test_without_workers_readiness_still_needs_the_services(settings: Settings) -> None:
+    s3 = settings.model_copy(update={"artifact_backend": "s3", "s3_endpoint_url": f"http://127.0.0.1:{free_port()}",
+                                     "s3_access_key_id": "testing", "s3_secret_access_key": "testing"})
+    with TestClient(create_app(s3)) as client:
+        response = client.get("/readyz", params={"workers": "false"})
+        assert response.status_code == 503
+        assert [m.split(":")[0] for m in response.json()["missing"]] == ["services/artifact store"]
 
 
 def test_unreachable_artifact_store_is_not_ready(settings: Settings) -> None:
