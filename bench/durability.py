@@ -99,7 +99,9 @@ def measure(mode: Mode, args: argparse.Namespace, home: Path) -> dict[str, Arm]:
                                             replica_of=primary.port))
             client = redis.Redis.from_url(primary.url)
             deadline = time.monotonic() + 20
-            while int(client.info("replication")["connected_slaves"]) < 1 and time.monotonic() < deadline:
+            while client.info("replication").get("slave0", {}).get("state") != "online":  # the first sync done
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the replica did not come online in 20 s")
                 time.sleep(0.1)
             wait = 1
         store = RedisJobStore(redis.Redis.from_url(primary.url, max_connections=64), ttl_s=3600,
