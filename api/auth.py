@@ -36,7 +36,13 @@ def authenticate(request: Request,
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, UNAUTHORIZED,
                             headers={"WWW-Authenticate": 'Bearer error="invalid_token"'}) from None
     request.state.tenant = info.tenant
+    request.state.api_key_id = info.id  # its own quotas, if it has any (README "Scheduling")
     return info.tenant
+
+
+def api_key_id(request: Request) -> str | None:
+    """The id of the API key that authenticated ``request`` (None while auth is off)."""
+    return getattr(request.state, "api_key_id", None)
 
 
 Tenant = Annotated[str, Depends(authenticate)]

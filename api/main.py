@@ -26,9 +26,11 @@ from omni_jobs.errors import (
     JobNotFound,
     NotDurable,
     Overloaded,
+    QuotaExceeded,
     UnknownPipeline,
 )
 from omni_jobs.logs import configure_logging
+from omni_jobs.metrics import QUOTA_REFUSALS
 from omni_jobs.runtime import Runtime
 from omni_jobs.settings import Settings, get_settings
 
@@ -62,6 +64,13 @@ def _conflict(_: Request, exc: Exception) -> JSONResponse:
 def _overloaded(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, Overloaded)
     return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": str(exc.retry_after_s)})
+
+
+def _quota_exceeded(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, QuotaExceeded)
+    QUOTA_REFUSALS.labels(exc.limit).inc()
+    return JSONResponse({"detail": str(exc), "limit": exc.limit, "value": exc.value}, status_code=429,
+                        headers={"Retry-After": str(max(1, round(exc.retry_after_s)))})
 
 
 def _unavailable(_: Request, exc: Exception) -> JSONResponse:
@@ -110,6 +119,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(JobAlreadyFinished, _conflict)
     app.add_exception_handler(IdempotencyConflict, _conflict)
     app.add_exception_handler(Overloaded, _overloaded)
+    app.add_exception_handler(QuotaExceeded, _quota_exceeded)
     app.add_exception_handler(ArtifactStoreUnavailable, _unavailable)
     app.add_exception_handler(NotDurable, _unavailable)
     app.add_exception_handler(redis.ConnectionError, _unavailable)

@@ -21,6 +21,10 @@ class JobRequest(BaseModel):
         None, max_length=2048, description="http(s) URL that receives the job (signed, Standard Webhooks) as it changes.",
         examples=["https://example.com/hooks/omni"],
     )
+    priority: Literal["low", "normal", "high"] = Field(
+        "normal", description="The order of this tenant's waiting stages: high ones start first; a low one waits "
+        "at most OMNI_PRIORITY_AGING_S behind normal work queued after it. Tenants take turns whatever it is.",
+    )
     webhook_events_filter: list[Literal["start", "progress", "completed"]] | None = Field(
         None, min_length=1,
         description="Which events send the webhook: start (job running), progress (stage steps/ends, throttled), "

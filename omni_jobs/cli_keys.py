@@ -1,4 +1,4 @@
-"""``omni-jobs keys create|revoke|list``: manage API keys in the Redis that OMNI_REDIS_URL names.
+"""``omni-jobs keys create|revoke|list|limits``: manage API keys and quotas in OMNI_REDIS_URL's Redis.
 
 Run where Redis is reachable, e.g. ``docker compose run --rm api omni-jobs keys create --tenant acme``.
 The key is printed once, on stdout, and never stored; only its hash is.
@@ -14,7 +14,8 @@ from typing import Any
 
 import redis
 
-from omni_jobs.auth import ApiKeys
+from omni_jobs import keys
+from omni_jobs.auth import ApiKeys, check_tenant
 from omni_jobs.settings import Settings
 
 
@@ -57,6 +58,32 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
+LIMITS = ("max_active", "per_minute")
+
+
+def cmd_limits(args: argparse.Namespace) -> int:
+    """Show, set or clear the quotas of a tenant or of one API key (README "Scheduling")."""
+    client = redis.Redis.from_url(Settings().redis_url, decode_responses=True)
+    if args.key_id:
+        target, what = keys.api_key(args.key_id), f"key {args.key_id}"
+        if not client.exists(target):
+            print(f"omni-jobs keys limits: no key with id {args.key_id!r} (omni-jobs keys list shows them)",
+                  file=sys.stderr)
+            return 1
+    else:
+        target, what = keys.tenant_limits(check_tenant(args.tenant)), f"tenant {args.tenant!r}"
+    changes = {name: getattr(args, name) for name in LIMITS if getattr(args, name) is not None}
+    if args.clear:
+        client.hdel(target, *LIMITS)
+    if changes:
+        client.hset(target, mapping={name: str(value) for name, value in changes.items()})
+    current = {name: client.hget(target, name) for name in LIMITS}
+    shown = ", ".join(f"{name}={str(value) if value not in (None, '', '0') else 'none'}" for name, value in current.items())
+    print(f"{what}: {shown} (unset limits fall back to the tenant's, then to OMNI_TENANT_MAX_ACTIVE / "
+          f"OMNI_TENANT_JOBS_PER_MINUTE; new values apply within 5 s)")
+    return 0
+
+
 def add_key_commands(sub: Any) -> None:
     keys = sub.add_parser("keys", help="create, revoke and list API keys (in OMNI_REDIS_URL's Redis)")
     actions = keys.add_subparsers(dest="keys_action", required=True)
@@ -70,3 +97,12 @@ def add_key_commands(sub: Any) -> None:
     listing = actions.add_parser("list", help="every key: id, tenant, active or revoked, created, name")
     listing.add_argument("--json", action="store_true")
     listing.set_defaults(func=cmd_list)
+    limits = actions.add_parser("limits", help="show or set the quotas of a tenant (or of one key): jobs queued or "
+                                "running at once, jobs per minute; 0 means none")
+    who = limits.add_mutually_exclusive_group(required=True)
+    who.add_argument("--tenant", help="the tenant whose limits to show or set")
+    who.add_argument("--key", dest="key_id", help="a key id: its own limits, over its tenant's")
+    limits.add_argument("--max-active", dest="max_active", type=int, help="jobs queued or running at once")
+    limits.add_argument("--per-minute", dest="per_minute", type=int, help="jobs submitted per minute")
+    limits.add_argument("--clear", action="store_true", help="remove the limits set here first")
+    limits.set_defaults(func=cmd_limits)

@@ -112,3 +112,16 @@ class NotDurable(OmniError):
     def __init__(self, acked: int, wanted: int, timeout_ms: int) -> None:
         super().__init__(f"the job store's write reached {acked} of {wanted} replica(s) within {timeout_ms} ms "
                          "(OMNI_REDIS_WAIT_REPLICAS); retry with the same Idempotency-Key")
+
+
+class QuotaExceeded(OmniError):
+    """A tenant reached one of its limits (README "Scheduling"): the job is refused, nothing stored."""
+
+    def __init__(self, tenant: str, limit: str, value: int, retry_after_s: float) -> None:
+        self.tenant = tenant
+        self.limit = limit
+        self.value = value
+        self.retry_after_s = retry_after_s
+        what = {"max_active": "jobs queued or running at once", "jobs_per_minute": "jobs submitted per minute"}
+        super().__init__(f"tenant '{tenant}' reached its limit {limit}={value} ({what.get(limit, limit)}); "
+                         f"retry after {retry_after_s:.0f}s, or ask for a higher limit (omni-jobs keys limits)")

@@ -98,12 +98,9 @@ def input_artifact(job_id: str, name: str) -> str:
 
 
 # --- workers ---
-def worker(name: str) -> str:
-    """Heartbeat of a live worker: JSON {name, queues, pid}, expiring unless refreshed."""
-    return f"{PREFIX}:worker:{name}"
-
-
-WORKER_PATTERN = f"{PREFIX}:worker:*"
+WORKERS = f"{PREFIX}:workers"
+"""Hash: worker name -> JSON {name, queues, concurrency, pid, expires_at}, refreshed while it lives
+(one HGETALL lists them all, whatever the size of the keyspace)."""
 
 
 # --- the Celery broker (kombu's Redis transport), read for queue depth ---
@@ -127,6 +124,27 @@ def queue_running(queue: str) -> str:
     return f"{PREFIX}:queue:{queue}:running"
 
 
+def queue_released(queue: str) -> str:
+    """Sorted set of step slots the scheduler released to the broker and no worker started yet."""
+    return f"{PREFIX}:queue:{queue}:released"
+
+
+def queue_ready(queue: str, tenant: str) -> str:
+    """Sorted set of a tenant's first dispatches waiting for the scheduler on one queue: outbox
+    entry ids, scored by their order (queued time, moved by priority)."""
+    return f"{PREFIX}:queue:{queue}:ready:{tenant}"
+
+
+def queue_tenants(queue: str) -> str:
+    """Sorted set of the tenants with ready work on one queue, scored by when each was last served
+    (the scheduler serves the one served longest ago: round robin)."""
+    return f"{PREFIX}:queue:{queue}:tenants"
+
+
+SCHEDULED_QUEUES = f"{PREFIX}:scheduler:queues"
+"""Set of the queues that have had scheduled work (the relays' release passes go over them)."""
+
+
 def throttle(name: str) -> str:
     """SET NX PX marker of a throttle (e.g. one progress webhook per job per interval)."""
     return f"{PREFIX}:throttle:{name}"
@@ -146,6 +164,21 @@ API_KEYS_INDEX = f"{PREFIX}:apikeys"
 def tenant_jobs(tenant: str) -> str:
     """Sorted set of one tenant's job ids, scored by creation time (written with JOBS_INDEX)."""
     return f"{PREFIX}:tenant:{tenant}:jobs"
+
+
+def tenant_active(tenant: str) -> str:
+    """Sorted set of a tenant's jobs not finished yet (queued or running), scored by creation time."""
+    return f"{PREFIX}:tenant:{tenant}:active"
+
+
+def tenant_submits(tenant: str) -> str:
+    """Sorted set of a tenant's recent submissions (job ids, scored by time): its jobs per minute."""
+    return f"{PREFIX}:tenant:{tenant}:submits"
+
+
+def tenant_limits(tenant: str) -> str:
+    """Hash {max_active, per_minute} of one tenant's quotas (absent: the defaults of the settings)."""
+    return f"{PREFIX}:tenant:{tenant}:limits"
 
 
 # --- the stage-output cache (omni_jobs.stage_cache) ---

@@ -8,9 +8,9 @@ cleanup, one pass at a time under a lock. It:
 
 - queues the next attempt of every slot whose lease expired (its worker was killed, OOM, lost);
 - at a worker's start, takes back at once what the previous process of the same node held;
-- publishes again a waiting step whose message vanished: queued for longer than
-  ``dispatch_timeout_s`` while its queue is empty (lost by the broker, or prefetched by a worker
-  that died before starting it). A duplicate is harmless: the ledger starts each attempt once.
+- publishes again a published step whose message vanished: not started ``dispatch_timeout_s``
+  after it was due while its queue in the broker is empty (lost by the broker, or prefetched by a
+  worker that died before starting it). A duplicate is harmless: the ledger starts each attempt once.
 
 So recovery takes seconds (``lease_s`` plus a reaper pass), not the broker's visibility timeout.
 """
@@ -161,7 +161,7 @@ class Reaper:
 
     def _watch_dispatches(self, queue: str, report: ReapReport) -> None:
         assert self.queue_depth is not None
-        stale = self.store.waiting(queue, queued_before=now() - self.dispatch_timeout_s, limit=self.batch)
+        stale = self.store.released(queue, before=now() - self.dispatch_timeout_s, limit=self.batch)
         if not stale or self.queue_depth(queue) > 0:
             return  # nothing old, or messages still wait in the broker: it may be a backlog
         for slot in stale:

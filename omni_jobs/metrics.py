@@ -94,6 +94,10 @@ WEBHOOK_DELIVERIES = Counter(
     "omni_jobs_webhook_deliveries_total", "Webhook delivery attempts by event and outcome "
     "(delivered, retrying, failed, skipped).", ["event", "outcome"],
 )
+QUOTA_REFUSALS = Counter(
+    "omni_jobs_quota_refusals_total", "Submissions refused (429) because the tenant reached a quota, by limit.",
+    ["limit"],
+)
 HTTP_REQUESTS = Counter(
     "omni_jobs_http_requests_total", "API requests by method, route template and status code.",
     ["method", "route", "status"],
@@ -213,6 +217,7 @@ class QueueCollector(Collector):
 
     def __init__(self, broker: redis.Redis, state: redis.Redis, queues: Callable[[], Iterable[str]],
                  counts: Callable[[str], tuple[int, int]] | None = None) -> None:
+        # ``counts`` also turns on the scheduler's gauges (ready stages per tenant, released stages).
         """``counts``: queue -> (steps waiting, steps running), from the job store's queue indexes."""
         self.broker = broker
         self.state = state
@@ -241,6 +246,7 @@ class QueueCollector(Collector):
                     w, r = self.counts(queue)
                     waiting.add_metric([queue], w)
                     running.add_metric([queue], r)
+                ready, released = self._scheduler(queues)
             live = live_workers(self.state)
             for queue in sorted(queues | set(live)):
                 workers.add_metric([queue], len(live.get(queue, [])))
@@ -252,6 +258,23 @@ class QueueCollector(Collector):
         if self.counts is not None:
             yield waiting
             yield running
+            yield ready
+            yield released
+
+    def _scheduler(self, queues: set[str]) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        """Per queue and tenant: first attempts waiting for the scheduler; per queue: released, not started."""
+        from omni_jobs import keys
+
+        ready = GaugeMetricFamily("omni_jobs_queue_ready", "Stages waiting for the scheduler to release them "
+                                  "to a queue, per tenant (README \"Scheduling\").", labels=["queue", "tenant"])
+        released = GaugeMetricFamily("omni_jobs_queue_released", "Stages released to a queue's broker list and "
+                                     "not started yet.", labels=["queue"])
+        for queue in sorted(queues):
+            tenants = [t.decode() for t in self.state.zrange(keys.queue_tenants(queue), 0, -1)]  # type: ignore[union-attr]
+            for tenant in tenants:
+                ready.add_metric([queue, tenant], int(self.state.zcard(keys.queue_ready(queue, tenant))))  # type: ignore[arg-type]
+            released.add_metric([queue], int(self.state.zcard(keys.queue_released(queue))))  # type: ignore[arg-type]
+        return ready, released
 
 
 # --- exposition ---

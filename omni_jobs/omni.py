@@ -39,6 +39,7 @@ from omni_jobs.payloads import AudioClip, decode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue, load_pipeline_file
 from omni_jobs.pipelines.spec import PipelineSpec
 from omni_jobs.results import ResultsAssembler
+from omni_jobs.scheduling import Scheduler
 from omni_jobs.settings import Settings
 from omni_jobs.stages import StageRunner
 from omni_jobs.submission import JobSubmitter
@@ -188,7 +189,9 @@ class Omni:
 
     def _drain(self, job_id: str) -> None:
         """Run the job's steps as they become due, in this thread: what the relay and the workers do."""
+        scheduler = Scheduler(self.store, None)  # one process: every ready stage is released at once
         while True:
+            scheduler.release_all()
             entries = self.store.claim_outbox(now=now(), limit=16, hold_s=3600.0, job_id=job_id)
             if not entries:
                 job = self.ledger.require(job_id)

@@ -31,9 +31,12 @@ Publish = Callable[[list[Step], list[str]], None]
 
 class OutboxRelay:
     def __init__(self, store: JobStore, publish: Publish, *, hold_s: float = 5.0, poll_s: float = 0.5,
-                 batch: int = 200) -> None:
+                 batch: int = 200, release: Callable[[], int] | None = None) -> None:
+        """``release``: the scheduler's pass (omni_jobs.scheduling), run first: it moves the stages
+        whose turn came from their queue's ready lists into the outbox."""
         self.store = store
         self.publish = publish
+        self.release = release
         self.hold_s = hold_s
         self.poll_s = poll_s
         self.batch = batch
@@ -46,6 +49,8 @@ class OutboxRelay:
 
     def run_once(self) -> int:
         """Publish what is due now; returns how many entries went out."""
+        if self.release is not None:
+            self.release()
         entries: list[OutboxEntry] = self.store.claim_outbox(now=now(), limit=self.batch, hold_s=self.hold_s)
         if not entries:
             return 0

@@ -32,11 +32,13 @@ from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
 from omni_jobs.queue_depth import queue_depth
 from omni_jobs.results import ResultsAssembler
 from omni_jobs.run_journal import RunJournal
+from omni_jobs.scheduling import QuotaDefaults, Quotas, Scheduler
 from omni_jobs.settings import Settings
 from omni_jobs.stages import StageLimits, StageRunner
 from omni_jobs.steps import RESULTS_QUEUE, WEBHOOKS_QUEUE
 from omni_jobs.submission import Admission, JobSubmitter
 from omni_jobs.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner
+from omni_jobs.worker_registry import queue_capacity
 
 
 class Runtime:
@@ -76,7 +78,8 @@ class Runtime:
         policy = RetryPolicy.from_settings(s)
         ledger = JobLedger(self.store, lease_s=s.lease_s, max_attempts=1 + s.stage_max_retries,
                            webhook_progress_interval_s=s.webhook_progress_interval_s,
-                           webhook_attempts=policy.attempts_for, deliveries_kept=s.webhook_deliveries_kept)
+                           webhook_attempts=policy.attempts_for, deliveries_kept=s.webhook_deliveries_kept,
+                           priority_aging_s=s.priority_aging_s)
         ledger.listeners.append(record_job_events)  # this process's Prometheus job and stage metrics
         return ledger
 
@@ -130,13 +133,28 @@ class Runtime:
     def relay(self, publish: Publish) -> OutboxRelay:
         """This process's outbox relay (one per process), woken by every commit that dispatches."""
         if self._relay is None:
-            self._relay = OutboxRelay(self.store, publish, poll_s=self.settings.outbox_poll_s)
+            self._relay = OutboxRelay(self.store, publish, poll_s=self.settings.outbox_poll_s,
+                                      release=self.scheduler.release_all)
             self.ledger.outbox_listeners.append(self._relay.wake)
         return self._relay
 
     def queues(self) -> Iterable[str]:
         """Every queue a step of this catalogue can wait on."""
         return {s.queue_name for spec in self.catalogue for s in spec.stages} | {RESULTS_QUEUE, WEBHOOKS_QUEUE}
+
+    @cached_property
+    def scheduler(self) -> Scheduler:
+        return Scheduler(self.store, lambda: queue_capacity(self.redis), slack=self.settings.scheduler_slack)
+
+    @cached_property
+    def quotas(self) -> Quotas:
+        s = self.settings
+
+        def read(key: str) -> dict[str, str]:
+            raw: dict[bytes, bytes] = self.redis.hgetall(key)  # type: ignore[assignment]
+            return {k.decode(): v.decode() for k, v in raw.items()}
+
+        return Quotas(read, QuotaDefaults(max_active=s.tenant_max_active, per_minute=s.tenant_jobs_per_minute))
 
     @cached_property
     def reaper(self) -> Reaper:
@@ -156,7 +174,7 @@ class Runtime:
     def submitter(self) -> JobSubmitter:
         s = self.settings
         admission = Admission(self.store, s.max_queued_per_queue, s.overload_retry_after_s)
-        return JobSubmitter(self.ledger, self.catalogue, admission=admission,
+        return JobSubmitter(self.ledger, self.catalogue, admission=admission, quotas=self.quotas,
                             idempotency_ttl_s=s.idempotency_ttl_s, max_cancel_after_s=s.max_cancel_after_s,
                             webhooks_enabled=s.webhook_secret is not None, artifacts=self.artifacts,
                             net_guard=self.net_guard, limits=Limits.from_settings(s))

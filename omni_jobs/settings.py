@@ -136,6 +136,19 @@ class Settings(BaseSettings):
     run_journal: Path | None = Field(
         None, description="Append one JSON line per engine run to this file (audits; the chaos test counts runs).")
 
+    # --- Scheduling (README "Scheduling") ---
+    priority_aging_s: float = Field(
+        300, ge=0, description="A high job's stages go this far ahead of its tenant's normal work queued before "
+        "them; a low job's are passed by normal work queued at most this long after them (no starvation).")
+    scheduler_slack: int = Field(
+        2, ge=0, description="Stages released to a queue beyond its live workers' concurrency, so that a freed "
+        "slot finds its next task waiting. Small: tenants take turns only among what is not released yet.")
+    tenant_max_active: int = Field(
+        0, ge=0, description="Default limit of a tenant's jobs queued or running at once (0: none); per tenant or "
+        "API key with `omni-jobs keys limits`. A breach answers 429 with Retry-After.")
+    tenant_jobs_per_minute: int = Field(
+        0, ge=0, description="Default limit of a tenant's submissions per minute (0: none); per tenant or key too.")
+
     max_queued_per_queue: int = Field(
         1000, ge=1, description="New jobs are refused (503 + Retry-After) while their first queue holds this many."
     )

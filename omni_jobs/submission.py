@@ -20,12 +20,13 @@ from omni_jobs.auth import DEFAULT_TENANT
 from omni_jobs.errors import FieldError, IdempotencyConflict, InvalidRequest, Overloaded
 from omni_jobs.input_files import InputFiles, PreparedImage, parse_image_value
 from omni_jobs.jobs.ledger import JobLedger
-from omni_jobs.jobs.models import Job, JobWebhook, StageRecord, new_job_id
+from omni_jobs.jobs.models import Job, JobWebhook, Priority, StageRecord, new_job_id
 from omni_jobs.jobs.store import JobStore
 from omni_jobs.limits import Limits
 from omni_jobs.net_guard import NetGuard, UnsafeWebhookUrl
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.spec import InputField, PipelineSpec
+from omni_jobs.scheduling import Quotas
 from omni_jobs.webhooks import validate_webhook
 
 _PY_TYPES: dict[str, tuple[type, ...]] = {
@@ -139,10 +140,13 @@ class Admission:
 
 
 def request_fingerprint(pipeline: str, input_: Any, params: Any, webhook: Any = None,
-                        webhook_events_filter: Any = None) -> str:
+                        webhook_events_filter: Any = None, priority: str = "normal") -> str:
     """What makes two submissions "the same request" for Idempotency-Key purposes (the whole body)."""
-    body = json.dumps({"pipeline": pipeline, "input": input_, "params": params or {}, "webhook": webhook,
-                       "webhook_events_filter": webhook_events_filter}, sort_keys=True, default=str)
+    fields = {"pipeline": pipeline, "input": input_, "params": params or {}, "webhook": webhook,
+              "webhook_events_filter": webhook_events_filter}
+    if priority != "normal":  # so that the fingerprints of requests before priorities existed hold
+        fields["priority"] = priority
+    body = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(body.encode()).hexdigest()
 
 
@@ -153,8 +157,9 @@ class JobSubmitter:
                  admission: Admission | None = None, idempotency_ttl_s: int = 24 * 3600,
                  max_cancel_after_s: float = 7 * 24 * 3600, webhooks_enabled: bool = True,
                  artifacts: ArtifactStore | None = None, net_guard: NetGuard | None = None,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, quotas: Quotas | None = None) -> None:
         self.ledger = ledger
+        self.quotas = quotas
         self.limits = limits
         self.net_guard = net_guard
         self.input_files = (InputFiles(artifacts, ledger.store, max_bytes=limits.max_image_bytes if limits else None,
@@ -201,18 +206,21 @@ class JobSubmitter:
 
     def submit(self, pipeline: str, input_: Any, params: Any = None, *, cancel_after_s: float | None = None,
                idempotency_key: str | None = None, webhook: Any = None, webhook_events_filter: Any = None,
-               tenant: str = DEFAULT_TENANT) -> Job:
+               tenant: str = DEFAULT_TENANT, priority: Any = None, api_key_id: str | None = None) -> Job:
         return self.submit_idempotent(pipeline, input_, params, cancel_after_s=cancel_after_s,
                                       idempotency_key=idempotency_key, webhook=webhook,
-                                      webhook_events_filter=webhook_events_filter, tenant=tenant)[0]
+                                      webhook_events_filter=webhook_events_filter, tenant=tenant, priority=priority,
+                                      api_key_id=api_key_id)[0]
 
     def submit_idempotent(self, pipeline: str, input_: Any, params: Any = None, *,
                           cancel_after_s: float | None = None,
                           idempotency_key: str | None = None, webhook: Any = None,
-                          webhook_events_filter: Any = None, tenant: str = DEFAULT_TENANT) -> tuple[Job, bool]:
+                          webhook_events_filter: Any = None, tenant: str = DEFAULT_TENANT, priority: Any = None,
+                          api_key_id: str | None = None) -> tuple[Job, bool]:
         """(job, created): with a key seen before and the same body, the earlier job and False.
 
-        ``tenant`` owns the job; Idempotency-Keys and referenced outputs are looked up within it.
+        ``tenant`` owns the job; Idempotency-Keys and referenced outputs are looked up within it, and
+        its quotas (or those of ``api_key_id``, the key that submits) apply.
         """
         hook_errors: list[FieldError] = []
         hook: JobWebhook | None = None
@@ -220,6 +228,12 @@ class JobSubmitter:
             hook = self.validate_webhook(webhook, webhook_events_filter)
         except InvalidRequest as exc:
             hook_errors = exc.errors
+        try:
+            chosen_priority = Priority(priority if priority is not None else Priority.normal.value)
+        except ValueError:
+            hook_errors.append(FieldError(("priority",), f"must be one of {[p.value for p in Priority]}, got "
+                                          f"{priority!r}", "enum"))
+            chosen_priority = Priority.normal
         try:
             spec, clean_input, clean_params = self.validate(pipeline, input_, params)
         except InvalidRequest as exc:
@@ -233,9 +247,11 @@ class JobSubmitter:
         job = build_job(spec, clean_input, clean_params)
         job.webhook = hook
         job.tenant = tenant
+        job.priority = chosen_priority
         claim = None
         if idempotency_key is not None:
-            claim = (idempotency_key, request_fingerprint(pipeline, input_, params, webhook, webhook_events_filter))
+            claim = (idempotency_key, request_fingerprint(pipeline, input_, params, webhook, webhook_events_filter,
+                                                      chosen_priority.value))
             earlier = self.ledger.store.idempotency(tenant, idempotency_key)
             if earlier is not None:  # a replay: answer it before any check that could refuse it
                 if earlier.fingerprint != claim[1]:
@@ -249,8 +265,9 @@ class JobSubmitter:
             job.input = {**job.input, **self.input_files.store(job.id, files)}
         if cancel_after_s is not None:
             job.deadline_at = job.created_at + cancel_after_s
+        quota = self.quotas.for_submit(tenant, api_key_id) if self.quotas is not None else None
         return self.ledger.submit(job, [s.id for s in spec.entry_stages()], idempotency=claim,
-                                  idempotency_ttl_s=self.idempotency_ttl_s)
+                                  idempotency_ttl_s=self.idempotency_ttl_s, quota=quota)
 
     def _prepare_files(self, spec: PipelineSpec, input_: dict[str, Any], tenant: str) -> dict[str, PreparedImage]:
         """Image inputs resolved and normalized before anything is claimed or stored."""

@@ -144,7 +144,8 @@ def on_worker_ready(sender: Any = None, **_: Any) -> None:
         startup.check_models(name, preload_engines(set(queues)), settings)
     rt.relay(partial(publish_steps, app)).start()
     rt.reaper.start()
-    _heartbeat["stop"] = start_heartbeat(rt.redis, name, queues)
+    concurrency = int(getattr(sender, "concurrency", 1) or 1)  # the scheduler's window counts it
+    _heartbeat["stop"] = start_heartbeat(rt.redis, name, queues, concurrency)
     _heartbeat["name"] = name
 
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 
 from api import uploads
-from api.auth import Tenant, authenticate
+from api.auth import Tenant, api_key_id, authenticate
 from api.deps import ApiContext, get_context
 from api.prefer import prefer_wait
 from api.schemas import JobList, JobRequest
@@ -44,7 +44,8 @@ def parse_cancel_after(value: str) -> float:
 
 
 @router.post("", status_code=status.HTTP_202_ACCEPTED, summary="Submit a job",
-             responses={200: {"description": "With `Prefer: wait=N`: the job ended within N seconds."}})
+             responses={200: {"description": "With `Prefer: wait=N`: the job ended within N seconds."},
+                        429: {"description": "The tenant reached a quota: `limit` names it; retry after Retry-After."}})
 async def create_job(
     body: JobRequest,
     ctx: Ctx,
@@ -65,6 +66,7 @@ async def create_job(
         ctx.submitter.submit_idempotent,
         body.pipeline, body.input, body.params, cancel_after_s=cancel_after_s, idempotency_key=idempotency_key,
         webhook=body.webhook, webhook_events_filter=body.webhook_events_filter, tenant=tenant,
+        priority=body.priority, api_key_id=api_key_id(request),
     )
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if not created:

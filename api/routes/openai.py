@@ -37,10 +37,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.auth import authenticate
+from api.auth import api_key_id, authenticate
 from api.deps import ApiContext, get_context
 from omni_jobs.doctor import is_builtin
-from omni_jobs.errors import InvalidRequest
+from omni_jobs.errors import InvalidRequest, QuotaExceeded
 from omni_jobs.jobs.models import Job, JobOutput, JobStatus
 from omni_jobs.jobs.view import output_url
 from omni_jobs.logs import bind
@@ -57,8 +57,10 @@ STARTED = int(time.time())
 # --- errors in OpenAI's shape ---
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error", job_ids: Iterable[str] = (), retry: bool | None = None) -> None:
+                 type_: str = "invalid_request_error", job_ids: Iterable[str] = (), retry: bool | None = None,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(message)
+        self.retry_after_s = retry_after_s
         self.status = status
         self.message = message
         self.param = param
@@ -73,6 +75,8 @@ class OpenAIError(Exception):
             headers["X-Omni-Job-Id"] = ",".join(self.job_ids)
         if self.retry is not None:
             headers["x-should-retry"] = "true" if self.retry else "false"
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
         body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
         return JSONResponse(body, status_code=self.status, headers=headers)
 
@@ -263,14 +267,18 @@ def _invalid(exc: InvalidRequest, origin: Origin, prompt_param: str) -> OpenAIEr
 
 # --- jobs ---
 async def _submit(ctx: ApiContext, spec: PipelineSpec, prompt: str, params: dict[str, dict[str, Any]],
-                  origin: Origin, *, prompt_param: str, idempotency_key: str | None, tenant: str) -> Job:
+                  origin: Origin, *, prompt_param: str, idempotency_key: str | None, tenant: str,
+                  key_id: str | None = None) -> Job:
     name = text_input(spec)
     assert name is not None
     try:
         job: Job = await run_in_threadpool(ctx.submitter.submit, spec.name, {name: prompt}, params,
-                                           idempotency_key=idempotency_key, tenant=tenant)
+                                           idempotency_key=idempotency_key, tenant=tenant, api_key_id=key_id)
     except InvalidRequest as exc:
         raise _invalid(exc, origin, prompt_param) from None
+    except QuotaExceeded as exc:  # OpenAI's clients back off and retry a 429 by themselves
+        raise OpenAIError(429, str(exc), code="rate_limit_exceeded", type_="requests", param=exc.limit,
+                          retry_after_s=exc.retry_after_s) from None
     bind(job_id=job.id)  # the access log line and anything logged below name the job
     return job
 
@@ -402,7 +410,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
            "height": (body.height or height, "height" if body.height else "size")}
     params, origin = build_params(spec, ar, dit, body.params)
     job = await _submit(ctx, spec, prompt, params, origin, prompt_param="messages", idempotency_key=idempotency_key,
-                        tenant=request.state.tenant)
+                        tenant=request.state.tenant, key_id=api_key_id(request))
     (job,) = await _finished(ctx, [job])
 
     text = _text(job)
@@ -461,7 +469,7 @@ async def images_generations(body: ImageGenerationRequest, request: Request,
                     job_params.setdefault(stage.id, {})["seed"] = int(base) + i
         key = f"{idempotency_key}:{i}" if idempotency_key else None
         jobs.append(await _submit(ctx, spec, body.prompt, job_params, origin, prompt_param="prompt",
-                                  idempotency_key=key, tenant=request.state.tenant))
+                                  idempotency_key=key, tenant=request.state.tenant, key_id=api_key_id(request)))
     jobs = await _finished(ctx, jobs)
     settings = ctx.runtime.settings
     data: list[dict[str, Any]] = []
@@ -500,7 +508,7 @@ async def audio_speech(body: SpeechRequest, request: Request, idempotency_key: I
            "negative_prompt": (body.negative_prompt, "negative_prompt")}
     params, origin = build_params(spec, {"seed": (body.seed, "seed")}, dit, body.params)
     job = await _submit(ctx, spec, body.input, params, origin, prompt_param="input", idempotency_key=idempotency_key,
-                        tenant=request.state.tenant)
+                        tenant=request.state.tenant, key_id=api_key_id(request))
     (job,) = await _finished(ctx, [job])
     out = _first(job, "audio")
     return Response(await _bytes(ctx, out), media_type=out.media_type, headers=_headers([job]))

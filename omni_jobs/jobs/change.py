@@ -32,11 +32,25 @@ class Guard:
 
 
 @dataclass(frozen=True)
-class Conflict:
-    """The first guard that did not hold, and the value found instead (None: absent)."""
+class Cap:
+    """At most ``below - 1`` members of sorted set ``key`` may score ``since`` or later (None: any).
+    A quota: a tenant's jobs in flight, its submissions in the last minute."""
 
-    guard: Guard
+    key: str
+    below: int
+    since: float | None = None
+    name: str = ""
+    """Which limit this is, for the refusal (e.g. ``max_active``)."""
+
+
+@dataclass(frozen=True)
+class Conflict:
+    """The first guard that did not hold, and the value found instead (None: absent); or the cap
+    that was reached (``guard`` is then None)."""
+
+    guard: Guard | None
     found: str | None
+    cap: Cap | None = None
 
 
 @dataclass(frozen=True)
@@ -53,17 +67,21 @@ class OutboxEntry:
 
 Op = tuple[Any, ...]
 """One write: ("hset", key, {field: value}) | ("hdel", key, [fields]) | ("del", key)
-| ("set", key, value, ttl_s) | ("expire", key, ttl_s) | ("zadd", key, member, score) | ("zrem", key, member)
-| ("xadd", key, maxlen, payload) | ("rpush", key, value, keep_last)."""
+| ("set", key, value, ttl_s) | ("expire", key, ttl_s) | ("zadd", key, member, score)
+| ("zaddnx", key, member, score) | ("zrem", key, member) | ("ztrim", key, max_score) (drop members
+scored up to it) | ("sadd", key, member) | ("xadd", key, maxlen, payload) | ("rpush", key, value, keep_last)."""
 
 
 @dataclass
 class Change:
     guards: list[Guard] = field(default_factory=list)
+    caps: list[Cap] = field(default_factory=list)
     ops: list[Op] = field(default_factory=list)
     events: list[JobEvent] = field(default_factory=list)
     """The events the ops append (kept for in-process listeners: metrics)."""
     outbox: list[OutboxEntry] = field(default_factory=list)
+    scheduled: list[Step] = field(default_factory=list)
+    """Steps handed to their queue's scheduler (they reach the outbox when it releases them)."""
     durable: bool = False
     """Acknowledged only once it is as durable as the store is configured to make it (a submit: the
     202 promises the job survives a crash). Redis: WAIT for replicas when OMNI_REDIS_WAIT_REPLICAS > 0."""
@@ -71,6 +89,10 @@ class Change:
     # --- guards ---
     def expect(self, key: str, name: str, *allowed: str | None) -> Change:
         self.guards.append(Guard(key, name, tuple(allowed)))
+        return self
+
+    def cap(self, key: str, below: int, *, since: float | None = None, name: str = "") -> Change:
+        self.caps.append(Cap(key, below, since, name))
         return self
 
     # --- writes ---
@@ -100,8 +122,22 @@ class Change:
         self.ops.append(("zadd", key, member, float(score)))
         return self
 
+    def zaddnx(self, key: str, member: str, score: float) -> Change:
+        """Add ``member`` unless it is there already (its score is kept)."""
+        self.ops.append(("zaddnx", key, member, float(score)))
+        return self
+
     def zrem(self, key: str, member: str) -> Change:
         self.ops.append(("zrem", key, member))
+        return self
+
+    def ztrim(self, key: str, max_score: float) -> Change:
+        """Drop the members scored ``max_score`` or less (a sliding window's old entries)."""
+        self.ops.append(("ztrim", key, float(max_score)))
+        return self
+
+    def sadd(self, key: str, member: str) -> Change:
+        self.ops.append(("sadd", key, member))
         return self
 
     def event(self, event: JobEvent, *, maxlen: int, ttl_s: int) -> Change:
@@ -123,14 +159,28 @@ class Change:
         self.ops.append(("zadd", keys.OUTBOX, entry.id, float(due_at)))
         return self
 
+    def schedule(self, step: Step, *, tenant: str, order: float) -> Change:
+        """Hand ``step`` to the scheduler of its queue (omni_jobs.scheduling): it goes to the outbox
+        when the scheduler releases it, in ``order`` among the tenant's steps, tenants in turn."""
+        entry_id = step_id(step)
+        self.scheduled.append(step)
+        self.ops.append(("hset", keys.OUTBOX_ITEMS, {entry_id: to_json(step)}))
+        self.ops.append(("zadd", keys.queue_ready(step.queue, tenant), entry_id, float(order)))
+        self.ops.append(("zaddnx", keys.queue_tenants(step.queue), tenant, 0.0))
+        self.ops.append(("sadd", keys.SCHEDULED_QUEUES, step.queue))
+        return self
+
     def extend(self, other: Change) -> Change:
         self.guards.extend(other.guards)
+        self.caps.extend(other.caps)
         self.ops.extend(other.ops)
         self.events.extend(other.events)
         self.outbox.extend(other.outbox)
+        self.scheduled.extend(other.scheduled)
         return self
 
     def wire(self) -> str:
         """The change as the Lua script reads it."""
         return json.dumps({"g": [[g.key, g.field, list(g.allowed)] for g in self.guards],
+                           "c": [[c.key, "-inf" if c.since is None else repr(c.since), c.below] for c in self.caps],
                            "o": [list(op) for op in self.ops]}, separators=(",", ":"))

@@ -18,6 +18,7 @@ from omni_jobs.jobs.models import (
     JobOutput,
     JobStatus,
     JobWebhook,
+    Priority,
     Progress,
     StageRecord,
     StageStatus,
@@ -53,6 +54,7 @@ def _put(fields: Fields, name: str, value: float | str | None) -> None:
 def encode(job: Job) -> Fields:
     """Every stored field of ``job`` (progress and webhook deliveries excluded: they have their own keys)."""
     fields: Fields = {"id": job.id, "pipeline": job.pipeline, "status": job.status.value, "tenant": job.tenant,
+                      "priority": job.priority.value,
                       "input": _json(job.input), "params": _json(job.params),
                       "stages": _json([{"id": r.id, "engine": r.engine, "queue": r.queue, "needs": r.needs} for r in job.stages])}
     for name in _JOB_FLOATS:
@@ -125,6 +127,7 @@ def decode(raw: RawFields, progress: bytes | str | None = None,
             WebhookDelivery.model_validate_json(d) for d in (deliveries or [])])
     return Job(
         id=f["id"], pipeline=f["pipeline"], status=JobStatus(f["status"]), tenant=f["tenant"],
+        priority=Priority(f.get("priority", Priority.normal.value)),
         input=json.loads(f["input"]), params=json.loads(f["params"]), stage=f.get("stage"),
         progress=Progress.model_validate_json(progress) if progress else None,
         stages=stages,

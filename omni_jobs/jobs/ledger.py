@@ -20,7 +20,6 @@ messages, stale attempts and late results are refused here, whatever the broker 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,9 +27,9 @@ from typing import Generic, TypeVar
 
 from omni_jobs import keys
 from omni_jobs.artifacts.refs import ArtifactRef
-from omni_jobs.errors import IdempotencyConflict, JobAlreadyFinished, JobNotFound
+from omni_jobs.errors import IdempotencyConflict, JobAlreadyFinished, JobNotFound, QuotaExceeded
 from omni_jobs.jobs import codec, state
-from omni_jobs.jobs.change import Change
+from omni_jobs.jobs.change import Cap, Change
 from omni_jobs.jobs.models import (
     WEBHOOK_EVENT_OF,
     EventType,
@@ -39,6 +38,7 @@ from omni_jobs.jobs.models import (
     JobEvent,
     JobOutput,
     JobStatus,
+    Priority,
     StageRecord,
     StageStatus,
     StepSlot,
@@ -105,6 +105,14 @@ class Refused:
     reason: str
 
 
+@dataclass(frozen=True)
+class Quota:
+    """A tenant's limits (0: none): jobs not finished at once, and jobs submitted per minute."""
+
+    max_active: int = 0
+    per_minute: int = 0
+
+
 @dataclass
 class _Decision(Generic[T]):
     """What a transition decided: the job after it (None: write nothing), its events, its result."""
@@ -120,10 +128,12 @@ class _Decision(Generic[T]):
 class JobLedger:
     def __init__(self, store: JobStore, *, lease_s: float = 15.0, max_attempts: int = 6,
                  webhook_progress_interval_s: float = 2.0, webhook_attempts: Callable[[str], int] | None = None,
-                 deliveries_kept: int = 100) -> None:
+                 deliveries_kept: int = 100, priority_aging_s: float = 300.0) -> None:
         """``max_attempts``: attempts of a stage (or the results step) before its job fails, counting
-        those lost with their worker; ``webhook_attempts``: attempts of a webhook message, by event."""
+        those lost with their worker; ``webhook_attempts``: attempts of a webhook message, by event;
+        ``priority_aging_s``: how far ahead a high job's stages go, and how far back a low one's."""
         self.store = store
+        self.priority_aging_s = priority_aging_s
         self.lease_s = lease_s
         self.max_attempts = max_attempts
         self.webhook_progress_interval_s = webhook_progress_interval_s
@@ -199,28 +209,42 @@ class JobLedger:
         for was, rec in zip(before.stages, after.stages, strict=True):
             self._slot_effects(change, stage_slot(before.id, rec.id), rec.queue, was, rec,
                                RunStage(before.id, rec.id, rec.attempts + 1, rec.queue),
-                               RunStage(before.id, rec.id, was.attempts + 1, rec.queue))
+                               RunStage(before.id, rec.id, was.attempts + 1, rec.queue), job=after)
         self._slot_effects(change, results_slot(before.id), RESULTS_QUEUE, before.results, after.results,
                            AssembleResults(before.id, after.results.attempts + 1),
                            AssembleResults(before.id, before.results.attempts + 1))
+        if after.status.is_final and not before.status.is_final:
+            change.zrem(keys.tenant_active(after.tenant), after.id)
         self._webhook_messages(after, decision.events, change)
         if decision.extra is not None:
             change.extend(decision.extra)
         return change
 
-    @staticmethod
-    def _slot_effects(change: Change, slot: str, queue: str, was: StageRecord | StepSlot,
-                      now_: StageRecord | StepSlot, next_step: Step, waited_step: Step) -> None:
-        """Dispatch, queue index and lease index entries implied by one slot's before/after."""
+    def _slot_effects(self, change: Change, slot: str, queue: str, was: StageRecord | StepSlot,
+                      now_: StageRecord | StepSlot, next_step: Step, waited_step: Step, *, job: Job | None = None
+                      ) -> None:
+        """Dispatch, queue index and lease index entries implied by one slot's before/after.
+
+        A stage's first attempt (``job`` given) goes to its queue's scheduler, which releases it to
+        the broker in turn (omni_jobs.scheduling); a retry, a requeue and the other steps keep their
+        place and are dispatched directly. What is dispatched counts as released until it starts.
+        """
         queued, running = StageStatus.queued, StageStatus.running
         if now_.status is queued and (was.status is not queued or was.attempts != now_.attempts
                                       or was.queued_at != now_.queued_at):
             due = now_.queued_at if now_.queued_at is not None else now()
-            change.zadd(keys.queue_waiting(queue), slot, due).dispatch(next_step, due)
+            change.zadd(keys.queue_waiting(queue), slot, due)
+            if job is not None and now_.attempts == 0:
+                change.schedule(next_step, tenant=job.tenant, order=self.order(job, due))
+            else:
+                change.dispatch(next_step, due).zadd(keys.queue_released(queue), slot, due)
         if was.status is queued and now_.status is not queued:
-            change.zrem(keys.queue_waiting(queue), slot)
-            if now_.status is not running:  # ended while waiting: its message need not go out
-                change.zrem(keys.OUTBOX, step_id(waited_step)).hdel(keys.OUTBOX_ITEMS, [step_id(waited_step)])
+            # Started, or ended while waiting: whatever of its dispatch is not out yet need not go out.
+            entry = step_id(waited_step)
+            change.zrem(keys.queue_waiting(queue), slot).zrem(keys.queue_released(queue), slot)
+            change.zrem(keys.OUTBOX, entry).hdel(keys.OUTBOX_ITEMS, [entry])
+            if job is not None:
+                change.zrem(keys.queue_ready(queue, job.tenant), entry)
         if now_.status is running:
             if was.status is not running:
                 change.zadd(keys.queue_running(queue), slot, now())
@@ -228,6 +252,13 @@ class JobLedger:
                 change.zadd(keys.LEASES, slot, now_.lease_until)
         if was.status is running and now_.status is not running:
             change.zrem(keys.queue_running(queue), slot).zrem(keys.LEASES, slot)
+
+    def order(self, job: Job, queued_at: float) -> float:
+        """A waiting stage's place among its tenant's: its queued time, moved ahead (high) or back
+        (low) by ``priority_aging_s``. So a high job overtakes normal work queued up to that long
+        before it, and a low one is overtaken at most by normal work queued up to that long after it."""
+        shift = {Priority.high: -1.0, Priority.normal: 0.0, Priority.low: 1.0}[job.priority]
+        return queued_at + shift * self.priority_aging_s
 
     def _webhook_messages(self, job: Job, events: list[JobEvent], change: Change) -> None:
         """One message per subscribed webhook event among ``events`` (progress throttled per job)."""
@@ -250,6 +281,7 @@ class JobLedger:
             change.hset(hooks_key, {webhook_field(mid, "event"): name, webhook_field(mid, "status"): "queued",
                                     webhook_field(mid, "attempts"): "0"}).expire(hooks_key, self.store.ttl_s)
             change.zadd(keys.queue_waiting(WEBHOOKS_QUEUE), webhook_slot(job.id, mid), at)
+            change.zadd(keys.queue_released(WEBHOOKS_QUEUE), webhook_slot(job.id, mid), at)
             change.dispatch(DeliverWebhook(job.id, mid, name, 1), at)
 
     def _committed(self, job: Job, change: Change) -> None:
@@ -259,7 +291,7 @@ class JobLedger:
                     listener(job, change.events)
                 except Exception:
                     log.exception("job %s: listener %r failed", job.id, listener)
-        if change.outbox:
+        if change.outbox or change.scheduled:
             for wake in self.outbox_listeners:
                 wake()
 
@@ -268,18 +300,19 @@ class JobLedger:
             return False
         if job is not None:
             self._committed(job, change)
-        elif change.outbox:
+        elif change.outbox or change.scheduled:
             for wake in self.outbox_listeners:
                 wake()
         return True
 
     # --- submit ---
     def submit(self, job: Job, entry_stages: list[str], *, idempotency: tuple[str, str] | None = None,
-               idempotency_ttl_s: int = 24 * 3600) -> tuple[Job, bool]:
+               idempotency_ttl_s: int = 24 * 3600, quota: Quota | None = None) -> tuple[Job, bool]:
         """Store a new job, its idempotency record and its first dispatches in one write.
 
         ``idempotency``: (key, request fingerprint). A key used before returns (that job, False), or
-        IdempotencyConflict when the body differed.
+        IdempotencyConflict when the body differed. ``quota``: the tenant's limits, checked in the
+        same write (QuotaExceeded: nothing is written).
         """
         at = job.created_at
         after = job.model_copy(deep=True)
@@ -292,12 +325,22 @@ class JobLedger:
             change.expect(record_key, "job_id", None)
             change.hset(record_key, {"job_id": job.id, "fingerprint": idempotency[1]})
             change.expire(record_key, idempotency_ttl_s)
+        submitted_at = now()
+        active, submits = keys.tenant_active(job.tenant), keys.tenant_submits(job.tenant)
+        if quota is not None and quota.max_active:
+            change.cap(active, quota.max_active, name="max_active")
+        if quota is not None and quota.per_minute:
+            change.cap(submits, quota.per_minute, since=submitted_at - 60, name="jobs_per_minute")
+        change.zadd(active, job.id, job.created_at).zadd(submits, job.id, submitted_at)
+        change.ztrim(submits, submitted_at - 60).expire(submits, 120)
         change.durable = True
         conflict = self.store.commit(change)
         if conflict is None:
             self._committed(after, change)
             return after, True
-        if idempotency is None or conflict.guard.field != "job_id":
+        if conflict.cap is not None:
+            raise self._quota_exceeded(job.tenant, conflict.cap, submitted_at)
+        if idempotency is None or conflict.guard is None or conflict.guard.field != "job_id":
             raise RuntimeError(f"job id {job.id} already exists")
         earlier = self.store.idempotency(job.tenant, idempotency[0])
         if earlier is None:  # expired between the two reads: try again
@@ -308,6 +351,14 @@ class JobLedger:
         if existing is None:
             raise IdempotencyConflict(idempotency[0], earlier.job_id)
         return existing, False
+
+    def _quota_exceeded(self, tenant: str, cap: Cap, at: float) -> QuotaExceeded:
+        if cap.since is not None:  # a rate: the oldest submission in the window leaves it first
+            oldest = self.store.oldest(keys.tenant_submits(tenant), since=cap.since)
+            retry_after = max(1.0, (oldest or at) + 60 - at)
+        else:
+            retry_after = 5.0
+        return QuotaExceeded(tenant, cap.name, cap.below, retry_after)
 
     # --- taking a step ---
     def acquire(self, step: Step, *, worker: str, owner: str, snapshot: Job | None = None) -> Acquired | Refused:
@@ -367,6 +418,7 @@ class JobLedger:
                                 webhook_field(name, "worker"): worker, webhook_field(name, "lease_owner"): owner,
                                 webhook_field(name, "lease_until"): repr(until)})
                   .zrem(keys.queue_waiting(WEBHOOKS_QUEUE), step.slot)
+                  .zrem(keys.queue_released(WEBHOOKS_QUEUE), step.slot)
                   .zadd(keys.queue_running(WEBHOOKS_QUEUE), step.slot, now())
                   .zadd(keys.LEASES, step.slot, until))
         if not self._commit_or_none(change):
@@ -522,6 +574,7 @@ class JobLedger:
                   .expire(keys.job_deliveries(step.job_id), self.store.ttl_s))
         if retry_at is not None:
             change.zadd(keys.queue_waiting(WEBHOOKS_QUEUE), step.slot, retry_at)
+            change.zadd(keys.queue_released(WEBHOOKS_QUEUE), step.slot, retry_at)
             change.dispatch(DeliverWebhook(step.job_id, name, step.event, step.attempt + 1), retry_at)
         return self._commit_or_none(change)
 
@@ -588,6 +641,7 @@ class JobLedger:
         else:
             change.hset(hooks, {webhook_field(message_id, "status"): "queued"})
             change.zadd(keys.queue_waiting(WEBHOOKS_QUEUE), slot_name, at)
+            change.zadd(keys.queue_released(WEBHOOKS_QUEUE), slot_name, at)
             change.dispatch(DeliverWebhook(job_id, message_id, slot.event, slot.attempts + 1), at)
             outcome = "requeued"
         return outcome if self._commit_or_none(change) else "conflict"
@@ -643,8 +697,3 @@ def _why_not(slot: StageRecord | StepSlot, attempt: int) -> str:
     if slot.status is StageStatus.running and slot.attempts == attempt:
         return f"attempt {attempt} is running on {slot.worker or 'another worker'}"
     return f"the slot is {slot.status.value} after {slot.attempts} attempt(s), not waiting for attempt {attempt}"
-
-
-def describe(value: object) -> str:
-    """For logs: a Refused's reason, or the value."""
-    return value.reason if isinstance(value, Refused) else json.dumps(value, default=str)

@@ -19,8 +19,16 @@ from typing import Any
 from omni_jobs import keys
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.change import Change, Conflict, OutboxEntry
-from omni_jobs.jobs.models import Job, JobEvent, JobStatus, StageStatus
-from omni_jobs.jobs.store import IdempotencyRecord, JobPage, WebhookSlot, decode_webhook_slots, job_pending_steps
+from omni_jobs.jobs.models import Job, JobEvent, JobStatus
+from omni_jobs.jobs.store import (
+    IdempotencyRecord,
+    JobPage,
+    WebhookSlot,
+    decode_webhook_slots,
+    estimate_position,
+    job_pending_steps,
+    waiting_stage,
+)
 from omni_jobs.steps import from_json, stage_slot
 
 
@@ -35,6 +43,7 @@ class MemoryJobStore:
         self._zsets: dict[str, dict[str, float]] = {}
         self._streams: dict[str, list[tuple[int, str]]] = {}
         self._lists: dict[str, list[str]] = {}
+        self._sets: dict[str, set[str]] = {}
         self._expiry: dict[str, float] = {}
         self._seq = itertools.count(1)
         self._changed = threading.Condition()
@@ -48,7 +57,7 @@ class MemoryJobStore:
         return True
 
     def _drop(self, key: str) -> None:
-        for space in (self._hashes, self._strings, self._zsets, self._streams, self._lists):
+        for space in (self._hashes, self._strings, self._zsets, self._streams, self._lists, self._sets):
             space.pop(key, None)  # type: ignore[attr-defined]
         self._expiry.pop(key, None)
 
@@ -129,6 +138,11 @@ class MemoryJobStore:
                 found = self._hash(guard.key).get(guard.field)
                 if found not in guard.allowed:
                     return Conflict(guard, found)
+            for cap in change.caps:
+                since = float("-inf") if cap.since is None else cap.since
+                count = sum(1 for score in self._zset(cap.key).values() if score >= since)
+                if count >= cap.below:
+                    return Conflict(None, str(count), cap=cap)
             for op in change.ops:
                 self._apply(op)
             if change.events:
@@ -160,8 +174,16 @@ class MemoryJobStore:
                 self._expiry[key] = time.time() + op[2]
         elif kind == "zadd":
             self._zsets.setdefault(key, {})[op[2]] = float(op[3])
+        elif kind == "zaddnx":
+            self._zsets.setdefault(key, {}).setdefault(op[2], float(op[3]))
         elif kind == "zrem":
             self._zsets.get(key, {}).pop(op[2], None)
+        elif kind == "ztrim":
+            zset = self._zsets.get(key, {})
+            for member in [m for m, score in zset.items() if score <= op[2]]:
+                del zset[member]
+        elif kind == "sadd":
+            self._sets.setdefault(key, set()).add(op[2])
         elif kind == "xadd":
             stream = self._streams.setdefault(key, [])
             stream.append((next(self._seq), op[3]))
@@ -216,24 +238,69 @@ class MemoryJobStore:
         with self._changed:
             return [m for m, _ in self._ordered(self._zset(keys.LEASES))]
 
-    def waiting(self, queue: str, *, queued_before: float, limit: int) -> list[str]:
+    def released(self, queue: str, *, before: float, limit: int) -> list[str]:
         with self._changed:
-            ordered = self._ordered(self._zset(keys.queue_waiting(queue)))
-        return [m for m, s in ordered if s <= queued_before][:limit]
+            ordered = self._ordered(self._zset(keys.queue_released(queue)))
+        return [m for m, s in ordered if s <= before][:limit]
+
+    def release(self, queue: str, *, window: int, now: float, limit: int = 100) -> list[tuple[str, str]]:
+        """The same pass as RedisJobStore.release, under the lock."""
+        out: list[tuple[str, str]] = []
+        with self._changed:
+            tenants = self._zsets.setdefault(keys.queue_tenants(queue), {})
+            released = self._zsets.setdefault(keys.queue_released(queue), {})
+            in_service = len(released) + len(self._zset(keys.queue_running(queue)))
+            items = self._hashes.get(keys.OUTBOX_ITEMS, {})
+            while in_service < window and len(out) < limit and tenants:
+                tenant = self._ordered(tenants)[0][0]
+                ready = self._zsets.setdefault(keys.queue_ready(queue, tenant), {})
+                if ready:
+                    entry_id = self._ordered(ready)[0][0]
+                    del ready[entry_id]
+                    if entry_id in items:
+                        self._zsets.setdefault(keys.OUTBOX, {})[entry_id] = now
+                        released[entry_id.rsplit(":", 1)[0]] = now + len(out) * 1e-6  # release order
+                        in_service += 1
+                        out.append((entry_id, tenant))
+                if ready:
+                    tenants[tenant] = now
+                else:
+                    del tenants[tenant]
+        return out
+
+    def scheduled_queues(self) -> list[str]:
+        with self._changed:
+            return sorted(self._sets.get(keys.SCHEDULED_QUEUES, set()))
+
+    def oldest(self, key: str, *, since: float) -> float | None:
+        with self._changed:
+            scores = [s for s in self._zset(key).values() if s >= since]
+        return min(scores) if scores else None
+
+    def count(self, key: str) -> int:
+        with self._changed:
+            return len(self._zset(key))
 
     def queue_counts(self, queue: str) -> tuple[int, int]:
         with self._changed:
             return len(self._zset(keys.queue_waiting(queue))), len(self._zset(keys.queue_running(queue)))
 
     def queue_position(self, job: Job) -> int | None:
-        waiting = [r for r in job.stages if r.status is StageStatus.queued]
-        if job.status.is_final or not waiting:
+        record = waiting_stage(job)
+        if record is None:
             return None
-        record = min(waiting, key=lambda r: r.queued_at or 0.0)
+        slot = stage_slot(job.id, record.id)
+        entry = f"{slot}:{record.attempts + 1}"
+
+        def rank(key: str, member: str) -> int | None:
+            ordered = [m for m, _ in self._ordered(self._zset(key))]
+            return ordered.index(member) if member in ordered else None
+
         with self._changed:
-            ordered = [m for m, _ in self._ordered(self._zset(keys.queue_waiting(record.queue)))]
-        member = stage_slot(job.id, record.id)
-        return ordered.index(member) + 1 if member in ordered else None
+            return estimate_position(rank(keys.queue_released(record.queue), slot),
+                                     len(self._zset(keys.queue_released(record.queue))),
+                                     rank(keys.queue_ready(record.queue, job.tenant), entry),
+                                     len(self._zset(keys.queue_tenants(record.queue))))
 
     def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
         with self._changed:

@@ -44,6 +44,14 @@ class JobStatus(str, Enum):
 FINAL_STATUSES = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.canceled})
 
 
+class Priority(str, Enum):
+    """How soon a job's waiting stages start, against the same tenant's other jobs (README "Scheduling")."""
+
+    low = "low"
+    normal = "normal"
+    high = "high"
+
+
 class StageStatus(str, Enum):
     pending = "pending"
     queued = "queued"
@@ -189,6 +197,9 @@ class Job(Model):
     webhook: JobWebhook | None = None
     deadline_at: float | None = Field(None, description="The job is canceled if it has not finished by then.")
     tenant: str = Field("default", description="Who owns the job (the API key's tenant); only it sees the job.")
+    priority: Priority = Field(Priority.normal, description="low | normal | high: the order of the tenant's "
+                               "waiting stages (high first; a low one is never passed for more than "
+                               "OMNI_PRIORITY_AGING_S by work queued after it).")
     results: StepSlot = Field(default_factory=StepSlot, exclude=True)
     """The results step (internal: it is not a stage of the pipeline)."""
 

@@ -17,7 +17,7 @@ from omni_jobs import keys
 from omni_jobs.errors import NotDurable
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.change import Change, Conflict, Guard, OutboxEntry
-from omni_jobs.jobs.models import Job, JobEvent, JobStatus, StageStatus
+from omni_jobs.jobs.models import Job, JobEvent, JobStatus, StageRecord, StageStatus
 from omni_jobs.steps import RESULTS_QUEUE, WEBHOOKS_QUEUE, from_json, results_slot, stage_slot, webhook_slot
 
 
@@ -95,7 +95,19 @@ class JobStore(Protocol):
     def next_outbox_due(self) -> float | None: ...
     def expired_leases(self, *, now: float, limit: int) -> list[str]: ...
     def leased_slots(self) -> list[str]: ...
-    def waiting(self, queue: str, *, queued_before: float, limit: int) -> list[str]: ...
+    def released(self, queue: str, *, before: float, limit: int) -> list[str]:
+        """Step slots published (or due) on the queue before ``before`` that no worker started yet."""
+        ...
+    def release(self, queue: str, *, window: int, now: float, limit: int = 100) -> list[tuple[str, str]]:
+        """The scheduler's pass on one queue (see RedisJobStore.release)."""
+        ...
+    def scheduled_queues(self) -> list[str]: ...
+    def oldest(self, key: str, *, since: float) -> float | None:
+        """The lowest score at or after ``since`` in sorted set ``key`` (a rate window's oldest entry)."""
+        ...
+    def count(self, key: str) -> int:
+        """How many members sorted set ``key`` has (a tenant's jobs in flight)."""
+        ...
     def queue_counts(self, queue: str) -> tuple[int, int]:
         """(waiting, running) step slots of a queue."""
         ...
@@ -125,6 +137,10 @@ for i, g in ipairs(spec.g) do
     return {0, i, v}
   end
 end
+for i, c in ipairs(spec.c) do
+  local n = redis.call('ZCOUNT', c[1], c[2], '+inf')
+  if n >= c[3] then return {2, i, n} end
+end
 for _, op in ipairs(spec.o) do
   local k = op[1]
   if k == 'hset' then
@@ -137,7 +153,10 @@ for _, op in ipairs(spec.o) do
     if op[4] > 0 then redis.call('SET', op[2], op[3], 'EX', op[4]) else redis.call('SET', op[2], op[3]) end
   elseif k == 'expire' then redis.call('EXPIRE', op[2], op[3])
   elseif k == 'zadd' then redis.call('ZADD', op[2], op[4], op[3])
+  elseif k == 'zaddnx' then redis.call('ZADD', op[2], 'NX', op[4], op[3])
   elseif k == 'zrem' then redis.call('ZREM', op[2], op[3])
+  elseif k == 'ztrim' then redis.call('ZREMRANGEBYSCORE', op[2], '-inf', op[3])
+  elseif k == 'sadd' then redis.call('SADD', op[2], op[3])
   elseif k == 'xadd' then redis.call('XADD', op[2], 'MAXLEN', '~', op[3], '*', 'event', op[4])
   elseif k == 'rpush' then
     redis.call('RPUSH', op[2], op[3])
@@ -167,6 +186,41 @@ return out
 """
 
 
+_RELEASE = """
+-- KEYS: tenants, released, running, outbox, items; ARGV: queue prefix, window, now, limit
+local in_service = redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3])
+local window, now, limit = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local out = {}
+while in_service < window and #out < limit * 2 do
+  local first = redis.call('ZRANGE', KEYS[1], 0, 0)
+  if #first == 0 then break end
+  local tenant = first[1]
+  local ready = ARGV[1] .. tenant
+  local head = redis.call('ZRANGE', ready, 0, 0)
+  if #head == 0 then
+    redis.call('ZREM', KEYS[1], tenant)
+  else
+    local id = head[1]
+    redis.call('ZREM', ready, id)
+    if redis.call('HEXISTS', KEYS[5], id) == 1 then
+      redis.call('ZADD', KEYS[4], now, id)
+      local slot = string.match(id, '^(.*):%d+$')
+      redis.call('ZADD', KEYS[2], now + #out * 0.0000005, slot)  -- release order, within one pass too
+      in_service = in_service + 1
+      out[#out + 1] = id
+      out[#out + 1] = tenant
+    end
+    if redis.call('ZCARD', ready) == 0 then
+      redis.call('ZREM', KEYS[1], tenant)
+    else
+      redis.call('ZADD', KEYS[1], now, tenant)
+    end
+  end
+end
+return out
+"""
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -185,6 +239,7 @@ class RedisJobStore:
         self.wait_timeout_ms = wait_timeout_ms
         self._commit = client.register_script(_COMMIT)
         self._claim = client.register_script(_CLAIM)
+        self._release = client.register_script(_RELEASE)
 
     # --- reading ---
     def _read(self, pipe: Any, job_id: str) -> None:
@@ -260,6 +315,8 @@ class RedisJobStore:
             reply = self._commit(args=[change.wire()])
         if int(reply[0]) == 1:
             return None
+        if int(reply[0]) == 2:
+            return Conflict(None, _text(reply[2]), cap=change.caps[int(reply[1]) - 1])
         guard: Guard = change.guards[int(reply[1]) - 1]
         return Conflict(guard, _text(reply[2]) if len(reply) > 2 else None)
 
@@ -275,6 +332,25 @@ class RedisJobStore:
                 pipe.zrem(keys.OUTBOX, *ids)
                 pipe.hdel(keys.OUTBOX_ITEMS, *ids)
                 pipe.execute()
+
+    def release(self, queue: str, *, window: int, now: float, limit: int = 100) -> list[tuple[str, str]]:
+        """The scheduler's pass on one queue: while fewer than ``window`` of its steps are released
+        or running, move the next ready step to the outbox, taking the tenants in turn (the one
+        served longest ago first) and each tenant's steps in order. Returns (entry id, tenant) released."""
+        reply = self._release(keys=[keys.queue_tenants(queue), keys.queue_released(queue), keys.queue_running(queue),
+                                    keys.OUTBOX, keys.OUTBOX_ITEMS],
+                              args=[keys.queue_ready(queue, ""), window, repr(now), limit])
+        return [(_text(reply[i]), _text(reply[i + 1])) for i in range(0, len(reply), 2)]
+
+    def scheduled_queues(self) -> list[str]:
+        return sorted(_text(q) for q in self.redis.smembers(keys.SCHEDULED_QUEUES))
+
+    def oldest(self, key: str, *, since: float) -> float | None:
+        first = self.redis.zrangebyscore(key, since, "+inf", start=0, num=1, withscores=True)
+        return float(first[0][1]) if first else None
+
+    def count(self, key: str) -> int:
+        return int(self.redis.zcard(key))  # type: ignore[arg-type]
 
     def outbox_holds(self, ids: Sequence[str]) -> set[str]:
         if not ids:
@@ -293,8 +369,8 @@ class RedisJobStore:
     def leased_slots(self) -> list[str]:
         return [_text(m) for m in self.redis.zrange(keys.LEASES, 0, -1)]
 
-    def waiting(self, queue: str, *, queued_before: float, limit: int) -> list[str]:
-        members = self.redis.zrangebyscore(keys.queue_waiting(queue), "-inf", queued_before, start=0, num=limit)
+    def released(self, queue: str, *, before: float, limit: int) -> list[str]:
+        members = self.redis.zrangebyscore(keys.queue_released(queue), "-inf", before, start=0, num=limit)
         return [_text(m) for m in members]
 
     def queue_counts(self, queue: str) -> tuple[int, int]:
@@ -305,13 +381,22 @@ class RedisJobStore:
         return int(waiting), int(running)
 
     def queue_position(self, job: Job) -> int | None:
-        """1-based place of the job's waiting stage on its queue (1 = next to start); None when none waits."""
-        waiting = [r for r in job.stages if r.status is StageStatus.queued]
-        if job.status.is_final or not waiting:
+        """1-based place of the job's waiting stage on its queue (1 = next to start); None when none waits.
+
+        Released steps go in release order; a ready one comes after all released ones, at its rank
+        in its tenant's order times the tenants taking turns (an estimate: tenants come and go)."""
+        record = waiting_stage(job)
+        if record is None:
             return None
-        record = min(waiting, key=lambda r: r.queued_at or 0.0)
-        rank = self.redis.zrank(keys.queue_waiting(record.queue), stage_slot(job.id, record.id))
-        return None if rank is None else int(rank) + 1  # type: ignore[arg-type]
+        slot = stage_slot(job.id, record.id)
+        entry = f"{slot}:{record.attempts + 1}"
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrank(keys.queue_released(record.queue), slot)
+            pipe.zcard(keys.queue_released(record.queue))
+            pipe.zrank(keys.queue_ready(record.queue, job.tenant), entry)
+            pipe.zcard(keys.queue_tenants(record.queue))
+            released_rank, released, ready_rank, tenants = pipe.execute()
+        return estimate_position(released_rank, int(released), ready_rank, int(tenants))
 
     def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
         return bool(self.redis.set(name, owner, nx=True, px=max(1, int(ttl_s * 1000))))
@@ -354,6 +439,22 @@ class RedisJobStore:
 
     def set_mark(self, name: str, value: str) -> None:
         self.redis.set(name, value)
+
+
+def waiting_stage(job: Job) -> StageRecord | None:
+    """The job's stage that waits longest, if one waits (what its queue position is about)."""
+    waiting = [r for r in job.stages if r.status is StageStatus.queued]
+    if job.status.is_final or not waiting:
+        return None
+    return min(waiting, key=lambda r: r.queued_at or 0.0)
+
+
+def estimate_position(released_rank: int | None, released: int, ready_rank: int | None, tenants: int) -> int | None:
+    if released_rank is not None:
+        return int(released_rank) + 1
+    if ready_rank is not None:
+        return released + int(ready_rank) * max(1, tenants) + 1
+    return None
 
 
 def job_pending_steps(job_id: str, fields: dict[str, str], hooks: dict[str, str]) -> list[tuple[str, str, str]]:

@@ -27,6 +27,7 @@ from omni_jobs.jobs.models import (
     now,
 )
 from omni_jobs.jobs.store import JobStore
+from omni_jobs.scheduling import Scheduler
 from omni_jobs.steps import AssembleResults, DeliverWebhook, RunStage, Step, step_id
 
 
@@ -47,6 +48,8 @@ def ref(name: str) -> ArtifactRef:
 
 
 def claim(store: JobStore, job_id: str | None = None) -> list[Step]:
+    """What a relay would publish now: the scheduler's releases first (no worker limit here)."""
+    Scheduler(store, None).release_all()
     entries = store.claim_outbox(now=now(), limit=100, hold_s=60.0, job_id=job_id)
     store.ack_outbox([e.id for e in entries])
     return [e.step for e in entries]
@@ -298,6 +301,7 @@ def test_a_webhook_attempt_lost_with_its_worker_is_sent_again_with_the_same_id(l
 # --- the outbox and the watchdog ---
 def test_a_claim_holds_an_entry_until_acked_or_the_hold_runs_out(ledger: JobLedger, store: JobStore) -> None:
     job, _ = ledger.submit(two_stage_job(), ["ar"])
+    Scheduler(store, None).release_all()
     held = store.claim_outbox(now=now(), limit=10, hold_s=5.0)
     assert [e.step for e in held] == [RunStage(job.id, "ar", 1, "ar")]
     assert store.claim_outbox(now=now(), limit=10, hold_s=5.0) == []  # another relay skips it meanwhile
@@ -310,9 +314,10 @@ def test_a_claim_holds_an_entry_until_acked_or_the_hold_runs_out(ledger: JobLedg
 
 def test_a_published_step_that_vanished_is_dispatched_again(ledger: JobLedger, store: JobStore) -> None:
     job, _ = ledger.submit(two_stage_job(), ["ar"])
-    assert not ledger.redispatch(f"stage:{job.id}:ar")  # still in the outbox: nothing was lost
+    Scheduler(store, None).release_all()
+    assert not ledger.redispatch(f"stage:{job.id}:ar")  # released, still in the outbox: nothing was lost
     claim(store)  # published: now only the broker has it, and the broker loses it
-    assert store.waiting("ar", queued_before=now() + 1, limit=10) == [f"stage:{job.id}:ar"]
+    assert store.released("ar", before=now() + 1, limit=10) == [f"stage:{job.id}:ar"]
     assert ledger.redispatch(f"stage:{job.id}:ar")
     assert claim(store) == [RunStage(job.id, "ar", 1, "ar")]  # the same attempt: only one can start it
     start(ledger, RunStage(job.id, "ar", 1, "ar"))

@@ -39,6 +39,18 @@ WEBHOOK_ENV = {
 
 S3_SECRET = "s3secret-" + secrets.token_hex(12)  # moto checks no signatures: any value works
 
+DIT_ONLY_PIPELINE = {
+    "name": "dit-only",
+    "description": "One short DiT stage: many small jobs on one queue, for the scheduling tests.",
+    "inputs": {"prompt": {"type": "text"}},
+    "stages": [{"id": "dit", "engine": "dit", "model": "tiny:pixart", "inputs": {"prompt": "input.prompt"},
+                "engine_args": {"pipeline_class": "PixArtSigmaPipeline"},
+                "defaults": {"height": 32, "width": 32, "num_inference_steps": 2}}],
+    "outputs": [{"name": "image", "from": "dit.image"}],
+}
+PRIORITY_AGING_S = 2.0
+"""Short, so that the no-starvation bound is tested in seconds (the default is 300 s)."""
+
 BROKEN_MODEL_PIPELINE = {
     "name": "broken-model",
     "description": "A user pipeline whose model path does not exist: its jobs must fail cleanly.",
@@ -61,6 +73,7 @@ def system(
     pipelines = home / "pipelines"
     pipelines.mkdir()
     (pipelines / "broken-model.yaml").write_text(yaml.safe_dump(BROKEN_MODEL_PIPELINE))
+    (pipelines / "dit-only.yaml").write_text(yaml.safe_dump(DIT_ONLY_PIPELINE))
     redis_url = f"redis://127.0.0.1:{redis_service.port}/{E2E_REDIS_DB}"
     settings = Settings(models_dir=models_dir(), artifacts_dir=home / "artifacts", redis_url=redis_url)
     system = EmbeddedSystem(
@@ -81,6 +94,7 @@ def system(
             # worker and same-seed byte equality across jobs (batch composition changes the last bit).
             # Concurrent batching is covered by tests/integration/test_batched_workers.py and tests/fault.
             "OMNI_STAGE_MAX_IN_FLIGHT": "1",
+            "OMNI_PRIORITY_AGING_S": str(PRIORITY_AGING_S),
             **WEBHOOK_ENV,
         },
     )

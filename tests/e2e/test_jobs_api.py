@@ -113,7 +113,9 @@ def test_text_to_text(api: httpx.Client) -> None:
          ["body", "params", "dit", "height"], "multiple of 8"),
         ({"pipeline": "text-to-image", "input": {"prompt": "x"}, "params": {"unet": {}}},
          ["body", "params", "unet"], "has no stage 'unet'"),
-        ({"pipeline": "text-to-image", "input": {"prompt": "x"}, "priority": 1}, ["body", "priority"], "Extra inputs"),
+        ({"pipeline": "text-to-image", "input": {"prompt": "x"}, "priority": "urgent"}, ["body", "priority"],
+         "Input should be 'low', 'normal' or 'high'"),
+        ({"pipeline": "text-to-image", "input": {"prompt": "x"}, "prio": "high"}, ["body", "prio"], "Extra inputs"),
         ({"input": {"prompt": "x"}}, ["body", "pipeline"], "Field required"),
     ],
 )

@@ -23,6 +23,7 @@ from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job, JobWebhook, StageRecord, now
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.net_guard import NetGuard
+from omni_jobs.scheduling import Scheduler
 from omni_jobs.settings import Settings
 from omni_jobs.steps import DeliverWebhook
 from omni_jobs.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner, generate_secret
@@ -188,6 +189,7 @@ def _completed_message(ledger: JobLedger, url: str) -> tuple[Job, DeliverWebhook
               stages=[StageRecord(id="ar", engine="ar", queue="ar")], webhook=JobWebhook(url=url, events=["completed"]))
     ledger.submit(job, ["ar"])
     ledger.cancel(job.id)
+    Scheduler(ledger.store, None).release_all()  # first attempts wait for their turn
     entries = ledger.store.claim_outbox(now=now(), limit=10, hold_s=60.0, job_id=job.id)
     ledger.store.ack_outbox([e.id for e in entries])
     (step,) = [e.step for e in entries]
@@ -228,6 +230,7 @@ def test_a_host_that_rebinds_to_a_private_address_is_refused_at_delivery_and_not
         assert receiver.at("/hook") == []
     # Final at the first attempt: no next attempt is queued, however many the policy allows.
     assert ledger.store.webhook_slots(job.id)[step.message_id].status == "rejected"
+    Scheduler(ledger.store, None).release_all()  # first attempts wait for their turn
     assert ledger.store.claim_outbox(now=now() + 3600, limit=10, hold_s=60.0, job_id=job.id) == []
     delivery = ledger.require(job.id).webhook.deliveries[0]  # type: ignore[union-attr]
     assert delivery.status_code is None and "refused by the SSRF guard" in (delivery.error or "")

@@ -29,6 +29,7 @@ from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import EventType, Job, JobStatus, StageStatus, now
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
+from omni_jobs.scheduling import Scheduler
 from omni_jobs.stages import StageLimits, StageRunner
 from omni_jobs.steps import AssembleResults, RunStage, Step, StepOutcome
 from omni_jobs.submission import JobSubmitter
@@ -93,6 +94,7 @@ def parts(redis_client: redis.Redis, tmp_path: Path, engine_cache: Any) -> dict[
 def dispatched(parts: dict[str, Any], job_id: str) -> list[Step]:
     """The job's due steps, taken from the outbox as the relay takes them."""
     store: RedisJobStore = parts["store"]
+    Scheduler(store, None).release_all()  # first attempts wait for their turn
     entries = store.claim_outbox(now=now(), limit=100, hold_s=60.0, job_id=job_id)
     store.ack_outbox([e.id for e in entries])
     return [e.step for e in entries]

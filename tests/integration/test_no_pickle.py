@@ -19,6 +19,7 @@ from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job, JobWebhook, StageRecord, now
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.queueing import celery_config
+from omni_jobs.scheduling import Scheduler
 from omni_jobs.settings import Settings
 from omni_jobs.steps import DELIVER_WEBHOOK_TASK, DeliverWebhook, task_args
 
@@ -35,6 +36,7 @@ def new_message(ledger: JobLedger) -> tuple[Job, DeliverWebhook]:
               webhook=JobWebhook(url="http://127.0.0.1:9/unreachable", events=["completed"]))
     ledger.submit(job, ["ar"])
     ledger.cancel(job.id)
+    Scheduler(ledger.store, None).release_all()  # first attempts wait for their turn
     entries = ledger.store.claim_outbox(now=now(), limit=10, hold_s=60.0, job_id=job.id)
     ledger.store.ack_outbox([e.id for e in entries])
     (step,) = [e.step for e in entries]

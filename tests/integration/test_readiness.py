@@ -109,7 +109,14 @@ def test_a_job_waiting_for_a_worker_shows_in_queue_depth(settings: Settings) -> 
         assert now_.headers["content-type"].startswith("text/plain")
         assert metric(now_.text, "omni_jobs_queue_waiting", queue="ar") == 1
         assert metric(now_.text, "omni_jobs_queue_running", queue="ar") == 0
-        # The API's relay publishes it without being asked: then it is one Celery message, not yet taken.
+        # No worker listens: the scheduler keeps it (a queue's window is its live workers' concurrency).
+        time.sleep(1.5)
+        held = client.get("/metrics").text
+        assert metric(held, "omni_jobs_queue_depth", queue="ar") == 0
+        assert metric(held, "omni_jobs_queue_ready", queue="ar", tenant="readiness") == 1
+        # A worker appears (its heartbeat): the API's relay releases and publishes the step without being
+        # asked: then it is one Celery message, not yet taken.
+        register_worker(redis.Redis.from_url(settings.redis_url), "ar@elsewhere", ["ar"], concurrency=4)
         deadline = time.monotonic() + 10
         after = now_.text
         while metric(after, "omni_jobs_queue_depth", queue="ar") != 1:
@@ -123,6 +130,7 @@ def test_a_job_waiting_for_a_worker_shows_in_queue_depth(settings: Settings) -> 
         headers = json.loads(raw)["headers"]
         assert (headers["task"], headers["id"]) == ("omni.run_stage", f"stage:{job_id}:ar:1")  # task id = outbox id
         assert broker.zcard(keys.OUTBOX) == 0  # published entries leave the outbox
+        assert metric(client.get("/metrics").text, "omni_jobs_queue_released", queue="ar") == 1
         broker.close()
         queued = metric(after, "omni_jobs_jobs_total", pipeline="text-to-text", status="queued")
         assert queued is not None and queued >= 1

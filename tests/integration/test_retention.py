@@ -16,6 +16,7 @@ from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.leases import Reaper
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.retention import cleanup
+from omni_jobs.scheduling import Scheduler
 from omni_jobs.steps import AssembleResults, RunStage, Step
 from omni_jobs.submission import build_job, resolve_params
 
@@ -61,6 +62,7 @@ def test_cleanup_removes_expired_jobs_and_intermediates_and_cancels_overdue(
     old_running = stored_job(ledger, artifacts, NOW - 2 * DAY, finished=False)
     fresh = stored_job(ledger, artifacts, NOW - 60)
     overdue = stored_job(ledger, artifacts, NOW - 120, finished=False, deadline_at=NOW - 1)
+    Scheduler(store, None).release_all()  # (no relay here: their first steps wait in the outbox)
     waiting = {f"stage:{job_id}:ar:1" for job_id in (old_running, overdue)}
     assert store.outbox_holds(sorted(waiting)) == waiting  # their first steps are still to be published
 
@@ -119,10 +121,12 @@ def test_cleanup_brings_back_the_steps_of_dead_workers(redis_client: redis.Redis
     assert store.outbox_holds([f"stage:{job_id}:ar:2"]) == {f"stage:{job_id}:ar:2"}
     assert one_pass() == (0, 0)  # still in the outbox: nothing was lost, nothing to publish again
 
+    Scheduler(store, None).release_all()  # first attempts wait for their turn
     entries = store.claim_outbox(now=now(), limit=10, hold_s=60.0, job_id=job_id)
     assert [e.step for e in entries] == [retry]
     store.ack_outbox([e.id for e in entries])  # published, then lost by the broker (its queue is empty)
     assert one_pass() == (0, 1)
+    Scheduler(store, None).release_all()  # first attempts wait for their turn
     assert [e.step for e in store.claim_outbox(now=now(), limit=10, hold_s=60.0, job_id=job_id)] == [retry]
     assert ledger.require(job_id).stage_record("ar").attempts == 1  # only dispatched again, not run
 

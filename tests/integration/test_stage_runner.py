@@ -25,6 +25,7 @@ from omni_jobs.jobs.models import EventType, JobEvent, JobStatus, StageStatus, n
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, builtin_pipelines, parse_pipeline
 from omni_jobs.results import ResultsAssembler
+from omni_jobs.scheduling import Scheduler
 from omni_jobs.stages import StageLimits, StageRunner
 from omni_jobs.steps import AssembleResults, RunStage, Step, step_id
 from omni_jobs.submission import JobSubmitter
@@ -67,6 +68,7 @@ def parts(redis_client: redis.Redis, tmp_path: Path, engine_cache: Any) -> dict[
 def dispatched(parts: dict[str, Any], job_id: str, *, at: float | None = None) -> list[Step]:
     """The job's steps due by ``at`` (now), taken from the outbox as the relay takes them."""
     store: RedisJobStore = parts["store"]
+    Scheduler(store, None).release_all()  # first attempts wait for their turn
     entries = store.claim_outbox(now=now() if at is None else at, limit=100, hold_s=60.0, job_id=job_id)
     store.ack_outbox([e.id for e in entries])
     return [e.step for e in entries]

@@ -26,6 +26,7 @@ from omni_jobs.jobs.models import (
     now,
 )
 from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.scheduling import Scheduler
 from omni_jobs.steps import WEBHOOKS_QUEUE, DeliverWebhook, RunStage, step_id
 from omni_jobs.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner, generate_secret
 from tests.webhook_receiver import Answer, WebhookReceiver
@@ -66,6 +67,7 @@ def start(ledger: JobLedger, job: Job, stage: str = "ar") -> Acquired:
 def webhook_steps(store: RedisJobStore, *, at: float | None = None) -> list[DeliverWebhook]:
     """The delivery attempts due by ``at`` (now), taken from the outbox as the relay takes them;
     other dispatches (the next stage) are taken and dropped."""
+    Scheduler(store, None).release_all()  # first attempts wait for their turn
     entries = store.claim_outbox(now=now() if at is None else at, limit=100, hold_s=60.0)
     store.ack_outbox([e.id for e in entries])
     return [e.step for e in entries if isinstance(e.step, DeliverWebhook)]

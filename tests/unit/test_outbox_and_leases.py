@@ -12,6 +12,7 @@ from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import Job, JobStatus, StageRecord, StageStatus, new_job_id, now
 from omni_jobs.leases import LeaseKeeper, Reaper, lease_owner, node_of
 from omni_jobs.outbox import OutboxRelay
+from omni_jobs.scheduling import Scheduler
 from omni_jobs.steps import RunStage, Step
 
 
@@ -38,7 +39,8 @@ def test_the_relay_publishes_a_commit_at_once_and_each_entry_once() -> None:
     store = MemoryJobStore()
     ledger = JobLedger(store)
     transport = Transport()
-    relay = OutboxRelay(store, transport.publish, poll_s=5.0)  # a long poll: only the wake-up can be this fast
+    relay = OutboxRelay(store, transport.publish, poll_s=5.0,  # a long poll: only the wake-up can be this fast
+                        release=Scheduler(store, None).release_all)
     ledger.outbox_listeners.append(relay.wake)
     submitted = ledger.submit(job(), ["ar"])[0]
     deadline = time.monotonic() + 2
@@ -53,12 +55,13 @@ def test_entries_wait_out_a_broker_outage_and_two_relays_never_both_publish_one(
     ledger = JobLedger(store)
     transport = Transport()
     transport.down = True
-    first = OutboxRelay(store, transport.publish, hold_s=0.2, poll_s=0.05)
+    release = Scheduler(store, None).release_all
+    first = OutboxRelay(store, transport.publish, hold_s=0.2, poll_s=0.05, release=release)
     ids = [ledger.submit(job(), ["ar"])[0].id for _ in range(20)]
     first.start()
     time.sleep(0.3)
     assert transport.published == []  # nothing acknowledged while the broker is away: nothing lost
-    second = OutboxRelay(store, transport.publish, hold_s=0.2, poll_s=0.05).start()
+    second = OutboxRelay(store, transport.publish, hold_s=0.2, poll_s=0.05, release=release).start()
     transport.down = False
     for _ in range(50):
         ledger.submit(job(), ["ar"])
@@ -76,6 +79,7 @@ def test_a_relay_that_dies_holding_entries_leaves_them_to_the_next() -> None:
     store = MemoryJobStore()
     ledger = JobLedger(store)
     submitted = ledger.submit(job(), ["ar"])[0]
+    Scheduler(store, None).release_all()
     dying = store.claim_outbox(now=now(), limit=10, hold_s=0.2)  # claimed, then the process was killed
     assert len(dying) == 1
     transport = Transport()
@@ -112,6 +116,7 @@ def test_the_reaper_requeues_expired_leases_one_pass_at_a_time() -> None:
     store = MemoryJobStore()
     ledger = JobLedger(store, lease_s=0.1)
     taken = started(ledger, "ar@dead#1.a")
+    Scheduler(store, None).release_all()
     store.ack_outbox([e.id for e in store.claim_outbox(now=now(), limit=10, hold_s=60)])
     time.sleep(0.15)
     reapers = [Reaper(ledger, store, owner=f"r{i}", queues=lambda: ["ar"], interval_s=1.0) for i in range(2)]
@@ -126,6 +131,7 @@ def test_the_watchdog_republishes_only_what_waits_on_an_empty_queue() -> None:
     store = MemoryJobStore()
     ledger = JobLedger(store)
     submitted = ledger.submit(job(), ["ar"])[0]
+    Scheduler(store, None).release_all()
     store.ack_outbox([e.id for e in store.claim_outbox(now=now(), limit=10, hold_s=60)])  # published, then lost
     depth = {"ar": 3}
     reaper = Reaper(ledger, store, owner="r", queues=lambda: ["ar"], queue_depth=lambda q: depth[q],

@@ -1,0 +1,105 @@
+"""Scheduling: which waiting stage a queue's workers get next, and who may submit how much.
+
+A stage's first attempt does not go to the broker when it becomes runnable. It waits in its
+tenant's ready list on its queue, ordered by queued time moved by priority (JobLedger.order: high
+goes ``priority_aging_s`` ahead, low as far back, so nothing starves). The ``Scheduler`` releases
+ready stages to the broker only while fewer than the queue's *window* are released or running: the
+live workers' concurrency plus ``slack`` (so a freed slot finds its next task waiting). Tenants
+take turns, the one served longest ago first, so one tenant's backlog cannot hold the others back:
+while the window is full, every other tenant with ready work is served before it gets another.
+Every relay runs a pass before it publishes (after its own commits, and every poll), one atomic
+script per queue. Retries and lost workers' requeues keep their place: they go out directly.
+
+``Quotas`` are checked in the submit's own atomic write (omni_jobs.jobs.ledger): jobs a tenant has
+queued or running at once, and jobs it submits per minute; per API key, else per tenant, else the
+settings' defaults. A breach answers 429 with Retry-After and names the limit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from omni_jobs import keys
+from omni_jobs.jobs.ledger import Quota
+from omni_jobs.jobs.models import now
+from omni_jobs.jobs.store import JobStore
+
+Capacity = Callable[[], dict[str, int]]
+"""queue -> how many tasks its live workers run at once (omni_jobs.worker_registry.queue_capacity)."""
+
+UNLIMITED = 1 << 30
+
+
+class Scheduler:
+    def __init__(self, store: JobStore, capacity: Capacity | None, *, slack: int = 2, refresh_s: float = 1.0) -> None:
+        """``capacity``: None releases everything at once (one process: Omni drains its own outbox)."""
+        self.store = store
+        self.capacity = capacity
+        self.slack = slack
+        self.refresh_s = refresh_s
+        self._cached: tuple[float, dict[str, int]] = (0.0, {})
+        self._lock = threading.Lock()
+
+    def window(self, queue: str) -> int:
+        """How many of the queue's steps may be released or running at once."""
+        if self.capacity is None:
+            return UNLIMITED
+        with self._lock:
+            at, capacity = self._cached
+            if time.monotonic() - at > self.refresh_s:
+                capacity = self.capacity()
+                self._cached = (time.monotonic(), capacity)
+        return capacity.get(queue, 0) + self.slack if capacity.get(queue, 0) else 0
+
+    def release_all(self) -> int:
+        """One pass over every scheduled queue; returns how many steps it released."""
+        released = 0
+        for queue in self.store.scheduled_queues():
+            window = self.window(queue)
+            if window > 0:
+                released += len(self.store.release(queue, window=window, now=now()))
+        return released
+
+
+@dataclass(frozen=True)
+class QuotaDefaults:
+    max_active: int = 0
+    per_minute: int = 0
+
+
+class Quotas:
+    """The limits of a submit: the API key's own, else its tenant's, else the defaults (0: none)."""
+
+    def __init__(self, read: Callable[[str], dict[str, str]], defaults: QuotaDefaults, *, cache_s: float = 5.0) -> None:
+        """``read``: the hash of a limits key (keys.tenant_limits / keys.api_key) as text."""
+        self.read = read
+        self.defaults = defaults
+        self.cache_s = cache_s
+        self._cache: dict[str, tuple[float, dict[str, str]]] = {}
+        self._lock = threading.Lock()
+
+    def _fields(self, key: str) -> dict[str, str]:
+        with self._lock:
+            hit = self._cache.get(key)
+        if hit is not None and time.monotonic() - hit[0] < self.cache_s:
+            return hit[1]
+        fields = self.read(key)
+        with self._lock:
+            self._cache[key] = (time.monotonic(), fields)
+        return fields
+
+    def for_submit(self, tenant: str, key_id: str | None = None) -> Quota:
+        tenant_fields = self._fields(keys.tenant_limits(tenant))
+        key_fields = self._fields(keys.api_key(key_id)) if key_id else {}
+
+        def pick(name: str, default: int) -> int:
+            for fields in (key_fields, tenant_fields):
+                if fields.get(name, "").strip():
+                    return int(fields[name])
+            return default
+
+        return Quota(max_active=pick("max_active", self.defaults.max_active),
+                     per_minute=pick("per_minute", self.defaults.per_minute))
