@@ -135,7 +135,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     rt = Runtime(Settings())
     s = rt.settings
     report = cleanup(rt.ledger, rt.artifacts, output_ttl_s=s.output_ttl_s, intermediate_ttl_s=s.intermediate_ttl_s,
-                     max_deadline_s=s.max_cancel_after_s, reaper=rt.reaper)
+                     reaper=rt.reaper)
     print(json.dumps(report.__dict__))
     return 0
 

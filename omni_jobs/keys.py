@@ -39,6 +39,22 @@ JOBS_INDEX = f"{PREFIX}:jobs"
 """Sorted set of every job id, scored by creation time (for listing)."""
 
 
+def jobs_by_status(status: str, tenant: str | None = None) -> str:
+    """Sorted set of the job ids in one status (all, or one tenant's), scored by creation time: a
+    list filtered by status reads only its page, however many jobs are kept."""
+    return f"{PREFIX}:jobs:{status}" if tenant is None else f"{PREFIX}:tenant:{tenant}:jobs:{status}"
+
+
+DEADLINES = f"{PREFIX}:deadlines"
+"""Sorted set of unfinished jobs that have a deadline (Cancel-After), scored by it: retention finds
+the overdue ones without reading every job."""
+
+
+def job_artifacts(job_id: str) -> str:
+    """Set of the artifact keys a job keeps in Redis: deleting them needs no keyspace SCAN."""
+    return f"{PREFIX}:job:{job_id}:artifacts"
+
+
 # --- the outbox, leases and the reaper (omni_jobs.outbox, omni_jobs.leases) ---
 OUTBOX = f"{PREFIX}:outbox"
 """Sorted set of outbox entry ids (steps to publish), scored by when they are due (or held until)."""

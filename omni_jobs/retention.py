@@ -33,7 +33,7 @@ class CleanupReport:
 
 
 def cleanup(ledger: JobLedger, artifacts: ArtifactStore, *, output_ttl_s: float, intermediate_ttl_s: float,
-            max_deadline_s: float, at: float | None = None, reaper: Reaper | None = None) -> CleanupReport:
+            at: float | None = None, reaper: Reaper | None = None) -> CleanupReport:
     """One retention pass; with ``reaper``, also one reaper pass (lost workers' steps come back)."""
     at = now() if at is None else at
     report = CleanupReport()
@@ -58,7 +58,7 @@ def cleanup(ledger: JobLedger, artifacts: ArtifactStore, *, output_ttl_s: float,
     store.set_mark(keys.RETENTION_MARK, repr(max(horizon, mark) if mark is not None else horizon))
 
     # 3. Unfinished jobs past their deadline (e.g. never picked up because no worker ran).
-    for job_id in store.job_ids_created(after=at - max_deadline_s, until=float("inf")):
+    for job_id in store.overdue(now=at, limit=10_000):
         job = store.get(job_id)
         if job is None or job.status.is_final or job.deadline_at is None or job.deadline_at > at:
             continue

@@ -113,7 +113,7 @@ def run_cleanup() -> dict[str, int]:
     rt = runtime()
     s = rt.settings
     report = cleanup(rt.ledger, rt.artifacts, output_ttl_s=s.output_ttl_s, intermediate_ttl_s=s.intermediate_ttl_s,
-                     max_deadline_s=s.max_cancel_after_s, reaper=rt.reaper)
+                     reaper=rt.reaper)
     return dict(report.__dict__)
 
 

@@ -193,6 +193,10 @@ class JobLedger:
             change.expect(job_key, "id", None).hset(job_key, new).expire(job_key, self.store.ttl_s)
             change.zadd(keys.JOBS_INDEX, after.id, after.created_at)
             change.zadd(keys.tenant_jobs(after.tenant), after.id, after.created_at)
+            for tenant in (None, after.tenant):
+                change.zadd(keys.jobs_by_status(after.status.value, tenant), after.id, after.created_at)
+            if after.deadline_at is not None:
+                change.zadd(keys.DEADLINES, after.id, after.deadline_at)
         else:
             for name in ("status", *decision.guard):
                 change.expect(job_key, name, old.get(name))
@@ -214,7 +218,11 @@ class JobLedger:
                            AssembleResults(before.id, after.results.attempts + 1),
                            AssembleResults(before.id, before.results.attempts + 1))
         if after.status.is_final and not before.status.is_final:
-            change.zrem(keys.tenant_active(after.tenant), after.id)
+            change.zrem(keys.tenant_active(after.tenant), after.id).zrem(keys.DEADLINES, after.id)
+        if after.status is not before.status and not new_job:
+            for tenant in (None, after.tenant):
+                change.zrem(keys.jobs_by_status(before.status.value, tenant), after.id)
+                change.zadd(keys.jobs_by_status(after.status.value, tenant), after.id, after.created_at)
         self._webhook_messages(after, decision.events, change)
         if decision.extra is not None:
             change.extend(decision.extra)

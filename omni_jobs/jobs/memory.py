@@ -90,7 +90,10 @@ class MemoryJobStore:
     def page(self, *, limit: int, cursor: str | None = None, status: JobStatus | None = None,
              tenant: str | None = None) -> JobPage:
         """Newest first; the cursor is an offset into the newest-first index, as with Redis."""
-        index = keys.JOBS_INDEX if tenant is None else keys.tenant_jobs(tenant)
+        if status is not None:
+            index = keys.jobs_by_status(status.value, tenant)
+        else:
+            index = keys.JOBS_INDEX if tenant is None else keys.tenant_jobs(tenant)
         position = int(cursor) if cursor and cursor.isdigit() else 0
         with self._changed:
             ids = [m for m, _ in reversed(self._ordered(self._zset(index)))]
@@ -321,6 +324,10 @@ class MemoryJobStore:
         start = 0 if after is None else bisect.bisect_right(scores, after)
         return [m for m, s in ordered[start:] if s <= until]
 
+    def overdue(self, *, now: float, limit: int) -> list[str]:
+        with self._changed:
+            return [m for m, s in self._ordered(self._zset(keys.DEADLINES)) if s <= now][:limit]
+
     def delete(self, job_id: str) -> None:
         with self._changed:
             fields = self._hash(keys.job(job_id))
@@ -330,8 +337,13 @@ class MemoryJobStore:
                         keys.job_webhooks(job_id), keys.job_deliveries(job_id)):
                 self._drop(key)
             self._zsets.get(keys.JOBS_INDEX, {}).pop(job_id, None)
+            self._zsets.get(keys.DEADLINES, {}).pop(job_id, None)
             if tenant is not None:
                 self._zsets.get(keys.tenant_jobs(tenant), {}).pop(job_id, None)
+                self._zsets.get(keys.tenant_active(tenant), {}).pop(job_id, None)
+            if "status" in fields:
+                for who in (None, tenant):
+                    self._zsets.get(keys.jobs_by_status(fields["status"], who), {}).pop(job_id, None)
             for queue, slot, entry_id in pending:
                 for index in (keys.queue_waiting(queue), keys.queue_running(queue), keys.LEASES, keys.OUTBOX):
                     self._zsets.get(index, {}).pop(entry_id if index == keys.OUTBOX else slot, None)

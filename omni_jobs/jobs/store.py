@@ -119,6 +119,9 @@ class JobStore(Protocol):
 
     # --- retention ---
     def job_ids_created(self, *, after: float | None, until: float) -> list[str]: ...
+    def overdue(self, *, now: float, limit: int) -> list[str]:
+        """Unfinished jobs whose deadline passed (from the deadline index, not a walk over all jobs)."""
+        ...
     def delete(self, job_id: str) -> None: ...
     def get_mark(self, name: str) -> str | None: ...
     def set_mark(self, name: str, value: str) -> None: ...
@@ -261,30 +264,27 @@ class RedisJobStore:
 
     def page(self, *, limit: int, cursor: str | None = None, status: JobStatus | None = None,
              tenant: str | None = None) -> JobPage:
-        """Newest first. The cursor is an opaque offset into the index (the tenant's own, when given)."""
-        index = keys.JOBS_INDEX if tenant is None else keys.tenant_jobs(tenant)
+        """Newest first. The cursor is an opaque offset into the index: all jobs or one status's, the
+        tenant's own when given; so a page costs the same whatever the number of jobs kept."""
+        if status is not None:
+            index = keys.jobs_by_status(status.value, tenant)
+        else:
+            index = keys.JOBS_INDEX if tenant is None else keys.tenant_jobs(tenant)
         position = int(cursor) if cursor and cursor.isdigit() else 0
-        found: list[str] = []
-        batch = max(limit, 50)
+        found: list[Job] = []
         while len(found) < limit:
-            ids = [_text(i) for i in self.redis.zrevrange(index, position, position + batch - 1)]
+            ids = [_text(i) for i in self.redis.zrevrange(index, position, position + limit - len(found) - 1)]
             if not ids:
-                return JobPage(self._jobs(found), None)
-            with self.redis.pipeline(transaction=False) as pipe:
-                for job_id in ids:
-                    pipe.hget(keys.job(job_id), "status")
-                statuses = pipe.execute()
-            for job_id, raw in zip(ids, statuses, strict=True):
-                position += 1
-                if raw is None:  # expired: drop it from the index lazily
+                return JobPage(found, None)
+            for job_id, job in zip(ids, self.get_many(ids), strict=True):
+                if job is None:  # expired: drop it from the index lazily
                     self.redis.zrem(index, job_id)
-                    position -= 1
-                elif status is None or _text(raw) == status.value:
-                    found.append(job_id)
-                if len(found) == limit:
-                    break
+                    continue
+                position += 1
+                if status is None or job.status is status:
+                    found.append(job)
         more = int(self.redis.zcard(index)) > position  # type: ignore[arg-type]
-        return JobPage(self._jobs(found), str(position) if more else None)
+        return JobPage(found, str(position) if more else None)
 
     def _jobs(self, ids: list[str]) -> list[Job]:
         return [j for j in self.get_many(ids) if j is not None]
@@ -411,6 +411,9 @@ class RedisJobStore:
         low = "-inf" if after is None else f"({after!r}"
         return [_text(i) for i in self.redis.zrangebyscore(keys.JOBS_INDEX, low, until)]
 
+    def overdue(self, *, now: float, limit: int) -> list[str]:
+        return [_text(i) for i in self.redis.zrangebyscore(keys.DEADLINES, "-inf", now, start=0, num=limit)]
+
     def delete(self, job_id: str) -> None:
         """The job and everything indexed under it: an expired job must not stay counted on a queue,
         nor leave a dispatch waiting in the outbox."""
@@ -424,8 +427,13 @@ class RedisJobStore:
             pipe.delete(keys.job(job_id), keys.job_events(job_id), keys.job_progress(job_id),
                         keys.job_webhooks(job_id), keys.job_deliveries(job_id))
             pipe.zrem(keys.JOBS_INDEX, job_id)
+            pipe.zrem(keys.DEADLINES, job_id)
             if "tenant" in fields:
                 pipe.zrem(keys.tenant_jobs(fields["tenant"]), job_id)
+                pipe.zrem(keys.tenant_active(fields["tenant"]), job_id)
+            if "status" in fields:
+                for tenant in (None, fields.get("tenant")):
+                    pipe.zrem(keys.jobs_by_status(fields["status"], tenant), job_id)
             for queue, slot, entry_id in pending:
                 for index in (keys.queue_waiting(queue), keys.queue_running(queue), keys.LEASES):
                     pipe.zrem(index, slot)

@@ -66,7 +66,7 @@ def test_cleanup_removes_expired_jobs_and_intermediates_and_cancels_overdue(
     waiting = {f"stage:{job_id}:ar:1" for job_id in (old_running, overdue)}
     assert store.outbox_holds(sorted(waiting)) == waiting  # their first steps are still to be published
 
-    report = cleanup(ledger, artifacts, output_ttl_s=7 * DAY, intermediate_ttl_s=DAY, max_deadline_s=7 * DAY, at=NOW)
+    report = cleanup(ledger, artifacts, output_ttl_s=7 * DAY, intermediate_ttl_s=DAY, at=NOW)
 
     assert report.jobs_expired == 1 and report.artifacts_deleted == 2
     assert store.get(ancient) is None and not list(tmp_path.glob(f"jobs/{ancient}/**/*.json"))
@@ -85,11 +85,11 @@ def test_cleanup_removes_expired_jobs_and_intermediates_and_cancels_overdue(
     assert store.queue_counts("ar") == (1, 0)
     assert (report.steps_requeued, report.steps_redispatched) == (0, 0)  # no reaper given
 
-    again = cleanup(ledger, artifacts, output_ttl_s=7 * DAY, intermediate_ttl_s=DAY, max_deadline_s=7 * DAY, at=NOW)
+    again = cleanup(ledger, artifacts, output_ttl_s=7 * DAY, intermediate_ttl_s=DAY, at=NOW)
     assert (again.jobs_expired, again.intermediates_deleted, again.deadlines_canceled) == (0, 0, 0)
     # The running job is revisited once it finishes.
     ledger.cancel(old_running)
-    later = cleanup(ledger, artifacts, output_ttl_s=7 * DAY, intermediate_ttl_s=DAY, max_deadline_s=7 * DAY,
+    later = cleanup(ledger, artifacts, output_ttl_s=7 * DAY, intermediate_ttl_s=DAY,
                     at=NOW + 10)
     assert later.intermediates_deleted == 1 and not (tmp_path / "jobs" / old_running / "stages").exists()
 
@@ -105,7 +105,7 @@ def test_cleanup_brings_back_the_steps_of_dead_workers(redis_client: redis.Redis
 
     def one_pass() -> tuple[int, int]:
         time.sleep(0.25)  # past the lease, and past the previous pass's lock
-        report = cleanup(ledger, artifacts, output_ttl_s=DAY, intermediate_ttl_s=DAY, max_deadline_s=DAY,
+        report = cleanup(ledger, artifacts, output_ttl_s=DAY, intermediate_ttl_s=DAY,
                          reaper=reaper)
         return report.steps_requeued, report.steps_redispatched
 
@@ -139,7 +139,7 @@ def test_an_expired_job_that_never_ran_leaves_nothing_waiting(redis_client: redi
     artifacts = ArtifactStore(LocalBackend(tmp_path))
     never_ran = stored_job(ledger, artifacts, NOW - 8 * DAY, finished=False)
     assert store.queue_counts("ar") == (1, 0)
-    report = cleanup(ledger, artifacts, output_ttl_s=7 * DAY, intermediate_ttl_s=DAY, max_deadline_s=7 * DAY, at=NOW)
+    report = cleanup(ledger, artifacts, output_ttl_s=7 * DAY, intermediate_ttl_s=DAY, at=NOW)
     assert report.jobs_expired == 1 and store.get(never_ran) is None
     assert store.queue_counts("ar") == (0, 0)
     assert store.outbox_holds([f"stage:{never_ran}:ar:1"]) == set()

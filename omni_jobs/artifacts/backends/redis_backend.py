@@ -33,6 +33,12 @@ _TRANSIENT: tuple[type[BaseException], ...] = (
 _DELETE_BATCH = 500
 
 
+def _job_of(key: str) -> str | None:
+    """The job id of a key or prefix under ``jobs/<id>/``, else None."""
+    parts = key.split("/", 2)
+    return parts[1] if len(parts) == 3 and parts[0] == "jobs" and parts[1].startswith("job_") else None
+
+
 def _glob_escape(text: str) -> str:
     """Escape Redis glob metacharacters so a prefix matches literally in SCAN MATCH."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
@@ -69,9 +75,25 @@ class RedisBackend:
             return fn()
 
     def put(self, key: str, data: bytes, *, ttl_s: int | None = None, media_type: str | None = None) -> None:
+        """Store, and note the key in its job's artifact set (so the job's keys are found without a SCAN)."""
         validate_key(key)
         check_ttl(ttl_s)
-        self._call("put", key, lambda: self._r.set(keys.artifact(key), bytes(data), ex=ttl_s))
+        job_id = _job_of(key)
+
+        def write() -> None:
+            with self._r.pipeline(transaction=True) as pipe:
+                pipe.set(keys.artifact(key), bytes(data), ex=ttl_s)
+                if job_id is not None:
+                    index = keys.job_artifacts(job_id)
+                    pipe.sadd(index, key)
+                    if ttl_s is not None:  # the set lives as long as its longest-lived artifact
+                        pipe.expire(index, ttl_s, gt=True)
+                        pipe.expire(index, ttl_s, nx=True)
+                    else:
+                        pipe.persist(index)
+                pipe.execute()
+
+        self._call("put", key, write)
 
     def get(self, key: str) -> bytes:
         validate_key(key)
@@ -97,7 +119,12 @@ class RedisBackend:
         self._call("delete", key, lambda: self._r.unlink(keys.artifact(key)))
 
     def delete_prefix(self, prefix: str) -> int:
+        """Delete every artifact under ``prefix``: a job's through its artifact set (its cost does not
+        grow with the keyspace), any other prefix with a SCAN."""
         validate_prefix(prefix)
+        job_id = _job_of(prefix)
+        if job_id is not None:
+            return self._delete_job_keys(job_id, prefix)
         pattern = _glob_escape(keys.artifact(prefix)) + "*"
         deleted = 0
         with self._guard("delete_prefix", prefix):
@@ -110,6 +137,19 @@ class RedisBackend:
             if batch:
                 deleted += int(self._r.unlink(*batch))
         return deleted
+
+    def _delete_job_keys(self, job_id: str, prefix: str) -> int:
+        index = keys.job_artifacts(job_id)
+        with self._guard("delete_prefix", prefix):
+            members = [m.decode() for m in self._r.smembers(index)]  # type: ignore[union-attr]
+            doomed = [m for m in members if m.startswith(prefix)]
+            if not doomed:
+                return 0
+            with self._r.pipeline(transaction=True) as pipe:
+                pipe.unlink(*(keys.artifact(m) for m in doomed))
+                pipe.srem(index, *doomed)
+                deleted, _ = pipe.execute()
+            return int(deleted)
 
     def presigned_url(self, key: str, *, expires_s: int, filename: str | None = None) -> str | None:
         validate_key(key)
