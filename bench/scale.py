@@ -14,6 +14,7 @@ should stay within 2x of its value at the smallest size.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import statistics
 import sys
@@ -27,7 +28,7 @@ import httpx
 import redis
 
 from omni_jobs import keys
-from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
+from omni_jobs.artifacts import ArtifactRef, ArtifactStore, LocalBackend, RedisBackend
 from omni_jobs.devservices import RunningService, free_port, start_redis
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.ledger import JobLedger
@@ -42,9 +43,12 @@ DAY = 24 * 3600
 TTL_S = 8 * DAY
 
 
+SPEC = load_catalogue().get("text-to-text")
+TEMPLATE = build_job(SPEC, {"prompt": "a short prompt for a finished job"}, resolve_params(SPEC, {}))
+
+
 def finished_job(status: JobStatus, created_at: float) -> Job:
-    spec = load_catalogue().get("text-to-text")
-    job = build_job(spec, {"prompt": "a short prompt for a finished job"}, resolve_params(spec, {}))
+    job = TEMPLATE.model_copy(deep=True)
     job.id = new_job_id()
     job.tenant = "default"  # the API runs with auth off: every caller is tenant default
     job.created_at = job.started_at = created_at
@@ -57,7 +61,11 @@ def finished_job(status: JobStatus, created_at: float) -> Job:
     return job
 
 
-def write_jobs(client: redis.Redis, artifacts: ArtifactStore, n: int, *, status: JobStatus = JobStatus.succeeded,
+PAYLOAD = b'{"text": "x"}'
+PAYLOAD_SHA256 = hashlib.sha256(PAYLOAD).hexdigest()
+
+
+def write_jobs(client: redis.Redis, n: int, *, status: JobStatus = JobStatus.succeeded,
                age_s: float = 2 * 3600) -> list[str]:
     """``n`` finished jobs as the ledger leaves them, in pipelined batches."""
     ids: list[str] = []
@@ -65,8 +73,12 @@ def write_jobs(client: redis.Redis, artifacts: ArtifactStore, n: int, *, status:
         with client.pipeline(transaction=False) as pipe:
             for _ in range(min(1000, n - start)):
                 job = finished_job(status, now() - age_s)
-                ref = artifacts.put_intermediate(keys.intermediate_artifact(job.id, "ar", "text.json", 1),
-                                                 b'{"text": "x"}', "application/json")
+                key = keys.intermediate_artifact(job.id, "ar", "text.json", 1)
+                ref = ArtifactRef(backend="redis", key=key, media_type="application/json", size=len(PAYLOAD),
+                                  sha256=PAYLOAD_SHA256)
+                pipe.set(keys.artifact(key), PAYLOAD, ex=DAY)  # what RedisBackend.put writes, pipelined here
+                pipe.sadd(keys.job_artifacts(job.id), key)
+                pipe.expire(keys.job_artifacts(job.id), DAY)
                 job.stage_record("ar").outputs = {"text": ref}
                 job.outputs = [JobOutput(name="text", type="text", media_type="application/json", size=ref.size,
                                          artifact=ref, text="x")]
@@ -120,14 +132,14 @@ def main(argv: list[str] | None = None) -> int:
             client = redis.Redis.from_url(service.url)
             artifacts = ArtifactStore(LocalBackend(home / "artifacts"), RedisBackend(client), small_max_bytes=1024)
             ledger = JobLedger(RedisJobStore(client, ttl_s=TTL_S))
-            write_jobs(client, artifacts, 5, status=JobStatus.failed)  # the rare status the filtered list asks for
+            write_jobs(client, 5, status=JobStatus.failed)  # the rare status the filtered list asks for
             kept: list[str] = []
             api = start_api(service.url, home)
             try:
                 http = httpx.Client(base_url=f"http://127.0.0.1:{api.port}", timeout=60)
                 for size in sizes:
                     print(f"filling to {size:,} jobs ...", flush=True)
-                    kept += write_jobs(client, artifacts, size - len(kept))
+                    kept += write_jobs(client, size - len(kept))
                     figures: dict[str, float] = {}
                     ids = list(kept)
 
@@ -144,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
                         "/v1/jobs?limit=20&status=failed").raise_for_status())
                     figures["/readyz"] = p50_ms(20, lambda i: http.get("/readyz"))
                     figures["/metrics"] = p50_ms(20, lambda i: http.get("/metrics").raise_for_status())
-                    expired = write_jobs(client, artifacts, 1000, age_s=9 * DAY)
+                    expired = write_jobs(client, 1000, age_s=9 * DAY)
                     started = time.perf_counter()
                     report = cleanup(ledger, artifacts, output_ttl_s=7 * DAY, intermediate_ttl_s=DAY)
                     figures["cleanup of 1,000 expired"] = (time.perf_counter() - started) * 1000
