@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from omni_jobs import keys
 from omni_jobs.artifacts.refs import ArtifactRef
@@ -471,6 +471,24 @@ class JobLedger:
         change = self._change(base, decision)
         if self.store.commit(change) is None:
             self._committed(after, change)
+            return "ok"
+        current = self.store.get(lease.job_id)
+        return "canceled" if current is None or current.status is JobStatus.canceled else "lost"
+
+    def publish(self, lease: Lease, snapshot: Job, event_type: EventType, data: dict[str, Any]) -> str:
+        """Append a running stage's partial output (a text delta, a preview) to its job's event stream,
+        while the lease still holds: 'ok', or 'canceled' / 'lost' (stop working on it).
+
+        It changes no job field, so it never conflicts with progress; the guard only keeps an attempt
+        that lost its lease (or a canceled job) from adding to the stream."""
+        assert isinstance(lease.step, RunStage)
+        stage_id = lease.step.stage_id
+        event = JobEvent(job_id=lease.job_id, type=event_type, at=now(), data=data)
+        decision = _Decision(None, snapshot, [event], (f"stage:{stage_id}:status", f"stage:{stage_id}:attempts",
+                                                        f"stage:{stage_id}:lease_owner"))
+        change = self._change(snapshot, decision)
+        if self.store.commit(change) is None:
+            self._committed(snapshot, change)
             return "ok"
         current = self.store.get(lease.job_id)
         return "canceled" if current is None or current.status is JobStatus.canceled else "lost"

@@ -77,6 +77,10 @@ class EventType(StrEnum):
     """The attempt hit a transient error (store down); the next attempt is queued after a backoff."""
     stage_requeued = "stage.requeued"
     """The attempt's worker stopped renewing its lease (killed, lost); the next attempt is queued now."""
+    output_delta = "output.delta"
+    """A running AR stage's newly generated text: ``{stage, output, text, index}``."""
+    output_preview = "output.preview"
+    """A running DiT stage's low-cost look at its current latents: ``{stage, step, total, media_type, data}``."""
 
 
 FINAL_EVENTS = frozenset({EventType.job_succeeded, EventType.job_failed, EventType.job_canceled})

@@ -247,6 +247,24 @@ def test_progress_is_recorded_until_the_job_is_canceled(ledger: JobLedger, store
         ledger.cancel("job_missing")
 
 
+def test_partial_outputs_are_published_in_order_while_the_lease_holds(ledger: JobLedger, store: JobStore) -> None:
+    job, _ = ledger.submit(two_stage_job(), ["ar"])
+    taken = start(ledger, claim(store)[0])
+    for index, text in enumerate(["Hel", "lo", " world"]):
+        data = {"stage": "ar", "output": "text", "text": text, "index": index}
+        assert ledger.publish(taken.lease, taken.job, EventType.output_delta, data) == "ok"
+    assert ledger.progress(taken.lease, taken.job, 3, 8, "tokens") == "ok"
+    deltas = [e for e in ledger.events(job.id) if e.type == EventType.output_delta]
+    assert "".join(e.data["text"] for e in deltas) == "Hello world"
+    assert [e.data["index"] for e in deltas] == [0, 1, 2]
+    shown = ledger.require(job.id)
+    assert shown.progress is not None and shown.progress.step == 3  # a delta changes no job field
+    ledger.cancel(job.id)
+    assert ledger.publish(taken.lease, taken.job, EventType.output_delta,
+                          {"stage": "ar", "output": "text", "text": "!", "index": 3}) == "canceled"
+    assert [e.data["text"] for e in ledger.events(job.id) if e.type == EventType.output_delta] == ["Hel", "lo", " world"]
+
+
 def test_canceling_a_waiting_job_withdraws_its_unpublished_dispatch(ledger: JobLedger, store: JobStore) -> None:
     job, _ = ledger.submit(two_stage_job(), ["ar"])
     ledger.cancel(job.id)
