@@ -45,14 +45,29 @@ def parse_params(items: list[str]) -> dict[str, dict[str, Any]]:
     return params
 
 
-def parse_inputs(items: list[str]) -> dict[str, Any]:
+def parse_inputs(items: list[str]) -> tuple[dict[str, Any], dict[str, Path]]:
+    """``--input`` values: the JSON inputs, and the files to upload.
+
+    ``image=@photo.png`` uploads the file (as curl's ``-F`` does), and so does a bare value that is
+    the path of an existing file (except ``prompt``); a missing ``@`` file is an error before any
+    request is sent."""
     inputs: dict[str, Any] = {}
+    files: dict[str, Path] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise argparse.ArgumentTypeError(f"--input {item!r}: expected KEY=VALUE, e.g. prompt='a cat'")
-        inputs[key] = _parse_value(value) if value[:1] in "[{" or value in ("true", "false") else value
-    return inputs
+            raise argparse.ArgumentTypeError(f"--input {item!r}: expected KEY=VALUE, e.g. prompt='a cat' or "
+                                             "image=@photo.png")
+        if value.startswith("@"):
+            path = Path(value[1:]).expanduser()
+            if not path.is_file():
+                raise argparse.ArgumentTypeError(f"--input {key}=@{value[1:]}: no such file: {path.resolve()}")
+            files[key] = path
+        elif key != "prompt" and value and Path(value).expanduser().is_file():
+            files[key] = Path(value).expanduser()
+        else:
+            inputs[key] = _parse_value(value) if value[:1] in "[{" or value in ("true", "false") else value
+    return inputs, files
 
 
 def _when(ts: float | None) -> str:
@@ -78,13 +93,13 @@ def _print_outputs(job: JobInfo, paths: dict[str, Path]) -> None:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    inputs = parse_inputs(args.input or [])
+    inputs, files = parse_inputs(args.input or [])
     if args.prompt is not None:
         inputs["prompt"] = args.prompt
     params = parse_params(args.param or [])
     with _client(args) as omni:
         job = omni.submit(args.pipeline, inputs, params=params or None, webhook=args.webhook,
-                          webhook_events_filter=args.webhook_events or None)
+                          webhook_events_filter=args.webhook_events or None, files=files or None)
         if not args.wait:
             print(json.dumps(job.model_dump(mode="json"), indent=2) if args.json else f"{job.id}\t{job.status}")
             return EXIT_OK
@@ -223,7 +238,8 @@ def add_job_commands(sub: Any) -> None:
     s = sub.add_parser("submit", parents=[common], help="submit a job; --wait shows progress and downloads outputs")
     s.add_argument("pipeline")
     s.add_argument("--prompt", help="the prompt (input.prompt)")
-    s.add_argument("--input", action="append", metavar="KEY=VALUE", help="another input field (repeatable)")
+    s.add_argument("--input", action="append", metavar="KEY=VALUE",
+                   help="another input field (repeatable); KEY=@FILE (or the path of an existing file) uploads it")
     s.add_argument("--param", action="append", metavar="STAGE.KEY=VALUE",
                    help="a stage parameter, e.g. dit.seed=7 (repeatable)")
     s.add_argument("--wait", action="store_true", help="follow the job's progress, then download its outputs")

@@ -17,6 +17,7 @@ detail (for a 422: the fields, e.g. ``body.input.prompt``). It needs only httpx 
 from __future__ import annotations
 
 import asyncio
+import json
 import mimetypes
 import os
 import time
@@ -229,6 +230,26 @@ def _job_body(pipeline: str, input: Mapping[str, Any] | None, prompt: str | None
     return body
 
 
+FileInput = bytes | str | Path
+"""A file input for ``submit(files=...)``: its bytes, or the path of a local file."""
+
+
+def _submit_request(body: dict[str, Any], files: Mapping[str, FileInput] | None) -> tuple[str, dict[str, Any]]:
+    """The path and httpx arguments of a submit: JSON, or a multipart form when there are files
+    (each file a part named ``input.<field>``, as ``curl -F input.image=@photo.png`` sends it)."""
+    if not files:
+        return "/v1/jobs", {"json": body}
+    form = {key: value if isinstance(value, str) else json.dumps(value) for key, value in body.items()}
+    parts: dict[str, tuple[str, bytes]] = {}
+    for name, source in files.items():
+        if isinstance(source, bytes):
+            parts[f"input.{name}"] = (name, source)
+        else:
+            path = Path(source)
+            parts[f"input.{name}"] = (path.name, path.read_bytes())
+    return "/v1/jobs/multipart", {"data": form, "files": parts}
+
+
 def _submit_headers(wait: float | None, idempotency_key: str | None, cancel_after: str | None) -> dict[str, str]:
     headers: dict[str, str] = {}
     if wait is not None and wait > 0:
@@ -314,14 +335,17 @@ class Client:
     def submit(self, pipeline: str, input: Mapping[str, Any] | None = None, *, prompt: str | None = None,
                params: Mapping[str, Any] | None = None, webhook: str | None = None,
                webhook_events_filter: Iterable[str] | None = None, wait: float | None = None,
-               idempotency_key: str | None = None, cancel_after: str | None = None) -> JobInfo:
+               idempotency_key: str | None = None, cancel_after: str | None = None,
+               files: Mapping[str, FileInput] | None = None) -> JobInfo:
         """Submit a job. With ``wait`` (seconds) the call returns once the job ended or ``wait`` passed:
-        the server holds the answer (``Prefer: wait``) up to its cap, then this client polls."""
+        the server holds the answer (``Prefer: wait``) up to its cap, then this client polls.
+        ``files``: inputs sent as uploaded files (bytes or a local path), e.g. ``{"image": "photo.png"}``."""
         started = time.monotonic()
         body = _job_body(pipeline, input, prompt, params, webhook, webhook_events_filter)
+        path, content = _submit_request(body, files)
         timeout = self.timeout + (wait or 0)
         job = JobInfo.model_validate(self._request(
-            "POST", "/v1/jobs", json=body, headers=_submit_headers(wait, idempotency_key, cancel_after),
+            "POST", path, **content, headers=_submit_headers(wait, idempotency_key, cancel_after),
             timeout=timeout).json())
         if wait is not None and not job.is_final:
             remaining = wait - (time.monotonic() - started)
@@ -460,10 +484,12 @@ class AsyncClient:
     async def submit(self, pipeline: str, input: Mapping[str, Any] | None = None, *, prompt: str | None = None,
                      params: Mapping[str, Any] | None = None, webhook: str | None = None,
                      webhook_events_filter: Iterable[str] | None = None, wait: float | None = None,
-                     idempotency_key: str | None = None, cancel_after: str | None = None) -> JobInfo:
+                     idempotency_key: str | None = None, cancel_after: str | None = None,
+                     files: Mapping[str, FileInput] | None = None) -> JobInfo:
         started = time.monotonic()
         body = _job_body(pipeline, input, prompt, params, webhook, webhook_events_filter)
-        response = await self._request("POST", "/v1/jobs", json=body,
+        path, content = _submit_request(body, files)
+        response = await self._request("POST", path, **content,
                                        headers=_submit_headers(wait, idempotency_key, cancel_after),
                                        timeout=self.timeout + (wait or 0))
         job = JobInfo.model_validate(response.json())

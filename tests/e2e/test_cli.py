@@ -98,3 +98,28 @@ def test_errors_are_one_clear_line(system: EmbeddedSystem) -> None:
     assert usage.returncode == 2 and "STAGE.KEY=VALUE" in usage.stderr
     down = omni(system, "list", env={"OMNI_API_URL": "http://127.0.0.1:9"})
     assert down.returncode == 3 and "cannot reach the API at http://127.0.0.1:9" in down.stderr
+
+
+def test_submit_uploads_a_local_image_given_as_at_file_or_as_an_existing_path(
+        system: EmbeddedSystem, api: httpx.Client, tmp_path: Path) -> None:
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (40, 24), (200, 30, 30)).save(photo)
+    for value in (f"@{photo}", str(photo)):
+        run = omni(system, "submit", "image-to-image", "--prompt", "make it blue", "--input", f"image={value}",
+                   "--param", "dit.num_inference_steps=2", "--param", "dit.height=32", "--param", "dit.width=32",
+                   "--json")
+        assert run.returncode == 0, run.stderr
+        job = wait_for_job(api, json.loads(run.stdout)["id"])
+        assert job["status"] == "succeeded", job["error"]
+        stored = job["input"]["image"]
+        assert (stored["width"], stored["height"], stored["media_type"]) == (40, 24, "image/png")
+        assert stored["artifact"]["key"] == f"jobs/{job['id']}/inputs/image.png"
+
+
+def test_submit_with_a_missing_file_fails_before_any_request(system: EmbeddedSystem, tmp_path: Path) -> None:
+    missing = tmp_path / "nope.png"
+    run = omni(system, "submit", "image-to-image", "--prompt", "x", "--input", f"image=@{missing}",
+               env={"OMNI_API_URL": "http://127.0.0.1:9"})  # nothing listens there: no request is needed
+    assert run.returncode == 2
+    assert f"--input image=@{missing}: no such file" in run.stderr
+
