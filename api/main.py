@@ -13,7 +13,7 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from api import body_limit
+from api import body_limit, docs
 from api.deps import ApiContext
 from api.observability import ObservabilityMiddleware
 from api.routes import events, health, jobs, metrics, openai, pipelines
@@ -103,7 +103,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         description="Multi-stage multimodal generation (vLLM AR + diffusers DiT) as durable asynchronous jobs.",
         lifespan=lifespan,
+        docs_url=None,  # /docs and /redoc come from api.docs, with their assets served here (no CDN)
+        redoc_url=None,
     )
+    docs.install(app)
     app.include_router(health.router)
     app.include_router(pipelines.router)
     app.include_router(jobs.router)
