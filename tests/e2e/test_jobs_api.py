@@ -167,6 +167,9 @@ def test_pipelines_endpoint_describes_the_catalogue(api: httpx.Client) -> None:
     assert t2i["stages"][1]["inputs"] == {"prompt": "ar.text"}
     assert t2i["outputs"] == [{"name": "image", "from": "dit.image", "type": "image"},
                               {"name": "text", "from": "ar.text", "type": "text"}]
+    missing = api.get("/v1/pipelines/no-such-pipeline")
+    assert missing.status_code == 404  # a missing resource in the path, not a 422
+    assert "no-such-pipeline" in missing.json()["detail"] and "text-to-image" in missing.json()["detail"]
 
 
 def test_flower_is_behind_basic_auth_and_sees_workers_and_tasks(api: httpx.Client, system: Any) -> None:
