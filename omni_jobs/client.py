@@ -9,7 +9,8 @@
         paths = omni.download_outputs(omni.get(job.id), "out/")
 
 Every endpoint has a method: ``submit`` (with ``wait`` = ``Prefer: wait=N``, webhooks, Idempotency-Key),
-``get``, ``list`` / ``iter_jobs``, ``cancel``, ``events``, ``wait``, ``download`` /
+``get``, ``list`` / ``iter_jobs``, ``cancel``, ``events`` (and ``stream_text``: an AR stage's text as
+it is generated), ``wait``, ``download`` /
 ``download_outputs``, ``pipelines``. Errors are ``ApiError`` subclasses that carry the server's
 detail (for a 422: the fields, e.g. ``body.input.prompt``). It needs only httpx and pydantic.
 """
@@ -274,6 +275,36 @@ class _SseParser:
         return None
 
 
+class _TextJoiner:
+    """``output.delta`` events -> the new text of one stage output, in order.
+
+    ``stage=None`` follows the first stage that publishes a delta. A later attempt of the stage (its
+    worker was lost) publishes its text again from the start: only what goes beyond the text
+    already handed out is new."""
+
+    def __init__(self, stage: str | None, output: str) -> None:
+        self.stage = stage
+        self.output = output
+        self.text = ""
+        self._attempt: Any = None
+        self._attempt_text = ""
+
+    def feed(self, event: JobEventInfo) -> str:
+        data = event.data
+        if event.type != "output.delta" or data.get("output") != self.output:
+            return ""
+        if self.stage is None:
+            self.stage = str(data.get("stage"))
+        if data.get("stage") != self.stage:
+            return ""
+        if data.get("attempt") != self._attempt:
+            self._attempt, self._attempt_text = data.get("attempt"), ""
+        self._attempt_text += str(data.get("text", ""))
+        new = self._attempt_text[len(self.text):]
+        self.text += new
+        return new
+
+
 def _event(data: str) -> JobEventInfo:
     return JobEventInfo.model_validate_json(data)
 
@@ -389,6 +420,17 @@ class Client:
                 continue
             if self.get(job_id).is_final:  # closed without a final event: it ended before we resumed
                 return
+
+    def stream_text(self, job_id: str, *, stage: str | None = None, output: str = "text",
+                    last_event_id: str | None = None) -> Iterator[str]:
+        """An AR stage's text as it is generated (its ``output.delta`` events), piece by piece, until
+        the job ends; joined, the pieces are the stage's text output. ``stage=None``: the first
+        stage that streams text. It ends quietly when the job ends, however it ended: ``get`` says."""
+        joiner = _TextJoiner(stage, output)
+        for event in self.events(job_id, last_event_id=last_event_id):
+            piece = joiner.feed(event)
+            if piece:
+                yield piece
 
     def wait(self, job_id: str, *, timeout: float = 600.0, poll_s: float = 0.25,
              raise_on_timeout: bool = True) -> JobInfo:
@@ -533,6 +575,15 @@ class AsyncClient:
                 continue
             if (await self.get(job_id)).is_final:
                 return
+
+    async def stream_text(self, job_id: str, *, stage: str | None = None, output: str = "text",
+                          last_event_id: str | None = None) -> AsyncIterator[str]:
+        """As ``Client.stream_text``: ``async for piece in omni.stream_text(job.id)``."""
+        joiner = _TextJoiner(stage, output)
+        async for event in self.events(job_id, last_event_id=last_event_id):
+            piece = joiner.feed(event)
+            if piece:
+                yield piece
 
     async def wait(self, job_id: str, *, timeout: float = 600.0, poll_s: float = 0.25,
                    raise_on_timeout: bool = True) -> JobInfo:
