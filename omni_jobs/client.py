@@ -28,6 +28,8 @@ from typing import Any, Self
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
+from omni_jobs.text_stream import DeltaReader
+
 DEFAULT_API_URL = "http://127.0.0.1:8000"
 FINAL_STATUSES = frozenset({"succeeded", "failed", "canceled"})
 FINAL_EVENTS = frozenset({"job.succeeded", "job.failed", "job.canceled"})
@@ -275,36 +277,6 @@ class _SseParser:
         return None
 
 
-class _TextJoiner:
-    """``output.delta`` events -> the new text of one stage output, in order.
-
-    ``stage=None`` follows the first stage that publishes a delta. A later attempt of the stage (its
-    worker was lost) publishes its text again from the start: only what goes beyond the text
-    already handed out is new."""
-
-    def __init__(self, stage: str | None, output: str) -> None:
-        self.stage = stage
-        self.output = output
-        self.text = ""
-        self._attempt: Any = None
-        self._attempt_text = ""
-
-    def feed(self, event: JobEventInfo) -> str:
-        data = event.data
-        if event.type != "output.delta" or data.get("output") != self.output:
-            return ""
-        if self.stage is None:
-            self.stage = str(data.get("stage"))
-        if data.get("stage") != self.stage:
-            return ""
-        if data.get("attempt") != self._attempt:
-            self._attempt, self._attempt_text = data.get("attempt"), ""
-        self._attempt_text += str(data.get("text", ""))
-        new = self._attempt_text[len(self.text):]
-        self.text += new
-        return new
-
-
 def _event(data: str) -> JobEventInfo:
     return JobEventInfo.model_validate_json(data)
 
@@ -426,9 +398,9 @@ class Client:
         """An AR stage's text as it is generated (its ``output.delta`` events), piece by piece, until
         the job ends; joined, the pieces are the stage's text output. ``stage=None``: the first
         stage that streams text. It ends quietly when the job ends, however it ended: ``get`` says."""
-        joiner = _TextJoiner(stage, output)
+        reader = DeltaReader(stage, output)
         for event in self.events(job_id, last_event_id=last_event_id):
-            piece = joiner.feed(event)
+            piece = reader.feed(event.data) if event.type == "output.delta" else ""
             if piece:
                 yield piece
 
@@ -579,9 +551,9 @@ class AsyncClient:
     async def stream_text(self, job_id: str, *, stage: str | None = None, output: str = "text",
                           last_event_id: str | None = None) -> AsyncIterator[str]:
         """As ``Client.stream_text``: ``async for piece in omni.stream_text(job.id)``."""
-        joiner = _TextJoiner(stage, output)
+        reader = DeltaReader(stage, output)
         async for event in self.events(job_id, last_event_id=last_event_id):
-            piece = joiner.feed(event)
+            piece = reader.feed(event.data) if event.type == "output.delta" else ""
             if piece:
                 yield piece
 

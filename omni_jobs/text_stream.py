@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -199,3 +199,34 @@ class TextStreams:
                 except Exception:  # the store may be down: the text stays pending, tried again
                     log.warning("could not publish a text delta of stage '%s'", deltas.stage, exc_info=True)
                     time.sleep(self.interval_s)
+
+
+class DeltaReader:
+    """A reader's side: the data of ``output.delta`` events -> the new text of one output, in order.
+
+    ``stage=None`` follows the first stage that publishes a delta of ``output``. A later attempt of
+    the stage (its worker was lost) publishes its text again from index 0: only what goes beyond
+    the text already handed out is new (an AR stage gives the same text again for the same seed)."""
+
+    def __init__(self, stage: str | None = None, output: str = "text") -> None:
+        self.stage = stage
+        self.output = output
+        self.text = ""
+        """Everything handed out so far."""
+        self._attempt: Any = None
+        self._attempt_text = ""
+
+    def feed(self, data: Mapping[str, Any]) -> str:
+        """The new text in this delta ('' when it is another output's or repeats what was handed out)."""
+        if data.get("output") != self.output:
+            return ""
+        if self.stage is None:
+            self.stage = str(data.get("stage"))
+        if data.get("stage") != self.stage:
+            return ""
+        if data.get("attempt") != self._attempt:
+            self._attempt, self._attempt_text = data.get("attempt"), ""
+        self._attempt_text += str(data.get("text", ""))
+        new = self._attempt_text[len(self.text):]
+        self.text += new
+        return new

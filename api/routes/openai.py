@@ -53,6 +53,7 @@ from omni_jobs.jobs.view import output_url
 from omni_jobs.logs import bind
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.spec import PipelineSpec, StageSpec
+from omni_jobs.text_stream import DeltaReader
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -489,11 +490,12 @@ async def _chat_chunks(ctx: ApiContext, spec: PipelineSpec, job: Job, *, include
     """The chat answer as OpenAI's chunks, from the job's event stream: role, content deltas, the
     finish chunk, the usage chunk (``include_usage``), ``[DONE]``; an error chunk if the job fails.
 
-    The content is the text output's deltas, so their concatenation is the non-streamed answer. A
-    later attempt of the stage (a worker was lost) publishes its text again from the start: only
-    what goes beyond the text already sent is sent. Whatever no delta carried (none were published,
-    e.g. an older worker) is sent from the final text before the finish chunk."""
+    The content is the text output's deltas, so their concatenation is the non-streamed answer (a
+    later attempt's repeat is skipped by the DeltaReader). Whatever no delta carried (none were
+    published, e.g. by an older worker) is sent from the final text before the finish chunk."""
     source = text_source(spec)
+    assert source is not None
+    reader = DeltaReader(*source)
     base: dict[str, Any] = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk",
                             "created": int(job.created_at), "model": spec.name, "system_fingerprint": None}
     if include_usage:
@@ -506,9 +508,6 @@ async def _chat_chunks(ctx: ApiContext, spec: PipelineSpec, job: Job, *, include
         return _sse({"error": {"message": message, "type": status, "param": None, "code": code}})
 
     yield chunk({"role": "assistant", "content": ""})
-    sent = ""
-    attempt: Any = None
-    attempt_text = ""
     deadline = time.monotonic() + ctx.runtime.settings.openai_wait_s
     async for event in ctx.watcher.follow(job.id, heartbeat_s=5.0):
         if event is None:
@@ -521,15 +520,8 @@ async def _chat_chunks(ctx: ApiContext, spec: PipelineSpec, job: Job, *, include
             continue
         if event.type in FINAL_EVENTS:
             break
-        data = event.data
-        if event.type != EventType.output_delta or (data.get("stage"), data.get("output")) != source:
-            continue
-        if data.get("attempt") != attempt:
-            attempt, attempt_text = data.get("attempt"), ""
-        attempt_text += str(data.get("text", ""))
-        if len(attempt_text) > len(sent):
-            new = attempt_text[len(sent):]
-            sent += new
+        new = reader.feed(event.data) if event.type == EventType.output_delta else ""
+        if new:
             yield chunk({"content": new})
     final = await ctx.watcher.get(job.id)
     if final is None or final.status is not JobStatus.succeeded:
@@ -537,7 +529,7 @@ async def _chat_chunks(ctx: ApiContext, spec: PipelineSpec, job: Job, *, include
         status = final.status.value if final is not None else "gone"
         yield error("server_error", f"job {job.id} {status}" + (f": {reason}" if reason else ""), f"job_{status}")
         return
-    text = _text(final) or ""
+    text, sent = _text(final) or "", reader.text
     if len(text) > len(sent) and text.startswith(sent):
         yield chunk({"content": text[len(sent):]})
     finish, usage = await _text_meta(ctx, spec, final)

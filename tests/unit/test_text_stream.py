@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from omni_jobs.text_stream import TextDeltas, TextStreams
+from omni_jobs.text_stream import DeltaReader, TextDeltas, TextStreams
 
 
 class FakeClock:
@@ -148,3 +148,18 @@ def test_outputs_stream_independently() -> None:
     assert streams.close(a) == "ok"
     time.sleep(0.1)
     assert a_sent.texts == ["alpha", " beta"] and b_sent.texts == ["beta"]
+
+
+def delta(text: str, index: int, *, stage: str = "ar", output: str = "text", attempt: int = 1) -> dict[str, Any]:
+    return {"stage": stage, "output": output, "text": text, "index": index, "attempt": attempt}
+
+
+def test_a_reader_hands_out_each_character_once_even_when_a_second_attempt_repeats_the_text() -> None:
+    reader = DeltaReader()  # follows the first stage that streams 'text'
+    pieces = [reader.feed(d) for d in [
+        delta("Once", 0), delta(" upon", 1), delta("ignored", 0, stage="other"), delta("x", 0, output="caption"),
+        delta("On", 0, attempt=2), delta("ce upon a", 1, attempt=2), delta(" time", 2, attempt=2)]]
+    assert pieces == ["Once", " upon", "", "", "", " a", " time"]
+    assert reader.text == "Once upon a time" and reader.stage == "ar"
+    named = DeltaReader("other")
+    assert named.feed(delta("Once", 0)) == "" and named.feed(delta("Hi", 0, stage="other")) == "Hi"
