@@ -510,12 +510,11 @@ async def _chat_chunks(ctx: ApiContext, spec: PipelineSpec, job: Job, *, include
     yield chunk({"role": "assistant", "content": ""})
     deadline = time.monotonic() + ctx.runtime.settings.openai_wait_s
     async for event in ctx.watcher.follow(job.id, heartbeat_s=5.0):
+        if time.monotonic() > deadline:
+            yield error("timeout", f"job {job.id} still running after {ctx.runtime.settings.openai_wait_s:g}s "
+                        f"(OMNI_OPENAI_WAIT_S); follow it at GET /v1/jobs/{job.id}", "job_timeout")
+            return
         if event is None:
-            if time.monotonic() > deadline:
-                yield error("timeout", f"job {job.id} still running after "
-                            f"{ctx.runtime.settings.openai_wait_s:g}s (OMNI_OPENAI_WAIT_S); follow it at "
-                            f"GET /v1/jobs/{job.id}", "job_timeout")
-                return
             yield ": keep-alive\n\n"
             continue
         if event.type in FINAL_EVENTS:

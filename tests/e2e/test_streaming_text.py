@@ -144,6 +144,16 @@ def test_cancel_while_streaming_stops_the_job_and_ends_the_stream_with_an_error(
     assert tokens and max(tokens) < long  # stopped well before its budget
 
 
+def test_a_failing_job_ends_its_stream_with_an_error_chunk(client: OpenAI) -> None:
+    stream = client.chat.completions.create(model="broken-model", stream=True,
+                                            messages=[{"role": "user", "content": "hi"}])
+    chunks: list[Any] = []
+    with pytest.raises(openai.APIError) as err:
+        chunks.extend(stream)
+    assert [c.choices[0].delta.role for c in chunks] == ["assistant"]  # the role chunk, then the error
+    assert err.value.code == "job_failed" and "/nonexistent/omni-model" in err.value.message
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [({"modalities": ["text", "image"]}, "stream"), ({"stream": False, "stream_options": {"include_usage": True}},
