@@ -9,7 +9,8 @@
         paths = omni.download_outputs(omni.get(job.id), "out/")
 
 Every endpoint has a method: ``submit`` (with ``wait`` = ``Prefer: wait=N``, webhooks, Idempotency-Key),
-``get``, ``list`` / ``iter_jobs``, ``cancel``, ``events``, ``wait``, ``download`` /
+``get``, ``list`` / ``iter_jobs``, ``cancel``, ``events`` (and ``stream_text``: an AR stage's text as
+it is generated), ``wait``, ``download`` /
 ``download_outputs``, ``pipelines``. Errors are ``ApiError`` subclasses that carry the server's
 detail (for a 422: the fields, e.g. ``body.input.prompt``). It needs only httpx and pydantic.
 """
@@ -27,6 +28,8 @@ from typing import Any, Self
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
+
+from omni_jobs.text_stream import DeltaReader
 
 DEFAULT_API_URL = "http://127.0.0.1:8000"
 FINAL_STATUSES = frozenset({"succeeded", "failed", "canceled"})
@@ -414,6 +417,17 @@ class Client:
             if self.get(job_id).is_final:  # closed without a final event: it ended before we resumed
                 return
 
+    def stream_text(self, job_id: str, *, stage: str | None = None, output: str = "text",
+                    last_event_id: str | None = None) -> Iterator[str]:
+        """An AR stage's text as it is generated (its ``output.delta`` events), piece by piece, until
+        the job ends; joined, the pieces are the stage's text output. ``stage=None``: the first
+        stage that streams text. It ends quietly when the job ends, however it ended: ``get`` says."""
+        reader = DeltaReader(stage, output)
+        for event in self.events(job_id, last_event_id=last_event_id):
+            piece = reader.feed(event.data) if event.type == "output.delta" else ""
+            if piece:
+                yield piece
+
     def wait(self, job_id: str, *, timeout: float = 600.0, poll_s: float = 0.25,
              raise_on_timeout: bool = True) -> JobInfo:
         """Poll until the job ends; TimeoutError (or the job as it is) after ``timeout`` seconds."""
@@ -559,6 +573,15 @@ class AsyncClient:
                 continue
             if (await self.get(job_id)).is_final:
                 return
+
+    async def stream_text(self, job_id: str, *, stage: str | None = None, output: str = "text",
+                          last_event_id: str | None = None) -> AsyncIterator[str]:
+        """As ``Client.stream_text``: ``async for piece in omni.stream_text(job.id)``."""
+        reader = DeltaReader(stage, output)
+        async for event in self.events(job_id, last_event_id=last_event_id):
+            piece = reader.feed(event.data) if event.type == "output.delta" else ""
+            if piece:
+                yield piece
 
     async def wait(self, job_id: str, *, timeout: float = 600.0, poll_s: float = 0.25,
                    raise_on_timeout: bool = True) -> JobInfo:

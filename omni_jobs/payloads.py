@@ -6,6 +6,7 @@ text JSON; nothing is pickled. Stage code calls encode/decode and never picks a 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,9 +47,11 @@ FORMATS: dict[Modality, PayloadFormat] = {
 
 
 def encode_payload(modality: Modality, value: Any) -> bytes:
-    """text: str; token_ids: list[int] or tensor; tensors: tensor; image: PIL image; audio: AudioClip."""
+    """text: str, or a mapping with "text" and what describes it (an AR stage's finish_reason and
+    usage, kept beside the text); token_ids: list[int] or tensor; tensors: tensor; image: PIL image;
+    audio: AudioClip."""
     if modality == "text":
-        return codecs.encode_json({"text": value})
+        return codecs.encode_json(dict(value) if isinstance(value, Mapping) else {"text": value})
     if modality == "token_ids":
         import torch
 

@@ -23,13 +23,13 @@ import redis
 from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, ArtifactStoreUnavailable
 from omni_jobs.batching import BatchDefaults, BatchPolicy, ar_batcher
-from omni_jobs.engines.ar import ARRequest, SamplingOptions
+from omni_jobs.engines.ar import ARRequest, SamplingOptions, TextSoFar
 from omni_jobs.engines.cache import EngineCache
 from omni_jobs.engines.stage_exec import execute_dit, execute_encode
 from omni_jobs.errors import JobAlreadyFinished, JobNotFound, StageError, TransientStageError
 from omni_jobs.input_files import load_input_image
 from omni_jobs.jobs.ledger import JobLedger, Lease, Refused
-from omni_jobs.jobs.models import Job, JobError, now
+from omni_jobs.jobs.models import EventType, Job, JobError, now
 from omni_jobs.jobs.patience import STORE_DOWN, while_store_down
 from omni_jobs.leases import LeaseKeeper
 from omni_jobs.payloads import FORMATS, decode_payload, encode_payload
@@ -40,6 +40,7 @@ from omni_jobs.progress_writer import ProgressWriter
 from omni_jobs.run_journal import RunJournal
 from omni_jobs.stage_cache import CachedOutputs, Eviction, StageCache, cache_key, text_digest
 from omni_jobs.steps import RunStage, StepOutcome, stage_slot
+from omni_jobs.text_stream import TextDeltas, TextStreams
 
 log = logging.getLogger(__name__)
 
@@ -84,18 +85,23 @@ class StageLimits:
 
 
 def _execute_ar(engines: EngineCache, stage: StageSpec, params: ARParams, inputs: dict[str, Any], request_id: str,
-                progress: ProgressFn, *, policy: BatchPolicy | None = None) -> dict[str, Any]:
+                progress: ProgressFn, *, policy: BatchPolicy | None = None,
+                on_text: TextSoFar | None = None) -> dict[str, Any]:
+    """AR generate. The text output carries what the engine reported beside the text: why it stopped
+    (vLLM's finish_reason, 'stop' or 'length') and the token usage (OpenAI's ``usage``)."""
     engine = engines.ar(stage.model, stage.engine_args)
     sampling = SamplingOptions(
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, seed=params.seed
     )
     prompt = params.prompt_template.format(prompt=inputs["prompt"])
-    request = ARRequest(request_id=request_id, prompt=prompt, sampling=sampling)
+    request = ARRequest(request_id=request_id, prompt=prompt, sampling=sampling, on_text=on_text)
     if policy is not None:  # concurrent jobs of this worker share one vLLM batch
         output = ar_batcher(engine, policy).submit(request, progress)
     else:
         (output,) = engine.generate([request], on_progress=lambda _rid, done, total: progress(done, total))
-    return {"text": output.text, "token_ids": output.token_ids}
+    usage = {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": len(output.token_ids)}
+    text = {"text": output.text, "finish_reason": output.finish_reason, "usage": usage}
+    return {"text": text, "token_ids": output.token_ids}
 
 
 class StageRunner:
@@ -127,6 +133,7 @@ class StageRunner:
         self._running: dict[str, Lease] = {}
         # Batched engines report for many jobs from one thread: write from another, never inline.
         self.progress = ProgressWriter(ledger, background=batching is not None)
+        self.text_streams = TextStreams(background=batching is not None)
 
     def _patiently(self, call: Callable[[], T], what: str) -> T:
         return while_store_down(call, wait_s=self.store_wait_s, what=what)
@@ -165,6 +172,7 @@ class StageRunner:
             cache, digest = self._stage_cache(spec, stage, job)
             hit = cache.get(f"{spec.name}.{stage.id}", digest) if cache is not None and digest else None
             if hit is not None:  # the same stage config, params and inputs ran before: skip the engine
+                self._stream_cached_text(stage, job, lease, hit)
                 refs = self._put_encoded(job.id, stage, hit, step.attempt)
                 engine_s = 0.0
             else:
@@ -294,8 +302,7 @@ class StageRunner:
         try:
             request_id = f"{job.id}:{stage.id}"
             if stage.engine == "ar" and stage.task_name == "generate":
-                return _execute_ar(self.engines, stage, ARParams(**params), inputs, request_id, progress,
-                                   policy=policy)
+                return self._execute_streamed_ar(stage, job, ARParams(**params), inputs, lease, progress, policy)
             if stage.engine == "ar":
                 return execute_encode(self.engines, stage, stage.params(params), inputs, request_id, progress)
             return execute_dit(self.engines, stage, stage.params(params), inputs, request_id, progress, policy=policy)
@@ -304,6 +311,38 @@ class StageRunner:
         except (ValueError, TypeError, RuntimeError, OSError, KeyError) as exc:
             # Engine-level errors (bad model path, bad shape, too long a prompt) do not pass on retry.
             raise StageError(f"{type(exc).__name__}: {exc}") from exc
+
+    def _execute_streamed_ar(self, stage: StageSpec, job: Job, params: ARParams, inputs: dict[str, Any],
+                             lease: Lease, progress: ProgressFn, policy: BatchPolicy | None) -> dict[str, Any]:
+        """AR generate whose text goes to the job's stream as it comes (``output.delta`` events);
+        the rest is published before the stage records its result."""
+        deltas = self._open_text(stage, job, lease) if "text" in stage.outputs else None
+        try:
+            values = _execute_ar(self.engines, stage, params, inputs, f"{job.id}:{stage.id}", progress,
+                                 policy=policy, on_text=deltas.update if deltas is not None else None)
+            if deltas is not None:
+                why = self.text_streams.close(deltas, values["text"]["text"])
+                if why == "lost":
+                    raise LeaseLost(job.id)
+                if why != "ok":
+                    raise JobCanceled(job.id)
+            return values
+        finally:
+            if deltas is not None:
+                self.text_streams.discard(deltas)
+
+    def _stream_cached_text(self, stage: StageSpec, job: Job, lease: Lease, hit: CachedOutputs) -> None:
+        """A cached AR text still reaches the job's stream: as one delta, so that a streaming reader
+        sees the same text whether the engine ran or not."""
+        if stage.engine == "ar" and stage.task_name == "generate" and "text" in stage.outputs:
+            self.text_streams.close(self._open_text(stage, job, lease), decode_payload("text", hit.data["text"]))
+
+    def _open_text(self, stage: StageSpec, job: Job, lease: Lease) -> TextDeltas:
+        def publish(data: dict[str, Any]) -> str:
+            return self.ledger.publish(lease, job, EventType.output_delta, data)
+
+        return self.text_streams.open(stage.id, "text", publish, attempt=lease.attempt,
+                                      on_stop=lambda why: self.progress.stop(lease, why))
 
     def _progress_reporter(self, job: Job, stage: StageSpec, lease: Lease) -> ProgressFn:
         """Called by the engine at every step/token: records progress (throttled) and is where a

@@ -1,9 +1,11 @@
 """GET /v1/jobs/{id}/events: the job's events as Server-Sent Events, until the job ends.
 
 Each message is ``id: <stream id>``, ``event: <type>`` (job.queued, stage.started, stage.progress,
-job.succeeded, ...) and ``data: <the event as JSON>``; the final event's data also carries the
-finished ``job`` object. A client that reconnects with ``Last-Event-ID`` (or ``?after=``) gets
-what it missed and no more; without one it gets the whole history first. Comment lines keep an
+output.delta, job.succeeded, ...) and ``data: <the event as JSON>``; the final event's data also
+carries the finished ``job`` object. Partial outputs are events like the others: an AR stage's text
+as it is generated (``output.delta``: ``{stage, output, text, index, attempt}``) is in the stream, so
+a client that reconnects with ``Last-Event-ID`` (or ``?after=``) gets what it missed, deltas
+included, and no more; without one it gets the whole history first. Comment lines keep an
 idle connection open through proxies. The stream closes after the job's final event.
 """
 

@@ -20,32 +20,40 @@ says which one ran, and the ``X-Omni-Job-Id`` header names the job(s).
 Errors use OpenAI's body ``{"error": {message, type, param, code}}``: 400 names the parameter; a
 job that failed answers 500 and one still running after OMNI_OPENAI_WAIT_S answers 504, both with
 ``x-should-retry: false`` because retrying would start another job.
+
+Chat with ``stream: true`` answers in OpenAI's chunk format while the job runs: the AR stage's
+``output.delta`` events become content chunks (omni_jobs.text_stream cuts them); the job's end
+gives the chunk with ``finish_reason`` (and, with ``stream_options.include_usage``, the usage
+chunk), then ``data: [DONE]``. A job that fails sends an ``{"error": ...}`` chunk, as OpenAI does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.auth import api_key_id, authenticate
 from api.deps import ApiContext, get_context
+from omni_jobs.artifacts import codecs
 from omni_jobs.doctor import is_builtin
 from omni_jobs.errors import InvalidRequest, QuotaExceeded
-from omni_jobs.jobs.models import Job, JobOutput, JobStatus
+from omni_jobs.jobs.models import FINAL_EVENTS, EventType, Job, JobOutput, JobStatus
 from omni_jobs.jobs.view import output_url
 from omni_jobs.logs import bind
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.spec import PipelineSpec, StageSpec
+from omni_jobs.text_stream import DeltaReader
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -134,6 +142,8 @@ class ChatCompletionRequest(_Body):
     top_p: float | None = None
     n: int | None = None
     stream: bool | None = None
+    stream_options: dict[str, Any] | None = Field(None, description="{'include_usage': true}: a last chunk "
+                                                  "with the usage (stream=true only).")
     audio: dict[str, Any] | None = Field(None, description="{'format': 'wav'}: the only audio format produced.")
     size: str | None = Field(None, description="Image size 'WIDTHxHEIGHT' when an image is asked for.")
     height: int | None = None
@@ -331,22 +341,43 @@ def _text(job: Job) -> str | None:
     return texts[0].text if texts else None
 
 
-async def _finish_reason(ctx: ApiContext, spec: PipelineSpec, job: Job) -> str:
-    """'length' when the AR stage behind the text output stopped at max_tokens, else 'stop'."""
+def text_source(spec: PipelineSpec) -> tuple[str, str] | None:
+    """(stage, port) behind the pipeline's first text output: whose deltas a chat stream follows."""
     for out in spec.outputs:
-        if out.name not in {o.name for o in _outputs(job, "text")}:
-            continue
-        stage_id = out.source.source
-        ref = job.stage_record(stage_id).outputs.get("token_ids")
-        max_tokens = job.params.get(stage_id, {}).get("max_tokens")
-        if ref is None or max_tokens is None:
-            return "stop"
-        from omni_jobs.payloads import decode_payload
+        sources = getattr(out, "sources", (out.source,))
+        if len(sources) == 1 and spec.stage(out.source.source).outputs.get(out.source.port) == "text":
+            return out.source.source, out.source.port
+    return None
 
-        data = await run_in_threadpool(ctx.runtime.artifacts.get, ref)
-        tokens = decode_payload("token_ids", data)
-        return "length" if len(tokens) >= int(max_tokens) else "stop"
-    return "stop"
+
+async def _text_meta(ctx: ApiContext, spec: PipelineSpec, job: Job) -> tuple[str, dict[str, int] | None]:
+    """(finish_reason, usage) of the text answer, as the AR engine reported them beside its text.
+
+    A stage output written before the engine reported them (kept in the stage cache) has neither:
+    then 'length' when the stage made max_tokens tokens, else 'stop', and no usage."""
+    source = text_source(spec)
+    if source is None:
+        return "stop", None
+    stage_id, port = source
+    ref = job.stage_record(stage_id).outputs.get(port)
+    if ref is None:
+        return "stop", None
+    document = codecs.decode_json(await run_in_threadpool(ctx.runtime.artifacts.get, ref))
+    usage = document.get("usage")
+    if isinstance(usage, dict):
+        usage = {"prompt_tokens": int(usage["prompt_tokens"]), "completion_tokens": int(usage["completion_tokens"]),
+                 "total_tokens": int(usage["prompt_tokens"]) + int(usage["completion_tokens"])}
+    finish = document.get("finish_reason")
+    if isinstance(finish, str):
+        return finish, usage
+    tokens_ref = job.stage_record(stage_id).outputs.get("token_ids")
+    max_tokens = job.params.get(stage_id, {}).get("max_tokens")
+    if tokens_ref is None or max_tokens is None:
+        return "stop", usage
+    from omni_jobs.payloads import decode_payload
+
+    tokens = decode_payload("token_ids", await run_in_threadpool(ctx.runtime.artifacts.get, tokens_ref))
+    return ("length" if len(tokens) >= int(max_tokens) else "stop"), usage
 
 
 def _headers(jobs: list[Job]) -> dict[str, str]:
@@ -384,19 +415,24 @@ def _prompt_from_messages(messages: list[ChatMessageIn]) -> str:
 IdempotencyKey = Annotated[str | None, Header(max_length=255, include_in_schema=False)]
 
 
-@router.post("/chat/completions", summary="OpenAI chat completions (text, image or audio out), run as a job")
+@router.post("/chat/completions", summary="OpenAI chat completions (text, image or audio out), run as a job",
+             responses={200: {"content": {"application/json": {}, "text/event-stream": {}}}})
 async def chat_completions(body: ChatCompletionRequest, request: Request,
-                           idempotency_key: IdempotencyKey = None) -> JSONResponse:
+                           idempotency_key: IdempotencyKey = None) -> Response:
     ctx = get_context(request)
-    if body.stream:
-        raise OpenAIError(400, "stream=true is not supported: each call is a job; follow its progress at "
-                          "GET /v1/jobs/{id}/events", param="stream")
     if body.n not in (None, 1):
         raise OpenAIError(400, "n must be 1 (send several requests; each is a job)", param="n")
     if body.audio and body.audio.get("format") not in (None, "wav"):
         raise OpenAIError(400, "audio.format must be 'wav'", param="audio.format")
     wanted = list(dict.fromkeys(body.modalities or ["text"]))
+    if body.stream and wanted != ["text"]:
+        raise OpenAIError(400, "stream=true streams text: ask modalities ['text'] (images and audio come whole; "
+                          "follow GET /v1/jobs/{id}/events for a job's previews)", param="stream")
+    if body.stream_options is not None and not body.stream:
+        raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
     spec = choose_pipeline(ctx.runtime.catalogue, body.model, set(wanted), param="modalities")
+    if body.stream and text_source(spec) is None:
+        raise OpenAIError(400, f"pipeline '{spec.name}' has no text output to stream", param="stream")
     prompt = _prompt_from_messages(body.messages)
     width, height = parse_size(body.size)
     ar = {"max_tokens": (body.max_completion_tokens or body.max_tokens,
@@ -411,16 +447,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     params, origin = build_params(spec, ar, dit, body.params)
     job = await _submit(ctx, spec, prompt, params, origin, prompt_param="messages", idempotency_key=idempotency_key,
                         tenant=request.state.tenant, key_id=api_key_id(request))
+    if body.stream:
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(_chat_chunks(ctx, spec, job, include_usage=include_usage),
+                                 media_type="text/event-stream",
+                                 headers={**_headers([job]), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     (job,) = await _finished(ctx, [job])
+    finish, usage = await _text_meta(ctx, spec, job)
 
     text = _text(job)
     choices: list[dict[str, Any]] = []
     for index, modality in enumerate(wanted):
         message: dict[str, Any] = {"role": "assistant", "content": None}
-        finish = "stop"
         if modality == "text":
             message["content"] = text or ""
-            finish = await _finish_reason(ctx, spec, job)
         elif modality == "image":
             parts = []
             for out in _outputs(job, "image"):
@@ -435,10 +475,67 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                 "expires_at": int(job.completed_at or time.time()) + ctx.runtime.settings.output_ttl_s,
                 "transcript": text or "",
             }
-        choices.append({"index": index, "message": message, "finish_reason": finish, "logprobs": None})
+        choices.append({"index": index, "message": message, "finish_reason": finish if modality == "text" else "stop",
+                        "logprobs": None})
     answer = {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": int(job.created_at),
-              "model": spec.name, "choices": choices, "usage": None, "system_fingerprint": None}
+              "model": spec.name, "choices": choices, "usage": usage, "system_fingerprint": None}
     return JSONResponse(answer, headers=_headers([job]))
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def _chat_chunks(ctx: ApiContext, spec: PipelineSpec, job: Job, *, include_usage: bool) -> AsyncIterator[str]:
+    """The chat answer as OpenAI's chunks, from the job's event stream: role, content deltas, the
+    finish chunk, the usage chunk (``include_usage``), ``[DONE]``; an error chunk if the job fails.
+
+    The content is the text output's deltas, so their concatenation is the non-streamed answer (a
+    later attempt's repeat is skipped by the DeltaReader). Whatever no delta carried (none were
+    published, e.g. by an older worker) is sent from the final text before the finish chunk."""
+    source = text_source(spec)
+    assert source is not None
+    reader = DeltaReader(*source)
+    base: dict[str, Any] = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk",
+                            "created": int(job.created_at), "model": spec.name, "system_fingerprint": None}
+    if include_usage:
+        base["usage"] = None
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        return _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+
+    def error(status: str, message: str, code: str) -> str:
+        return _sse({"error": {"message": message, "type": status, "param": None, "code": code}})
+
+    yield chunk({"role": "assistant", "content": ""})
+    deadline = time.monotonic() + ctx.runtime.settings.openai_wait_s
+    async for event in ctx.watcher.follow(job.id, heartbeat_s=5.0):
+        if time.monotonic() > deadline:
+            yield error("timeout", f"job {job.id} still running after {ctx.runtime.settings.openai_wait_s:g}s "
+                        f"(OMNI_OPENAI_WAIT_S); follow it at GET /v1/jobs/{job.id}", "job_timeout")
+            return
+        if event is None:
+            yield ": keep-alive\n\n"
+            continue
+        if event.type in FINAL_EVENTS:
+            break
+        new = reader.feed(event.data) if event.type == EventType.output_delta else ""
+        if new:
+            yield chunk({"content": new})
+    final = await ctx.watcher.get(job.id)
+    if final is None or final.status is not JobStatus.succeeded:
+        reason = (final.error.message if final is not None and final.error else None)
+        status = final.status.value if final is not None else "gone"
+        yield error("server_error", f"job {job.id} {status}" + (f": {reason}" if reason else ""), f"job_{status}")
+        return
+    text, sent = _text(final) or "", reader.text
+    if len(text) > len(sent) and text.startswith(sent):
+        yield chunk({"content": text[len(sent):]})
+    finish, usage = await _text_meta(ctx, spec, final)
+    yield chunk({}, finish)
+    if include_usage:
+        yield _sse({**base, "choices": [], "usage": usage})
+    yield "data: [DONE]\n\n"
 
 
 @router.post("/images/generations", summary="OpenAI (DALL-E) image generation, one job per image")

@@ -11,7 +11,7 @@ import itertools
 import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -36,11 +36,17 @@ class SamplingOptions:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
+TextSoFar = Callable[[str], None]
+"""A request's detokenized text so far, at each engine step; may raise to stop that request."""
+
+
 @dataclass(frozen=True)
 class ARRequest:
     request_id: str
     prompt: str
     sampling: SamplingOptions
+    on_text: TextSoFar | None = field(default=None, compare=False, repr=False)
+    """Where the text goes as it is generated (streamed stages); the engine then steps the request."""
 
 
 @dataclass(frozen=True)
@@ -134,10 +140,11 @@ class AREngine:
     def generate(self, requests: Sequence[ARRequest], on_progress: TokenProgress | None = None) -> list[AROutput]:
         """Run all requests as ONE engine batch; outputs come back in request order.
 
-        Without ``on_progress`` this is a plain ``LLM.generate`` call. With it, the engine is stepped
-        here so that each step reports (request id, tokens so far, max tokens); if the callback
-        raises, every request of the batch is aborted in vLLM and the exception propagates, so a
-        canceled job stops at its next token and the engine stays usable.
+        Without ``on_progress`` (and no request's ``on_text``) this is a plain ``LLM.generate`` call.
+        With it, the engine is stepped here so that each step reports (request id, tokens so far,
+        max tokens) and each streamed request's text so far; if a callback raises, every request of
+        the batch is aborted in vLLM and the exception propagates, so a canceled job stops at its
+        next token and the engine stays usable.
         """
         if not requests:
             return []
@@ -147,7 +154,7 @@ class AREngine:
         params = [self._sampling_params(r) for r in requests]
         with self._lock:
             metrics.observe_batch("ar", len(requests))
-            if on_progress is None:
+            if on_progress is None and not any(r.on_text for r in requests):
                 results = self._llm.generate(prompts, params, use_tqdm=False)
             else:
                 results = self._step_batch(requests, prompts, params, on_progress)
@@ -214,14 +221,13 @@ class AREngine:
                         if i < 0 or results[i] is not None:
                             continue
                         r = all_requests[i]
-                        if on_progress is not None:
-                            try:
-                                on_progress(r.request_id, len(out.outputs[0].token_ids), r.sampling.max_tokens)
-                            except Exception as exc:  # noqa: BLE001 - this request alone stops
-                                if not out.finished:
-                                    engine.abort_request([out.request_id])
-                                settle(i, exc)
-                                continue
+                        try:
+                            _report(r, out, on_progress)
+                        except Exception as exc:  # noqa: BLE001 - this request alone stops
+                            if not out.finished:
+                                engine.abort_request([out.request_id])
+                            settle(i, exc)
+                            continue
                         if out.finished:
                             settle(i, _to_output(r, out))
             except BaseException:
@@ -248,7 +254,7 @@ class AREngine:
         )
 
     def _step_batch(self, requests: Sequence[ARRequest], prompts: list[Any], params: list[Any],
-                    on_progress: TokenProgress) -> list[Any]:
+                    on_progress: TokenProgress | None) -> list[Any]:
         from vllm.sampling_params import RequestOutputKind
 
         engine = self._llm.llm_engine
@@ -268,7 +274,7 @@ class AREngine:
                         continue
                     if out.finished:
                         finished[out.request_id] = out
-                    on_progress(request.request_id, len(out.outputs[0].token_ids), request.sampling.max_tokens)
+                    _report(request, out, on_progress)
             return [finished[i] for i in ids]
         except BaseException:
             unfinished = [i for i in ids if i not in finished]
@@ -277,6 +283,15 @@ class AREngine:
             while engine.has_unfinished_requests():  # drain what the abort left in flight
                 engine.step()
             raise
+
+
+def _report(request: ARRequest, out: Any, on_progress: TokenProgress | None) -> None:
+    """One step of one request: its text so far (streamed requests), then its token count."""
+    completion = out.outputs[0]
+    if request.on_text is not None:
+        request.on_text(completion.text)
+    if on_progress is not None:
+        on_progress(request.request_id, len(completion.token_ids), request.sampling.max_tokens)
 
 
 def _to_output(request: ARRequest, result: Any) -> AROutput:

@@ -1,0 +1,232 @@
+"""Text as it is generated, cut into ``output.delta`` events: at most one per output every 50 ms.
+
+An AR engine reports each request's text so far at every token, from the one thread that drives
+the engine. An event per token would be a Redis write per token, made while the engine waits.
+Progress may be coalesced (the newest report wins); text may not: every character must reach the
+job's event stream once and in order. So each output (``TextDeltas``) keeps its text so far and how
+much of it was published; a writer thread (``TextStreams``) publishes an output's unpublished rest
+as ONE delta, with the next ``index``, once its last delta is ``interval_s`` old. ``close`` publishes
+what is left (after waiting out the interval) before the stage records its result, so the deltas of
+an output, concatenated, are its final text. A publish answered 'canceled' or 'lost' is handed to
+``on_stop`` (the stage runner marks the attempt stopped; it stops at its next token).
+In-process use (``background=False``) publishes inline, from the engine's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DELTA_INTERVAL_S = 0.05
+"""The least time between two deltas of one output (the issue's 'at most one every 50 ms')."""
+
+Publish = Callable[[dict[str, Any]], str]
+"""Appends one delta event (its data) to the job's stream: 'ok', or 'canceled' / 'lost'."""
+
+
+class TextDeltas:
+    """One output's text so far, and the part of it already published as deltas."""
+
+    def __init__(self, stage: str, output: str, publish: Publish, *, interval_s: float = DELTA_INTERVAL_S,
+                 attempt: int | None = None, on_stop: Callable[[str], None] | None = None,
+                 inline: bool = False, notify: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.stage = stage
+        self.output = output
+        self.interval_s = interval_s
+        self.attempt = attempt
+        self._publish = publish
+        self._on_stop = on_stop
+        self._inline = inline
+        self._notify = notify
+        self._clock = clock
+        self._sleep = sleep
+        self._lock = threading.Lock()  # guards the fields below (engine thread vs writer)
+        self._writing = threading.Lock()  # one publish at a time: indexes go out in order
+        self._text = ""
+        self._sent = 0
+        self._index = 0
+        self._last = float("-inf")
+        self._closed = False
+        self.stopped: str | None = None
+        """'canceled' or 'lost' once a publish was refused; nothing more is published then."""
+
+    @property
+    def published(self) -> str:
+        """The text published so far (the concatenation of the deltas)."""
+        with self._lock:
+            return self._text[: self._sent]
+
+    @property
+    def count(self) -> int:
+        """How many deltas were published."""
+        with self._lock:
+            return self._index
+
+    def update(self, text: str) -> None:
+        """The output's text so far (the engine's thread): remembered, published when due.
+
+        The text only grows (vLLM's detokenized text of a request without stop strings); a text
+        that is not an extension of the last one would make the deltas disagree with the result."""
+        with self._lock:
+            if not text.startswith(self._text):
+                raise RuntimeError(f"stage '{self.stage}' output '{self.output}': the text so far changed "
+                                   "what it had already reported; deltas cannot take text back")
+            was_idle = len(self._text) == self._sent
+            self._text = text
+            waiting = len(text) > self._sent
+        if not waiting:
+            return
+        if self._inline:
+            self.flush()
+        elif was_idle and self._notify is not None:
+            self._notify()
+
+    def due_in(self, now: float) -> float | None:
+        """Seconds until the unpublished text may go out (<= 0: now); None when there is none."""
+        with self._lock:
+            if self._closed or self.stopped is not None or len(self._text) == self._sent:
+                return None
+            return self._last + self.interval_s - now
+
+    def flush(self, *, wait: bool = False) -> str:
+        """Publish the unpublished text as one delta if its interval has passed (or, with ``wait``,
+        once it has): 'ok' (published, or nothing due), else why the stage must stop."""
+        with self._writing:
+            with self._lock:
+                if self.stopped is not None:
+                    return self.stopped
+                if len(self._text) == self._sent:
+                    return "ok"
+                left = self._last + self.interval_s - self._clock()
+            if left > 0:
+                if not wait:
+                    return "ok"
+                self._sleep(left)
+            with self._lock:
+                text, index = self._text[self._sent:], self._index
+            data: dict[str, Any] = {"stage": self.stage, "output": self.output, "text": text, "index": index}
+            if self.attempt is not None:
+                data["attempt"] = self.attempt
+            outcome = self._publish(data)
+            with self._lock:
+                if outcome == "ok":
+                    self._sent += len(text)
+                    self._index += 1
+                    self._last = self._clock()
+                else:
+                    self.stopped = outcome
+        if outcome != "ok" and self._on_stop is not None:
+            self._on_stop(outcome)
+        return outcome
+
+    def close(self, final_text: str | None = None) -> str:
+        """The output is complete: publish the rest (``final_text`` is the engine's final answer),
+        waiting out the interval. Returns 'ok', or why the stage must stop."""
+        if final_text is not None:
+            with self._lock:
+                self._closed = True  # the writer leaves it alone from now on
+            self.update(final_text)
+        outcome = self.flush(wait=True)
+        with self._lock:
+            self._closed = True
+        return outcome
+
+
+class TextStreams:
+    """The writer of every open ``TextDeltas`` of a stage worker: one background thread, which
+    publishes each output's pending text when its interval has passed."""
+
+    def __init__(self, *, background: bool = True, interval_s: float = DELTA_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.background = background
+        self.interval_s = interval_s
+        self._clock = clock
+        self._open: set[TextDeltas] = set()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def open(self, stage: str, output: str, publish: Publish, *, attempt: int | None = None,
+             on_stop: Callable[[str], None] | None = None) -> TextDeltas:
+        """A new output to stream; ``close`` it (or ``discard`` it) when its stage attempt ends."""
+        deltas = TextDeltas(stage, output, publish, interval_s=self.interval_s, attempt=attempt, on_stop=on_stop,
+                            inline=not self.background, notify=self._wake, clock=self._clock)
+        if self.background:
+            with self._cond:
+                self._open.add(deltas)
+                if self._thread is None or not self._thread.is_alive():
+                    self._thread = threading.Thread(target=self._loop, name="omni-text-deltas", daemon=True)
+                    self._thread.start()
+        return deltas
+
+    def close(self, deltas: TextDeltas, final_text: str | None = None) -> str:
+        """Publish the rest of the output (from the caller's thread) and stop writing it."""
+        try:
+            return deltas.close(final_text)
+        finally:
+            self.discard(deltas)
+
+    def discard(self, deltas: TextDeltas) -> None:
+        """Stop writing the output (its attempt failed or was stopped): what is pending is dropped."""
+        with self._cond:
+            self._open.discard(deltas)
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _due(self) -> list[TextDeltas]:
+        with self._cond:
+            while True:
+                now = self._clock()
+                waits = [(d, d.due_in(now)) for d in self._open]
+                due = [d for d, left in waits if left is not None and left <= 0]
+                if due:
+                    return due
+                pending = [left for _d, left in waits if left is not None]
+                self._cond.wait(min(pending) if pending else None)
+
+    def _loop(self) -> None:
+        while True:
+            for deltas in self._due():
+                try:
+                    deltas.flush()
+                except Exception:  # the store may be down: the text stays pending, tried again
+                    log.warning("could not publish a text delta of stage '%s'", deltas.stage, exc_info=True)
+                    time.sleep(self.interval_s)
+
+
+class DeltaReader:
+    """A reader's side: the data of ``output.delta`` events -> the new text of one output, in order.
+
+    ``stage=None`` follows the first stage that publishes a delta of ``output``. A later attempt of
+    the stage (its worker was lost) publishes its text again from index 0: only what goes beyond
+    the text already handed out is new (an AR stage gives the same text again for the same seed)."""
+
+    def __init__(self, stage: str | None = None, output: str = "text") -> None:
+        self.stage = stage
+        self.output = output
+        self.text = ""
+        """Everything handed out so far."""
+        self._attempt: Any = None
+        self._attempt_text = ""
+
+    def feed(self, data: Mapping[str, Any]) -> str:
+        """The new text in this delta ('' when it is another output's or repeats what was handed out)."""
+        if data.get("output") != self.output:
+            return ""
+        if self.stage is None:
+            self.stage = str(data.get("stage"))
+        if data.get("stage") != self.stage:
+            return ""
+        if data.get("attempt") != self._attempt:
+            self._attempt, self._attempt_text = data.get("attempt"), ""
+        self._attempt_text += str(data.get("text", ""))
+        new = self._attempt_text[len(self.text):]
+        self.text += new
+        return new

@@ -1,0 +1,165 @@
+"""The text-delta buffer: every character once, in order, at most one delta per output per interval."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from omni_jobs.text_stream import DeltaReader, TextDeltas, TextStreams
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+class Recorder:
+    """A publish function that records each delta with the time it went out."""
+
+    def __init__(self, clock: Any = time.monotonic, answer: str = "ok") -> None:
+        self.clock = clock
+        self.answer = answer
+        self.events: list[tuple[float, dict[str, Any]]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, data: dict[str, Any]) -> str:
+        with self.lock:
+            if self.answer == "ok":
+                self.events.append((self.clock(), dict(data)))
+            return self.answer
+
+    @property
+    def texts(self) -> list[str]:
+        return [d["text"] for _at, d in self.events]
+
+
+def test_inline_deltas_are_cut_by_the_interval_and_join_to_the_final_text() -> None:
+    clock = FakeClock()
+    sent = Recorder(clock)
+    deltas = TextDeltas("ar", "text", sent, interval_s=0.05, attempt=1, inline=True, clock=clock, sleep=clock.sleep)
+    text = ""
+    for token in ["Once", " upon", " a", " time", ",", " a", " fox", " ran", "."]:
+        text += token
+        deltas.update(text)
+        clock.now += 0.02  # a token every 20 ms: a delta every third token
+    text += " The end"  # the engine's final answer: one more token than the last report
+    assert deltas.close(text) == "ok"
+
+    assert "".join(sent.texts) == text == deltas.published
+    assert sent.texts == ["Once", " upon a time", ", a fox", " ran. The end"]
+    assert [d["index"] for _at, d in sent.events] == [0, 1, 2, 3] and deltas.count == 4
+    assert all(d["stage"] == "ar" and d["output"] == "text" and d["attempt"] == 1 for _at, d in sent.events)
+    times = [at for at, _d in sent.events]
+    assert min(b - a for a, b in itertools.pairwise(times)) >= 0.05 - 1e-9
+    assert clock.slept == []  # the interval had passed: close published at once
+
+
+def test_close_waits_out_the_interval_before_the_last_delta() -> None:
+    clock = FakeClock()
+    sent = Recorder(clock)
+    deltas = TextDeltas("ar", "text", sent, interval_s=0.05, inline=True, clock=clock, sleep=clock.sleep)
+    deltas.update("Hel")
+    clock.now += 0.01
+    deltas.update("Hello")
+    assert deltas.close("Hello!") == "ok"
+    assert sent.texts == ["Hel", "lo!"] and clock.slept == [pytest.approx(0.04)]
+    assert sent.events[1][0] - sent.events[0][0] == pytest.approx(0.05)
+
+
+def test_close_publishes_the_final_text_even_when_no_token_was_reported() -> None:
+    clock = FakeClock()
+    sent = Recorder(clock)
+    deltas = TextDeltas("ar", "text", sent, inline=True, clock=clock, sleep=clock.sleep)
+    assert deltas.close("all at once") == "ok"
+    assert sent.texts == ["all at once"] and clock.slept == []
+    empty = TextDeltas("ar", "text", sent, inline=True, clock=clock, sleep=clock.sleep)
+    assert empty.close("") == "ok" and len(sent.events) == 1  # no empty delta
+
+
+def test_a_refused_publish_stops_the_output_and_says_why() -> None:
+    clock = FakeClock()
+    sent = Recorder(clock)
+    stops: list[str] = []
+    deltas = TextDeltas("ar", "text", sent, inline=True, clock=clock, sleep=clock.sleep, on_stop=stops.append)
+    deltas.update("Hello")
+    sent.answer = "canceled"
+    clock.now += 1
+    deltas.update("Hello world")
+    assert deltas.stopped == "canceled" and stops == ["canceled"]
+    assert deltas.close("Hello world!") == "canceled"
+    assert sent.texts == ["Hello"] and deltas.published == "Hello"
+
+
+def test_text_that_takes_back_what_was_reported_is_refused() -> None:
+    deltas = TextDeltas("ar", "text", Recorder(), inline=False)
+    deltas.update("Hello")
+    with pytest.raises(RuntimeError, match="cannot take text back"):
+        deltas.update("Help")
+
+
+def test_the_writer_thread_publishes_while_tokens_come_and_close_flushes_the_rest() -> None:
+    streams = TextStreams(background=True, interval_s=0.05)
+    sent = Recorder()
+    deltas = streams.open("ar", "text", sent, attempt=2)
+    text = ""
+    started = time.monotonic()
+    for i in range(120):  # a token every 2 ms for ~0.25 s, from the "engine thread"
+        text += f" t{i}"
+        deltas.update(text)
+        time.sleep(0.002)
+    assert len(sent.events) >= 2  # published meanwhile, not only at the end
+    assert streams.close(deltas, text) == "ok"
+    elapsed = time.monotonic() - started
+
+    assert "".join(sent.texts) == text
+    assert [d["index"] for _at, d in sent.events] == list(range(len(sent.events)))
+    times = [at for at, _d in sent.events]
+    assert min(b - a for a, b in itertools.pairwise(times)) >= 0.05 - 1e-3
+    assert len(sent.events) <= elapsed / 0.05 + 1  # far fewer events than tokens
+    deltas.update(text + " more")  # after close nothing is written any more
+    time.sleep(0.1)
+    assert "".join(sent.texts) == text
+
+
+def test_outputs_stream_independently() -> None:
+    streams = TextStreams(background=True, interval_s=0.05)
+    a_sent, b_sent = Recorder(), Recorder()
+    a = streams.open("ar", "text", a_sent)
+    b = streams.open("ar2", "text", b_sent)
+    a.update("alpha")
+    b.update("beta")
+    time.sleep(0.02)
+    assert a_sent.texts == ["alpha"] and b_sent.texts == ["beta"]  # each output's first delta goes at once
+    a.update("alpha beta")
+    streams.discard(b)
+    b.update("beta gamma")  # a discarded output (its attempt ended) is not written any more
+    assert streams.close(a) == "ok"
+    time.sleep(0.1)
+    assert a_sent.texts == ["alpha", " beta"] and b_sent.texts == ["beta"]
+
+
+def delta(text: str, index: int, *, stage: str = "ar", output: str = "text", attempt: int = 1) -> dict[str, Any]:
+    return {"stage": stage, "output": output, "text": text, "index": index, "attempt": attempt}
+
+
+def test_a_reader_hands_out_each_character_once_even_when_a_second_attempt_repeats_the_text() -> None:
+    reader = DeltaReader()  # follows the first stage that streams 'text'
+    pieces = [reader.feed(d) for d in [
+        delta("Once", 0), delta(" upon", 1), delta("ignored", 0, stage="other"), delta("x", 0, output="caption"),
+        delta("On", 0, attempt=2), delta("ce upon a", 1, attempt=2), delta(" time", 2, attempt=2)]]
+    assert pieces == ["Once", " upon", "", "", "", " a", " time"]
+    assert reader.text == "Once upon a time" and reader.stage == "ar"
+    named = DeltaReader("other")
+    assert named.feed(delta("Once", 0)) == "" and named.feed(delta("Hi", 0, stage="other")) == "Hi"
