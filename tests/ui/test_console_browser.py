@@ -173,20 +173,27 @@ def test_cancel_a_running_job_from_its_page_and_see_streamed_parts(
     assert page.locator("#job-status-badge").get_attribute("data-status") == "running"
     assert page.locator("#job-progress-bar").get_attribute("max") == "200"
 
-    # Streaming partial outputs (a later issue makes the workers emit these): they appear as they come.
-    client = redis.Redis.from_url(ui_system.redis_url or "")
-    try:
-        for event_type, data in (("output.delta", {"stage": "ar", "output": "text", "text": "A tall "}),
-                                 ("output.delta", {"stage": "ar", "output": "text", "text": "cathedral"}),
-                                 ("output.preview", {"stage": "dit", "output": "image", "step": 3, "total": 200,
-                                                     "media_type": "image/png", "data": TINY_PNG_B64})):
-            event = {"job_id": job_id, "type": event_type, "at": time.time(), "data": data}
-            client.xadd(keys.job_events(job_id), {"event": json.dumps(event)})
-    finally:
-        client.close()
+    # Streamed partial outputs appear as they come. Written straight to the job's event stream, in the
+    # workers' shape, so the text is known (a real worker's text is random here) and a second attempt
+    # (a stage run again after its worker was lost) can be shown to restart the text, not repeat it.
+    def emit(*events: tuple[str, dict[str, Any]]) -> None:
+        client = redis.Redis.from_url(ui_system.redis_url or "")
+        try:
+            for event_type, data in events:
+                event = {"job_id": job_id, "type": event_type, "at": time.time(), "data": data}
+                client.xadd(keys.job_events(job_id), {"event": json.dumps(event)})
+        finally:
+            client.close()
+
+    live_text = "() => document.querySelector('#job-live pre[data-live=\"ar.text\"]')?.textContent"
+    emit(("output.delta", {"stage": "ar", "output": "text", "text": "A tall ", "index": 0, "attempt": 1}),
+         ("output.delta", {"stage": "ar", "output": "text", "text": "cathedral", "index": 1, "attempt": 1}),
+         ("output.preview", {"stage": "dit", "output": "image", "step": 3, "total": 200,
+                             "media_type": "image/png", "data": TINY_PNG_B64}))
     page.wait_for_function("() => !document.querySelector('#job-live').hidden")
-    page.wait_for_function(
-        "() => document.querySelector('#job-live pre[data-live=text]')?.textContent === 'A tall cathedral'")
+    page.wait_for_function(f"() => ({live_text})() === 'A tall cathedral'")
+    emit(("output.delta", {"stage": "ar", "output": "text", "text": "A tall ", "index": 0, "attempt": 2}))
+    page.wait_for_function(f"() => ({live_text})() === 'A tall '")
     page.wait_for_function("() => document.querySelector('#job-live img[data-live=image]')?.naturalWidth === 2")
     screenshot(page, "job-running")
 

@@ -59,10 +59,12 @@
 
   // --- the job page: sections re-rendered by the server, partial outputs as they stream ---
   var liveHandlers = {
-    // A text delta: {data: {output|stage, text|delta}}; appended to one <pre> per output.
+    // A text delta: {data: {stage, output, text, index, attempt}}; appended to one <pre> per output.
+    // A stage that runs again (its worker was lost) streams its text again from index 0, with the
+    // next attempt number: the <pre> then starts over instead of showing the text twice.
     "output.delta": function (ev, box) {
       var d = ev.data || {};
-      var key = d.output || d.name || d.stage || "text";
+      var key = (d.stage ? d.stage + "." : "") + (d.output || d.name || "text");
       var pre = box.querySelector('pre[data-live="' + CSS.escape(key) + '"]');
       if (!pre) {
         var fig = document.createElement("figure");
@@ -75,6 +77,11 @@
         fig.appendChild(pre);
         fig.appendChild(cap);
         box.appendChild(fig);
+      }
+      var attempt = d.attempt != null ? String(d.attempt) : "";
+      if (pre.getAttribute("data-attempt") !== attempt) {
+        pre.textContent = "";
+        pre.setAttribute("data-attempt", attempt);
       }
       pre.textContent += d.text != null ? d.text : (d.delta != null ? d.delta : "");
     },
