@@ -148,6 +148,8 @@ class JobOutput(Model):
     height: int | None = None
     duration_s: float | None = None
     sample_rate: int | None = None
+    frames: int | None = Field(None, description="For videos: the number of frames.")
+    fps: float | None = Field(None, description="For videos: frames per second.")
     shape: list[int] | None = Field(None, description="For tensor outputs (latents, hidden states): the shape.")
     text: str | None = Field(None, description="For text outputs: the text itself.")
     url: str | None = Field(None, description="Download URL (filled in when the job is presented).")
