@@ -98,6 +98,15 @@ class LatentPreview:
                 "width": width, "height": height, "data": base64.b64encode(self.encode()).decode("ascii")}
 
 
+def decode_preview(data: dict[str, Any]) -> Any:
+    """The PIL image of an ``output.preview`` event's data (clients, Omni's ``stream``)."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(base64.b64decode(data["data"])))
+    image.load()
+    return image
+
+
 def spatial_latents(pipe: Any, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """[batch, channels, h, w] (images) or [batch, channels, frames, h, w] (videos) from what a
     pipeline's step callback holds: packed sequences (Flux, Chroma) are unpacked."""
