@@ -71,6 +71,10 @@ def _open(data: bytes) -> Any:
         container = av.open(io.BytesIO(data), mode="r")
     except (av.error.FFmpegError, ValueError) as exc:
         raise CodecError(f"not a video ({len(data)} bytes): {exc}") from exc
+    if "mp4" not in container.format.name.split(","):
+        name = container.format.name
+        container.close()
+        raise CodecError(f"expected MP4, got {name}")
     if not container.streams.video:
         container.close()
         raise CodecError("the file has no video stream")

@@ -17,9 +17,9 @@ import pytest
 from PIL import Image
 
 from omni_jobs.embedded import EmbeddedSystem
+from tests.e2e.helpers import submit, wait_for_job
 from tests.e2e.test_events_and_wait import read_sse
 from tests.e2e.test_webhooks import submit_with_webhook, verify
-from tests.e2e.helpers import submit, wait_for_job
 from tests.webhook_receiver import WebhookReceiver
 
 PREVIEWED = {"ar": {"max_tokens": 4}, "dit": {"height": 32, "width": 48, "num_inference_steps": 6, "seed": 3,
