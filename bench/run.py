@@ -287,11 +287,13 @@ class Bench:
                 print(f"  rep {rep + 1}: off {off.jobs_per_s[-1]:.2f}, on {on.jobs_per_s[-1]:.2f} jobs/s "
                       f"({on.jobs_per_s[-1] / off.jobs_per_s[-1]:.3f})", flush=True)
             ratios = _ratios(on.jobs_per_s, off.jobs_per_s)
+            worker_cpu = _ratios(off.cpu_s.get("dit", []), on.cpu_s.get("dit", []))  # CPU: less noisy than time
             engine = self.engine_preview_cost(w, every)
             self.results["previews"][w.name] = {
                 "preview_every": every, "steps": self.args.steps, "previews_per_job": max(shown),
                 "preview_base64_bytes": preview_bytes, "engine": engine,
                 "off": off.summary(), "on": on.summary(), "on_over_off": statistics.median(ratios),
+                "worker_cpu_off_over_on": statistics.median(worker_cpu) if worker_cpu else None,
                 "on_over_off_runs": [round(r, 3) for r in ratios],
             }
 
@@ -304,33 +306,46 @@ class Bench:
         engine = self._dit(w.dit_model)
         texts = prompts(self.args.batch, 700)
 
-        def batch(with_previews: bool) -> float:
+        preview_cpu: list[float] = []
+
+        def batch(with_previews: bool) -> tuple[float, float]:
             made: list[int] = []
 
             def encode(preview: Any) -> None:
+                c0 = time.thread_time()
                 made.append(len(preview.event_data("dit")["data"]))
+                preview_cpu.append(time.thread_time() - c0)
 
             requests = [DiTRequest(f"p{i}", prompt=t, height=w.size, width=w.size, num_inference_steps=self.args.steps,
                                    seed=i, preview_every=every if with_previews else 0, on_preview=encode)
                         for i, t in enumerate(texts)]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             engine.generate(requests)
-            took = time.perf_counter() - t0
+            took, cpu = time.perf_counter() - t0, time.process_time() - c0
             assert bool(made) == with_previews
-            return took
+            return took, cpu
 
         batch(True)  # warm up (and fit the projection)
-        off_s: list[float] = []
-        on_s: list[float] = []
+        preview_cpu.clear()
+        off: list[tuple[float, float]] = []
+        on: list[tuple[float, float]] = []
         for rep in range(max(self.reps, 5)):
             for with_previews in ((False, True) if rep % 2 == 0 else (True, False)):
-                (on_s if with_previews else off_s).append(batch(with_previews))
-        ratios = [a / b for a, b in zip(off_s, on_s, strict=True)]  # throughput on / off
-        print(f"  engine alone (batch {len(texts)}, previews encoded inline): off {statistics.median(off_s):.2f} s, "
-              f"on {statistics.median(on_s):.2f} s per batch; on/off throughput {statistics.median(ratios):.3f}",
-              flush=True)
-        return {"batch": len(texts), "off_s": statistics.median(off_s), "on_s": statistics.median(on_s),
-                "on_over_off": statistics.median(ratios), "on_over_off_runs": [round(r, 3) for r in ratios]}
+                (on if with_previews else off).append(batch(with_previews))
+        ratios = [a[0] / b[0] for a, b in zip(off, on, strict=True)]  # throughput on / off
+        cpu_ratios = [a[1] / b[1] for a, b in zip(off, on, strict=True)]
+        per_job_cpu = statistics.median(c for _, c in off) / len(texts)
+        per_preview = statistics.median(preview_cpu)
+        share = per_preview * (len(preview_cpu) / len(on) / len(texts)) / per_job_cpu
+        print(f"  engine alone (batch {len(texts)}, previews encoded inline): off {statistics.median(w for w, _ in off):.2f} s, "
+              f"on {statistics.median(w for w, _ in on):.2f} s per batch; on/off throughput {statistics.median(ratios):.3f}, "
+              f"CPU off/on {statistics.median(cpu_ratios):.3f}; one preview {1000 * per_preview:.2f} ms CPU, "
+              f"{share:.2%} of a job's engine CPU", flush=True)
+        return {"batch": len(texts), "off_s": statistics.median(w for w, _ in off),
+                "on_s": statistics.median(w for w, _ in on), "on_over_off": statistics.median(ratios),
+                "on_over_off_runs": [round(r, 3) for r in ratios], "cpu_off_over_on": statistics.median(cpu_ratios),
+                "preview_cpu_ms": 1000 * per_preview, "job_engine_cpu_ms": 1000 * per_job_cpu,
+                "preview_share_of_engine_cpu": share}
 
     # --- the limit: direct engine calls, in a child process per workload ---
     def direct_process(self, w: Workload) -> DirectProcess:
@@ -593,8 +608,10 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"{name:32} previews every {p['preview_every']} of {p['steps']} steps "
                      f"({p['previews_per_job']}/job): off {_f(p['off']['jobs_per_s'])}, on {_f(p['on']['jobs_per_s'])} "
                      f"jobs/s, on/off {p['on_over_off']:.3f} (runs {p['on_over_off_runs']}); p50 off "
-                     f"{_f(p['off']['p50_s'])} s, on {_f(p['on']['p50_s'])} s; engine alone on/off "
-                     f"{p['engine']['on_over_off']:.3f} (runs {p['engine']['on_over_off_runs']}); "
+                     f"{_f(p['off']['p50_s'])} s, on {_f(p['on']['p50_s'])} s; dit worker CPU off/on "
+                     f"{_f(p['worker_cpu_off_over_on'], '{:.3f}')}; engine alone: on/off {p['engine']['on_over_off']:.3f}, "
+                     f"CPU off/on {p['engine']['cpu_off_over_on']:.3f}, one preview {p['engine']['preview_cpu_ms']:.2f} ms "
+                     f"CPU = {p['engine']['preview_share_of_engine_cpu']:.2%} of a job's engine CPU; "
                      f"a preview is {p['preview_base64_bytes']} bytes of base64")
     if not results["rows"]:
         return "\n".join(lines[1:])
