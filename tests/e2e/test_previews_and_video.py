@@ -9,6 +9,7 @@ import base64
 import io
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import av
@@ -169,3 +170,21 @@ def test_a_frame_count_the_model_cannot_make_fails_the_stage_saying_why(api: htt
     job = wait_for_job(api, submit(api, "text-to-video", "ten frames", params)["id"])
     assert job["status"] == "failed" and job["error"]["stage"] == "video"
     assert "num_frames 10 must be 4k+1" in job["error"]["message"]
+
+
+def test_cli_submit_wait_saves_the_mp4_and_the_previews(system: EmbeddedSystem, tmp_path: Path) -> None:
+    from tests.e2e.test_cli import omni
+
+    run = omni(system, "submit", "text-to-video", "--prompt", "a paper boat drifting",
+               "--param", "video.num_inference_steps=4", "--param", "video.preview_every=1", "--wait",
+               "--save-previews", "--out", str(tmp_path))
+    assert run.returncode == 0, run.stderr
+    paths = dict(line.split("\t") for line in run.stdout.strip().splitlines())
+    video = Path(paths["video"])
+    assert video.name == "video.mp4"
+    with av.open(str(video)) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 9
+    saved = sorted(p.name for p in (video.parent / "previews").iterdir())
+    assert saved == ["video-step0001.jpg", "video-step0002.jpg", "video-step0003.jpg"]
+    with Image.open(video.parent / "previews" / saved[0]) as image:
+        assert (image.format, image.size) == ("JPEG", (32, 32))
