@@ -1,9 +1,9 @@
 """The diffusion-transformer (DiT) engine: a diffusers pipeline that batches compatible requests.
 
 One engine wraps any diffusers pipeline class: text-to-image (PixArt, Chroma...), image-to-image
-(Chroma img2img...), text-to-audio (StableAudio) and text-to-video (Wan). A request is conditioned either on a text
-prompt, which the pipeline's own text encoder embeds, or on ``prompt_embeds`` made upstream (an
-LLM's hidden states: the Qwen-Image / BAGEL pattern). What the loaded pipeline can do is read from
+(Chroma img2img...), text-to-audio (StableAudio) and text-to-video (Wan). A request is conditioned
+either on a text prompt, which the pipeline's own text encoder embeds, or on ``prompt_embeds`` made
+upstream (an LLM's hidden states: the Qwen-Image / BAGEL pattern). What the loaded pipeline can do is read from
 its call signature and components, so a stage asking for something it cannot do fails clearly.
 
 Requests that share every call-level setting go into one pipeline call with one
@@ -403,6 +403,7 @@ class DiTEngine:
             self._projection = fit_projection(self.pipe)
         except Exception:  # a preview must never fail a generation
             log.warning("model %s: no latent previews: fitting the projection failed", self.model, exc_info=True)
+            return
         if self._projection is None:
             log.warning("model %s (%s): no VAE to fit a preview projection on; no previews", self.model,
                         self.pipeline_class)
