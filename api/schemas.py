@@ -25,10 +25,12 @@ class JobRequest(BaseModel):
         "normal", description="The order of this tenant's waiting stages: high ones start first; a low one waits "
         "at most OMNI_PRIORITY_AGING_S behind normal work queued after it. Tenants take turns whatever it is.",
     )
-    webhook_events_filter: list[Literal["start", "progress", "completed"]] | None = Field(
+    webhook_events_filter: list[Literal["start", "progress", "completed", "preview"]] | None = Field(
         None, min_length=1,
         description="Which events send the webhook: start (job running), progress (stage steps/ends, throttled), "
-        "completed (succeeded, failed or canceled). Default: all three.",
+        "completed (succeeded, failed or canceled), preview (a DiT stage's latent preview, throttled; the body "
+        "adds 'preview': {stage, step, total, media_type, width, height, data}). Default: start, progress, "
+        "completed.",
     )
 
 

@@ -14,6 +14,8 @@ It prints a table (jobs/s, p50/p95 job latency, per-stage time, peak RSS per wor
 system/direct and system/naive), the per-hop queue overhead (API -> worker -> next stage ->
 results), and the cache effects (the stage-output cache on a repeated request; the diffusers
 first-block cache on vs off), and writes everything as JSON under var/bench/results/.
+``--previews [N]`` instead measures only what DiT previews cost: the same jobs through the system
+with ``preview_every`` 0 and N (default 5), the arms taking turns, and prints their ratio.
 One workload at a time (the machine has 2 cores); within a row the arms take turns, one repetition
 each, and the ratios are medians of the per-repetition ratios (paired: they share the machine's drift).
 """
@@ -152,7 +154,7 @@ class Bench:
         self.system: EmbeddedSystem | None = None
         self.api: httpx.Client | None = None
         self.store: RedisJobStore | None = None
-        self.results: dict[str, Any] = {"config": vars(args), "rows": {}, "hops": {}, "cache": {}}
+        self.results: dict[str, Any] = {"config": vars(args), "rows": {}, "hops": {}, "cache": {}, "previews": {}}
 
     # --- the system under test ---
     def start(self) -> None:
@@ -201,13 +203,13 @@ class Bench:
                 out[proc.name.removeprefix("worker-")] = _cpu_s(proc.pid)
         return out
 
-    def run_jobs(self, pipeline: str, texts: list[str]) -> list[Job]:
+    def run_jobs(self, pipeline: str, texts: list[str], params: dict[str, Any] | None = None) -> list[Job]:
         """POST every job through the API, then wait for all; returns the final jobs (from Redis)."""
         assert self.api and self.store
         api = self.api
 
         def post(t: str) -> str:
-            r = api.post("/v1/jobs", json={"pipeline": pipeline, "input": {"prompt": t}})
+            r = api.post("/v1/jobs", json={"pipeline": pipeline, "input": {"prompt": t}, "params": params or {}})
             if r.status_code != 202:
                 raise RuntimeError(f"submit {pipeline}: {r.status_code} {r.text}")
             return str(r.json()["id"])
@@ -238,11 +240,12 @@ class Bench:
             raise RuntimeError(f"{pipeline}: {len(bad)} jobs did not succeed, e.g. {bad[0]}")
         return jobs
 
-    def system_rep(self, pipeline: str, rep: int, arm: Arm) -> None:
+    def system_rep(self, pipeline: str, rep: int, arm: Arm, params: dict[str, Any] | None = None,
+                   salt: int = 0) -> list[Job]:
         """One repetition of N jobs through the API; adds its figures to ``arm``."""
-        texts = prompts(self.n, rep + (100 if pipeline.endswith("-naive") else 0))
+        texts = prompts(self.n, rep + (100 if pipeline.endswith("-naive") else 0) + salt)
         cpu_before = self.cpu_times()
-        jobs = self.run_jobs(pipeline, texts)
+        jobs = self.run_jobs(pipeline, texts, params)
         for name, cpu in self.cpu_times().items():
             arm.cpu_s.setdefault(name, []).append(cpu - cpu_before.get(name, 0.0))
         start = min(j.created_at for j in jobs)
@@ -254,6 +257,95 @@ class Bench:
             for rec in j.stages:
                 if rec.started_at and rec.finished_at:
                     arm.stage_s.setdefault(rec.id, []).append(rec.finished_at - rec.started_at)
+        return jobs
+
+    def previews(self) -> None:
+        """What DiT previews cost: N jobs with preview_every 0, then N with preview_every K, per
+        repetition (paired, so that both share the machine's drift), on the small DiT at 32x32
+        (the cheapest steps, so the largest relative cost) and the large one at 64x64."""
+        every = self.args.previews
+        chosen = [w for w in WORKLOADS if w.kind == "dit" and w.dit_model in (DIT_SMALL, DIT_LARGE)
+                  and (self.args.only is None or any(o in w.name for o in self.args.only))]
+        for w in chosen:
+            print(f"\n== previews, {w.name}: {self.n} jobs x {self.reps} reps, preview_every 0 vs {every}", flush=True)
+            self.run_jobs(w.pipeline, [f"warm up {t}" for t in prompts(min(self.args.batch, self.n), 998)],
+                          {"dit": {"preview_every": every}})
+            off, on = Arm(), Arm()
+            shown: list[int] = []
+            for rep in range(self.reps):
+                if rep % 2:  # alternate which arm goes first: neither always runs on a warmer machine
+                    jobs = self.system_rep(w.pipeline, rep, on, {"dit": {"preview_every": every}}, salt=600)
+                    self.system_rep(w.pipeline, rep, off, salt=300)
+                else:
+                    self.system_rep(w.pipeline, rep, off, salt=300)
+                    jobs = self.system_rep(w.pipeline, rep, on, {"dit": {"preview_every": every}}, salt=600)
+                assert self.store is not None
+                sizes = [len(e.data["data"]) for e in self.store.events(jobs[0].id, count=10_000)
+                         if e.type == "output.preview"]
+                shown.append(len(sizes))
+                preview_bytes = max(sizes, default=0)
+                print(f"  rep {rep + 1}: off {off.jobs_per_s[-1]:.2f}, on {on.jobs_per_s[-1]:.2f} jobs/s "
+                      f"({on.jobs_per_s[-1] / off.jobs_per_s[-1]:.3f})", flush=True)
+            ratios = _ratios(on.jobs_per_s, off.jobs_per_s)
+            worker_cpu = _ratios(off.cpu_s.get("dit", []), on.cpu_s.get("dit", []))  # CPU: less noisy than time
+            engine = self.engine_preview_cost(w, every)
+            self.results["previews"][w.name] = {
+                "preview_every": every, "steps": self.args.steps, "previews_per_job": max(shown),
+                "preview_base64_bytes": preview_bytes, "engine": engine,
+                "off": off.summary(), "on": on.summary(), "on_over_off": statistics.median(ratios),
+                "worker_cpu_off_over_on": statistics.median(worker_cpu) if worker_cpu else None,
+                "on_over_off_runs": [round(r, 3) for r in ratios],
+            }
+
+    def engine_preview_cost(self, w: Workload, every: int) -> dict[str, Any]:
+        """The same on one engine in this process, no Redis: batches without previews, and with
+        previews projected and JPEG-encoded inline on the engine's thread (worse than the system,
+        which does that on another thread): the compute a preview costs, without the system's noise."""
+        from omni_jobs.engines.dit import DiTRequest
+
+        engine = self._dit(w.dit_model)
+        texts = prompts(self.args.batch, 700)
+
+        preview_cpu: list[float] = []
+
+        def batch(with_previews: bool) -> tuple[float, float]:
+            made: list[int] = []
+
+            def encode(preview: Any) -> None:
+                c0 = time.thread_time()
+                made.append(len(preview.event_data("dit")["data"]))
+                preview_cpu.append(time.thread_time() - c0)
+
+            requests = [DiTRequest(f"p{i}", prompt=t, height=w.size, width=w.size, num_inference_steps=self.args.steps,
+                                   seed=i, preview_every=every if with_previews else 0, on_preview=encode)
+                        for i, t in enumerate(texts)]
+            t0, c0 = time.perf_counter(), time.process_time()
+            engine.generate(requests)
+            took, cpu = time.perf_counter() - t0, time.process_time() - c0
+            assert bool(made) == with_previews
+            return took, cpu
+
+        batch(True)  # warm up (and fit the projection)
+        preview_cpu.clear()
+        off: list[tuple[float, float]] = []
+        on: list[tuple[float, float]] = []
+        for rep in range(max(self.reps, 5)):
+            for with_previews in ((False, True) if rep % 2 == 0 else (True, False)):
+                (on if with_previews else off).append(batch(with_previews))
+        ratios = [a[0] / b[0] for a, b in zip(off, on, strict=True)]  # throughput on / off
+        cpu_ratios = [a[1] / b[1] for a, b in zip(off, on, strict=True)]
+        per_job_cpu = statistics.median(c for _, c in off) / len(texts)
+        per_preview = statistics.median(preview_cpu)
+        share = per_preview * (len(preview_cpu) / len(on) / len(texts)) / per_job_cpu
+        print(f"  engine alone (batch {len(texts)}, previews encoded inline): off {statistics.median(w for w, _ in off):.2f} s, "
+              f"on {statistics.median(w for w, _ in on):.2f} s per batch; on/off throughput {statistics.median(ratios):.3f}, "
+              f"CPU off/on {statistics.median(cpu_ratios):.3f}; one preview {1000 * per_preview:.2f} ms CPU, "
+              f"{share:.2%} of a job's engine CPU", flush=True)
+        return {"batch": len(texts), "off_s": statistics.median(w for w, _ in off),
+                "on_s": statistics.median(w for w, _ in on), "on_over_off": statistics.median(ratios),
+                "on_over_off_runs": [round(r, 3) for r in ratios], "cpu_off_over_on": statistics.median(cpu_ratios),
+                "preview_cpu_ms": 1000 * per_preview, "job_engine_cpu_ms": 1000 * per_job_cpu,
+                "preview_share_of_engine_cpu": share}
 
     # --- the limit: direct engine calls, in a child process per workload ---
     def direct_process(self, w: Workload) -> DirectProcess:
@@ -512,6 +604,17 @@ def table(results: dict[str, Any]) -> str:
             ratio = (f"{row['system_over_direct']:>10.2f} {row['system_over_naive']:>9.2f}" if arm == "system" else "")
             lines.append(f"{name if arm == 'direct' else '':32} {arm:7} {_f(a['jobs_per_s']):>8} {_f(a['p50_s']):>7} "
                          f"{_f(a['p95_s']):>7} {stages:24} {rss:22} {ratio}")
+    for name, p in results.get("previews", {}).items():
+        lines.append(f"{name:32} previews every {p['preview_every']} of {p['steps']} steps "
+                     f"({p['previews_per_job']}/job): off {_f(p['off']['jobs_per_s'])}, on {_f(p['on']['jobs_per_s'])} "
+                     f"jobs/s, on/off {p['on_over_off']:.3f} (runs {p['on_over_off_runs']}); p50 off "
+                     f"{_f(p['off']['p50_s'])} s, on {_f(p['on']['p50_s'])} s; dit worker CPU off/on "
+                     f"{_f(p['worker_cpu_off_over_on'], '{:.3f}')}; engine alone: on/off {p['engine']['on_over_off']:.3f}, "
+                     f"CPU off/on {p['engine']['cpu_off_over_on']:.3f}, one preview {p['engine']['preview_cpu_ms']:.2f} ms "
+                     f"CPU = {p['engine']['preview_share_of_engine_cpu']:.2%} of a job's engine CPU; "
+                     f"a preview is {p['preview_base64_bytes']} bytes of base64")
+    if not results["rows"]:
+        return "\n".join(lines[1:])
     lines.append("\nwhere the CPU went (seconds per repetition, median; 2 cores) and how long the clients took to submit:")
     for name, row in results["rows"].items():
         direct_cpu = sum(row["direct"]["cpu_s"].values())
@@ -546,6 +649,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="denoising steps per image (PixArt-Sigma's usual 20)")
     p.add_argument("--only", nargs="*", default=None, help="workload names (substring match) to run")
     p.add_argument("--out", type=Path, default=ROOT / "results", help="where the JSON goes")
+    p.add_argument("--previews", type=int, nargs="?", const=5, default=None, metavar="N",
+                   help="measure only what DiT previews cost: preview_every 0 vs N (default 5), side by side")
     p.add_argument("--direct", default=None, help=argparse.SUPPRESS)  # internal: one direct arm, JSON out
     args = p.parse_args(argv)
     args.jobs = args.jobs or (8 if args.quick else 64)
@@ -565,11 +670,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         bench.start()
-        for w in WORKLOADS:
-            if args.only is None or any(o in w.name for o in args.only):
-                bench.row(w)
-        bench.hops()
-        bench.caches()
+        if args.previews is not None:
+            bench.previews()
+        else:
+            for w in WORKLOADS:
+                if args.only is None or any(o in w.name for o in args.only):
+                    bench.row(w)
+            bench.hops()
+            bench.caches()
     finally:
         bench.stop()
     bench.results["wall_s"] = time.time() - started

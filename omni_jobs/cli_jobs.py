@@ -9,6 +9,7 @@ messages to stderr, so ``omni-jobs submit ... --wait > paths.txt`` keeps only th
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import sys
@@ -92,6 +93,14 @@ def _print_outputs(job: JobInfo, paths: dict[str, Path]) -> None:
         print(f"{out.name}\t{path.resolve() if path else out.url}")
 
 
+def _save_preview(folder: Path, data: dict[str, Any]) -> None:
+    """An output.preview event's image as ``<stage>-step<N>.jpg`` (or .png)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ext = ".png" if data.get("media_type") == "image/png" else ".jpg"
+    (folder / f"{data.get('stage')}-step{int(data.get('step', 0)):04d}{ext}").write_bytes(
+        base64.b64decode(str(data.get("data", ""))))
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     inputs, files = parse_inputs(args.input or [])
     if args.prompt is not None:
@@ -107,6 +116,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         display.queued(job)
         for event in omni.events(job.id):
             display.show(event)
+            if args.save_previews and event.type == "output.preview":
+                _save_preview(Path(args.out) / job.id / "previews", event.data)
         display.close()
         job = omni.get(job.id)
         if args.json:
@@ -245,7 +256,10 @@ def add_job_commands(sub: Any) -> None:
     s.add_argument("--wait", action="store_true", help="follow the job's progress, then download its outputs")
     s.add_argument("--out", default="omni-outputs", help="where --wait saves outputs (in OUT/<job id>/)")
     s.add_argument("--webhook", help="URL that receives signed webhooks for this job")
-    s.add_argument("--webhook-events", action="append", choices=["start", "progress", "completed"],
+    s.add_argument("--save-previews", action="store_true",
+                   help="with --wait: save the job's output.preview images under OUT/<job id>/previews/ (ask "
+                        "for them with --param <stage>.preview_every=N)")
+    s.add_argument("--webhook-events", action="append", choices=["start", "progress", "completed", "preview"],
                    help="which events send the webhook (repeatable; default all)")
     s.set_defaults(func=_run(cmd_submit))
 

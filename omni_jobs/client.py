@@ -37,6 +37,7 @@ FINAL_EVENTS = frozenset({"job.succeeded", "job.failed", "job.canceled"})
 PipelineList = list[dict[str, Any]]
 """GET /v1/pipelines: each pipeline's name, description, inputs, stages and outputs."""
 _EXTENSIONS = {"image/png": ".png", "application/json": ".json", "audio/wav": ".wav", "audio/x-wav": ".wav",
+               "video/mp4": ".mp4", "image/jpeg": ".jpg",
                "application/vnd.safetensors": ".safetensors", "application/octet-stream": ".bin"}
 
 
@@ -142,6 +143,8 @@ class OutputInfo(_Shape):
     height: int | None = None
     duration_s: float | None = None
     sample_rate: int | None = None
+    frames: int | None = None
+    fps: float | None = None
     text: str | None = None
 
 

@@ -35,7 +35,7 @@ from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import Job, JobError, JobEvent, JobOutput, JobStatus, now
 from omni_jobs.jobs.store import JobStore
-from omni_jobs.payloads import AudioClip, decode_payload
+from omni_jobs.payloads import AudioClip, VideoClip, decode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue, load_pipeline_file
 from omni_jobs.pipelines.spec import PipelineSpec
 from omni_jobs.results import ResultsAssembler
@@ -92,6 +92,11 @@ class OmniOutput:
 
     def audio(self) -> AudioClip:
         clip: AudioClip = decode_payload("audio", self.data)
+        return clip
+
+    def video(self) -> VideoClip:
+        """The frames (uint8 [n, height, width, 3]) and frame rate of a video output (its MP4 decoded)."""
+        clip: VideoClip = decode_payload("video", self.data)
         return clip
 
     def tensor(self) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """How each modality is written down when one stage hands it to the next.
 
 One table: modality -> file format. Tensors are safetensors, images PNG, audio WAV (16-bit PCM),
-text JSON; nothing is pickled. Stage code calls encode/decode and never picks a format itself.
+video MP4 (H.264), text JSON; nothing is pickled. Stage code calls encode/decode and never picks a format itself.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from omni_jobs.artifacts import codecs
+from omni_jobs.artifacts import codecs, mp4
 from omni_jobs.pipelines.modalities import TENSOR_MODALITIES, Modality
 
 
@@ -34,6 +34,22 @@ class AudioClip:
         return float(self.samples.shape[-1]) / self.sample_rate
 
 
+@dataclass(frozen=True)
+class VideoClip:
+    """Frames shaped [n, height, width, 3] (float in [0, 1] or uint8) and their frame rate."""
+
+    frames: np.ndarray
+    fps: float
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.frames.shape[0])
+
+    @property
+    def duration_s(self) -> float:
+        return self.num_frames / self.fps
+
+
 SAFETENSORS = PayloadFormat("safetensors", "application/vnd.safetensors")
 FORMATS: dict[Modality, PayloadFormat] = {
     "text": PayloadFormat("json", "application/json"),
@@ -43,13 +59,14 @@ FORMATS: dict[Modality, PayloadFormat] = {
     "latents": SAFETENSORS,
     "image": PayloadFormat("png", "image/png"),
     "audio": PayloadFormat("wav", "audio/wav"),
+    "video": PayloadFormat("mp4", codecs.MEDIA_MP4),
 }
 
 
 def encode_payload(modality: Modality, value: Any) -> bytes:
     """text: str, or a mapping with "text" and what describes it (an AR stage's finish_reason and
     usage, kept beside the text); token_ids: list[int] or tensor; tensors: tensor; image: PIL image;
-    audio: AudioClip."""
+    audio: AudioClip; video: VideoClip."""
     if modality == "text":
         return codecs.encode_json(dict(value) if isinstance(value, Mapping) else {"text": value})
     if modality == "token_ids":
@@ -65,6 +82,10 @@ def encode_payload(modality: Modality, value: Any) -> bytes:
         if not isinstance(value, AudioClip):
             raise TypeError(f"audio payloads are AudioClip(samples, sample_rate), got {type(value).__name__}")
         return codecs.encode_wav(value.samples, value.sample_rate)
+    if modality == "video":
+        if not isinstance(value, VideoClip):
+            raise TypeError(f"video payloads are VideoClip(frames, fps), got {type(value).__name__}")
+        return mp4.encode_mp4(value.frames, value.fps)
     raise ValueError(f"no encoder for modality '{modality}'")
 
 
@@ -78,4 +99,7 @@ def decode_payload(modality: Modality, data: bytes) -> Any:
     if modality == "audio":
         samples, rate = codecs.decode_wav(data)
         return AudioClip(samples, rate)
+    if modality == "video":
+        frames, fps = mp4.decode_mp4(data)
+        return VideoClip(frames, fps)
     raise ValueError(f"no decoder for modality '{modality}'")

@@ -7,20 +7,28 @@ running stage and writes it from a background thread. The write is fenced by the
 it is also where a stage learns that it must stop: its job was canceled, or its lease was lost
 (``stopped``); the lease keeper reports lost leases here too. The stage's reporter raises at its
 next step. In-process use (``background=False``) writes inline, in order.
+
+DiT previews (``output.preview`` events) go the same way: the engine's thread hands over a cheap
+maker (a CPU copy of the latents); this thread projects, encodes and publishes it, newest per
+stage wins. A refused publish (canceled, lease lost) stops the stage like a refused progress write.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from omni_jobs.jobs.ledger import JobLedger, Lease
-from omni_jobs.jobs.models import Job
+from omni_jobs.jobs.models import EventType, Job
 
 log = logging.getLogger(__name__)
 
 Report = tuple[Lease, Job, int, int, str]
 """(lease, job snapshot, step, total, unit) of one running stage."""
+Preview = tuple[Lease, Job, Callable[[], dict[str, Any]]]
+"""(lease, job snapshot, what makes the output.preview event's data) of one running stage."""
 
 
 class ProgressWriter:
@@ -30,6 +38,7 @@ class ProgressWriter:
         self.ledger = ledger
         self.background = background
         self._pending: dict[Lease, Report] = {}
+        self._previews: dict[Lease, Preview] = {}
         self._active: set[Lease] = set()
         self._stopped: dict[Lease, str] = {}
         self._writing = False
@@ -49,10 +58,29 @@ class ProgressWriter:
             return
         with self._cond:
             self._pending[lease] = (lease, job, step, total, unit)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="omni-progress-writer", daemon=True)
-                self._thread.start()
-            self._cond.notify()
+            self._wake()
+
+    def preview(self, lease: Lease, job: Job, make: Callable[[], dict[str, Any]]) -> None:
+        """Publish a preview event whose data ``make`` returns (called off the engine's thread in
+        background mode; an older unpublished preview of the same stage is replaced)."""
+        if not self.background:
+            self._write_preview((lease, job, make))
+            return
+        with self._cond:
+            self._previews[lease] = (lease, job, make)
+            self._wake()
+
+    def drain(self, lease: Lease, timeout_s: float = 5.0) -> bool:
+        """Wait until this stage's last preview is published (before its result is recorded, which
+        ends the lease the publish needs); False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: lease not in self._previews and not self._writing, timeout_s)
+
+    def _wake(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="omni-progress-writer", daemon=True)
+            self._thread.start()
+        self._cond.notify()
 
     def stopped(self, lease: Lease) -> str | None:
         """'canceled' or 'lost' once the attempt must stop; None while it may go on."""
@@ -69,23 +97,28 @@ class ProgressWriter:
         """The attempt ended: drop its unwritten report and its stop mark."""
         with self._cond:
             self._pending.pop(lease, None)
+            self._previews.pop(lease, None)
             self._stopped.pop(lease, None)
             self._active.discard(lease)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait until every report made so far is written (tests, shutdown); False on timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._pending and not self._writing, timeout_s)
+            return self._cond.wait_for(lambda: not self._pending and not self._previews and not self._writing,
+                                       timeout_s)
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: bool(self._pending))
+                self._cond.wait_for(lambda: bool(self._pending or self._previews))
                 batch, self._pending = self._pending, {}
+                previews, self._previews = self._previews, {}
                 self._writing = True
             try:
                 for report in batch.values():
                     self._write(report)
+                for preview in previews.values():
+                    self._write_preview(preview)
             finally:
                 with self._cond:
                     self._writing = False
@@ -99,6 +132,26 @@ class ProgressWriter:
             if not self.background:
                 raise
             log.warning("job %s: could not write progress of %s", lease.job_id, lease.slot, exc_info=True)
+            return
+        if outcome != "ok":
+            self.stop(lease, outcome)
+
+    def _write_preview(self, preview: Preview) -> None:
+        lease, job, make = preview
+        with self._cond:
+            if lease in self._stopped:
+                return
+        try:
+            data = make()
+        except Exception:  # a preview that cannot be made is skipped; it never fails the stage
+            log.warning("job %s: could not make a preview of %s", lease.job_id, lease.slot, exc_info=True)
+            return
+        try:
+            outcome = self.ledger.publish(lease, job, EventType.output_preview, data)
+        except Exception:
+            if not self.background:
+                raise
+            log.warning("job %s: could not publish a preview of %s", lease.job_id, lease.slot, exc_info=True)
             return
         if outcome != "ok":
             self.stop(lease, outcome)

@@ -1,10 +1,10 @@
 """The results step: the multimodal output processor that turns stage outputs into final files.
 
-One handler per output type (text, image, audio, each tensor modality, and the text+image bundle)
-writes a standard file (JSON, PNG, WAV, safetensors) under ``jobs/{id}/outputs/`` and describes it
-in the job's manifest: name, type, media type, size, and what a client needs before downloading
-(the text itself; an image's width and height; a clip's duration and sample rate; a tensor's
-shape). It runs once in effect: it holds a lease like a stage, and a job that ended is left alone.
+One handler per output type (text, image, audio, video, each tensor modality, and the text+image
+bundle) writes a standard file (JSON, PNG, WAV, MP4, safetensors) under ``jobs/{id}/outputs/`` and
+describes it in the job's manifest: name, type, media type, size, and what a client needs before
+downloading (the text itself; an image's width and height; a clip's duration and sample rate; a
+video's frames, fps, duration, width and height; a tensor's shape). It runs once in effect: it holds a lease like a stage, and a job that ended is left alone.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from omni_jobs import keys
-from omni_jobs.artifacts import ArtifactRef, ArtifactStore, codecs
+from omni_jobs.artifacts import ArtifactRef, ArtifactStore, codecs, mp4
 from omni_jobs.jobs.ledger import JobLedger, Lease, Refused
 from omni_jobs.jobs.models import Job, JobOutput
 from omni_jobs.jobs.patience import while_store_down
@@ -64,6 +64,14 @@ def audio_output(store: ArtifactStore, job_id: str, name: str, parts: Sequence[b
     return _entry(name, "audio", ref, duration_s=info["duration_s"], sample_rate=info["sample_rate"])
 
 
+def video_output(store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes]) -> JobOutput:
+    """The MP4 (H.264) as the stage wrote it, with its frames, fps, duration, width and height."""
+    info = mp4.mp4_info(parts[0])
+    ref = _write(store, job_id, name, FORMATS["video"], parts[0])
+    return _entry(name, "video", ref, frames=info["frames"], fps=info["fps"], duration_s=info["duration_s"],
+                  width=info["width"], height=info["height"])
+
+
 def tensor_output(modality: Modality) -> OutputHandler:
     """A tensor (latents, hidden states, ...) as safetensors, with its shape."""
 
@@ -93,6 +101,7 @@ OUTPUT_HANDLERS: dict[str, OutputHandler] = {
     "text": text_output,
     "image": image_output,
     "audio": audio_output,
+    "video": video_output,
     **{m: tensor_output(m) for m in sorted(TENSOR_MODALITIES)},
     "text+image": text_and_image_output,
 }

@@ -36,6 +36,7 @@ from omni_jobs.payloads import FORMATS, decode_payload, encode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.params import ARParams
 from omni_jobs.pipelines.spec import INPUT_SOURCE, PipelineSpec, StageSpec
+from omni_jobs.previews import LatentPreview
 from omni_jobs.progress_writer import ProgressWriter
 from omni_jobs.run_journal import RunJournal
 from omni_jobs.stage_cache import CachedOutputs, Eviction, StageCache, cache_key, text_digest
@@ -177,6 +178,7 @@ class StageRunner:
                 engine_s = 0.0
             else:
                 values = self._execute(stage, job, inputs, lease, spec.name)
+                self.progress.drain(lease)  # its last preview goes out before the stage's result
                 engine_s = time.perf_counter() - started
                 encoded = self._encode_outputs(stage, values)
                 refs = self._put_encoded(job.id, stage, encoded, step.attempt)
@@ -259,7 +261,7 @@ class StageRunner:
             return None, None
         params = job.params.get(stage.id, {})
         resolved = (ARParams(**params) if stage.engine == "ar" and stage.task_name == "generate"
-                    else stage.params(params)).model_dump(mode="json")
+                    else stage.params(params)).model_dump(mode="json", exclude={"preview_every"})  # no output change
         if resolved.get("temperature", 0) and resolved.get("seed") is None:
             return None, None  # sampled without a seed: a repeat must not return the same text
         digests: dict[str, str] = {}
@@ -305,7 +307,8 @@ class StageRunner:
                 return self._execute_streamed_ar(stage, job, ARParams(**params), inputs, lease, progress, policy)
             if stage.engine == "ar":
                 return execute_encode(self.engines, stage, stage.params(params), inputs, request_id, progress)
-            return execute_dit(self.engines, stage, stage.params(params), inputs, request_id, progress, policy=policy)
+            return execute_dit(self.engines, stage, stage.params(params), inputs, request_id, progress, policy=policy,
+                               preview=self._preview_publisher(job, stage, lease))
         except (JobCanceled, StageError):
             raise
         except (ValueError, TypeError, RuntimeError, OSError, KeyError) as exc:
@@ -378,6 +381,15 @@ class StageRunner:
             check()  # an inline write may have just found it
 
         return report
+
+    def _preview_publisher(self, job: Job, stage: StageSpec, lease: Lease) -> Callable[[LatentPreview], None]:
+        """Where a DiT stage's previews go: the progress writer encodes and publishes them off the
+        engine's thread (a refused publish stops the stage at its next step, as progress does)."""
+
+        def publish(preview: LatentPreview) -> None:
+            self.progress.preview(lease, job, lambda: preview.event_data(stage.id))
+
+        return publish
 
     @staticmethod
     def _encode_outputs(stage: StageSpec, values: dict[str, Any]) -> CachedOutputs:

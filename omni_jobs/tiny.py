@@ -3,8 +3,8 @@
 No model hub is reachable from the demo, the tests or the benchmarks, so every model they use is
 built here with real architectures and loaded by the real loading code: a Llama causal LM for
 vLLM; for diffusers a PixArt-Sigma pipeline, a PixArt-Sigma DiT conditioned on the Llama's hidden
-states (no text encoder of its own), a Chroma pipeline (text-to-image and image-to-image) and a
-StableAudio pipeline (text-to-audio). The same seed gives byte-identical weight files.
+states (no text encoder of its own), a Chroma pipeline (text-to-image and image-to-image), a
+StableAudio pipeline (text-to-audio) and a Wan 2.1 pipeline (text-to-video). The same seed gives byte-identical weight files.
 
 ``python -m omni_jobs.tiny build --out DIR [--name NAME|all]`` builds them from a shell.
 """
@@ -80,6 +80,8 @@ CHROMA_MAX_SEQUENCE = 64  # Chroma pads prompts to this many T5 tokens (its defa
 AUDIO_SAMPLE_RATE = 16000
 AUDIO_DOWNSAMPLING = (2, 4, 4)  # the Oobleck VAE's hop length is their product: 32 samples per latent
 AUDIO_LATENT_LENGTH = 512  # latents per clip: 512 * 32 / 16000 = 1.024 s at most
+WAN_TEXT_DIM = 32
+WAN_MAX_SEQUENCE = 64  # Wan pads prompts to max_sequence_length tokens (512 by default: slow here)
 
 
 @contextlib.contextmanager
@@ -376,12 +378,54 @@ def build_tiny_stable_audio(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
+def build_tiny_wan(path: Path, *, seed: int = 0) -> Path:
+    """Save a random-weight Wan 2.1 text-to-video pipeline (UMT5 encoder, WanTransformer3DModel,
+    AutoencoderKLWan). The VAE compresses 8x in space and 4x in time, the transformer patches 2x2:
+    sides must be multiples of 16 and frame counts 4k+1 (9 frames at 32x32: 3 x 4 x 4 latents)."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
+
+    path = Path(path)
+    tokenizer = T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=WAN_MAX_SEQUENCE)
+    with _seeded(seed):
+        text_encoder = UMT5EncoderModel(UMT5Config(
+            vocab_size=len(tokenizer), d_model=WAN_TEXT_DIM, d_kv=WAN_TEXT_DIM // 4, d_ff=2 * WAN_TEXT_DIM,
+            num_layers=2, num_heads=4, relative_attention_num_buckets=16, dropout_rate=0.0, pad_token_id=0,
+            eos_token_id=1,
+        ))
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=16,
+            out_channels=16,
+            text_dim=WAN_TEXT_DIM,
+            freq_dim=32,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        )
+        vae = AutoencoderKLWan(
+            base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        )
+    pipe: Any = WanPipeline(
+        tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    pipe.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 TINY_MODELS: dict[str, Callable[[Path], Path]] = {
     "llama": build_tiny_llama,
     "pixart": build_tiny_pixart,
     "pixart-llm": build_tiny_pixart_llm,
     "chroma": build_tiny_chroma,
     "stable-audio": build_tiny_stable_audio,
+    "wan": build_tiny_wan,
 }
 
 TINY_MODEL_INFO: dict[str, dict[str, int | bool | str]] = {
@@ -390,6 +434,7 @@ TINY_MODEL_INFO: dict[str, dict[str, int | bool | str]] = {
     "pixart-llm": {"prompt_embed_dim": LLAMA_HIDDEN_SIZE, "embed_key": "caption_channels", "text_encoder": False},
     "chroma": {"prompt_embed_dim": CHROMA_TEXT_DIM, "embed_key": "joint_attention_dim", "text_encoder": True},
     "stable-audio": {"text_encoder": True},
+    "wan": {"text_encoder": True},
 }
 """What each tiny model's config will say, known without building it: pipeline validation checks
 that an LLM's hidden size matches the prompt-embedding size of the DiT it conditions."""

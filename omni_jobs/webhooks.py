@@ -8,7 +8,8 @@ that receivers keep verifying while the secret rotates. The body is the job obje
 when the attempt is made. The secret lives only in settings: never in a job, a log or a message.
 
 Flow: a job transition whose events the job's webhook subscribes to (``start`` = job.running,
-``progress`` = stage progress or end, throttled, ``completed`` = succeeded | failed | canceled)
+``progress`` = stage progress or end, throttled, ``completed`` = succeeded | failed | canceled,
+``preview`` = a DiT stage's latent preview, throttled like progress and opt-in)
 creates the webhook message in the same atomic write (omni_jobs.jobs.ledger), with its first
 delivery attempt in the outbox. A ``WebhookDeliverer`` makes one attempt per step on the
 ``webhooks`` queue, holding a lease like a stage does, records it on the job, and queues the next
@@ -36,7 +37,15 @@ import httpx
 
 from omni_jobs.errors import FieldError, InvalidRequest
 from omni_jobs.jobs.ledger import JobLedger, Lease, Refused
-from omni_jobs.jobs.models import WEBHOOK_EVENTS, Job, JobWebhook, WebhookDelivery, now
+from omni_jobs.jobs.models import (
+    DEFAULT_WEBHOOK_EVENTS,
+    WEBHOOK_EVENTS,
+    EventType,
+    Job,
+    JobWebhook,
+    WebhookDelivery,
+    now,
+)
 from omni_jobs.jobs.patience import while_store_down
 from omni_jobs.leases import LeaseKeeper
 from omni_jobs.net_guard import HostDoesNotResolve, NetGuard, UnsafeWebhookUrl
@@ -56,7 +65,7 @@ EVENT_HEADER = "omni-webhook-event"
 REFUSED = "refused by the SSRF guard"
 """Start of a delivery error that is final: the URL resolved to an address webhooks may not reach."""
 
-INTERMEDIATE_EVENTS = frozenset({"start", "progress"})
+INTERMEDIATE_EVENTS = frozenset({"start", "progress", "preview"})
 """Events whose news goes stale: retried at most once."""
 
 
@@ -132,7 +141,7 @@ def validate_webhook(url: Any, events: Any) -> JobWebhook | None:
             errors.append(FieldError(("webhook",), "has no host", "url_parsing"))
         elif len(url) > MAX_URL_LENGTH:
             errors.append(FieldError(("webhook",), f"is {len(url)} characters; at most {MAX_URL_LENGTH}", "too_long"))
-    chosen: list[str] = list(WEBHOOK_EVENTS)
+    chosen: list[str] = list(DEFAULT_WEBHOOK_EVENTS)
     if events is not None:
         if not isinstance(events, list) or not events:
             errors.append(FieldError(("webhook_events_filter",), f"must be a non-empty list of {list(WEBHOOK_EVENTS)}",
@@ -271,7 +280,10 @@ class WebhookDeliverer:
         if self.signer is None:
             result = AttemptResult(None, f"not sent: {self.unsigned_reason}", 0.0)
         else:
-            body = json.dumps(self.render(job), separators=(",", ":")).encode()
+            document = self.render(job)
+            if step.event == "preview":
+                document["preview"] = self._latest_preview(job.id)
+            body = json.dumps(document, separators=(",", ":")).encode()
             timestamp = int(now())
             headers = {"content-type": "application/json", EVENT_HEADER: step.event,
                        **self.signer.headers(step.message_id, timestamp, body)}
@@ -298,6 +310,20 @@ class WebhookDeliverer:
         if not recorded:
             return StepOutcome("lost", "the lease was taken back during the attempt")
         return StepOutcome(status, result.error or "")
+
+    def _latest_preview(self, job_id: str) -> dict[str, Any] | None:
+        """The data of the job's newest output.preview event (like the job object, what is newest when
+        the attempt is made): ``{stage, step, total, media_type, width, height, data}``."""
+        latest: dict[str, Any] | None = None
+        after = "0-0"
+        while True:
+            events = self.ledger.events(job_id, after=after, count=500)
+            if not events:
+                return latest
+            for event in events:
+                if event.type == EventType.output_preview:
+                    latest = event.data
+            after = events[-1].id
 
     def _post(self, url: str, body: bytes, headers: dict[str, str]) -> AttemptResult:
         """Through the net guard when there is one: resolved and checked now, sent to that address."""

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 MEDIA_SAFETENSORS = "application/vnd.safetensors"
 MEDIA_PNG = "image/png"
 MEDIA_WAV = "audio/wav"
+MEDIA_MP4 = "video/mp4"
 MEDIA_JSON = "application/json"
 MEDIA_TEXT = "text/plain; charset=utf-8"
 MEDIA_OCTET = "application/octet-stream"
@@ -29,6 +30,7 @@ EXTENSIONS: dict[str, str] = {
     MEDIA_SAFETENSORS: ".safetensors",
     MEDIA_PNG: ".png",
     MEDIA_WAV: ".wav",
+    MEDIA_MP4: ".mp4",
     MEDIA_JSON: ".json",
     MEDIA_TEXT: ".txt",
     MEDIA_OCTET: ".bin",

@@ -1,34 +1,47 @@
 """The diffusion-transformer (DiT) engine: a diffusers pipeline that batches compatible requests.
 
 One engine wraps any diffusers pipeline class: text-to-image (PixArt, Chroma...), image-to-image
-(Chroma img2img...) and text-to-audio (StableAudio). A request is conditioned either on a text
-prompt, which the pipeline's own text encoder embeds, or on ``prompt_embeds`` made upstream (an
-LLM's hidden states: the Qwen-Image / BAGEL pattern). What the loaded pipeline can do is read from
+(Chroma img2img...), text-to-audio (StableAudio) and text-to-video (Wan). A request is conditioned
+either on a text prompt, which the pipeline's own text encoder embeds, or on ``prompt_embeds`` made
+upstream (an LLM's hidden states: the Qwen-Image / BAGEL pattern). What the loaded pipeline can do is read from
 its call signature and components, so a stage asking for something it cannot do fails clearly.
 
 Requests that share every call-level setting go into one pipeline call with one
 ``torch.Generator`` per request, so each output depends only on its own seed (within float noise
-of the single call). torch and diffusers are imported lazily in the constructor.
+of the single call). A request may ask for previews of its latents every ``preview_every`` steps
+(omni_jobs.previews): the engine hands a CPU copy of that member's latents to the request's
+``on_preview``; projecting and encoding them is the receiver's business, off this thread. torch and
+diffusers are imported lazily in the constructor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import json
+import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from omni_jobs import metrics
 from omni_jobs.pipelines.model_info import DIT_EMBED_KEYS
+from omni_jobs.previews import LatentPreview, LatentProjection, fit_projection, one_frame, spatial_latents
 
 if TYPE_CHECKING:
-    import numpy as np
     import PIL.Image
     import torch
 
+log = logging.getLogger(__name__)
+
 StepCallback = Callable[[int, int], None]
 """``(steps_done, total_steps)`` across the whole ``generate`` call; may raise to abort it."""
+PreviewCallback = Callable[[LatentPreview], None]
+"""Receives one request's latents at a preview step; must not block (it runs on the engine's thread)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,7 @@ class DiTRequest:
 
     Images: ``height`` x ``width`` (for image-to-image None means the input image's size, rounded
     to what the model takes). Image-to-image: ``image`` and ``strength``. Audio: ``duration_s``.
+    Video: ``num_frames`` of ``height`` x ``width``.
     """
 
     request_id: str
@@ -54,6 +68,10 @@ class DiTRequest:
     duration_s: float | None = None
     want_latents: bool = False
     """Also return the final latents (what the VAE decodes), captured at the last denoising step."""
+    num_frames: int | None = None
+    preview_every: int = 0
+    """Hand ``on_preview`` this request's latents every that many steps (not at the last); 0: never."""
+    on_preview: PreviewCallback | None = None
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.prompt_embeds is None):
@@ -70,10 +88,23 @@ class DiTRequest:
             raise ValueError(f"request {self.request_id!r}: duration_s must be positive")
         if self.image is not None and self.strength is None:
             raise ValueError(f"request {self.request_id!r}: an image-to-image request needs a strength")
+        if self.num_frames is not None and self.num_frames < 1:
+            raise ValueError(f"request {self.request_id!r}: num_frames must be >= 1")
+        if self.preview_every < 0:
+            raise ValueError(f"request {self.request_id!r}: preview_every must be >= 0")
 
     @property
     def is_audio(self) -> bool:
         return self.duration_s is not None
+
+    @property
+    def is_video(self) -> bool:
+        return self.num_frames is not None
+
+    def previews_at(self, step: int) -> bool:
+        """Whether this request wants a preview after denoising step ``step`` (1-based)."""
+        return (self.on_preview is not None and self.preview_every > 0 and step % self.preview_every == 0
+                and step < self.denoising_steps)
 
     @property
     def denoising_steps(self) -> int:
@@ -92,6 +123,8 @@ class DiTOutput:
     """float32 samples in [-1, 1] shaped [channels, n]."""
     sample_rate: int | None = None
     latents: torch.Tensor | None = None
+    video: np.ndarray | None = None
+    """float32 frames in [0, 1] shaped [frames, height, width, 3]."""
 
 
 _GroupKey = tuple[Any, ...]
@@ -100,7 +133,7 @@ _GroupKey = tuple[Any, ...]
 def _group_key(r: DiTRequest) -> _GroupKey:
     embeds_shape = tuple(r.prompt_embeds.shape) if r.prompt_embeds is not None else None
     return (r.height, r.width, r.num_inference_steps, r.guidance_scale, r.negative_prompt, r.strength, r.duration_s,
-            embeds_shape, r.want_latents)
+            embeds_shape, r.want_latents, r.num_frames)
 
 
 def _group(requests: Sequence[DiTRequest]) -> dict[_GroupKey, list[int]]:
@@ -124,6 +157,41 @@ def _dtype_kwarg() -> str:
     from diffusers.pipelines import pipeline_utils
 
     return "dtype" if hasattr(pipeline_utils, "_resolve_dtype") else "torch_dtype"
+
+
+_load_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _fp32_load(model: str, dtype: Any) -> Any:
+    """Let a float32 load through where diffusers would refuse it for want of ``accelerate``.
+
+    Models that keep some modules in float32 when loaded in half precision (Wan's transformer:
+    ``_keep_in_fp32_modules``) can only be loaded with ``low_cpu_mem_usage``, which needs the
+    ``accelerate`` package. In float32 every module is float32 already, so that setting changes
+    nothing: it is lifted for the load (of the classes this model's model_index.json names)."""
+    import diffusers
+    import torch
+    from diffusers.utils import is_accelerate_available
+
+    index = Path(model) / "model_index.json"
+    if dtype is not torch.float32 or is_accelerate_available() or not index.is_file():
+        yield
+        return
+    classes = []
+    for entry in json.loads(index.read_text()).values():
+        if isinstance(entry, list) and len(entry) == 2 and entry[0] == "diffusers" and isinstance(entry[1], str):
+            cls = getattr(diffusers, entry[1], None)
+            if cls is not None and getattr(cls, "_keep_in_fp32_modules", None):
+                classes.append((cls, cls.__dict__.get("_keep_in_fp32_modules")))
+    with _load_lock:
+        for cls, _ in classes:
+            cls._keep_in_fp32_modules = None
+        try:
+            yield
+        finally:
+            for cls, kept in classes:
+                cls._keep_in_fp32_modules = kept
 
 
 class DiTEngine:
@@ -155,13 +223,16 @@ class DiTEngine:
         self.model = model
         self.device = _resolve_device(device)
         load = {_dtype_kwarg(): dtype, **dict(load_args or {})}
-        self.pipe = cls.from_pretrained(model, **load).to(self.device)
+        with _fp32_load(model, dtype):
+            self.pipe = cls.from_pretrained(model, **load).to(self.device)
         self.pipe.set_progress_bar_config(disable=True)
         self.pipeline_class = type(self.pipe).__name__
         self._params = set(inspect.signature(self.pipe.__call__).parameters)
         self._call_args = {**self._default_call_args(), **dict(call_args or {})}
         self._lock = threading.Lock()  # pipelines keep per-call state (scheduler timesteps)
         self.cache_type: str | None = None
+        self._projection: LatentProjection | None = None
+        self._projection_tried = False
         if cache:
             self._enable_cache(dict(cache))
 
@@ -204,6 +275,10 @@ class DiTEngine:
         return "audio_end_in_s" in self._params
 
     @property
+    def makes_video(self) -> bool:
+        return "num_frames" in self._params
+
+    @property
     def takes_image(self) -> bool:
         return "image" in self._params and not self.makes_audio
 
@@ -244,9 +319,14 @@ class DiTEngine:
     @property
     def size_multiple(self) -> int:
         """Image sides must be multiples of this (VAE factor, times 2 for pipelines that pack latents)."""
-        processor = getattr(self.pipe, "image_processor", None)
+        processor = getattr(self.pipe, "image_processor", None) or getattr(self.pipe, "video_processor", None)
         factor = getattr(getattr(processor, "config", None), "vae_scale_factor", None)
         return int(factor) if factor else 8
+
+    @property
+    def frame_multiple(self) -> int:
+        """A video's frame count minus one must be a multiple of this (the VAE's temporal factor)."""
+        return int(getattr(self.pipe, "vae_scale_factor_temporal", None) or 1)
 
     def check_task(self, task: str, *, conditioned_on_embeds: bool = False) -> None:
         """Raise ValueError saying why this pipeline cannot run ``task`` as the stage wires it."""
@@ -255,6 +335,10 @@ class DiTEngine:
             raise ValueError(f"{where} does not make audio; use a text-to-audio pipeline class (StableAudioPipeline)")
         if task != "text-to-audio" and self.makes_audio:
             raise ValueError(f"{where} makes audio, not images; set task: text-to-audio")
+        if task == "text-to-video" and not self.makes_video:
+            raise ValueError(f"{where} does not make video; use a text-to-video pipeline class (WanPipeline)")
+        if task != "text-to-video" and self.makes_video:
+            raise ValueError(f"{where} makes video, not images; set task: text-to-video")
         if task == "image-to-image" and not self.takes_image:
             raise ValueError(
                 f"{where} takes no input image; set engine_args.pipeline_class to an image-to-image class "
@@ -300,6 +384,8 @@ class DiTEngine:
         outputs: dict[int, DiTOutput] = {}
         done = 0
         with self._lock:
+            if any(r.preview_every and r.on_preview for r in requests):
+                self._fit_projection()
             metrics.observe_batch("dit", len(requests))
             for indices in groups.values():
                 batch = [requests[i] for i in indices]
@@ -308,10 +394,36 @@ class DiTEngine:
                 done += batch[0].denoising_steps
         return [outputs[i] for i in range(len(requests))]
 
+    def _fit_projection(self) -> None:
+        """The latent -> RGB projection of this pipeline's VAE, fitted once (omni_jobs.previews)."""
+        if self._projection_tried:
+            return
+        self._projection_tried = True
+        try:
+            self._projection = fit_projection(self.pipe)
+        except Exception:  # a preview must never fail a generation
+            log.warning("model %s: no latent previews: fitting the projection failed", self.model, exc_info=True)
+            return
+        if self._projection is None:
+            log.warning("model %s (%s): no VAE to fit a preview projection on; no previews", self.model,
+                        self.pipeline_class)
+
     def _check_request(self, r: DiTRequest) -> None:
-        if r.is_audio != self.makes_audio:
-            kind = "audio" if r.is_audio else "an image"
+        kind = "audio" if r.is_audio else "a video" if r.is_video else "an image"
+        if r.is_audio != self.makes_audio or r.is_video != self.makes_video:
             raise ValueError(f"request {r.request_id!r} asks for {kind}, but {self.pipeline_class} cannot make it")
+        if r.num_frames is not None and (r.num_frames - 1) % self.frame_multiple:
+            raise ValueError(
+                f"request {r.request_id!r}: num_frames {r.num_frames} must be {self.frame_multiple}k+1 for model "
+                f"{self.model!r} (its VAE compresses time {self.frame_multiple}x), e.g. "
+                f"{(r.num_frames - 1) // self.frame_multiple * self.frame_multiple + 1}"
+            )
+        if r.is_video and r.height is not None and r.width is not None:
+            patch = getattr(getattr(getattr(self.pipe, "transformer", None), "config", None), "patch_size", None) or 1
+            m = self.size_multiple * int(patch[-1] if isinstance(patch, list | tuple) else patch)  # VAE x patches
+            if r.height % m or r.width % m:
+                raise ValueError(f"request {r.request_id!r}: height and width must be multiples of {m} for model "
+                                 f"{self.model!r}, got {r.width}x{r.height}")
         if r.is_audio:
             longest = self.max_duration_s
             if longest is not None and r.duration_s is not None and r.duration_s > longest + 1e-9:
@@ -320,7 +432,7 @@ class DiTEngine:
                     f"makes ({longest:g} s)"
                 )
         elif r.height is None or r.width is None:
-            raise ValueError(f"request {r.request_id!r}: an image request needs height and width")
+            raise ValueError(f"request {r.request_id!r}: {kind} request needs height and width")
         if r.prompt_embeds is not None:
             dim = self.prompt_embed_dim
             if dim is not None and r.prompt_embeds.shape[-1] != dim:
@@ -345,13 +457,16 @@ class DiTEngine:
         kwargs.update(self._conditioning(batch))
         if first.is_audio:
             kwargs["audio_end_in_s"] = first.duration_s
+        elif first.is_video:
+            kwargs.update(height=first.height, width=first.width, num_frames=first.num_frames, output_type="np")
         else:
             kwargs.update(height=first.height, width=first.width, output_type="pil")
         if first.image is not None:
             kwargs.update(image=[r.image for r in batch], strength=first.strength)
         captured: list[Any] = [None]
-        if on_step is not None or first.want_latents:
-            kwargs.update(self._step_hook(done, total, on_step, captured if first.want_latents else None))
+        previews = batch if self._projection is not None and any(r.preview_every for r in batch) else []
+        if on_step is not None or first.want_latents or previews:
+            kwargs.update(self._step_hook(done, total, on_step, captured if first.want_latents else None, previews))
         result = self._run_pipe(kwargs)
         latents = captured[0]
         if first.want_latents and latents is None:
@@ -363,6 +478,9 @@ class DiTEngine:
                 audio = result.audios[j]
                 samples = audio.detach().to("cpu").float().numpy() if hasattr(audio, "detach") else audio
                 outputs.append(DiTOutput(r.request_id, audio=samples, sample_rate=self.sample_rate, latents=lat))
+            elif first.is_video:
+                frames = np.asarray(result.frames[j], dtype=np.float32)
+                outputs.append(DiTOutput(r.request_id, video=frames, latents=lat))
             else:
                 outputs.append(DiTOutput(r.request_id, image=result.images[j], latents=lat))
         return outputs
@@ -410,16 +528,19 @@ class DiTEngine:
         return kwargs
 
     def _step_hook(
-        self, done: int, total: int, on_step: StepCallback | None, captured: list[Any] | None
+        self, done: int, total: int, on_step: StepCallback | None, captured: list[Any] | None,
+        previews: Sequence[DiTRequest] = (),
     ) -> dict[str, Any]:
-        """Wire progress and latent capture to whichever callback API the pipeline has (PixArt and
-        StableAudio only have the legacy one)."""
+        """Wire progress, latent capture and previews to whichever callback API the pipeline has
+        (PixArt and StableAudio only have the legacy one)."""
 
         def step(i: int, latents: Any) -> None:
             if captured is not None and latents is not None:
                 captured[0] = latents.detach().clone()
             if on_step is not None:
                 on_step(done + i + 1, total)
+            if previews and latents is not None:
+                self._hand_previews(previews, i + 1, latents)
 
         if "callback_on_step_end" in self._params:
 
@@ -435,3 +556,23 @@ class DiTEngine:
 
             return {"callback": legacy, "callback_steps": 1}
         return {}
+
+    def _hand_previews(self, batch: Sequence[DiTRequest], step: int, latents: Any) -> None:
+        """A CPU copy of each wanting member's latents (one frame) to its ``on_preview``; nothing more
+        here: the projection and the encoding happen on the receiver's thread."""
+        wanting = [(j, r) for j, r in enumerate(batch) if r.previews_at(step)]
+        if not wanting or self._projection is None:
+            return
+        first = batch[0]
+        try:
+            spatial = spatial_latents(self.pipe, latents, first.height or 0, first.width or 0)
+        except ValueError:
+            log.warning("model %s: latents shaped %s cannot be previewed", self.model, list(latents.shape))
+            return
+        for j, r in wanting:
+            assert r.on_preview is not None and r.height is not None and r.width is not None
+            try:
+                r.on_preview(LatentPreview(one_frame(spatial[j]), self._projection, step, r.denoising_steps,
+                                           r.width, r.height))
+            except Exception:  # a preview must never fail a generation
+                log.warning("request %s: preview at step %d failed", r.request_id, step, exc_info=True)

@@ -14,10 +14,17 @@ from typing import Any
 
 from omni_jobs.batching import BatchPolicy, dit_batcher
 from omni_jobs.engines.cache import EngineCache
-from omni_jobs.engines.dit import DiTEngine, DiTRequest
+from omni_jobs.engines.dit import DiTEngine, DiTRequest, PreviewCallback
 from omni_jobs.engines.encoder import EncodeRequest
-from omni_jobs.payloads import AudioClip
-from omni_jobs.pipelines.params import AREncodeParams, DiTAudioParams, DiTImageToImageParams, DiTParams, StageParams
+from omni_jobs.payloads import AudioClip, VideoClip
+from omni_jobs.pipelines.params import (
+    AREncodeParams,
+    DiTAudioParams,
+    DiTImageToImageParams,
+    DiTParams,
+    DiTVideoParams,
+    StageParams,
+)
 from omni_jobs.pipelines.spec import StageSpec
 
 ProgressFn = Callable[[int, int], None]
@@ -55,11 +62,14 @@ def _embeds(value: Any) -> Any:
 
 
 def execute_dit(engines: EngineCache, stage: StageSpec, params: StageParams, inputs: dict[str, Any],
-                request_id: str, progress: ProgressFn, *, policy: BatchPolicy | None = None) -> dict[str, Any]:
-    """Any DiT task: text-to-image (text or prompt embeddings), image-to-image, text-to-audio.
+                request_id: str, progress: ProgressFn, *, policy: BatchPolicy | None = None,
+                preview: PreviewCallback | None = None) -> dict[str, Any]:
+    """Any DiT task: text-to-image (text or prompt embeddings), image-to-image, text-to-audio,
+    text-to-video.
 
     With a ``policy`` the request goes through the engine's batcher (stage workers: concurrent jobs
-    share pipeline calls); without one it is a call of its own (the in-process Omni)."""
+    share pipeline calls); without one it is a call of its own (the in-process Omni). ``preview``
+    receives the latents every ``preview_every`` steps when the parameters ask for previews."""
     engine: DiTEngine = load_stage_engine(engines, stage)
     produced = stage.outputs
     conditioning: dict[str, Any] = (
@@ -72,6 +82,8 @@ def execute_dit(engines: EngineCache, stage: StageSpec, params: StageParams, inp
         "guidance_scale": params.guidance_scale,  # type: ignore[attr-defined]
         "negative_prompt": params.negative_prompt,  # type: ignore[attr-defined]
         "want_latents": "latents" in produced,
+        "preview_every": getattr(params, "preview_every", 0),
+        "on_preview": preview,
         **conditioning,
     }
     if isinstance(params, DiTAudioParams):
@@ -79,6 +91,8 @@ def execute_dit(engines: EngineCache, stage: StageSpec, params: StageParams, inp
     elif isinstance(params, DiTImageToImageParams):
         image = inputs["image"].convert("RGB")
         request = DiTRequest(height=params.height, width=params.width, image=image, strength=params.strength, **common)
+    elif isinstance(params, DiTVideoParams):
+        request = DiTRequest(height=params.height, width=params.width, num_frames=params.num_frames, **common)
     else:
         assert isinstance(params, DiTParams)
         request = DiTRequest(height=params.height, width=params.width, **common)
@@ -93,6 +107,10 @@ def execute_dit(engines: EngineCache, stage: StageSpec, params: StageParams, inp
         if output.audio is None or output.sample_rate is None:
             raise RuntimeError(f"{engine.pipeline_class} returned no audio")
         values["audio"] = AudioClip(output.audio, output.sample_rate)
+    if "video" in produced:
+        if output.video is None or not isinstance(params, DiTVideoParams):
+            raise RuntimeError(f"{engine.pipeline_class} returned no video")
+        values["video"] = VideoClip(output.video, params.fps)
     if "latents" in produced:
         values["latents"] = output.latents
     return values

@@ -281,6 +281,9 @@ class JobLedger:
             if event.type is EventType.stage_progress and not self.store.throttle(
                     f"webhook-progress:{job.id}", self.webhook_progress_interval_s):
                 continue
+            if event.type is EventType.output_preview and not self.store.throttle(
+                    f"webhook-preview:{job.id}", self.webhook_progress_interval_s):
+                continue
             chosen.append(name)
         hooks_key = keys.job_webhooks(job.id)
         at = now()

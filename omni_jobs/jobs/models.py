@@ -148,21 +148,26 @@ class JobOutput(Model):
     height: int | None = None
     duration_s: float | None = None
     sample_rate: int | None = None
+    frames: int | None = Field(None, description="For videos: the number of frames.")
+    fps: float | None = Field(None, description="For videos: frames per second.")
     shape: list[int] | None = Field(None, description="For tensor outputs (latents, hidden states): the shape.")
     text: str | None = Field(None, description="For text outputs: the text itself.")
     url: str | None = Field(None, description="Download URL (filled in when the job is presented).")
 
 
-WebhookEventName = Literal["start", "progress", "completed"]
-WEBHOOK_EVENTS: tuple[str, ...] = ("start", "progress", "completed")
-"""Webhook filter values: start = job.running, progress = stage progress/finish, completed = any end."""
+WebhookEventName = Literal["start", "progress", "completed", "preview"]
+WEBHOOK_EVENTS: tuple[str, ...] = ("start", "progress", "completed", "preview")
+"""Webhook filter values: start = job.running, progress = stage progress/finish, completed = any end,
+preview = a DiT stage's output.preview (the job object plus the preview's data)."""
+DEFAULT_WEBHOOK_EVENTS: tuple[str, ...] = ("start", "progress", "completed")
+"""What a webhook without a filter gets: previews are opt-in (each carries an image)."""
 
 
 class WebhookDelivery(Model):
     """One attempt to deliver one webhook message (``id`` is its stable webhook-id)."""
 
     id: str
-    event: str = Field(description="start | progress | completed")
+    event: str = Field(description="start | progress | completed | preview")
     attempt: int
     at: float
     status_code: int | None = None
@@ -174,7 +179,7 @@ class JobWebhook(Model):
     """Where the job's webhooks go and what happened to them. The signing secret is never here."""
 
     url: str
-    events: list[str] = Field(default_factory=lambda: list(WEBHOOK_EVENTS))
+    events: list[str] = Field(default_factory=lambda: list(DEFAULT_WEBHOOK_EVENTS))
     deliveries: list[WebhookDelivery] = Field(default_factory=list)
 
 
@@ -235,6 +240,7 @@ WEBHOOK_EVENT_OF: dict[EventType, str] = {
     EventType.job_succeeded: "completed",
     EventType.job_failed: "completed",
     EventType.job_canceled: "completed",
+    EventType.output_preview: "preview",
 }
 """Job event -> the webhook event it sends. Other events (queued, stage.started, ...) send none."""
 

@@ -1,7 +1,7 @@
 """What flows between stages: modalities, and the input/output ports of each engine task.
 
 A stage names its engine kind (``ar`` on vLLM, ``dit`` on diffusers) and the task that engine runs
-(``generate``, ``encode``, ``text-to-image``, ``image-to-image``, ``text-to-audio``). The task fixes
+(``generate``, ``encode``, ``text-to-image``, ``image-to-image``, ``text-to-audio``, ``text-to-video``). The task fixes
 which named inputs the stage consumes and which outputs it can produce, each with a modality.
 Pipeline validation checks every wire against these tables, so a DiT stage fed token ids instead
 of text, or an audio stage wired into an image input, is an error at load time, not a crash.
@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 EngineKind = Literal["ar", "dit"]
-Modality = Literal["text", "token_ids", "hidden_states", "prompt_embeds", "latents", "image", "audio"]
+Modality = Literal["text", "token_ids", "hidden_states", "prompt_embeds", "latents", "image", "audio", "video"]
 
-MODALITIES: tuple[Modality, ...] = ("text", "token_ids", "hidden_states", "prompt_embeds", "latents", "image", "audio")
+MODALITIES: tuple[Modality, ...] = (
+    "text", "token_ids", "hidden_states", "prompt_embeds", "latents", "image", "audio", "video",
+)
 TENSOR_MODALITIES: frozenset[Modality] = frozenset({"token_ids", "hidden_states", "prompt_embeds", "latents"})
 
 
@@ -75,6 +77,13 @@ ENGINE_TASKS: dict[EngineKind, dict[str, EnginePorts]] = {
             outputs={"audio": "audio"},
             default_outputs=("audio",),
             description="A diffusers text-to-audio pipeline (StableAudio family) renders a waveform.",
+        ),
+        "text-to-video": EnginePorts(
+            inputs={"prompt": ("text",)},
+            required_inputs=frozenset({"prompt"}),
+            outputs={"video": "video", "latents": "latents"},
+            default_outputs=("video",),
+            description="A diffusers text-to-video pipeline (Wan family) renders frames, handed over as MP4.",
         ),
     },
 }

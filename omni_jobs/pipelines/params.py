@@ -14,6 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from omni_jobs.pipelines.modalities import DEFAULT_TASK, EngineKind
 
 SEED = Field(0, ge=0, le=2**63 - 1, description="Seed of the initial noise; same seed, same output.")
+PREVIEW_EVERY = Field(
+    0, ge=0, le=1000, description="Publish an output.preview event (a JPEG of the latents) every that many "
+    "denoising steps, not at the last; 0: no previews."
+)
 
 
 class StageParams(BaseModel):
@@ -69,6 +73,7 @@ class DiTParams(StageParams):
     guidance_scale: float = Field(4.5, ge=0.0, le=50.0, description="Classifier-free guidance scale.")
     seed: int = SEED
     negative_prompt: str | None = Field(None, max_length=4000, description="What the image should not show.")
+    preview_every: int = PREVIEW_EVERY
 
 
 class DiTEmbedsParams(DiTParams):
@@ -119,12 +124,29 @@ class DiTAudioParams(StageParams):
     negative_prompt: str | None = Field(None, max_length=4000, description="What the audio should not contain.")
 
 
+class DiTVideoParams(StageParams):
+    """Generation parameters of a diffusion text-to-video stage (Wan family)."""
+
+    height: int = Field(32, ge=16, le=2048, multiple_of=16, description="Frame height in pixels (multiple of 16).")
+    width: int = Field(32, ge=16, le=2048, multiple_of=16, description="Frame width in pixels (multiple of 16).")
+    num_frames: int = Field(
+        9, ge=1, le=1025, description="Frames to make; 4k+1 for Wan (its VAE compresses time 4x), e.g. 9, 17, 81."
+    )
+    fps: float = Field(16.0, gt=0.0, le=120.0, description="Frame rate of the MP4 (Wan 2.1 is trained at 16).")
+    num_inference_steps: int = Field(8, ge=1, le=200, description="Denoising steps.")
+    guidance_scale: float = Field(5.0, ge=0.0, le=50.0, description="Classifier-free guidance scale.")
+    seed: int = SEED
+    negative_prompt: str | None = Field(None, max_length=4000, description="What the video should not show.")
+    preview_every: int = PREVIEW_EVERY
+
+
 PARAMS_BY_TASK: dict[tuple[EngineKind, str], type[StageParams]] = {
     ("ar", "generate"): ARParams,
     ("ar", "encode"): AREncodeParams,
     ("dit", "text-to-image"): DiTParams,
     ("dit", "image-to-image"): DiTImageToImageParams,
     ("dit", "text-to-audio"): DiTAudioParams,
+    ("dit", "text-to-video"): DiTVideoParams,
 }
 PARAMS_BY_ENGINE: dict[EngineKind, type[StageParams]] = {"ar": ARParams, "dit": DiTParams}
 """The parameters of each engine kind's default task."""

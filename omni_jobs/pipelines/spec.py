@@ -145,7 +145,7 @@ class StageSpec(Strict):
     engine: EngineKind
     task: str | None = Field(
         None, description="What the engine does: ar: generate | encode; dit: text-to-image | image-to-image | "
-        "text-to-audio. Default: generate (ar), text-to-image (dit)."
+        "text-to-audio | text-to-video. Default: generate (ar), text-to-image (dit)."
     )
     model: str = Field(min_length=1, description="Local path, hub id, or tiny:<name> (built locally).")
     queue: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Celery queue; default: engine.")

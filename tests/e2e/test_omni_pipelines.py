@@ -53,6 +53,7 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "text-to-audio": ({"prompt": "rain on a tin roof"}, {"audio": {"duration_s": 0.25, "seed": 3}}),
     "image-to-image": ({"prompt": "make it blue", "image": IMAGE_DATA_URI}, {"dit": {"seed": 2, "strength": 0.5}}),
     "text-to-text-and-image": ({"prompt": "a cat on a sofa"}, {}),
+    "text-to-video": ({"prompt": "a cat walking on a wall"}, {"video": {"seed": 4}}),
 }
 
 

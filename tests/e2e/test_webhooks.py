@@ -165,7 +165,7 @@ def test_a_canceled_job_sends_completed_from_the_api(api: httpx.Client, receiver
         ({"webhook": "ftp://example.com/hook"}, ["body", "webhook"], "http:// or https://"),
         ({"webhook": "https:///no-host"}, ["body", "webhook"], "no host"),
         ({"webhook": "https://example.com/h", "webhook_events_filter": ["done"]},
-         ["body", "webhook_events_filter", 0], "'start', 'progress' or 'completed'"),
+         ["body", "webhook_events_filter", 0], "'progress', 'completed' or 'preview'"),
         ({"webhook_events_filter": ["completed"]}, ["body", "webhook_events_filter"], "no 'webhook' URL"),
     ],
 )

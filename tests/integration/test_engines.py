@@ -7,6 +7,7 @@ import io
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -254,3 +255,100 @@ def test_tiny_builds_are_deterministic(tmp_path: Path) -> None:
     seed0 = _files_digest(tmp_path / "build_tiny_llama-a")["model.safetensors"]
     seed1 = _files_digest(build_tiny_llama(tmp_path / "seed1", seed=1))["model.safetensors"]
     assert seed0 != seed1
+
+
+# ---------------------------------------------------------------- previews and video
+
+
+@pytest.fixture(scope="module")
+def wan(cache: EngineCache) -> DiTEngine:
+    pytest.importorskip("diffusers")
+    return cache.dit("tiny:wan", {"pipeline_class": "WanPipeline", "call_args": {"max_sequence_length": 64}})
+
+
+def _held_out_r2(engine: DiTEngine) -> float:
+    """How much of the VAE's decoded colour (pooled to latent resolution) the fitted projection
+    explains, on colour fields it was not fitted on (1 - mse / variance)."""
+    import numpy as np
+    import torch
+
+    projection = engine._projection
+    assert projection is not None
+    vae, config = engine.pipe.vae, engine.pipe.vae.config
+    x = torch.nn.functional.interpolate(torch.rand(4, 3, 4, 4, generator=torch.Generator().manual_seed(99)),
+                                        size=(64, 64), mode="bicubic").clamp(0, 1) * 2 - 1
+    with torch.no_grad():
+        if hasattr(config, "z_dim"):
+            z = vae.encode(x[:, :, None]).latent_dist.mean
+            decoded = vae.decode(z).sample[:, :, 0]
+            mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
+            std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
+            latents = ((z - mean) / std)[:, :, 0]
+        else:
+            z = vae.encode(x).latent_dist.mean
+            decoded = vae.decode(z).sample
+            latents = z * config.scaling_factor
+    target = torch.nn.functional.adaptive_avg_pool2d((decoded + 1) / 2, latents.shape[-2:])
+    target_np = target.permute(0, 2, 3, 1).numpy()
+    predicted = np.stack([projection.to_rgb(lat.numpy()) for lat in latents]).astype(float) / 255
+    return float(1 - ((predicted - target_np) ** 2).mean() / target_np.var(axis=(0, 1, 2)).mean())
+
+
+def test_dit_previews_come_at_the_asked_steps_and_change_nothing(dit: DiTEngine) -> None:
+    from omni_jobs.previews import LatentPreview
+
+    got: list[LatentPreview] = []
+    plain = dit.generate([_req("p", 11, steps=7)])[0]
+    seen = dit.generate([replace(_req("p", 11, steps=7), preview_every=3, on_preview=got.append)])[0]
+    assert _png(plain.image) == _png(seen.image)  # previews only read the latents
+    assert [(p.step, p.total, p.latents.shape, (p.width, p.height)) for p in got] == [
+        (3, 7, (4, 8, 8), (32, 32)), (6, 7, (4, 8, 8), (32, 32))]
+    assert got[0].image().size == (32, 32)
+    assert _held_out_r2(dit) > 0  # random weights: better than the mean colour (not by much)
+
+
+def test_dit_batch_members_preview_on_their_own_schedule(dit: DiTEngine) -> None:
+    from omni_jobs.previews import LatentPreview
+
+    a: list[LatentPreview] = []
+    b: list[LatentPreview] = []
+    dit.generate([replace(_req("a", 1), preview_every=1, on_preview=a.append),
+                  replace(_req("b", 2), preview_every=2, on_preview=b.append), _req("c", 3)])
+    assert [p.step for p in a] == [1, 2, 3] and [p.step for p in b] == [2]
+    assert not np_equal(a[1].latents, b[0].latents)  # each its own member's latents
+
+
+def np_equal(x: Any, y: Any) -> bool:
+    import numpy as np
+
+    return bool(np.array_equal(x, y))
+
+
+def test_wan_makes_video_frames_and_previews_a_middle_frame(wan: DiTEngine) -> None:
+    from omni_jobs.previews import LatentPreview
+
+    got: list[LatentPreview] = []
+    request = DiTRequest("v", prompt="a cat walking", height=32, width=48, num_frames=9, num_inference_steps=4,
+                         guidance_scale=5.0, seed=0, preview_every=2, on_preview=got.append)
+    (out,) = wan.generate([request])
+    assert out.video is not None and out.video.shape == (9, 32, 48, 3)
+    assert 0.0 <= float(out.video.min()) and float(out.video.max()) <= 1.0
+    assert [(p.step, p.latents.shape) for p in got] == [(2, (16, 4, 6))]  # 16 channels, 3 latent frames -> 1
+    assert got[0].image().size == (48, 32)
+    assert _held_out_r2(wan) > 0
+    (again,) = wan.generate([request])
+    assert out.video.tobytes() == again.video.tobytes()  # same seed, same frames
+
+
+@pytest.mark.parametrize(("changes", "fragment"), [
+    ({"num_frames": 10}, r"num_frames 10 must be 4k\+1"),
+    ({"height": 40}, "multiples of 16"),
+    ({"num_frames": None}, "asks for an image"),
+])
+def test_wan_refuses_what_it_cannot_make(wan: DiTEngine, changes: dict[str, Any], fragment: str) -> None:
+    fields: dict[str, Any] = {"prompt": "x", "height": 32, "width": 32, "num_frames": 9, "num_inference_steps": 1}
+    with pytest.raises(ValueError, match=fragment):
+        wan.generate([DiTRequest("bad", **{**fields, **changes})])
+    with pytest.raises(ValueError, match="makes video, not images"):
+        wan.check_task("text-to-image")
+    wan.check_task("text-to-video")

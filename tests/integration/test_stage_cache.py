@@ -107,6 +107,14 @@ def test_another_seed_or_prompt_misses(parts: dict[str, Any]) -> None:
     assert other_prompt.stage_record("ar").metrics["cache_hit"] == 0.0
 
 
+def test_previews_do_not_change_the_key_a_hit_skips_them(parts: dict[str, Any]) -> None:
+    first = run_job(parts, "a previewed kite", {"dit": {"preview_every": 1}})
+    assert [e.data["step"] for e in parts["ledger"].events(first.id) if e.type == "output.preview"] == [1, 2]
+    plain = run_job(parts, "a previewed kite")
+    assert plain.stage_record("dit").metrics["cache_hit"] == 1.0  # previews leave the outputs as they are
+    assert stage_bytes(parts, plain, "dit") == stage_bytes(parts, first, "dit")
+
+
 def test_sampling_without_a_seed_is_never_cached(parts: dict[str, Any]) -> None:
     job = run_job(parts, "dice", {"ar": {"temperature": 1.0}})
     assert "cache_hit" not in job.stage_record("ar").metrics

@@ -53,7 +53,7 @@ def problems_of(tmp_path: Path, data: object) -> tuple[str, list[str]]:
 def test_builtin_catalogue_has_text_to_text_and_text_to_image() -> None:
     catalogue = load_catalogue()
     assert set(catalogue.names()) == {"text-to-text", "text-to-image", "llm-conditioned-image", "text-to-audio",
-                                      "image-to-image", "text-to-text-and-image"}
+                                      "image-to-image", "text-to-text-and-image", "text-to-video"}
     t2i = catalogue.get("text-to-image")
     assert [s.id for s in t2i.stages] == ["ar", "dit"]
     assert [s.engine for s in t2i.stages] == ["ar", "dit"]
