@@ -233,7 +233,7 @@ class _AllMembersStopped(Exception):
 def dit_batcher(engine: Any, policy: BatchPolicy) -> Batcher[Any, Any]:
     """Batcher of a DiTEngine: only requests with the same call settings (size, steps, guidance,
     negative prompt, strength, duration, embedding shape) share a pipeline call; each keeps its seed."""
-    from omni_jobs.engines.dit import _group_key
+    from omni_jobs.engines.dit import group_key as _group_key
 
     def run(batch: Sequence[Member[Any]]) -> list[Any]:
         stopped: dict[int, BaseException] = {}

@@ -127,20 +127,21 @@ class DiTOutput:
     """float32 frames in [0, 1] shaped [frames, height, width, 3]."""
 
 
-_GroupKey = tuple[Any, ...]
+GroupKey = tuple[Any, ...]
 
 
-def _group_key(r: DiTRequest) -> _GroupKey:
+def group_key(r: DiTRequest) -> GroupKey:
+    """The call settings a request shares with the others in one diffusers call (the batcher's grouping key)."""
     embeds_shape = tuple(r.prompt_embeds.shape) if r.prompt_embeds is not None else None
     return (r.height, r.width, r.num_inference_steps, r.guidance_scale, r.negative_prompt, r.strength, r.duration_s,
             embeds_shape, r.want_latents, r.num_frames)
 
 
-def _group(requests: Sequence[DiTRequest]) -> dict[_GroupKey, list[int]]:
+def _group(requests: Sequence[DiTRequest]) -> dict[GroupKey, list[int]]:
     """Request indices by call settings, groups in order of first appearance."""
-    groups: dict[_GroupKey, list[int]] = {}
+    groups: dict[GroupKey, list[int]] = {}
     for i, r in enumerate(requests):
-        groups.setdefault(_group_key(r), []).append(i)
+        groups.setdefault(group_key(r), []).append(i)
     return groups
 
 

@@ -7,8 +7,6 @@ the merged, validated values are recorded on the job.
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omni_jobs.pipelines.modalities import DEFAULT_TASK, EngineKind
@@ -148,8 +146,6 @@ PARAMS_BY_TASK: dict[tuple[EngineKind, str], type[StageParams]] = {
     ("dit", "text-to-audio"): DiTAudioParams,
     ("dit", "text-to-video"): DiTVideoParams,
 }
-PARAMS_BY_ENGINE: dict[EngineKind, type[StageParams]] = {"ar": ARParams, "dit": DiTParams}
-"""The parameters of each engine kind's default task."""
 
 
 def params_model(engine: EngineKind, task: str | None = None, *, conditioned_on_embeds: bool = False) -> type[StageParams]:
@@ -159,9 +155,3 @@ def params_model(engine: EngineKind, task: str | None = None, *, conditioned_on_
         return DiTEmbedsParams
     return model
 
-
-def merge_params(engine: EngineKind, defaults: dict[str, Any], overrides: dict[str, Any], *, task: str | None = None,
-                 conditioned_on_embeds: bool = False) -> StageParams:
-    """Stage defaults overlaid by a job's overrides, validated as one object."""
-    model = params_model(engine, task, conditioned_on_embeds=conditioned_on_embeds)
-    return model.model_validate({**defaults, **overrides})
