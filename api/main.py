@@ -19,6 +19,7 @@ from api.observability import ObservabilityMiddleware
 from api.routes import events, health, jobs, metrics, openai, pipelines
 from api.ui import router as ui_router
 from omni_jobs.artifacts import ArtifactStoreUnavailable
+from omni_jobs.engines.model_source import load_model_sources
 from omni_jobs.errors import (
     IdempotencyConflict,
     InvalidRequest,
@@ -88,6 +89,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         configure_logging(settings.log_format, settings.log_level, service="api")  # JSON lines with job ids
+        load_model_sources(settings.model_sources)  # tiny:NAME ids (validation knows their sizes)
         ctx = ApiContext(Runtime(settings, worker="api"))
         ctx.runtime.catalogue.names()  # load and validate pipelines at start: a bad YAML stops the API here
         ctx.start()  # the outbox relay: what was accepted before a crash is published now

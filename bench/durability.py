@@ -35,9 +35,9 @@ from pathlib import Path
 import httpx
 import redis
 
-from omni_jobs.devservices import RunningService, free_port, start_redis
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.local.devservices import RunningService, free_port, start_redis
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.submission import build_job, resolve_params
 

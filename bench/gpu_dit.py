@@ -20,7 +20,7 @@ from typing import Any
 
 from omni_jobs.batching import BatchPolicy, dit_batcher
 from omni_jobs.engines.dit import DiTEngine, DiTRequest
-from omni_jobs.tiny import build_bench_pixart, build_bench_pixart_small, build_tiny_pixart
+from omni_jobs.local.tiny import build_bench_pixart, build_bench_pixart_small, build_tiny_pixart
 
 SIZES = [("test model (tiny pixart)", "pixart", 32), ("small (bench-pixart-128)", "bench-pixart-128", 32),
          ("large (bench-pixart)", "bench-pixart", 64), ("large (bench-pixart)", "bench-pixart", 256)]

@@ -1,6 +1,6 @@
 """Throughput benchmark: the job system against direct engine calls and a naive Celery worker.
 
-``python -m bench`` (``--quick`` for a ~2-minute run) builds the benchmark models (omni_jobs.tiny),
+``python -m bench`` (``--quick`` for a ~2-minute run) builds the benchmark models (omni_jobs.local.tiny),
 starts one EmbeddedSystem (real API, Redis, Celery workers) and, for each workload, in one run:
 
 * direct: the limit. ``LLM.generate`` on all prompts at once; the diffusers pipeline on batches of
@@ -38,11 +38,12 @@ import redis
 import yaml
 
 from omni_jobs import keys
-from omni_jobs.embedded import WORKER_QUEUES, EmbeddedSystem
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.local.embedded import EmbeddedSystem
+from omni_jobs.local.tiny import ensure_tiny_model
 from omni_jobs.settings import Settings
-from omni_jobs.tiny import ensure_tiny_model
+from omni_jobs.steps import WORKER_QUEUES
 
 ROOT = Path("var/bench")
 AR_MODEL, DIT_SMALL, DIT_LARGE = "tiny:bench-llama-1024", "tiny:bench-pixart-128", "tiny:bench-pixart"
@@ -358,7 +359,7 @@ class Bench:
     def serve_direct(self, w: Workload) -> None:
         """The child's side of DirectProcess: load and warm up, then one repetition per request line."""
         from omni_jobs.engines.ar import AREngine
-        from omni_jobs.tiny import resolve_model
+        from omni_jobs.local.tiny import resolve_model
 
         self._ar = AREngine(resolve_model(AR_MODEL, self.models_dir),
                             engine_args={"max_num_seqs": max(self.args.batch, 16)})
@@ -414,7 +415,7 @@ class Bench:
 
     def _dit(self, model: str, cache: dict[str, Any] | None = None) -> Any:
         from omni_jobs.engines.dit import DiTEngine
-        from omni_jobs.tiny import resolve_model
+        from omni_jobs.local.tiny import resolve_model
 
         key = f"_dit_{model}_{json.dumps(cache, sort_keys=True)}"
         if not hasattr(self, key):

@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,11 +15,11 @@ from typing import Any
 
 import httpx
 
-from omni_jobs import tiny
 from omni_jobs.cli_jobs import add_job_commands
 from omni_jobs.cli_keys import add_key_commands
 from omni_jobs.cli_run import add_run_command
 from omni_jobs.errors import PipelineSpecError
+from omni_jobs.local import tiny
 from omni_jobs.pipelines.catalogue import load_catalogue, load_pipeline_file
 from omni_jobs.settings import Settings
 
@@ -74,7 +74,7 @@ def run_demo_job(api_url: str, out_dir: Path, prompt: str, timeout_s: float = 30
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from omni_jobs.embedded import EmbeddedSystem
+    from omni_jobs.local.embedded import EmbeddedSystem
 
     settings = Settings()
     home = Path(args.home)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from omni_jobs.steps import RESULTS_QUEUE, WEBHOOKS_QUEUE
+from omni_jobs.steps import RESULTS_QUEUE, STAGE_QUEUES, WEBHOOKS_QUEUE, WORKER_QUEUES
 
 if TYPE_CHECKING:
     import redis
@@ -260,7 +260,6 @@ def required_queues(catalogue: PipelineCatalogue, settings: Settings | None = No
 
 def worker_command(queue: str) -> str:
     """The command that starts a worker for this queue, as ``omni-jobs up`` and compose start it."""
-    from omni_jobs.embedded import STAGE_QUEUES, WORKER_QUEUES
     from omni_jobs.settings import Settings
 
     pool = WORKER_QUEUES.get(queue, "threads")  # a user pipeline's own stage queue runs like ar/dit

@@ -61,7 +61,11 @@ class Settings(BaseSettings):
     presign_expires_s: int = Field(3600, gt=0, description="Lifetime of presigned output URLs.")
 
     # --- Models and pipelines ---
-    models_dir: Path = Field(Path("var/models"), description="Where omni_jobs.tiny builds the local models.")
+    models_dir: Path = Field(Path("var/models"), description="Where model sources (tiny:) build their local models.")
+    model_sources: list[str] = Field(
+        default_factory=lambda: ["omni_jobs.local.tiny"],
+        description="Modules that register model-id sources (e.g. tiny:NAME); a path or hub id needs none (JSON list in env).",
+    )
     pipelines_path: list[Path] = Field(
         default_factory=list, description="Extra pipeline YAML files or directories (JSON list in env)."
     )

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from omni_jobs.artifacts import s3_client_from_settings
-from omni_jobs.devservices import RunningService, start_moto_s3, start_redis
+from omni_jobs.local.devservices import RunningService, start_moto_s3, start_redis
 from omni_jobs.settings import Settings
 
 MARKERS = {

@@ -22,6 +22,7 @@ from celery import Task, signals
 from celery.exceptions import Reject
 
 from omni_jobs import metrics
+from omni_jobs.engines.model_source import load_model_sources
 from omni_jobs.engines.stage_exec import load_stage_engine
 from omni_jobs.errors import StoreUnavailable
 from omni_jobs.queueing import publish_steps
@@ -50,7 +51,9 @@ log = logging.getLogger(__name__)
 @lru_cache(maxsize=1)
 def runtime() -> Runtime:
     """One Runtime per worker process: engines load on first use and stay loaded."""
-    rt = Runtime(get_settings())
+    settings = get_settings()
+    load_model_sources(settings.model_sources)  # tiny:NAME ids resolve (and build on first use)
+    rt = Runtime(settings)
     rt.relay(partial(publish_steps, app))  # this process publishes what its commits dispatch
     return rt
 

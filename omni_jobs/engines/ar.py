@@ -68,7 +68,7 @@ def _check_model_exists(model: str) -> None:
     Strings that look like hub ids (``org/name``) pass through: vLLM resolves those itself.
     """
     if model.startswith("tiny:"):
-        raise ValueError(f"{model!r} must be resolved to a path first (omni_jobs.tiny.resolve_model)")
+        raise ValueError(f"{model!r} must be resolved to a path first (omni_jobs.engines.model_source.resolve_model)")
     path = Path(model).expanduser()
     looks_local = path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1
     if path.exists():

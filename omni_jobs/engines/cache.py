@@ -17,7 +17,7 @@ from omni_jobs import metrics
 from omni_jobs.engines.ar import AREngine
 from omni_jobs.engines.dit import DiTEngine
 from omni_jobs.engines.encoder import AREncoder
-from omni_jobs.tiny import resolve_model
+from omni_jobs.engines.model_source import resolve_model
 
 E = TypeVar("E")
 _DIT_CTOR_KEYS = ("pipeline_class", "torch_dtype", "call_args", "cache")
@@ -76,7 +76,7 @@ class EngineCache:
 
     def _get(self, kind: str, model: str, args: dict[str, Any], load: Callable[[str], E]) -> E:
         """Load each key once; a slow load blocks only callers of the same key."""
-        resolved = resolve_model(model, self.models_dir)  # building a tiny model is itself race-safe
+        resolved = resolve_model(model, self.models_dir)  # a source's build (tiny:) is itself race-safe
         key = (kind, resolved, json.dumps(args, sort_keys=True, default=str))
         with self._lock:
             if key in self._engines:

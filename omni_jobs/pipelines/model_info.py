@@ -2,7 +2,7 @@
 
 An AR encode stage hands its hidden states to a DiT as prompt embeddings, so the LLM's hidden size
 must equal the embedding size the DiT's transformer takes. Both are in the models' configs: for
-``tiny:`` models they are known without building anything, for local directories they are read
+ids of a registered source (``tiny:``) its facts say them without building anything, for local directories they are read
 from ``config.json`` / ``transformer/config.json`` / ``model_index.json``. A hub id or a path
 that is not on this machine yields nothing here, and the check happens when the engine loads.
 """
@@ -15,8 +15,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from omni_jobs.engines.model_source import source_facts
 from omni_jobs.pipelines.modalities import EngineKind
-from omni_jobs.tiny import TINY_MODEL_INFO, TINY_PREFIX
 
 DIT_EMBED_KEYS = ("caption_channels", "joint_attention_dim", "cross_attention_dim")
 """Transformer config keys that give the prompt-embedding size (PixArt/Sana; SD3/Flux/Chroma/Qwen-Image; UNets)."""
@@ -66,8 +66,8 @@ def _local_facts(engine: EngineKind, directory: str) -> ModelFacts:
 
 def model_facts(engine: EngineKind, model: str) -> ModelFacts:
     """Facts about ``model`` for an engine of kind ``engine``; empty when nothing is knowable here."""
-    if model.startswith(TINY_PREFIX):
-        info = TINY_MODEL_INFO.get(model[len(TINY_PREFIX):], {})
+    info = source_facts(model)
+    if info is not None:
         hidden = info.get("hidden_size")
         dim = info.get("prompt_embed_dim")
         encoder = info.get("text_encoder")

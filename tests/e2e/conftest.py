@@ -16,8 +16,8 @@ import httpx
 import pytest
 import yaml
 
-from omni_jobs.devservices import RunningService, free_port
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.local.devservices import RunningService, free_port
+from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.settings import Settings
 from omni_jobs.webhooks import generate_secret
 

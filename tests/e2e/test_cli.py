@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.local.embedded import EmbeddedSystem
 from tests.e2e.helpers import wait_for_job
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ from omni_jobs.client import (
     JobInfo,
     NotFoundError,
 )
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.local.embedded import EmbeddedSystem
 
 PARAMS = {"ar": {"max_tokens": 6}, "dit": {"height": 32, "width": 40, "num_inference_steps": 3, "seed": 4}}
 

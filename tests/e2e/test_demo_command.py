@@ -11,7 +11,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from omni_jobs.devservices import free_port
+from omni_jobs.local.devservices import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

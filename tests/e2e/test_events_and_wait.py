@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.local.embedded import EmbeddedSystem
 from tests.e2e.helpers import submit, wait_for_job
 
 SMALL_IMAGE = {"ar": {"max_tokens": 6}, "dit": {"height": 32, "width": 32, "num_inference_steps": 4, "seed": 2}}

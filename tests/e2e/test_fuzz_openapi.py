@@ -19,7 +19,7 @@ from schemathesis.specs.openapi.checks import response_schema_conformance
 
 from api.main import create_app
 from omni_jobs.auth import ApiKeys
-from omni_jobs.devservices import RunningService
+from omni_jobs.local.devservices import RunningService
 from omni_jobs.settings import Settings
 from omni_jobs.webhooks import generate_secret
 

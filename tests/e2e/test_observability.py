@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.local.embedded import EmbeddedSystem
 from tests.e2e.helpers import wait_for_job
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,13 +22,13 @@ import redis
 from PIL import Image
 
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, artifact_store_from_settings, codecs, sha256_hex
-from omni_jobs.embedded import EmbeddedSystem
 from omni_jobs.engines.cache import EngineCache
 from omni_jobs.jobs.memory import MemoryJobStore
+from omni_jobs.local.embedded import EmbeddedSystem
+from omni_jobs.local.tiny import LLAMA_HIDDEN_SIZE
 from omni_jobs.omni import Omni, OmniResult
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.settings import Settings
-from omni_jobs.tiny import LLAMA_HIDDEN_SIZE
 from tests.e2e.conftest import models_dir
 from tests.e2e.helpers import wait_for_job
 

@@ -18,7 +18,7 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.local.embedded import EmbeddedSystem
 from tests.e2e.helpers import submit, wait_for_job
 
 

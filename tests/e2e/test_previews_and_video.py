@@ -17,7 +17,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.local.embedded import EmbeddedSystem
 from tests.e2e.helpers import submit, wait_for_job
 from tests.e2e.test_events_and_wait import read_sse
 from tests.e2e.test_webhooks import submit_with_webhook, verify

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.local.embedded import EmbeddedSystem
 from tests.e2e.conftest import PRIORITY_AGING_S, auth_headers
 from tests.e2e.helpers import wait_for_job
 

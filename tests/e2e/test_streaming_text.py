@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from omni_jobs.client import AsyncClient, Client, JobEventInfo
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.local.embedded import EmbeddedSystem
 from tests.e2e.helpers import submit, wait_for_job
 
 PROMPT = "Tell me everything"

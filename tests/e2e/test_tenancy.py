@@ -11,7 +11,7 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import pytest
 
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.local.embedded import EmbeddedSystem
 from tests.e2e.conftest import S3_SECRET, WEBHOOK_SECRETS, auth_headers
 from tests.e2e.helpers import submit, wait_for_job
 

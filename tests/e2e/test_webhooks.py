@@ -15,7 +15,7 @@ import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook
 
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.local.embedded import EmbeddedSystem
 from tests.e2e.conftest import WEBHOOK_SECRETS
 from tests.e2e.helpers import wait_for_job
 from tests.webhook_receiver import Answer, Received, WebhookReceiver

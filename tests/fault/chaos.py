@@ -40,8 +40,8 @@ from typing import Any
 
 import httpx
 
-from omni_jobs.devservices import free_port
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.local.devservices import free_port
+from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.run_journal import read_journal
 from omni_jobs.settings import Settings
 from tests.webhook_receiver import WebhookReceiver

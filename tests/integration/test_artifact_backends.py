@@ -29,7 +29,7 @@ from omni_jobs.artifacts import (
     artifact_store_from_settings,
     s3_client_from_settings,
 )
-from omni_jobs.devservices import start_moto_s3, start_redis
+from omni_jobs.local.devservices import start_moto_s3, start_redis
 from omni_jobs.settings import Settings
 
 MiB = 1024 * 1024

@@ -16,7 +16,7 @@ import pytest
 from omni_jobs.engines.ar import AREngine, ARRequest, SamplingOptions
 from omni_jobs.engines.cache import EngineCache
 from omni_jobs.engines.dit import DiTEngine, DiTRequest
-from omni_jobs.tiny import build_tiny_llama, build_tiny_pixart
+from omni_jobs.local.tiny import build_tiny_llama, build_tiny_pixart
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [

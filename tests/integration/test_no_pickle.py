@@ -14,10 +14,10 @@ from pathlib import Path
 import redis
 from celery import Celery
 
-from omni_jobs.devservices import RunningService
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job, JobWebhook, StageRecord, now
 from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.local.devservices import RunningService
 from omni_jobs.queueing import celery_config
 from omni_jobs.scheduling import Scheduler
 from omni_jobs.settings import Settings

@@ -17,11 +17,11 @@ from omni_jobs.engines.cache import EngineCache
 from omni_jobs.errors import InvalidRequest
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import EventType, JobEvent, StageStatus, now
+from omni_jobs.local.tiny import ensure_tiny_model
 from omni_jobs.omni import AsyncOmni, Omni, OmniJobFailed, OmniResult
 from omni_jobs.pipelines.catalogue import parse_pipeline
 from omni_jobs.scheduling import Scheduler
 from omni_jobs.settings import Settings
-from omni_jobs.tiny import ensure_tiny_model
 
 MODELS = Path(__file__).resolve().parents[2] / "var" / "models"
 

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from api.main import create_app
 from omni_jobs import keys
 from omni_jobs.auth import ApiKeys
-from omni_jobs.devservices import RunningService, free_port
+from omni_jobs.local.devservices import RunningService, free_port
 from omni_jobs.settings import Settings
 from omni_jobs.worker_registry import register_worker, unregister_worker
 

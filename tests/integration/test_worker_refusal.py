@@ -18,7 +18,7 @@ from pathlib import Path
 import redis
 import yaml
 
-from omni_jobs.devservices import RunningService
+from omni_jobs.local.devservices import RunningService
 from omni_jobs.worker_registry import live_workers
 from workers.startup import EXIT_REFUSED
 

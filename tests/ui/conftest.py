@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from omni_jobs.devservices import RunningService, free_port
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.local.devservices import RunningService, free_port
+from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.settings import Settings
 from tests.e2e.conftest import BROKEN_MODEL_PIPELINE, WEBHOOK_ENV, models_dir
 

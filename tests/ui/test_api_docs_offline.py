@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from omni_jobs.embedded import EmbeddedSystem
+from omni_jobs.local.embedded import EmbeddedSystem
 
 
 def _offline_page(new_page: Callable[..., Any], system: EmbeddedSystem) -> tuple[Any, list[str]]:

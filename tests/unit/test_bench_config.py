@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from bench.run import WORKLOADS, pipelines, table
-from omni_jobs import tiny
+from omni_jobs.local import tiny
 from omni_jobs.pipelines.catalogue import parse_pipeline
 
 

@@ -146,7 +146,7 @@ def test_doctor_cli_without_services_prints_versions_as_json() -> None:
 
 
 def test_doctor_cli_names_an_unreachable_redis_and_exits_1(tmp_path: Path) -> None:
-    from omni_jobs.devservices import free_port
+    from omni_jobs.local.devservices import free_port
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_")}
     env.update(OMNI_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0", OMNI_ARTIFACTS_DIR=str(tmp_path))

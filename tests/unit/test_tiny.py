@@ -1,4 +1,4 @@
-"""The cheap parts of omni_jobs.tiny: name resolution, errors, and the race-safe ensure."""
+"""The cheap parts of omni_jobs.local.tiny: name resolution, errors, and the race-safe ensure."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_jobs import tiny
+from omni_jobs.local import tiny
 
 
 @pytest.mark.parametrize("model", ["org/some-model", "/abs/path/model", "relative/dir", "gpt2"])

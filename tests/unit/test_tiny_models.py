@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_jobs import tiny
+from omni_jobs.local import tiny
 from omni_jobs.pipelines.model_info import model_facts
 
 

@@ -17,20 +17,12 @@ from pathlib import Path
 
 import redis
 
-from omni_jobs.devservices import RunningService, free_port, start_redis
+from omni_jobs.local.devservices import RunningService, free_port, start_redis
+from omni_jobs.local.tiny import TINY_MODELS, ensure_tiny_model
 from omni_jobs.settings import Settings
-from omni_jobs.tiny import TINY_MODELS, ensure_tiny_model
+from omni_jobs.steps import STAGE_QUEUES, WORKER_QUEUES
 from omni_jobs.webhooks import generate_secret
 from omni_jobs.worker_registry import live_workers
-
-WORKER_QUEUES: dict[str, str] = {"ar": "threads", "dit": "threads", "results": "solo", "webhooks": "threads"}
-"""Queue -> Celery pool. Stage workers run threads: one engine per process, loaded once, vLLM in
-single-process mode (VLLM_ENABLE_V1_MULTIPROCESSING=0: no engine-core child to start or lose),
-and several jobs in flight whose engine calls the batcher (omni_jobs.batching) turns into one
-batch. Webhook deliveries wait on other people's servers, so they run in threads, several at once."""
-
-STAGE_QUEUES = ("ar", "dit")
-"""Queues whose worker runs OMNI_STAGE_MAX_IN_FLIGHT tasks at once (the batch the engine sees)."""
 
 WORKER_CONCURRENCY: dict[str, int] = {"webhooks": 8}
 """Queue -> tasks at once (default 1; stage queues: the stage_max_in_flight setting)."""

@@ -6,7 +6,7 @@ vLLM; for diffusers a PixArt-Sigma pipeline, a PixArt-Sigma DiT conditioned on t
 states (no text encoder of its own), a Chroma pipeline (text-to-image and image-to-image), a
 StableAudio pipeline (text-to-audio) and a Wan 2.1 pipeline (text-to-video). The same seed gives byte-identical weight files.
 
-``python -m omni_jobs.tiny build --out DIR [--name NAME|all]`` builds them from a shell.
+``python -m omni_jobs.local.tiny build --out DIR [--name NAME|all]`` builds them from a shell.
 """
 
 from __future__ import annotations
@@ -524,9 +524,20 @@ def resolve_model(model: str, models_dir: Path) -> str:
     return model
 
 
+def register_model_sources() -> None:
+    """Make ``tiny:NAME`` model ids resolve in the core (omni_jobs.engines.model_source): built on first use."""
+    from omni_jobs.engines.model_source import ModelSource, register_model_source
+
+    register_model_source(ModelSource(
+        prefix=TINY_PREFIX,
+        resolve=lambda name, models_dir: str(ensure_tiny_model(name, models_dir)),
+        facts=lambda name: TINY_MODEL_INFO.get(name, {}),
+    ))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``build --out DIR [--name NAME|all]``: build tiny models and print their paths."""
-    parser = argparse.ArgumentParser(prog="omni_jobs.tiny", description=__doc__)
+    parser = argparse.ArgumentParser(prog="omni_jobs.local.tiny", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser("build", help="build tiny random-weight models")
     build.add_argument("--out", type=Path, required=True, help="models directory")
