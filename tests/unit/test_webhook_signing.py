@@ -12,10 +12,11 @@ import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from api.prefer import prefer_wait
-from omni_jobs.cli_jobs import parse_params
-from omni_jobs.client import JobEventInfo, _SseParser
+from omni_jobs.cli.jobs import parse_params
+from omni_jobs.cli.progress import ProgressDisplay
+from omni_jobs.client import JobEventInfo
+from omni_jobs.client.http import _SseParser
 from omni_jobs.errors import InvalidRequest
-from omni_jobs.progress import ProgressDisplay
 from omni_jobs.webhooks import (
     AttemptResult,
     RetryPolicy,

@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx
 
-from omni_jobs.cli_jobs import add_job_commands
-from omni_jobs.cli_keys import add_key_commands
-from omni_jobs.cli_run import add_run_command
+from omni_jobs.cli.jobs import add_job_commands
+from omni_jobs.cli.keys import add_key_commands
+from omni_jobs.cli.run import add_run_command
 from omni_jobs.errors import PipelineSpecError
 from omni_jobs.local import tiny
 from omni_jobs.pipelines.catalogue import load_catalogue, load_pipeline_file
@@ -200,9 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--no-devices", action="store_true", help="skip the device check (it imports torch)")
     d.set_defaults(func=cmd_doctor)
 
-    add_key_commands(sub)  # keys create | revoke | list (omni_jobs.cli_keys)
-    add_job_commands(sub)  # submit, status, list, cancel, download, webhook-secret (omni_jobs.cli_jobs)
-    add_run_command(sub)  # run: one job in this process, no services (omni_jobs.cli_run)
+    add_key_commands(sub)  # keys create | revoke | list (omni_jobs.cli.keys)
+    add_job_commands(sub)  # submit, status, list, cancel, download, webhook-secret (omni_jobs.cli.jobs)
+    add_run_command(sub)  # run: one job in this process, no services (omni_jobs.cli.run)
     return parser
 
 

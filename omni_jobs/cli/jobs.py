@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
+from omni_jobs.cli.progress import ProgressDisplay
 from omni_jobs.client import DEFAULT_API_URL, ApiError, Client, ConflictError, JobInfo, NotFoundError
-from omni_jobs.progress import ProgressDisplay
 from omni_jobs.webhooks import generate_secret
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE, EXIT_API = 0, 1, 2, 3
