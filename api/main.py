@@ -32,6 +32,7 @@ from omni_jobs.errors import (
 )
 from omni_jobs.logs import configure_logging
 from omni_jobs.metrics import QUOTA_REFUSALS
+from omni_jobs.metrics import install as install_metrics
 from omni_jobs.runtime import Runtime
 from omni_jobs.settings import Settings, get_settings
 
@@ -85,6 +86,7 @@ def _unavailable(_: Request, exc: Exception) -> JSONResponse:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
+    install_metrics()  # the core's telemetry (batches, caches, artifact bytes, job events) as Prometheus metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -6,9 +6,11 @@ such as ``omni_jobs_jobs_total`` is complete once every process is scraped. Valu
 Redis (queue depth, live workers) are read at scrape time by the API only, so they are never
 counted twice.
 
-Job and stage metrics come from the job store's commit listener (``record_job_events``): every
-status change of every job passes through it in whichever process made the change, so no shell
-has to remember to count. Prefork workers (several processes behind one port) need
+The core reports what it does to ``omni_jobs.telemetry`` and imports nothing from here; the API
+and the workers call ``install()`` at start, which makes this module a telemetry listener. Job and
+stage metrics come from the job ledger's commit listener (``record_job_events``, through
+telemetry): every status change of every job passes through it in whichever process made the
+change, so no shell has to remember to count. Prefork workers (several processes behind one port) need
 ``PROMETHEUS_MULTIPROC_DIR`` set to an empty directory before start; then each child writes its
 values there and the port serves their sum (prometheus-client's multiprocess mode).
 """
@@ -32,6 +34,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from omni_jobs import telemetry
 
 if TYPE_CHECKING:
     import redis
@@ -170,6 +174,33 @@ def artifact_io(backend: str, op: str, size: int) -> None:
 
 def webhook_delivery(event: str, outcome: str) -> None:
     WEBHOOK_DELIVERIES.labels(event, outcome).inc()
+
+
+class PrometheusListener(telemetry.Listener):
+    """The core's telemetry as Prometheus metrics (names and labels as above)."""
+
+    def batch(self, engine: str, size: int) -> None:
+        observe_batch(engine, size)
+
+    def cache_lookup(self, cache: str, hit: bool) -> None:
+        cache_lookup(cache, hit)
+
+    def engine_load(self, engine: str, seconds: float) -> None:
+        observe_engine_load(engine, seconds)
+
+    def artifact_io(self, backend: str, op: str, size: int) -> None:
+        artifact_io(backend, op, size)
+
+    def job_events(self, job: Job, events: list[JobEvent]) -> None:
+        record_job_events(job, events)
+
+
+LISTENER = PrometheusListener()
+
+
+def install() -> None:
+    """Count this process's telemetry in Prometheus (idempotent); the API and the workers call it at start."""
+    telemetry.add_listener(LISTENER)
 
 
 def process_memory() -> dict[str, int]:

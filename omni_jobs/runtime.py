@@ -15,6 +15,7 @@ from typing import Any
 
 from redis import Redis
 
+from omni_jobs import telemetry
 from omni_jobs.artifacts import ArtifactStore, artifact_store_from_settings
 from omni_jobs.batching import BatchDefaults
 from omni_jobs.engines.cache import EngineCache
@@ -25,7 +26,6 @@ from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.jobs.view import present_job
 from omni_jobs.leases import LeaseKeeper, Reaper, lease_owner
 from omni_jobs.limits import Limits
-from omni_jobs.metrics import record_job_events
 from omni_jobs.net_guard import NetGuard
 from omni_jobs.outbox import OutboxRelay, Publish
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
@@ -80,7 +80,7 @@ class Runtime:
                            webhook_progress_interval_s=s.webhook_progress_interval_s,
                            webhook_attempts=policy.attempts_for, deliveries_kept=s.webhook_deliveries_kept,
                            priority_aging_s=s.priority_aging_s)
-        ledger.listeners.append(record_job_events)  # this process's Prometheus job and stage metrics
+        ledger.listeners.append(telemetry.job_events)  # job and stage metrics, where a shell installed them
         return ledger
 
     @property

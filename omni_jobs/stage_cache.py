@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import redis
 
-from omni_jobs import keys, metrics
+from omni_jobs import keys, telemetry
 
 Eviction = Literal["fifo", "lru"]
 _MEDIA = "__media__"
@@ -66,10 +66,10 @@ class StageCache:
         raw: dict[bytes, bytes] = self.redis.hgetall(keys.stage_cache_entry(scope, digest))  # type: ignore[assignment]
         if not raw or _MEDIA.encode() not in raw:
             self.misses += 1
-            metrics.cache_lookup(METRIC_NAME, hit=False)
+            telemetry.cache_lookup(METRIC_NAME, hit=False)
             return None
         self.hits += 1
-        metrics.cache_lookup(METRIC_NAME, hit=True)
+        telemetry.cache_lookup(METRIC_NAME, hit=True)
         if self.eviction == "lru":
             self.redis.zadd(keys.stage_cache_index(scope), {digest: self.redis.incr(keys.STAGE_CACHE_CLOCK)})
         media = json.loads(raw.pop(_MEDIA.encode()))

@@ -53,6 +53,7 @@ def on_task_postrun(task_id: str | None = None, **_: Any) -> None:
 
 @signals.worker_init.connect
 def on_worker_init(**_: Any) -> None:
+    metrics.install()  # the core's telemetry as Prometheus metrics (prefork children inherit it)
     metrics.prepare_multiprocess_dir()  # before the prefork children start writing there
     start_metrics(get_settings().metrics_port)
 

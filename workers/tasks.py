@@ -53,6 +53,7 @@ def runtime() -> Runtime:
     """One Runtime per worker process: engines load on first use and stay loaded."""
     settings = get_settings()
     load_model_sources(settings.model_sources)  # tiny:NAME ids resolve (and build on first use)
+    metrics.install()  # already done at worker_init; again for a process that runs tasks without it
     rt = Runtime(settings)
     rt.relay(partial(publish_steps, app))  # this process publishes what its commits dispatch
     return rt

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from omni_jobs import keys, metrics
+from omni_jobs import keys, telemetry
 from omni_jobs.artifacts.backends import (
     ArtifactBackend,
     ArtifactCorrupted,
@@ -72,7 +72,7 @@ class ArtifactStore:
         data = bytes(data)
         ref = ArtifactRef.for_bytes(backend.name, key, data, media_type)
         backend.put(key, data, ttl_s=ttl_s, media_type=media_type)
-        metrics.artifact_io(backend.name, "put", len(data))
+        telemetry.artifact_io(backend.name, "put", len(data))
         return ref
 
     def put_intermediate(self, key: str, data: bytes, media_type: str) -> ArtifactRef:
@@ -88,7 +88,7 @@ class ArtifactStore:
     def get(self, ref: ArtifactRef) -> bytes:
         """The ref's bytes, verified against its size and sha256 (ArtifactCorrupted otherwise)."""
         data = self.backend(ref.backend).get(ref.key)
-        metrics.artifact_io(ref.backend, "get", len(data))
+        telemetry.artifact_io(ref.backend, "get", len(data))
         if len(data) != ref.size:
             raise ArtifactCorrupted(
                 f"artifact {ref.key!r} in {ref.backend}: expected {ref.size} bytes, got {len(data)} "

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from omni_jobs import metrics
+from omni_jobs import telemetry
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class AREngine:
         prompts = [TokensPrompt(prompt_token_ids=self._prompt_ids(r)) for r in requests]
         params = [self._sampling_params(r) for r in requests]
         with self._lock:
-            metrics.observe_batch("ar", len(requests))
+            telemetry.batch("ar", len(requests))
             if on_progress is None and not any(r.on_text for r in requests):
                 results = self._llm.generate(prompts, params, use_tqdm=False)
             else:
@@ -207,14 +207,14 @@ class AREngine:
         with self._lock:
             try:
                 admit(requests)
-                metrics.observe_batch("ar", len(ids))
+                telemetry.batch("ar", len(ids))
                 while engine.has_unfinished_requests():
                     if more is not None:
                         live = sum(1 for i in ids.values() if results[i] is None)
                         joining = more(live)
                         if joining:
                             admit(joining)
-                            metrics.observe_batch("ar", len(joining))
+                            telemetry.batch("ar", len(joining))
                     for out in engine.step():
                         out = cast(Any, out)
                         i = ids.get(out.request_id, -1)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from omni_jobs import metrics
+from omni_jobs import telemetry
 from omni_jobs.engines.ar import AREngine
 from omni_jobs.engines.dit import DiTEngine
 from omni_jobs.engines.encoder import AREncoder
@@ -80,18 +80,18 @@ class EngineCache:
         key = (kind, resolved, json.dumps(args, sort_keys=True, default=str))
         with self._lock:
             if key in self._engines:
-                metrics.cache_lookup("engine", hit=True)
+                telemetry.cache_lookup("engine", hit=True)
                 return self._engines[key]  # type: ignore[no-any-return]
             key_lock = self._loading.setdefault(key, threading.Lock())
         with key_lock:
             with self._lock:
                 if key in self._engines:
-                    metrics.cache_lookup("engine", hit=True)
+                    telemetry.cache_lookup("engine", hit=True)
                     return self._engines[key]  # type: ignore[no-any-return]
-            metrics.cache_lookup("engine", hit=False)
+            telemetry.cache_lookup("engine", hit=False)
             started = time.perf_counter()
             engine = load(resolved)
-            metrics.observe_engine_load(kind, time.perf_counter() - started)
+            telemetry.engine_load(kind, time.perf_counter() - started)
             with self._lock:
                 self._engines[key] = engine
                 self._loading.pop(key, None)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from omni_jobs import metrics
+from omni_jobs import telemetry
 from omni_jobs.pipelines.model_info import DIT_EMBED_KEYS
 from omni_jobs.previews import LatentPreview, LatentProjection, fit_projection, one_frame, spatial_latents
 
@@ -387,7 +387,7 @@ class DiTEngine:
         with self._lock:
             if any(r.preview_every and r.on_preview for r in requests):
                 self._fit_projection()
-            metrics.observe_batch("dit", len(requests))
+            telemetry.batch("dit", len(requests))
             for indices in groups.values():
                 batch = [requests[i] for i in indices]
                 for i, output in zip(indices, self._call(batch, done, total, on_step), strict=True):

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from omni_jobs import metrics
+from omni_jobs import telemetry
 from omni_jobs.engines.ar import build_llm
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ class AREncoder:
         ids = [self._prompt_ids(r) for r in requests]
         prompts = [TokensPrompt(prompt_token_ids=i) for i in ids]
         with self._lock:
-            metrics.observe_batch("ar-encode", len(requests))
+            telemetry.batch("ar-encode", len(requests))
             results = self._llm.encode(
                 prompts, pooling_task="token_embed", pooling_params=PoolingParams(use_activation=False),
                 use_tqdm=False,

@@ -20,6 +20,8 @@ from omni_jobs.artifacts import ArtifactStore, LocalBackend
 from omni_jobs.jobs import state
 from omni_jobs.jobs.models import Job, JobError, StageRecord
 
+metrics.install()  # as the API and the workers do at start: the core reports to omni_jobs.telemetry
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -1,0 +1,84 @@
+"""What the core reports about its own work, for whoever listens.
+
+Engines, the engine pool, the stage-output cache and the artifact store report here (a batch of
+``size`` requests, a cache hit or miss, an engine load, bytes put or got, the events a job
+commit made); they import nothing about how it is counted. The process shells install the
+listeners: the API and the workers install Prometheus (``omni_jobs.metrics.install``), and an
+in-process ``Omni`` counts nothing unless its caller installs it too. A listener never fails the
+caller: what it raises is logged and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omni_jobs.jobs.models import Job, JobEvent
+
+log = logging.getLogger(__name__)
+
+
+class Listener:
+    """Override what you count; each method does nothing by default."""
+
+    def batch(self, engine: str, size: int) -> None:
+        """One engine call with ``size`` requests (``engine``: ar, ar-encode, dit)."""
+
+    def cache_lookup(self, cache: str, hit: bool) -> None:
+        """One lookup in a named cache (``engine``: the engine pool; ``stage``: the stage-output cache)."""
+
+    def engine_load(self, engine: str, seconds: float) -> None:
+        """An engine of kind ``engine`` took ``seconds`` to load."""
+
+    def artifact_io(self, backend: str, op: str, size: int) -> None:
+        """``size`` bytes moved to (``put``) or from (``get``) an artifact backend."""
+
+    def job_events(self, job: Job, events: list[JobEvent]) -> None:
+        """A job commit made ``events`` (the job ledger's listener)."""
+
+
+_listeners: list[Listener] = []
+_lock = threading.Lock()
+
+
+def add_listener(listener: Listener) -> None:
+    """Install ``listener`` in this process (once: adding the same object again does nothing)."""
+    with _lock:
+        if all(existing is not listener for existing in _listeners):
+            _listeners.append(listener)
+
+
+def remove_listener(listener: Listener) -> None:
+    with _lock:
+        _listeners[:] = [existing for existing in _listeners if existing is not listener]
+
+
+def _each(call: str, *args: object) -> None:
+    for listener in tuple(_listeners):
+        try:
+            getattr(listener, call)(*args)
+        except Exception:
+            log.exception("telemetry listener %r failed on %s", listener, call)
+
+
+def batch(engine: str, size: int) -> None:
+    _each("batch", engine, size)
+
+
+def cache_lookup(cache: str, hit: bool) -> None:
+    _each("cache_lookup", cache, hit)
+
+
+def engine_load(engine: str, seconds: float) -> None:
+    _each("engine_load", engine, seconds)
+
+
+def artifact_io(backend: str, op: str, size: int) -> None:
+    _each("artifact_io", backend, op, size)
+
+
+def job_events(job: Job, events: list[JobEvent]) -> None:
+    """The ledger listener that the runtime installs: hands each commit's events to the listeners."""
+    _each("job_events", job, events)
