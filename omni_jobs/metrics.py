@@ -75,7 +75,7 @@ BATCH_SIZE = Histogram(
 )
 CACHE_REQUESTS = Counter(
     "omni_jobs_cache_requests_total", "Cache lookups by cache and result (hit or miss); 'engine' is the per-process "
-    "engine cache (a miss loads a model).", ["cache", "result"],
+    "engine pool (a miss loads a model), 'stage' the stage-output cache.", ["cache", "result"],
 )
 ENGINE_LOAD = Histogram(
     "omni_jobs_engine_load_seconds", "Time to load an engine (a cache miss).", ["engine"], buckets=DURATION_BUCKETS,
@@ -158,7 +158,7 @@ def observe_batch(engine: str, size: int) -> None:
 
 
 def cache_lookup(cache: str, hit: bool) -> None:
-    """One lookup in a named cache (the engine cache here; a DiT step cache may report too)."""
+    """One lookup in a named cache: ``engine`` (the engine pool) or ``stage`` (the stage-output cache)."""
     CACHE_REQUESTS.labels(cache, "hit" if hit else "miss").inc()
 
 

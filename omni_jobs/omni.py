@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omni_jobs.artifacts import ArtifactStore, artifact_store_from_settings, codecs
-from omni_jobs.engines.cache import EngineCache
+from omni_jobs.engines.pool import EnginePool
 from omni_jobs.engines.stage_exec import load_stage_engine
 from omni_jobs.errors import OmniError
 from omni_jobs.executor import StepExecutor
@@ -134,7 +134,7 @@ class Omni:
         pipeline: str | Path | PipelineSpec,
         *,
         settings: Settings | None = None,
-        engines: EngineCache | None = None,
+        engines: EnginePool | None = None,
         store: JobStore | None = None,
         artifacts: ArtifactStore | None = None,
         worker: str | None = None,
@@ -152,7 +152,7 @@ class Omni:
         self.store: JobStore = store if store is not None else MemoryJobStore(ttl_s=s.output_ttl_s)
         self.ledger = JobLedger(self.store, lease_s=s.lease_s, max_attempts=1 + s.stage_max_retries)
         self.artifacts = artifacts if artifacts is not None else artifact_store_from_settings(s)
-        self.engines = engines or EngineCache(
+        self.engines = engines or EnginePool(
             s.models_dir, kv_cache_bytes=s.ar_kv_cache_bytes, max_model_len=s.ar_max_model_len, device=s.device
         )
         self.worker = worker or f"omni@{socket.gethostname()}:{os.getpid()}"

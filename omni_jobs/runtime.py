@@ -18,7 +18,7 @@ from redis import Redis
 from omni_jobs import telemetry
 from omni_jobs.artifacts import ArtifactStore, artifact_store_from_settings
 from omni_jobs.batching import BatchDefaults
-from omni_jobs.engines.cache import EngineCache
+from omni_jobs.engines.pool import EnginePool
 from omni_jobs.executor import StepExecutor
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job
@@ -97,9 +97,9 @@ class Runtime:
         return artifact_store_from_settings(self.settings, redis_client=self.redis)
 
     @cached_property
-    def engines(self) -> EngineCache:
+    def engines(self) -> EnginePool:
         s = self.settings
-        return EngineCache(s.models_dir, kv_cache_bytes=s.ar_kv_cache_bytes, max_model_len=s.ar_max_model_len,
+        return EnginePool(s.models_dir, kv_cache_bytes=s.ar_kv_cache_bytes, max_model_len=s.ar_max_model_len,
                            device=s.device)
 
     @cached_property

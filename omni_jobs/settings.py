@@ -117,7 +117,7 @@ class Settings(BaseSettings):
         16, ge=1, description="Tasks one AR/DiT worker process runs at once (its threads; per-stage override)."
     )
     stage_cache_max_entries: int = Field(1000, ge=1, description="Entries of the stage-output cache per stage.")
-    stage_cache_eviction: Literal["fifo", "lru"] = Field("lru", description="Which entry a full stage cache drops.")
+    stage_cache_eviction: Literal["fifo", "lru"] = Field("lru", description="Which entry a full stage-output cache drops.")
     stage_max_retries: int = Field(
         5, ge=0, description="Retries of a stage (or the results step) after a transient error or a lost worker; "
         "then its job fails.")

@@ -1,11 +1,13 @@
-"""The stage-output cache (the DiT cache of the vLLM-Omni design): a repeated request skips a stage.
+"""The stage-output cache (the vLLM-Omni design's "DiT cache" at stage level): a repeated request skips a stage.
 
 The key is a content hash of what determines a stage's outputs: the stage's config (engine, task,
 model, engine args, outputs), the job's resolved parameters for it (seed included) and the sha256
 of each input. An entry keeps the encoded output bytes, so a hit stores byte-identical outputs for
 the new job without calling the engine. Each scope (pipeline/stage) holds at most ``max_entries``;
 a full scope drops its oldest entry (fifo) or its least recently used one (lru). Hits and misses
-are counted in Redis (for tests and the benchmark) and in Prometheus (``omni_cache_requests``).
+are counted in Redis (for tests and the benchmark) and reported to telemetry (Prometheus:
+``omni_jobs_cache_requests_total{cache="stage"}``). Not the engine pool (engines/pool.py), nor a
+DiT stage's denoising cache (``engine_args.cache``, inside the diffusers call).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def text_digest(value: Any) -> str:
     return _sha(value)
 
 
-class StageCache:
+class StageOutputCache:
     """Stage outputs in Redis, per scope, bounded with fifo or lru eviction."""
 
     def __init__(self, client: redis.Redis, *, max_entries: int = 1000, eviction: Eviction = "lru") -> None:

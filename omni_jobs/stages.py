@@ -24,7 +24,7 @@ from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, ArtifactStoreUnavailable
 from omni_jobs.batching import BatchDefaults, BatchPolicy, ar_batcher
 from omni_jobs.engines.ar import ARRequest, SamplingOptions, TextSoFar
-from omni_jobs.engines.cache import EngineCache
+from omni_jobs.engines.pool import EnginePool
 from omni_jobs.engines.stage_exec import execute_dit, execute_encode
 from omni_jobs.errors import JobAlreadyFinished, JobNotFound, StageError, TransientStageError
 from omni_jobs.input_files import load_input_image
@@ -39,7 +39,7 @@ from omni_jobs.pipelines.spec import INPUT_SOURCE, PipelineSpec, StageSpec
 from omni_jobs.previews import LatentPreview
 from omni_jobs.progress_writer import ProgressWriter
 from omni_jobs.run_journal import RunJournal
-from omni_jobs.stage_cache import CachedOutputs, Eviction, StageCache, cache_key, text_digest
+from omni_jobs.stage_cache import CachedOutputs, Eviction, StageOutputCache, cache_key, text_digest
 from omni_jobs.steps import RunStage, StepOutcome, stage_slot
 from omni_jobs.text_stream import TextDeltas, TextStreams
 
@@ -85,7 +85,7 @@ class StageLimits:
         return (stage.soft_time_limit_s or self.soft_time_limit_s, stage.time_limit_s or self.time_limit_s)
 
 
-def _execute_ar(engines: EngineCache, stage: StageSpec, params: ARParams, inputs: dict[str, Any], request_id: str,
+def _execute_ar(engines: EnginePool, stage: StageSpec, params: ARParams, inputs: dict[str, Any], request_id: str,
                 progress: ProgressFn, *, policy: BatchPolicy | None = None,
                 on_text: TextSoFar | None = None) -> dict[str, Any]:
     """AR generate. The text output carries what the engine reported beside the text: why it stopped
@@ -109,7 +109,7 @@ class StageRunner:
     """Runs stage attempts for any pipeline in the catalogue, with engines loaded once per process."""
 
     def __init__(self, *, ledger: JobLedger, catalogue: PipelineCatalogue, artifacts: ArtifactStore,
-                 engines: EngineCache, limits: StageLimits | None = None, batching: BatchDefaults | None = None,
+                 engines: EnginePool, limits: StageLimits | None = None, batching: BatchDefaults | None = None,
                  cache_redis: redis.Redis | None = None, cache_defaults: tuple[int, Eviction] = (1000, "lru"),
                  keeper: LeaseKeeper | None = None, retry_backoff_s: float = 1.0, store_wait_s: float = 600.0,
                  run_journal: RunJournal | None = None) -> None:
@@ -128,7 +128,7 @@ class StageRunner:
         self.retry_backoff_s = retry_backoff_s
         self.store_wait_s = store_wait_s
         self.run_journal = run_journal
-        self._caches: dict[tuple[int, str], StageCache] = {}
+        self._caches: dict[tuple[int, str], StageOutputCache] = {}
         self._in_flight: dict[tuple[str, str], threading.BoundedSemaphore] = {}
         self._guard = threading.Lock()
         self._running: dict[str, Lease] = {}
@@ -255,7 +255,7 @@ class StageRunner:
             inputs[port] = decode_payload(upstream.outputs[binding.port], self.artifacts.get(ref))
         return inputs
 
-    def _stage_cache(self, spec: PipelineSpec, stage: StageSpec, job: Job) -> tuple[StageCache | None, str | None]:
+    def _stage_cache(self, spec: PipelineSpec, stage: StageSpec, job: Job) -> tuple[StageOutputCache | None, str | None]:
         """The stage-output cache of this stage and this job's key in it (None: not cached)."""
         if not stage.cache.enabled or self.cache_redis is None:
             return None, None
@@ -277,7 +277,7 @@ class StageRunner:
         with self._guard:
             cache = self._caches.get((max_entries, eviction))
             if cache is None:
-                cache = self._caches[(max_entries, eviction)] = StageCache(
+                cache = self._caches[(max_entries, eviction)] = StageOutputCache(
                     self.cache_redis, max_entries=max_entries, eviction=eviction)
         return cache, cache_key(config, resolved, digests)
 

@@ -117,6 +117,6 @@ MODELS_DIR = REPO / "var" / "models"
 @pytest.fixture(scope="session")
 def engine_cache() -> Any:
     """Real vLLM / diffusers engines for in-process tests (the same cache class the workers use)."""
-    from omni_jobs.engines.cache import EngineCache
+    from omni_jobs.engines.pool import EnginePool
 
-    return EngineCache(MODELS_DIR, kv_cache_bytes=256 * 2**20, max_model_len=512, device="cpu")
+    return EnginePool(MODELS_DIR, kv_cache_bytes=256 * 2**20, max_model_len=512, device="cpu")

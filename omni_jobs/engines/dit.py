@@ -235,9 +235,9 @@ class DiTEngine:
         self._projection: LatentProjection | None = None
         self._projection_tried = False
         if cache:
-            self._enable_cache(dict(cache))
+            self._enable_denoising_cache(dict(cache))
 
-    def _enable_cache(self, cache: dict[str, Any]) -> None:
+    def _enable_denoising_cache(self, cache: dict[str, Any]) -> None:
         """Turn on a diffusers built-in denoising cache on the transformer (first_block, faster, pab)."""
         from diffusers import FirstBlockCacheConfig, hooks
 

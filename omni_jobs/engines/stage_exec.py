@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_jobs.batching import BatchPolicy, dit_batcher
-from omni_jobs.engines.cache import EngineCache
 from omni_jobs.engines.dit import DiTEngine, DiTRequest, PreviewCallback
 from omni_jobs.engines.encoder import EncodeRequest
+from omni_jobs.engines.pool import EnginePool
 from omni_jobs.payloads import AudioClip, VideoClip
 from omni_jobs.pipelines.params import (
     AREncodeParams,
@@ -30,7 +30,7 @@ from omni_jobs.pipelines.spec import StageSpec
 ProgressFn = Callable[[int, int], None]
 
 
-def load_stage_engine(engines: EngineCache, stage: StageSpec) -> Any:
+def load_stage_engine(engines: EnginePool, stage: StageSpec) -> Any:
     """The (cached) engine this stage runs on, checked against the stage's task."""
     if stage.engine == "ar":
         if stage.task_name == "encode":
@@ -41,7 +41,7 @@ def load_stage_engine(engines: EngineCache, stage: StageSpec) -> Any:
     return engine
 
 
-def execute_encode(engines: EngineCache, stage: StageSpec, params: StageParams, inputs: dict[str, Any],
+def execute_encode(engines: EnginePool, stage: StageSpec, params: StageParams, inputs: dict[str, Any],
                    request_id: str, progress: ProgressFn) -> dict[str, Any]:
     """AR encode: the prompt's per-token hidden states, [tokens, hidden], from vLLM's pooling runner."""
     assert isinstance(params, AREncodeParams)
@@ -61,7 +61,7 @@ def _embeds(value: Any) -> Any:
     return value
 
 
-def execute_dit(engines: EngineCache, stage: StageSpec, params: StageParams, inputs: dict[str, Any],
+def execute_dit(engines: EnginePool, stage: StageSpec, params: StageParams, inputs: dict[str, Any],
                 request_id: str, progress: ProgressFn, *, policy: BatchPolicy | None = None,
                 preview: PreviewCallback | None = None) -> dict[str, Any]:
     """Any DiT task: text-to-image (text or prompt embeddings), image-to-image, text-to-audio,

@@ -22,7 +22,7 @@ import redis
 from PIL import Image
 
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, artifact_store_from_settings, codecs, sha256_hex
-from omni_jobs.engines.cache import EngineCache
+from omni_jobs.engines.pool import EnginePool
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.local.tiny import LLAMA_HIDDEN_SIZE
@@ -96,15 +96,15 @@ def system_artifacts(system: EmbeddedSystem) -> Iterator[ArtifactStore]:
 
 
 @pytest.fixture(scope="module")
-def omni_parts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Settings, EngineCache, MemoryJobStore]:
-    """What every in-process Omni of this module shares: the models of the system, one engine cache."""
+def omni_parts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Settings, EnginePool, MemoryJobStore]:
+    """What every in-process Omni of this module shares: the models of the system, one engine pool."""
     settings = Settings(models_dir=models_dir(), artifacts_dir=tmp_path_factory.mktemp("omni-artifacts"))
-    engines = EngineCache(settings.models_dir, kv_cache_bytes=settings.ar_kv_cache_bytes,
+    engines = EnginePool(settings.models_dir, kv_cache_bytes=settings.ar_kv_cache_bytes,
                           max_model_len=settings.ar_max_model_len, device=settings.device)
     return settings, engines, MemoryJobStore()
 
 
-def run_in_process(parts: tuple[Settings, EngineCache, MemoryJobStore], pipeline: str, inputs: dict[str, Any],
+def run_in_process(parts: tuple[Settings, EnginePool, MemoryJobStore], pipeline: str, inputs: dict[str, Any],
                    params: dict[str, Any]) -> OmniResult:
     settings, engines, store = parts
     return Omni(pipeline, settings=settings, engines=engines, store=store).generate(inputs, params)
@@ -116,7 +116,7 @@ def test_every_builtin_pipeline_has_a_case() -> None:
 
 @pytest.mark.parametrize("pipeline", sorted(CASES))
 def test_in_process_result_equals_queued_result(
-    api: httpx.Client, omni_parts: tuple[Settings, EngineCache, MemoryJobStore], pipeline: str
+    api: httpx.Client, omni_parts: tuple[Settings, EnginePool, MemoryJobStore], pipeline: str
 ) -> None:
     inputs, params = CASES[pipeline]
     queued = run_queued(api, pipeline, inputs, params)

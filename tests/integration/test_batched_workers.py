@@ -68,10 +68,10 @@ def engine_cache() -> Any:
     before another module's engines are dropped stops working; its own cache keeps the session
     engine's life as it was before this module existed.)
     """
-    from omni_jobs.engines.cache import EngineCache
+    from omni_jobs.engines.pool import EnginePool
     from tests.conftest import MODELS_DIR
 
-    return EngineCache(MODELS_DIR, kv_cache_bytes=256 * 2**20, max_model_len=512, device="cpu")
+    return EnginePool(MODELS_DIR, kv_cache_bytes=256 * 2**20, max_model_len=512, device="cpu")
 
 
 @pytest.fixture

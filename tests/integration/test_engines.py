@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from omni_jobs.engines.ar import AREngine, ARRequest, SamplingOptions
-from omni_jobs.engines.cache import EngineCache
 from omni_jobs.engines.dit import DiTEngine, DiTRequest
+from omni_jobs.engines.pool import EnginePool
 from omni_jobs.local.tiny import build_tiny_llama, build_tiny_pixart
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -33,18 +33,18 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cache(models_dir: Path) -> EngineCache:
-    return EngineCache(models_dir, kv_cache_bytes=128 * 2**20, max_model_len=256, device="cpu")
+def cache(models_dir: Path) -> EnginePool:
+    return EnginePool(models_dir, kv_cache_bytes=128 * 2**20, max_model_len=256, device="cpu")
 
 
 @pytest.fixture(scope="module")
-def ar(cache: EngineCache) -> AREngine:
+def ar(cache: EnginePool) -> AREngine:
     pytest.importorskip("vllm")
     return cache.ar("tiny:llama", {})
 
 
 @pytest.fixture(scope="module")
-def dit(cache: EngineCache) -> DiTEngine:
+def dit(cache: EnginePool) -> DiTEngine:
     pytest.importorskip("diffusers")
     return cache.dit("tiny:pixart", {})
 
@@ -136,7 +136,7 @@ def test_ar_missing_model_is_clear(tmp_path: Path) -> None:
         AREngine(str(tmp_path / "no-such-model"))
 
 
-def test_cache_reuses_engines(cache: EngineCache, ar: AREngine, dit: DiTEngine) -> None:
+def test_cache_reuses_engines(cache: EnginePool, ar: AREngine, dit: DiTEngine) -> None:
     assert cache.ar("tiny:llama", {}) is ar
     assert cache.dit("tiny:pixart", {}) is dit
     other = cache.dit("tiny:pixart", {"call_args": {"max_sequence_length": 64}})
@@ -261,7 +261,7 @@ def test_tiny_builds_are_deterministic(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def wan(cache: EngineCache) -> DiTEngine:
+def wan(cache: EnginePool) -> DiTEngine:
     pytest.importorskip("diffusers")
     return cache.dit("tiny:wan", {"pipeline_class": "WanPipeline", "call_args": {"max_sequence_length": 64}})
 

@@ -13,7 +13,7 @@ from PIL import Image
 
 import omni_jobs
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, ArtifactStoreUnavailable, LocalBackend
-from omni_jobs.engines.cache import EngineCache
+from omni_jobs.engines.pool import EnginePool
 from omni_jobs.errors import InvalidRequest
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import EventType, JobEvent, StageStatus, now
@@ -32,8 +32,8 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Settings:
 
 
 @pytest.fixture(scope="module")
-def engines(settings: Settings) -> EngineCache:
-    return EngineCache(MODELS, kv_cache_bytes=settings.ar_kv_cache_bytes, max_model_len=settings.ar_max_model_len,
+def engines(settings: Settings) -> EnginePool:
+    return EnginePool(MODELS, kv_cache_bytes=settings.ar_kv_cache_bytes, max_model_len=settings.ar_max_model_len,
                        device="cpu")
 
 
@@ -42,7 +42,7 @@ def store() -> MemoryJobStore:
     return MemoryJobStore()
 
 
-def omni(pipeline: object, settings: Settings, engines: EngineCache, store: MemoryJobStore) -> Omni:
+def omni(pipeline: object, settings: Settings, engines: EnginePool, store: MemoryJobStore) -> Omni:
     return Omni(pipeline, settings=settings, engines=engines, store=store)  # type: ignore[arg-type]
 
 
@@ -53,7 +53,7 @@ def assert_settled(store: MemoryJobStore, job_id: str) -> None:
     assert store.claim_outbox(now=now() + 3600, limit=10, hold_s=1.0, job_id=job_id) == []
 
 
-def test_package_level_api_runs_text_to_image(settings: Settings, engines: EngineCache, store: MemoryJobStore) -> None:
+def test_package_level_api_runs_text_to_image(settings: Settings, engines: EnginePool, store: MemoryJobStore) -> None:
     events: list[JobEvent] = []
     runner = omni_jobs.Omni("text-to-image", settings=settings, engines=engines, store=store)
     result = runner.generate({"prompt": "a red fox"}, {"dit": {"height": 32, "width": 48, "num_inference_steps": 3}},
@@ -76,7 +76,7 @@ def test_package_level_api_runs_text_to_image(settings: Settings, engines: Engin
     assert (settings.artifacts_dir / "jobs" / result.job.id / "outputs" / "image.png").read_bytes() == result["image"].data
 
 
-def test_llm_conditioned_image_and_latents(settings: Settings, engines: EngineCache, store: MemoryJobStore) -> None:
+def test_llm_conditioned_image_and_latents(settings: Settings, engines: EnginePool, store: MemoryJobStore) -> None:
     result = omni("llm-conditioned-image", settings, engines, store).generate({"prompt": "a lighthouse"})
     assert result["image"].image().size == (32, 32)
     latents = result["latents"].tensor()
@@ -85,7 +85,7 @@ def test_llm_conditioned_image_and_latents(settings: Settings, engines: EngineCa
     assert encoder.outputs["hidden_states"].media_type == "application/vnd.safetensors"
 
 
-def test_image_inputs_in_process(settings: Settings, engines: EngineCache, store: MemoryJobStore,
+def test_image_inputs_in_process(settings: Settings, engines: EnginePool, store: MemoryJobStore,
                                  tmp_path: Path) -> None:
     source = omni("text-to-image", settings, engines, store).generate(
         {"prompt": "a boat"}, {"dit": {"height": 32, "width": 32, "num_inference_steps": 2}})
@@ -100,7 +100,7 @@ def test_image_inputs_in_process(settings: Settings, engines: EngineCache, store
     assert by_ref.job.input["image"]["artifact"]["sha256"] == source["image"].entry.artifact.sha256
 
 
-def test_bad_request_and_failing_stage(settings: Settings, engines: EngineCache, store: MemoryJobStore,
+def test_bad_request_and_failing_stage(settings: Settings, engines: EnginePool, store: MemoryJobStore,
                                        tmp_path: Path) -> None:
     with pytest.raises(InvalidRequest) as info:
         omni("text-to-audio", settings, engines, store).generate({"prompt": "x"}, {"audio": {"duration_s": 0}})
@@ -124,7 +124,7 @@ outputs: [{name: audio, from: sound.audio}]
     assert_settled(store, job.id)
 
 
-def test_embedding_size_mismatch_found_at_load(settings: Settings, engines: EngineCache, store: MemoryJobStore,
+def test_embedding_size_mismatch_found_at_load(settings: Settings, engines: EnginePool, store: MemoryJobStore,
                                                tmp_path: Path) -> None:
     """A DiT the spec cannot inspect (not on disk when validated): the size check happens at run time."""
     later = tmp_path / "dit-appears-later"
@@ -159,7 +159,7 @@ class FlakyArtifacts(ArtifactStore):
         return super().put_intermediate(key, data, media_type)
 
 
-def test_a_transient_error_is_retried_in_process_after_its_backoff(engines: EngineCache, store: MemoryJobStore,
+def test_a_transient_error_is_retried_in_process_after_its_backoff(engines: EnginePool, store: MemoryJobStore,
                                                                    tmp_path: Path) -> None:
     settings = Settings(models_dir=MODELS, artifacts_dir=tmp_path, stage_retry_backoff_s=0.3, stage_max_retries=2)
     events: list[JobEvent] = []
@@ -189,7 +189,7 @@ def test_a_transient_error_is_retried_in_process_after_its_backoff(engines: Engi
     assert_settled(store, job.id)
 
 
-def test_async_omni_concurrent_and_streamed(settings: Settings, engines: EngineCache, store: MemoryJobStore) -> None:
+def test_async_omni_concurrent_and_streamed(settings: Settings, engines: EnginePool, store: MemoryJobStore) -> None:
     runner = AsyncOmni("text-to-text-and-image", settings=settings, engines=engines, store=store)
     sequential = runner.omni.generate({"prompt": "a dog"}, {"dit": {"seed": 1}})
 

@@ -19,7 +19,7 @@ from omni_jobs.jobs.models import Job, now
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
 from omni_jobs.scheduling import Scheduler
-from omni_jobs.stage_cache import StageCache, cache_key
+from omni_jobs.stage_cache import StageOutputCache, cache_key
 from omni_jobs.stages import StageLimits, StageRunner
 from omni_jobs.steps import AssembleResults, RunStage
 from omni_jobs.submission import JobSubmitter
@@ -122,7 +122,7 @@ def test_sampling_without_a_seed_is_never_cached(parts: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize(("eviction", "survivors"), [("fifo", ["b", "c"]), ("lru", ["a", "c"])])
 def test_eviction_order(redis_client: redis.Redis, eviction: str, survivors: list[str]) -> None:
-    cache = StageCache(redis_client, max_entries=2, eviction=eviction)  # type: ignore[arg-type]
+    cache = StageOutputCache(redis_client, max_entries=2, eviction=eviction)  # type: ignore[arg-type]
     for d in ("a", "b"):
         cache.put("p.s", d, {"out": d.encode()}, {"out": "text/plain"})
     assert cache.get("p.s", "a") is not None  # a use: refreshes "a" under lru only

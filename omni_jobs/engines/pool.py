@@ -1,7 +1,9 @@
-"""Engines loaded once per process and shared by every task that needs them.
+"""The engine pool: engines loaded once per process and shared by every task that needs them.
 
 Loading an engine costs seconds (vLLM) and memory; a worker keeps each one it has loaded, keyed
 by kind, resolved model and engine args, so two stages naming the same model share one engine.
+(Not to be confused with the stage-output cache, omni_jobs.stage_cache, or a DiT stage's denoising
+cache, ``engine_args.cache``.)
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ E = TypeVar("E")
 _DIT_CTOR_KEYS = ("pipeline_class", "torch_dtype", "call_args", "cache")
 
 
-class EngineCache:
-    """Thread-safe cache of AR and DiT engines; ``tiny:NAME`` models are built on first use."""
+class EnginePool:
+    """Thread-safe pool of AR and DiT engines; a model source's ids (``tiny:NAME``) are resolved, and built, on first use."""
 
     def __init__(self, models_dir: Path, *, kv_cache_bytes: int, max_model_len: int, device: str) -> None:
         self.models_dir = Path(models_dir)
