@@ -1,0 +1,163 @@
+"""The layout shows the architecture, and the direction of imports holds.
+
+The core (omni_jobs/, less the tooling packages) imports neither its tooling (omni_jobs.cli,
+omni_jobs.client, omni_jobs.local) nor the shells (api, workers) nor Celery or FastAPI; only the
+Prometheus adapter (omni_jobs/metrics.py, installed by the shells) imports prometheus_client, and
+no core module imports a private name of another. Checked on the source (ASTs), so an import
+inside a function or under TYPE_CHECKING counts too. The README's Layout section names every
+top-level module and package of omni_jobs/.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from omni_jobs.engines import model_source
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "omni_jobs"
+TOOLING = ("cli", "client", "local")
+FORBIDDEN_IN_CORE = (*(f"omni_jobs.{t}" for t in TOOLING), "api", "workers", "celery", "fastapi", "starlette")
+PROMETHEUS = ("prometheus_client", "omni_jobs.metrics")
+PROMETHEUS_ADAPTER = PACKAGE / "metrics.py"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def core_modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] not in TOOLING)
+
+
+def imports(path: Path, source: str | None = None) -> Iterator[tuple[int, str, list[str]]]:
+    """(line, absolute module, imported names) of every import in ``path``, relative ones resolved."""
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rpartition(".")[0]
+    text = path.read_text(encoding="utf-8") if source is None else source
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, []
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            names = [alias.name for alias in node.names]
+            yield node.lineno, base, names
+            for name in names:  # ``from omni_jobs import cli`` imports the module omni_jobs.cli
+                yield node.lineno, f"{base}.{name}", []
+
+
+def _matches(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_the_tooling_packages_exist() -> None:
+    for name in TOOLING:
+        assert (PACKAGE / name / "__init__.py").is_file(), name
+    assert core_modules(), "no core modules found"
+
+
+def test_the_core_imports_no_tooling_no_shell_and_no_framework() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: imports {module}"
+        for path in core_modules()
+        for line, module, _ in imports(path)
+        if _matches(module, FORBIDDEN_IN_CORE)
+    ]
+    assert not found, "the core must not import these (tooling -> core, never the reverse):\n" + "\n".join(found)
+
+
+def test_only_the_prometheus_adapter_imports_prometheus() -> None:
+    """Storage and engine code report to omni_jobs.telemetry; api/ and workers/ install metrics.install()."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: imports {module}"
+        for path in core_modules()
+        if path != PROMETHEUS_ADAPTER
+        for line, module, _ in imports(path)
+        if _matches(module, PROMETHEUS)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_no_core_module_imports_a_private_name() -> None:
+    found = [
+        f"{path.relative_to(ROOT)}:{line}: from {module} import {name}"
+        for path in core_modules()
+        for line, module, names in imports(path)
+        if module.startswith("omni_jobs")
+        for name in names
+        if name.startswith("_") and not name.startswith("__")
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_checker_sees_nested_and_relative_imports() -> None:
+    source = "def f():\n    from omni_jobs.local import tiny\n    from .x import _private\n"
+    found = list(imports(PACKAGE / "engines" / "probe.py", source))
+    assert (2, "omni_jobs.local.tiny", []) in found
+    assert (3, "omni_jobs.engines.x", ["_private"]) in found
+
+
+def _readme_layout() -> str:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"^## Layout\n(.*?)(?=^## |\Z)", text, re.DOTALL | re.MULTILINE)
+    assert match, "README.md has no '## Layout' section"
+    return match.group(1)
+
+
+def test_the_readme_layout_names_every_top_level_module_and_package() -> None:
+    layout = _readme_layout()
+    names = sorted(
+        p.stem if p.is_file() else p.name
+        for p in PACKAGE.iterdir()
+        if (p.suffix == ".py" and p.name != "__init__.py") or (p.is_dir() and (p / "__init__.py").is_file())
+    )
+    missing = [n for n in names if not re.search(rf"(?<!\w){re.escape(n)}\b", layout)]
+    assert not missing, f"README.md's Layout section does not name: {missing}"
+    gone = [m for m in re.findall(r"omni_jobs/(\w+)/", layout) if not (PACKAGE / m).is_dir()]
+    assert not gone, f"README.md's Layout section names packages that do not exist: {gone}"
+
+
+# --- the model-source registry: how the core resolves tiny:NAME without importing the tooling ---
+
+
+@pytest.mark.parametrize("model", ["/models/llama", "var/models/tiny-llama", "Qwen/Qwen2.5-0.5B", "s3://b/m"])
+def test_a_path_or_hub_id_resolves_to_itself(model: str, tmp_path: Path) -> None:
+    assert model_source.resolve_model(model, tmp_path) == model
+    assert model_source.source_facts(model) is None
+
+
+def test_a_registered_source_resolves_its_ids(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_source, "_SOURCES", dict(model_source._SOURCES))  # registered for this test only
+    calls: list[tuple[str, Path]] = []
+
+    def resolve(name: str, models_dir: Path) -> str:
+        calls.append((name, models_dir))
+        return str(models_dir / name)
+
+    model_source.register_model_source(
+        model_source.ModelSource("probe:", resolve, facts=lambda name: {"hidden_size": 8})
+    )
+    assert model_source.resolve_model("probe:abc", tmp_path) == str(tmp_path / "abc")
+    assert calls == [("abc", tmp_path)]
+    assert model_source.source_facts("probe:abc") == {"hidden_size": 8}
+
+
+def test_tiny_ids_resolve_through_the_default_plugin(tmp_path: Path) -> None:
+    """OMNI_MODEL_SOURCES defaults to omni_jobs.local.tiny: its facts are known without building."""
+    from omni_jobs.local import tiny
+    from omni_jobs.pipelines.model_info import model_facts
+
+    assert model_facts("ar", "tiny:llama").hidden_size == tiny.LLAMA_HIDDEN_SIZE
+    with pytest.raises(ValueError, match="unknown tiny model"):
+        model_source.resolve_model("tiny:nope", tmp_path)
