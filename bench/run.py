@@ -94,7 +94,7 @@ def _pct(values: list[float], p: int) -> float | None:
 
 
 def prompts(n: int, rep: int = 0) -> list[str]:
-    """Distinct prompts of ~30 tokens (no two repeat, so the stage cache never hits by accident)."""
+    """Distinct prompts of ~30 tokens (no two repeat, so the stage-output cache never hits by accident)."""
     return [f"job {rep}-{i}: a detailed story about the {WORDS[i % 10]} and the {WORDS[(i * 7 + rep) % 10]} "
             f"at dawn, number {i * 31 + rep}" for i in range(n)]
 

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omni_jobs.artifacts import ArtifactStore, artifact_store_from_settings, codecs
+from omni_jobs.engines.model_source import load_model_sources
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.engines.stage_exec import load_stage_engine
 from omni_jobs.errors import OmniError
@@ -142,6 +143,7 @@ class Omni:
         """``pipeline``: a catalogue name (built-in or under OMNI_PIPELINES_PATH), a YAML file, or a spec."""
         self.settings = settings or Settings()
         s = self.settings
+        load_model_sources(s.model_sources)  # tiny:NAME ids (OMNI_MODEL_SOURCES), before the pipeline is validated
         if isinstance(pipeline, PipelineSpec):
             self.spec = pipeline
         elif isinstance(pipeline, Path) or str(pipeline).endswith((".yaml", ".yml")):

@@ -393,7 +393,7 @@ class StageRunner:
 
     @staticmethod
     def _encode_outputs(stage: StageSpec, values: dict[str, Any]) -> CachedOutputs:
-        """Each output port's bytes in its format (what is stored, and what the stage cache keeps)."""
+        """Each output port's bytes in its format (what is stored, and what the stage-output cache keeps)."""
         data = {port: encode_payload(modality, values[port]) for port, modality in stage.outputs.items()}
         media = {port: FORMATS[modality].media_type for port, modality in stage.outputs.items()}
         return CachedOutputs(data=data, media_types=media)

@@ -5,8 +5,9 @@ resolves them to a local path: ``tiny:NAME`` is the random-weight model that the
 demo use, built on first use by the tooling (omni_jobs.local.tiny). The core never imports a
 source: a source registers itself here (``register_model_source``), and the modules named in
 ``Settings.model_sources`` (``OMNI_MODEL_SOURCES``, default ``["omni_jobs.local.tiny"]``) are
-loaded by name, by the process shells at start-up (workers, api, the embedded system) or, in a
-process that has not done so (``Omni`` in a script, a test), at the first id with an unknown prefix.
+loaded by name: by the process shells at start-up (the workers, the API: the embedded system
+runs both), by ``Omni`` when it is made, and in any other process (a test, a benchmark) at the
+first id with an unknown prefix.
 A plugin module defines ``register_model_sources() -> None``.
 """
 
