@@ -76,7 +76,7 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="Torch device for diffusers: auto, cpu, cuda, cuda:N.")
     preload_engines: bool = Field(True, description="Workers load their stages' engines at start, not on first task.")
 
-    # --- Worker start-up checks (omni_jobs.doctor) ---
+    # --- Worker start-up checks (omni_jobs.checks) ---
     version_check: bool = Field(
         True, description="Workers refuse to start when an engine library they need is outside its supported range."
     )

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response, status
 
 from api.deps import ApiContext, get_context
 from omni_jobs.artifacts.backends import ArtifactBackend
-from omni_jobs.doctor import (
+from omni_jobs.checks import (
     Check,
     check_artifact_store,
     check_redis,

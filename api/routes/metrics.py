@@ -13,7 +13,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from api.deps import ApiContext, get_context
 from omni_jobs import metrics
-from omni_jobs.doctor import required_queues
+from omni_jobs.checks import required_queues
 
 router = APIRouter(tags=["health"])
 

@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.auth import api_key_id, authenticate
 from api.deps import ApiContext, get_context
 from omni_jobs.artifacts import codecs
-from omni_jobs.doctor import is_builtin
+from omni_jobs.checks import is_builtin
 from omni_jobs.errors import InvalidRequest, QuotaExceeded
 from omni_jobs.jobs.models import FINAL_EVENTS, EventType, Job, JobOutput, JobStatus
 from omni_jobs.jobs.view import output_url

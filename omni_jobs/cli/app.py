@@ -142,7 +142,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 def cmd_doctor(args: argparse.Namespace) -> int:
     """Versions against their ranges, devices, and whether Redis, the store and the workers answer."""
-    from omni_jobs.doctor import format_report, run_doctor
+    from omni_jobs.cli.doctor import format_report, run_doctor
 
     report = run_doctor(Settings(), services=not args.no_services, devices=not args.no_devices)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))

@@ -13,20 +13,19 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from omni_jobs import doctor
-from omni_jobs.doctor import (
+from omni_jobs import checks as core_checks
+from omni_jobs.checks import (
     SUPPORTED_VERSIONS,
     Check,
-    DoctorReport,
     check_version,
     engine_kinds,
-    format_report,
     installed_version,
     model_problem,
     refuses_for,
     required_queues,
     version_problems,
 )
+from omni_jobs.cli.doctor import DoctorReport, format_report
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, builtin_pipelines, load_catalogue
 from omni_jobs.settings import Settings
 
@@ -117,13 +116,13 @@ def test_required_queues_are_the_stage_queues_plus_results_and_webhooks_when_sig
 def test_devices_report_the_cpu_and_check_omni_device() -> None:
     import torch
 
-    checks = {c.name: c for c in doctor.check_devices("auto")}
+    checks = {c.name: c for c in core_checks.check_devices("auto")}
     assert checks["cpu"].ok and f"{os.cpu_count()} cores" in checks["cpu"].detail
     if torch.cuda.is_available():
         assert checks["cuda:0"].ok
     else:
         assert "no CUDA device visible" in checks["cuda"].detail
-        (bad,) = [c for c in doctor.check_devices("cuda") if c.name == "OMNI_DEVICE"]
+        (bad,) = [c for c in core_checks.check_devices("cuda") if c.name == "OMNI_DEVICE"]
         assert not bad.ok and "OMNI_DEVICE=cpu" in bad.fix
 
 

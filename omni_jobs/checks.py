@@ -1,18 +1,19 @@
-"""Compatibility and reachability checks: what `omni-jobs doctor`, /readyz and worker start-up ask.
+"""Compatibility and reachability checks: what /readyz, worker start-up and `omni-jobs doctor` ask.
 
 vLLM-Omni's lesson is that most failures of a multi-engine system are mismatched library
 versions and models that do not load, found late inside a job. Here they are found early: the
 doctor prints every engine library against its supported range, the devices torch sees, and
 whether Redis, the artifact store and a worker for each queue answer; a worker refuses to start
 (``StartupRefused``) when an engine library it needs is outside its range or a built-in model
-cannot be loaded, with a message that says what to install or fix.
+cannot be loaded, with a message that says what to install or fix. The doctor command itself (the
+whole report, printed) is tooling: omni_jobs/cli/doctor.py.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -60,7 +61,7 @@ PROBE_KEY = "health/probe"
 
 @dataclass(frozen=True)
 class Check:
-    """One line of the doctor's report: what was checked, whether it passed, and what to do if not."""
+    """One check (a line of the doctor's report, of /readyz): what was checked, whether it passed, and what to do if not."""
 
     section: str
     name: str
@@ -71,21 +72,6 @@ class Check:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass
-class DoctorReport:
-    checks: list[Check] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(c.ok for c in self.checks if c.required)
-
-    def failed(self) -> list[Check]:
-        return [c for c in self.checks if c.required and not c.ok]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "checks": [c.as_dict() for c in self.checks]}
 
 
 class StartupRefused(Exception):
@@ -335,58 +321,3 @@ def model_problem(spec: PipelineSpec, stage: StageSpec, exc: BaseException) -> s
         fix = "fix the stage's model and engine_args in the pipeline YAML"
     return (f"cannot load the model of {where}: {text[:500]}. Fix: {fix}; or set OMNI_REFUSE_BROKEN_MODELS=none "
             "to start anyway (its jobs then fail with this error)")
-
-
-# --- the whole report ---
-def run_doctor(settings: Settings, *, services: bool = True, devices: bool = True) -> DoctorReport:
-    """Versions, devices, Redis, broker, artifact store and workers, as `omni-jobs doctor` prints them."""
-    import redis as redis_lib
-
-    report = DoctorReport()
-    report.checks += check_versions(overrides=settings.supported_versions)
-    if devices:
-        report.checks += check_devices(settings.device)
-    if not services:
-        return report
-    state = redis_lib.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
-    try:
-        redis_check = check_redis(state, url=settings.redis_url)
-        report.checks.append(redis_check)
-        if settings.effective_broker_url != settings.redis_url:
-            broker = redis_lib.Redis.from_url(settings.effective_broker_url, socket_connect_timeout=2, socket_timeout=5)
-            try:
-                report.checks.append(check_redis(broker, name="broker", url=settings.effective_broker_url))
-            finally:
-                broker.close()
-        report.checks.append(check_artifact_store(probe_backend(settings), where=describe_backend(settings)))
-        try:
-            from omni_jobs.pipelines.catalogue import load_catalogue
-
-            catalogue = load_catalogue(settings.pipelines_path)
-        except Exception as exc:  # noqa: BLE001 - a bad pipeline file is one more finding
-            report.checks.append(Check("pipelines", "catalogue", False, str(exc), "fix the pipeline file named above"))
-            return report
-        report.checks.append(Check("pipelines", "catalogue", True, ", ".join(catalogue.names()), required=False))
-        if redis_check.ok:
-            report.checks += check_workers(state, required_queues(catalogue, settings))
-    finally:
-        state.close()
-    return report
-
-
-def format_report(report: DoctorReport) -> str:
-    lines: list[str] = []
-    section = ""
-    for check in report.checks:
-        if check.section != section:
-            section = check.section
-            lines.append(f"{section}:")
-        mark = "ok  " if check.ok else ("FAIL" if check.required else "warn")
-        lines.append(f"  {mark} {check.name:<16} {check.detail}")
-        if not check.ok and check.fix:
-            lines.append(f"       -> {check.fix}")
-    failed = report.failed()
-    lines.append("")
-    lines.append("all checks passed" if not failed else f"{len(failed)} check(s) failed: "
-                 + ", ".join(f"{c.section}/{c.name}" for c in failed))
-    return "\n".join(lines)
