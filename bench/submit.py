@@ -86,7 +86,7 @@ def wrk(url: str, script: Path, *, connections: int, duration_s: float, threads:
                           "--timeout", "10s", "--latency", "-s", str(script), url],
                          check=True, capture_output=True, text=True).stdout
     rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
-    pct = dict(re.findall(r"^\s+(\d+)%\s+([\d.]+\w+)\s*$", out, re.M))
+    pct = dict(re.findall(r"^\s+(\d+)%\s+([\d.]+\w+)\s*$", out, re.MULTILINE))
     errors = sum(int(n) for n in re.findall(r"Non-2xx or 3xx responses: (\d+)", out))
     errors += sum(int(n) for n in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
     return rate, _ms(pct["50"]), _ms(pct["99"]), errors
