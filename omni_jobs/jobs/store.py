@@ -7,11 +7,14 @@ decisions (which transition is legal, what it dispatches) are made once, in the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis
+import redis.asyncio as aioredis
 
 from omni_jobs import keys
 from omni_jobs.errors import NotDurable
@@ -126,6 +129,18 @@ class JobStore(Protocol):
     def get_mark(self, name: str) -> str | None: ...
     def set_mark(self, name: str, value: str) -> None: ...
 
+    # --- the same, for an event loop (the API's submit path: no thread, one round trip each) ---
+    async def acommit(self, change: Change) -> Conflict | None:
+        """``commit`` without blocking the event loop."""
+        ...
+    async def aget(self, job_id: str) -> Job | None: ...
+    async def aidempotency(self, tenant: str, key: str) -> IdempotencyRecord | None: ...
+    async def aqueue_position(self, job: Job) -> int | None: ...
+    async def aoldest(self, key: str, *, since: float) -> float | None: ...
+    async def aclose(self) -> None:
+        """Close this event loop's async client (the API's shutdown)."""
+        ...
+
 
 _COMMIT = """
 local spec = cjson.decode(ARGV[1])
@@ -232,10 +247,15 @@ class RedisJobStore:
     """Jobs as hashes, events as streams, the outbox and leases as sorted sets, in one Redis."""
 
     def __init__(self, client: redis.Redis, *, ttl_s: int, events_maxlen: int = 2000, wait_replicas: int = 0,
-                 wait_timeout_ms: int = 1000) -> None:
+                 wait_timeout_ms: int = 1000, async_client: Callable[[], aioredis.Redis] | None = None) -> None:
         """``wait_replicas``: a durable change (a submit) is acknowledged only once this many replicas
-        have it (Redis WAIT); 0 relies on the primary's own AOF (``appendfsync always``)."""
+        have it (Redis WAIT); 0 relies on the primary's own AOF (``appendfsync always``).
+        ``async_client``: makes the redis.asyncio client of the ``a*`` methods, one per event loop
+        (its connections belong to the loop that made them); default: the same server as ``client``."""
         self.redis = client
+        self._make_async = async_client or (lambda: same_server_async(client))
+        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[aioredis.Redis, Any]] = \
+            weakref.WeakKeyDictionary()
         self.ttl_s = ttl_s
         self.events_maxlen = events_maxlen
         self.wait_replicas = wait_replicas
@@ -313,12 +333,75 @@ class RedisJobStore:
                 raise NotDurable(int(acked), self.wait_replicas, self.wait_timeout_ms)
         else:
             reply = self._commit(args=[change.wire()])
+        return self._conflict(change, reply)
+
+    @staticmethod
+    def _conflict(change: Change, reply: Any) -> Conflict | None:
+        """The commit script's answer: None (applied), or the guard or cap that refused it."""
         if int(reply[0]) == 1:
             return None
         if int(reply[0]) == 2:
             return Conflict(None, _text(reply[2]), cap=change.caps[int(reply[1]) - 1])
         guard: Guard = change.guards[int(reply[1]) - 1]
         return Conflict(guard, _text(reply[2]) if len(reply) > 2 else None)
+
+    # --- async (the API's event loop) ---
+    def _aclient(self) -> tuple[aioredis.Redis, Any]:
+        """This event loop's client and its commit script (EVALSHA, loaded once per server)."""
+        loop = asyncio.get_running_loop()
+        found = self._async.get(loop)
+        if found is None:
+            client = self._make_async()
+            found = self._async[loop] = (client, client.register_script(_COMMIT))
+        return found
+
+    async def acommit(self, change: Change) -> Conflict | None:
+        """``commit`` on the event loop: the same script and the same answer, in one round trip
+        (two commands pipelined when the change must reach replicas: the script, then WAIT)."""
+        client, script = self._aclient()
+        if change.durable and self.wait_replicas > 0:
+            async with client.pipeline(transaction=False) as pipe:
+                await script(args=[change.wire()], client=pipe)
+                pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+                reply, acked = await pipe.execute()
+            if int(reply[0]) == 1 and int(acked) < self.wait_replicas:
+                raise NotDurable(int(acked), self.wait_replicas, self.wait_timeout_ms)
+        else:
+            reply = await script(args=[change.wire()])
+        return self._conflict(change, reply)
+
+    async def aget(self, job_id: str) -> Job | None:
+        client, _ = self._aclient()
+        async with client.pipeline(transaction=False) as pipe:
+            self._read(pipe, job_id)
+            fields, progress, deliveries = await pipe.execute()
+        return codec.decode(fields, progress, deliveries)
+
+    async def aidempotency(self, tenant: str, key: str) -> IdempotencyRecord | None:
+        client, _ = self._aclient()
+        raw = {_text(k): _text(v) for k, v in (await client.hgetall(keys.idempotency(tenant, key))).items()}
+        return IdempotencyRecord(raw["job_id"], raw["fingerprint"]) if "job_id" in raw else None
+
+    async def aqueue_position(self, job: Job) -> int | None:
+        record = waiting_stage(job)
+        if record is None:
+            return None
+        client, _ = self._aclient()
+        async with client.pipeline(transaction=False) as pipe:
+            for command, args in position_reads(job, record):
+                getattr(pipe, command)(*args)
+            released_rank, released, ready_rank, tenants = await pipe.execute()
+        return estimate_position(released_rank, int(released), ready_rank, int(tenants))
+
+    async def aoldest(self, key: str, *, since: float) -> float | None:
+        client, _ = self._aclient()
+        first = await client.zrangebyscore(key, since, "+inf", start=0, num=1, withscores=True)
+        return float(first[0][1]) if first else None
+
+    async def aclose(self) -> None:
+        found = self._async.pop(asyncio.get_running_loop(), None)
+        if found is not None:
+            await found[0].aclose()
 
     # --- outbox ---
     def claim_outbox(self, *, now: float, limit: int, hold_s: float, job_id: str | None = None) -> list[OutboxEntry]:
@@ -388,13 +471,9 @@ class RedisJobStore:
         record = waiting_stage(job)
         if record is None:
             return None
-        slot = stage_slot(job.id, record.id)
-        entry = f"{slot}:{record.attempts + 1}"
         with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zrank(keys.queue_released(record.queue), slot)
-            pipe.zcard(keys.queue_released(record.queue))
-            pipe.zrank(keys.queue_ready(record.queue, job.tenant), entry)
-            pipe.zcard(keys.queue_tenants(record.queue))
+            for command, args in position_reads(job, record):
+                getattr(pipe, command)(*args)
             released_rank, released, ready_rank, tenants = pipe.execute()
         return estimate_position(released_rank, int(released), ready_rank, int(tenants))
 
@@ -455,6 +534,24 @@ def waiting_stage(job: Job) -> StageRecord | None:
     if job.status.is_final or not waiting:
         return None
     return min(waiting, key=lambda r: r.queued_at or 0.0)
+
+
+def position_reads(job: Job, record: StageRecord) -> list[tuple[str, tuple[Any, ...]]]:
+    """The reads a queue position is estimated from (``estimate_position``), as (command, args)."""
+    slot = stage_slot(job.id, record.id)
+    entry = f"{slot}:{record.attempts + 1}"
+    return [("zrank", (keys.queue_released(record.queue), slot)), ("zcard", (keys.queue_released(record.queue),)),
+            ("zrank", (keys.queue_ready(record.queue, job.tenant), entry)), ("zcard", (keys.queue_tenants(record.queue),))]
+
+
+def same_server_async(client: redis.Redis) -> aioredis.Redis:
+    """A redis.asyncio client for the server (address, database, credentials) that ``client`` uses."""
+    kwargs = client.connection_pool.connection_kwargs
+    wanted = ("host", "port", "db", "username", "password", "path", "socket_timeout", "socket_connect_timeout")
+    if "path" in kwargs:
+        return aioredis.Redis(unix_socket_path=kwargs["path"],
+                              **{k: kwargs[k] for k in wanted if k in kwargs and k not in ("path", "host", "port")})
+    return aioredis.Redis(**{k: kwargs[k] for k in wanted if k in kwargs})
 
 
 def estimate_position(released_rank: int | None, released: int, ready_rank: int | None, tenants: int) -> int | None:
