@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import redis.asyncio as aioredis
 from celery import Celery
 from fastapi import Request
 
@@ -27,6 +28,8 @@ class ApiContext:
         # A submit or a cancel writes its dispatches to the outbox; this relay publishes them.
         self.relay: OutboxRelay = runtime.relay(self._publish)
         self.watcher = JobWatcher.from_url(runtime.settings.redis_url)  # SSE and Prefer: wait
+        # Reads on the event loop (API keys); made here, in the lifespan: it belongs to the app's loop.
+        self.aredis = aioredis.Redis.from_url(runtime.settings.redis_url, health_check_interval=30)
 
     def _publish(self, steps: Sequence[Step], ids: Sequence[str]) -> None:
         publish_steps(self.celery, steps, ids)
@@ -40,6 +43,8 @@ class ApiContext:
 
     async def aclose(self) -> None:
         await self.watcher.aclose()
+        await self.aredis.aclose()
+        await self.runtime.store.aclose()
         self.close()
 
 

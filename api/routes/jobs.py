@@ -6,7 +6,6 @@ import re
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response, status
-from fastapi.concurrency import run_in_threadpool
 
 from api import uploads
 from api.auth import Tenant, api_key_id, authenticate
@@ -23,9 +22,11 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authe
 Ctx = Annotated[ApiContext, Depends(get_context)]
 
 
-def _present(ctx: ApiContext, job: Job, *, queue_position: bool = False) -> dict[str, Any]:
+def _present(ctx: ApiContext, job: Job, *, queue_position: bool = False, position: int | None = None) -> dict[str, Any]:
+    """The job object; ``queue_position``: read its place (a Redis read), or pass it as ``position``."""
     settings = ctx.runtime.settings
-    position = ctx.runtime.jobs.queue_position(job) if queue_position else None
+    if queue_position:
+        position = ctx.runtime.jobs.queue_position(job)
     return present_job(job, public_url=settings.public_url, artifacts=ctx.runtime.artifacts,
                        presign=settings.output_urls == "presigned", queue_position=position)
 
@@ -62,8 +63,9 @@ async def create_job(
     ] = None,
 ) -> dict[str, Any]:
     cancel_after_s = parse_cancel_after(cancel_after) if cancel_after is not None else None
-    job, created = await run_in_threadpool(
-        ctx.submitter.submit_idempotent,
+    # On the event loop, no thread: validation is pure, and the job, its dispatch and the quota and
+    # queue checks are one Redis round trip (JobSubmitter.asubmit_idempotent).
+    job, created = await ctx.submitter.asubmit_idempotent(
         body.pipeline, body.input, body.params, cancel_after_s=cancel_after_s, idempotency_key=idempotency_key,
         webhook=body.webhook, webhook_events_filter=body.webhook_events_filter, tenant=tenant,
         priority=body.priority, api_key_id=api_key_id(request),
@@ -79,7 +81,8 @@ async def create_job(
         job = await ctx.watcher.wait_final(job.id, wait_s) or job
         if job.status.is_final:
             response.status_code = status.HTTP_200_OK
-    return await run_in_threadpool(_present, ctx, job, queue_position=True)
+    position = await ctx.runtime.jobs.store.aqueue_position(job)
+    return _present(ctx, job, position=position)
 
 
 @router.post("/multipart", status_code=status.HTTP_202_ACCEPTED, openapi_extra=uploads.OPENAPI,
