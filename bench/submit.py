@@ -10,6 +10,9 @@ turns per repetition so that both see the same machine:
 - ``system``: POST /v1/jobs of the real API (api.main:app), auth on with a real API key, a
   text-to-text job with a fresh prompt each time.
 
+``--compare base=/tmp/base`` adds the API of another checkout as one more arm (measure a change
+A/B in one run: ``git archive HEAD~1 | tar -x -C /tmp/base``).
+
 Rows (each with a fresh redis-server that both arms write to):
 
 - ``idle``: no Redis persistence, no workers: the submit path alone;
@@ -99,12 +102,13 @@ def _ready(port: int) -> bool:
         return False
 
 
-def start_uvicorn(name: str, app: str, env: dict[str, str], home: Path) -> RunningService:
+def start_uvicorn(name: str, app: str, env: dict[str, str], home: Path, source: Path = REPO) -> RunningService:
+    """``source``: the checkout to run (another one for an A/B arm: ``--compare``)."""
     port = free_port()
     service = RunningService(name, [sys.executable, "-m", "uvicorn", app, "--port", str(port), "--log-level",
                                     "warning", "--no-access-log"], port, f"http://127.0.0.1:{port}",
                              lambda: _ready(port), log_path=home / f"{name}-{port}.log", start_timeout_s=60,
-                             cwd=REPO, env={**os.environ, **env})
+                             cwd=source, env={**os.environ, **env, "PYTHONPATH": str(source)})
     return service.start()
 
 
@@ -124,7 +128,7 @@ def system_env(redis_url: str, home: Path) -> dict[str, str]:
 
 def measure_row(row: str, args: argparse.Namespace, home: Path) -> dict[str, Arm]:
     home.mkdir(parents=True, exist_ok=True)
-    arms = {"bare": Arm(), "system": Arm()}
+    arms = {"bare": Arm(), "system": Arm(), **{name: Arm() for name in args.compare}}
     with ExitStack() as stack:
         durable = row == "durable"
         server = stack.enter_context(start_redis(data_dir=home / "redis", appendonly=durable,
@@ -135,10 +139,15 @@ def measure_row(row: str, args: argparse.Namespace, home: Path) -> dict[str, Arm
         stack.callback(system.stop)
         bare = start_uvicorn("bare", "bench.bare_submit_app:app", {"BARE_REDIS_URL": server.url}, home)
         stack.callback(bare.stop)
-        scripts = {"bare": home / "bare.lua", "system": home / "system.lua"}
-        scripts["bare"].write_text(_LUA % {"auth": ""})
-        scripts["system"].write_text(_LUA % {"auth": f'wrk.headers["Authorization"] = "Bearer {key}"'})
         urls = {"bare": bare.url, "system": system.url}
+        for name, source in args.compare.items():
+            other = start_uvicorn(name, "api.main:app", env, home, source=source)
+            stack.callback(other.stop)
+            urls[name] = other.url
+        scripts = {name: home / f"{name}.lua" for name in urls}
+        for name, script in scripts.items():
+            auth = "" if name == "bare" else f'wrk.headers["Authorization"] = "Bearer {key}"'
+            script.write_text(_LUA % {"auth": auth})
         if row == "busy":
             with httpx.Client(base_url=system.url, headers={"authorization": f"Bearer {key}"}, timeout=30) as http:
                 for i in range(1000):
@@ -147,11 +156,11 @@ def measure_row(row: str, args: argparse.Namespace, home: Path) -> dict[str, Arm
             for queue, pool, conc in (("ar", "threads", 16), ("results", "solo", 1)):
                 stack.callback(start_worker(queue, pool, conc, env, home).stop)
             _wait_running(server.url, timeout_s=120)
-        for name in ("bare", "system"):  # warm up: connections, scripts, imports
-            wrk(urls[name], scripts[name], connections=args.connections, duration_s=args.warmup)
+        for name, url in urls.items():  # warm up: connections, scripts, imports
+            wrk(url, scripts[name], connections=args.connections, duration_s=args.warmup)
         for _rep in range(args.reps):
-            for name in ("bare", "system"):
-                rate, p50, p99, errors = wrk(urls[name], scripts[name], connections=args.connections,
+            for name, url in urls.items():
+                rate, p50, p99, errors = wrk(url, scripts[name], connections=args.connections,
                                              duration_s=args.duration)
                 arm = arms[name]
                 arm.rates.append(rate)
@@ -182,7 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--rows", default="idle,busy,durable", help=f"comma-separated, of {sorted(ROWS)}")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--compare", action="append", default=[], metavar="NAME=DIR",
+                        help="one more system arm: the API of another checkout (A/B of a change)")
     args = parser.parse_args(argv)
+    args.compare = {n: Path(d).resolve() for n, d in (c.split("=", 1) for c in args.compare)}
     if shutil.which("wrk") is None:
         parser.error("needs wrk on PATH (apt-get install wrk)")
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -198,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         bare_rate = arms["bare"].row()[0]
         for name, arm in arms.items():
             rate, p50, p99 = arm.row()
-            ratio = f"{rate / bare_rate:.2f}" if name == "system" else ""
+            ratio = f"{rate / bare_rate:.2f}" if name != "bare" else ""
             errs = f" ({arm.errors} errors)" if arm.errors else ""
             print(f"| {ROWS[row]} | {name}{errs} | {rate:,.0f} | {p50:.1f} | {p99:.1f} | {ratio} |")
     if args.json:
