@@ -51,3 +51,9 @@ class ApiContext:
 def get_context(request: Request) -> ApiContext:
     ctx: ApiContext = request.app.state.ctx
     return ctx
+
+
+async def context(request: Request) -> ApiContext:
+    """``get_context`` as an async dependency: FastAPI runs a sync one in a worker thread, a hop per
+    request; this one runs on the event loop."""
+    return get_context(request)

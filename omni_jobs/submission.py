@@ -20,7 +20,7 @@ from omni_jobs.artifacts import ArtifactStore
 from omni_jobs.auth import DEFAULT_TENANT
 from omni_jobs.errors import FieldError, IdempotencyConflict, InvalidRequest
 from omni_jobs.input_files import InputFiles, PreparedImage, parse_image_value
-from omni_jobs.jobs.ledger import JobLedger, QueueLimit, Quota
+from omni_jobs.jobs.ledger import JobLedger, QueueLimit, Quota, Submitted
 from omni_jobs.jobs.models import Job, JobWebhook, Priority, StageRecord, new_job_id
 from omni_jobs.jobs.store import JobStore
 from omni_jobs.limits import Limits
@@ -254,10 +254,11 @@ class JobSubmitter:
     async def asubmit_idempotent(self, pipeline: str, input_: Any, params: Any = None, *,
                                  cancel_after_s: float | None = None, idempotency_key: str | None = None,
                                  webhook: Any = None, webhook_events_filter: Any = None, tenant: str = DEFAULT_TENANT,
-                                 priority: Any = None, api_key_id: str | None = None) -> tuple[Job, bool]:
+                                 priority: Any = None, api_key_id: str | None = None) -> Submitted:
         """``submit_idempotent`` for an event loop (the API): the same checks and the same one write,
         through the store's async client. A job without file inputs costs one Redis round trip (two
-        with an Idempotency-Key) and no thread; file inputs are read and stored in a thread."""
+        with an Idempotency-Key) and no thread; file inputs are read and stored in a thread. The
+        answer also carries the job's queue position, read in the same round trip."""
         new = self._accept(pipeline, input_, params, cancel_after_s=cancel_after_s, idempotency_key=idempotency_key,
                            webhook=webhook, webhook_events_filter=webhook_events_filter, tenant=tenant,
                            priority=priority)
@@ -270,7 +271,7 @@ class JobSubmitter:
                     raise IdempotencyConflict(new.claim[0], earlier.job_id)
                 existing = await self.ledger.store.aget(earlier.job_id)
                 if existing is not None:
-                    return existing, False
+                    return await self.ledger.replayed(existing)
         if files and self.input_files is not None:
             stored = await asyncio.to_thread(self.input_files.store, new.job.id, files)
             new.job.input = {**new.job.input, **stored}

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response, status
 
 from api import uploads
 from api.auth import Tenant, api_key_id, authenticate
-from api.deps import ApiContext, get_context
+from api.deps import ApiContext, context
 from api.prefer import prefer_wait
 from api.schemas import JobList, JobRequest
 from omni_jobs.artifacts import ArtifactNotFound
@@ -19,7 +19,7 @@ from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.view import present_job
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authenticate)])
-Ctx = Annotated[ApiContext, Depends(get_context)]
+Ctx = Annotated[ApiContext, Depends(context)]
 
 
 def _present(ctx: ApiContext, job: Job, *, queue_position: bool = False, position: int | None = None) -> dict[str, Any]:
@@ -63,15 +63,16 @@ async def create_job(
     ] = None,
 ) -> dict[str, Any]:
     cancel_after_s = parse_cancel_after(cancel_after) if cancel_after is not None else None
-    # On the event loop, no thread: validation is pure, and the job, its dispatch and the quota and
-    # queue checks are one Redis round trip (JobSubmitter.asubmit_idempotent).
-    job, created = await ctx.submitter.asubmit_idempotent(
+    # On the event loop, no thread: validation is pure, and the job, its dispatch, the quota and
+    # queue checks and the queue position read are one Redis round trip (asubmit_idempotent).
+    submitted = await ctx.submitter.asubmit_idempotent(
         body.pipeline, body.input, body.params, cancel_after_s=cancel_after_s, idempotency_key=idempotency_key,
         webhook=body.webhook, webhook_events_filter=body.webhook_events_filter, tenant=tenant,
         priority=body.priority, api_key_id=api_key_id(request),
     )
+    job, position = submitted.job, submitted.queue_position
     response.headers["Location"] = f"/v1/jobs/{job.id}"
-    if not created:
+    if not submitted.created:
         response.headers["Idempotent-Replayed"] = "true"
     # Prefer: wait=N (RFC 7240): hold the answer until the job ends, N capped by OMNI_MAX_PREFER_WAIT_S.
     wait_s = prefer_wait(request.headers.getlist("prefer"))
@@ -81,7 +82,7 @@ async def create_job(
         job = await ctx.watcher.wait_final(job.id, wait_s) or job
         if job.status.is_final:
             response.status_code = status.HTTP_200_OK
-    position = await ctx.runtime.jobs.store.aqueue_position(job)
+        position = await ctx.runtime.jobs.store.aqueue_position(job)
     return _present(ctx, job, position=position)
 
 

@@ -128,6 +128,16 @@ class QueueLimit:
 
 
 @dataclass(frozen=True)
+class Submitted:
+    """What an async submit answers: the job, whether this call created it (False: an
+    Idempotency-Key replay), and its queue position (None when no stage of it waits)."""
+
+    job: Job
+    created: bool
+    queue_position: int | None
+
+
+@dataclass(frozen=True)
 class _SubmitPlan:
     """What a submit decided: the job as stored and the Change that stores it, and for a refusal,
     when it was decided and what it claimed."""
@@ -371,14 +381,14 @@ class JobLedger:
 
     async def asubmit(self, job: Job, entry_stages: list[str], *, idempotency: tuple[str, str] | None = None,
                       idempotency_ttl_s: int = 24 * 3600, quota: Quota | None = None,
-                      queue_limits: Sequence[QueueLimit] = ()) -> tuple[Job, bool]:
+                      queue_limits: Sequence[QueueLimit] = ()) -> Submitted:
         """``submit`` on an event loop (the API): the same decision and the same one write, committed
-        with the store's async client (one round trip, no thread)."""
+        with the store's async client in one round trip that also reads the job's queue position."""
         plan = self._plan_submit(job, entry_stages, idempotency, idempotency_ttl_s, quota, queue_limits)
-        conflict = await self.store.acommit(plan.change)
+        conflict, position = await self.store.acommit_placed(plan.change, plan.job)
         if conflict is None:
             self._committed(plan.job, plan.change)
-            return plan.job, True
+            return Submitted(plan.job, True, position)
         if conflict.cap is not None:
             since = conflict.cap.since
             oldest = await self.store.aoldest(conflict.cap.key, since=since) if since is not None else None
@@ -391,7 +401,11 @@ class JobLedger:
         existing = await self.store.aget(self._replayed(claim, earlier))
         if existing is None:
             raise IdempotencyConflict(claim[0], earlier.job_id)
-        return existing, False
+        return await self.replayed(existing)
+
+    async def replayed(self, job: Job) -> Submitted:
+        """An earlier job answered again (an Idempotency-Key replay), with its queue position now."""
+        return Submitted(job, False, await self.store.aqueue_position(job))
 
     def _plan_submit(self, job: Job, entry_stages: list[str], idempotency: tuple[str, str] | None,
                      idempotency_ttl_s: int, quota: Quota | None, queue_limits: Sequence[QueueLimit]) -> _SubmitPlan:

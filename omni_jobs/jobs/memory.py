@@ -361,6 +361,10 @@ class MemoryJobStore:
     async def acommit(self, change: Change) -> Conflict | None:
         return self.commit(change)
 
+    async def acommit_placed(self, change: Change, job: Job) -> tuple[Conflict | None, int | None]:
+        conflict = self.commit(change)
+        return conflict, (self.queue_position(job) if conflict is None else None)
+
     async def aget(self, job_id: str) -> Job | None:
         return self.get(job_id)
 

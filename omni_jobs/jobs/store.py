@@ -133,6 +133,10 @@ class JobStore(Protocol):
     async def acommit(self, change: Change) -> Conflict | None:
         """``commit`` without blocking the event loop."""
         ...
+    async def acommit_placed(self, change: Change, job: Job) -> tuple[Conflict | None, int | None]:
+        """``acommit``, then ``job``'s queue position read in the same round trip (a submit's answer
+        shows it); None when the change did not apply or no stage of the job waits."""
+        ...
     async def aget(self, job_id: str) -> Job | None: ...
     async def aidempotency(self, tenant: str, key: str) -> IdempotencyRecord | None: ...
     async def aqueue_position(self, job: Job) -> int | None: ...
@@ -356,19 +360,35 @@ class RedisJobStore:
         return found
 
     async def acommit(self, change: Change) -> Conflict | None:
-        """``commit`` on the event loop: the same script and the same answer, in one round trip
-        (two commands pipelined when the change must reach replicas: the script, then WAIT)."""
-        client, script = self._aclient()
+        """``commit`` on the event loop: the same script and the same answer, in one round trip."""
         if change.durable and self.wait_replicas > 0:
-            async with client.pipeline(transaction=False) as pipe:
-                await script(args=[change.wire()], client=pipe)
+            return (await self.acommit_placed(change, None))[0]
+        _client, script = self._aclient()
+        return self._conflict(change, await script(args=[change.wire()]))
+
+    async def acommit_placed(self, change: Change, job: Job | None) -> tuple[Conflict | None, int | None]:
+        """The script, WAIT when the change must reach replicas, and the position reads, pipelined:
+        one round trip. The reads see the change applied (they run after it on the same connection)."""
+        client, script = self._aclient()
+        record = waiting_stage(job) if job is not None else None
+        wait = change.durable and self.wait_replicas > 0
+        async with client.pipeline(transaction=False) as pipe:
+            await script(args=[change.wire()], client=pipe)
+            if wait:
                 pipe.wait(self.wait_replicas, self.wait_timeout_ms)
-                reply, acked = await pipe.execute()
-            if int(reply[0]) == 1 and int(acked) < self.wait_replicas:
-                raise NotDurable(int(acked), self.wait_replicas, self.wait_timeout_ms)
-        else:
-            reply = await script(args=[change.wire()])
-        return self._conflict(change, reply)
+            if job is not None and record is not None:
+                for command, args in position_reads(job, record):
+                    getattr(pipe, command)(*args)
+            replies = await pipe.execute()
+        reply = replies[0]
+        if wait and int(reply[0]) == 1 and int(replies[1]) < self.wait_replicas:
+            raise NotDurable(int(replies[1]), self.wait_replicas, self.wait_timeout_ms)
+        conflict = self._conflict(change, reply)
+        reads = replies[2 if wait else 1:]
+        if conflict is not None or len(reads) != 4:
+            return conflict, None
+        released_rank, released, ready_rank, tenants = reads
+        return None, estimate_position(released_rank, int(released), ready_rank, int(tenants))
 
     async def aget(self, job_id: str) -> Job | None:
         client, _ = self._aclient()
