@@ -135,8 +135,19 @@ class Admission:
     retry_after_s: int
 
     def limits(self, spec: PipelineSpec) -> list[QueueLimit]:
-        return [QueueLimit(queue, self.max_queued, self.retry_after_s)
-                for queue in sorted({s.queue_name for s in spec.entry_stages()})]
+        return [QueueLimit(queue, self.max_queued, self.retry_after_s) for queue in _entry_queues(spec)]
+
+
+_ENTRY_QUEUES: dict[int, tuple[PipelineSpec, tuple[str, ...]]] = {}
+
+
+def _entry_queues(spec: PipelineSpec) -> tuple[str, ...]:
+    """The queues a pipeline's jobs start on (asked on every submit; a loaded spec does not change,
+    and it is kept here with its answer so that its id is not reused)."""
+    found = _ENTRY_QUEUES.get(id(spec))
+    if found is None or found[0] is not spec:
+        found = _ENTRY_QUEUES[id(spec)] = (spec, tuple(sorted({s.queue_name for s in spec.entry_stages()})))
+    return found[1]
 
 
 def request_fingerprint(pipeline: str, input_: Any, params: Any, webhook: Any = None,

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import redis
 import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
 
 from omni_jobs import keys
 from omni_jobs.errors import NotDurable
@@ -367,19 +368,31 @@ class RedisJobStore:
         return self._conflict(change, await script(args=[change.wire()]))
 
     async def acommit_placed(self, change: Change, job: Job | None) -> tuple[Conflict | None, int | None]:
-        """The script, WAIT when the change must reach replicas, and the position reads, pipelined:
-        one round trip. The reads see the change applied (they run after it on the same connection)."""
+        """The script (EVALSHA), WAIT when the change must reach replicas, and the position reads,
+        pipelined: one round trip. The reads see the change applied (they run after it on the same
+        connection). The script is not registered with the pipeline, which would cost a SCRIPT
+        EXISTS round trip per call: a server that lacks it (restarted) answers NOSCRIPT, nothing ran,
+        and the whole pipeline goes again after loading it."""
         client, script = self._aclient()
         record = waiting_stage(job) if job is not None else None
         wait = change.durable and self.wait_replicas > 0
-        async with client.pipeline(transaction=False) as pipe:
-            await script(args=[change.wire()], client=pipe)
-            if wait:
-                pipe.wait(self.wait_replicas, self.wait_timeout_ms)
-            if job is not None and record is not None:
-                for command, args in position_reads(job, record):
-                    getattr(pipe, command)(*args)
-            replies = await pipe.execute()
+        wire = change.wire()
+        replies: list[Any] = []
+        for attempt in range(2):
+            try:
+                async with client.pipeline(transaction=False) as pipe:
+                    pipe.evalsha(script.sha, 0, wire)
+                    if wait:
+                        pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+                    if job is not None and record is not None:
+                        for command, args in position_reads(job, record):
+                            getattr(pipe, command)(*args)
+                    replies = await pipe.execute()
+                break
+            except NoScriptError:
+                if attempt:
+                    raise
+                await client.script_load(_COMMIT)
         reply = replies[0]
         if wait and int(reply[0]) == 1 and int(replies[1]) < self.wait_replicas:
             raise NotDurable(int(replies[1]), self.wait_replicas, self.wait_timeout_ms)

@@ -104,3 +104,26 @@ def test_acommit_answers_as_commit(store: JobStore) -> None:
     assert over is not None and over.cap is not None and over.found == "1"
     placed = run(store, lambda: store.acommit_placed(Change().cap(f"{key}:z", 1), two_stage_job()))
     assert placed[0] is not None and placed[1] is None
+
+
+@pytest.mark.integration
+def test_asubmit_loads_the_commit_script_again_after_a_redis_restart(redis_client: object) -> None:
+    import redis
+
+    from omni_jobs.jobs.store import RedisJobStore
+
+    assert isinstance(redis_client, redis.Redis)
+    store = RedisJobStore(redis_client, ttl_s=3600)
+    ledger = JobLedger(store)
+
+    async def twice() -> tuple[bool, bool]:
+        try:
+            first = await ledger.asubmit(two_stage_job(), ["ar"])
+            await store._aclient()[0].script_flush()  # what a restarted server without the script looks like
+            second = await ledger.asubmit(two_stage_job(), ["ar"])
+            return first.created, second.created
+        finally:
+            await store.aclose()
+
+    assert asyncio.run(twice()) == (True, True)
+    assert store.queue_counts("ar") == (2, 0)
