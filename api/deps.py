@@ -8,6 +8,7 @@ import redis.asyncio as aioredis
 from celery import Celery
 from fastapi import Request
 
+from omni_jobs.auth import ApiKeyInfo
 from omni_jobs.jobs.watch import JobWatcher
 from omni_jobs.outbox import OutboxRelay
 from omni_jobs.queueing import celery_config, publish_steps
@@ -30,6 +31,8 @@ class ApiContext:
         self.watcher = JobWatcher.from_url(runtime.settings.redis_url)  # SSE and Prefer: wait
         # Reads on the event loop (API keys); made here, in the lifespan: it belongs to the app's loop.
         self.aredis = aioredis.Redis.from_url(runtime.settings.redis_url, health_check_interval=30)
+        self.key_cache: dict[str, tuple[float, ApiKeyInfo]] = {}
+        """Verified API keys of submits (api.auth.authenticate_submit): SHA-256 -> (valid until, record)."""
 
     def _publish(self, steps: Sequence[Step], ids: Sequence[str]) -> None:
         publish_steps(self.celery, steps, ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ from omni_jobs.artifacts import ArtifactStore
 from omni_jobs.auth import DEFAULT_TENANT
 from omni_jobs.errors import FieldError, IdempotencyConflict, InvalidRequest
 from omni_jobs.input_files import InputFiles, PreparedImage, parse_image_value
+from omni_jobs.jobs.change import Guard
 from omni_jobs.jobs.ledger import JobLedger, QueueLimit, Quota, Submitted
 from omni_jobs.jobs.models import Job, JobWebhook, Priority, StageRecord, new_job_id
 from omni_jobs.jobs.store import JobStore
@@ -265,11 +267,13 @@ class JobSubmitter:
     async def asubmit_idempotent(self, pipeline: str, input_: Any, params: Any = None, *,
                                  cancel_after_s: float | None = None, idempotency_key: str | None = None,
                                  webhook: Any = None, webhook_events_filter: Any = None, tenant: str = DEFAULT_TENANT,
-                                 priority: Any = None, api_key_id: str | None = None) -> Submitted:
+                                 priority: Any = None, api_key_id: str | None = None,
+                                 requires: Sequence[Guard] = ()) -> Submitted:
         """``submit_idempotent`` for an event loop (the API): the same checks and the same one write,
         through the store's async client. A job without file inputs costs one Redis round trip (two
         with an Idempotency-Key) and no thread; file inputs are read and stored in a thread. The
-        answer also carries the job's queue position, read in the same round trip."""
+        answer also carries the job's queue position, read in the same round trip. ``requires``:
+        guards the write must find true (JobLedger.asubmit)."""
         new = self._accept(pipeline, input_, params, cancel_after_s=cancel_after_s, idempotency_key=idempotency_key,
                            webhook=webhook, webhook_events_filter=webhook_events_filter, tenant=tenant,
                            priority=priority)
@@ -288,7 +292,8 @@ class JobSubmitter:
             new.job.input = {**new.job.input, **stored}
         return await self.ledger.asubmit(new.job, new.entry_stages, idempotency=new.claim,
                                          idempotency_ttl_s=self.idempotency_ttl_s,
-                                         quota=self._quota(tenant, api_key_id), queue_limits=self._queue_limits(new.spec))
+                                         quota=self._quota(tenant, api_key_id), queue_limits=self._queue_limits(new.spec),
+                                         requires=requires)
 
     def _accept(self, pipeline: str, input_: Any, params: Any, *, cancel_after_s: float | None,
                 idempotency_key: str | None, webhook: Any, webhook_events_filter: Any, tenant: str,

@@ -8,17 +8,18 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Query, Request, Response, status
 
 from api import uploads
-from api.auth import Tenant, api_key_id, authenticate
+from api.auth import SubmitTenant, Tenant, api_key_id, key_guards, key_refused, recheck
 from api.deps import ApiContext, context
 from api.prefer import prefer_wait
 from api.schemas import JobList, JobRequest
 from omni_jobs.artifacts import ArtifactNotFound
 from omni_jobs.cancellation import cancel_job
 from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound
+from omni_jobs.jobs.ledger import RequirementFailed
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.view import present_job
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authenticate)])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])  # every route takes the caller's tenant: authenticated
 Ctx = Annotated[ApiContext, Depends(context)]
 
 
@@ -52,7 +53,7 @@ async def create_job(
     ctx: Ctx,
     request: Request,
     response: Response,
-    tenant: Tenant,
+    tenant: SubmitTenant,
     idempotency_key: Annotated[
         str | None,
         Header(max_length=255, description="Same key + same body returns the same job; a different body: 409."),
@@ -65,11 +66,17 @@ async def create_job(
     cancel_after_s = parse_cancel_after(cancel_after) if cancel_after is not None else None
     # On the event loop, no thread: validation is pure, and the job, its dispatch, the quota and
     # queue checks and the queue position read are one Redis round trip (asubmit_idempotent).
-    submitted = await ctx.submitter.asubmit_idempotent(
-        body.pipeline, body.input, body.params, cancel_after_s=cancel_after_s, idempotency_key=idempotency_key,
-        webhook=body.webhook, webhook_events_filter=body.webhook_events_filter, tenant=tenant,
-        priority=body.priority, api_key_id=api_key_id(request),
-    )
+    # The API key was checked from a cache (api.auth.authenticate_submit); the write checks it again.
+    try:
+        submitted = await ctx.submitter.asubmit_idempotent(
+            body.pipeline, body.input, body.params, cancel_after_s=cancel_after_s, idempotency_key=idempotency_key,
+            webhook=body.webhook, webhook_events_filter=body.webhook_events_filter, tenant=tenant,
+            priority=body.priority, api_key_id=api_key_id(request), requires=key_guards(request),
+        )
+    except RequirementFailed:
+        raise key_refused() from None
+    if not submitted.created:  # a replay wrote nothing, so nothing checked the key: check it now
+        await recheck(request)
     job, position = submitted.job, submitted.queue_position
     response.headers["Location"] = f"/v1/jobs/{job.id}"
     if not submitted.created:
@@ -95,7 +102,7 @@ async def create_job_multipart(
     ctx: Ctx,
     request: Request,
     response: Response,
-    tenant: Tenant,
+    tenant: SubmitTenant,
     idempotency_key: Annotated[str | None, Header(max_length=255)] = None,
     cancel_after: Annotated[str | None, Header(max_length=32)] = None,
 ) -> dict[str, Any]:

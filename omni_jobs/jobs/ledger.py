@@ -29,7 +29,7 @@ from omni_jobs import keys
 from omni_jobs.artifacts.refs import ArtifactRef
 from omni_jobs.errors import IdempotencyConflict, JobAlreadyFinished, JobNotFound, Overloaded, QuotaExceeded
 from omni_jobs.jobs import codec, state
-from omni_jobs.jobs.change import Cap, Change, Conflict
+from omni_jobs.jobs.change import Cap, Change, Conflict, Guard
 from omni_jobs.jobs.models import (
     WEBHOOK_EVENT_OF,
     EventType,
@@ -125,6 +125,15 @@ class QueueLimit:
     queue: str
     max_waiting: int
     retry_after_s: int
+
+
+class RequirementFailed(Exception):
+    """A submit's ``requires`` guard did not hold (e.g. its API key was revoked): nothing was written."""
+
+    def __init__(self, guard: Guard, found: str | None) -> None:
+        super().__init__(f"{guard.key} {guard.field}: found {found!r}")
+        self.guard = guard
+        self.found = found
 
 
 @dataclass(frozen=True)
@@ -381,10 +390,13 @@ class JobLedger:
 
     async def asubmit(self, job: Job, entry_stages: list[str], *, idempotency: tuple[str, str] | None = None,
                       idempotency_ttl_s: int = 24 * 3600, quota: Quota | None = None,
-                      queue_limits: Sequence[QueueLimit] = ()) -> Submitted:
+                      queue_limits: Sequence[QueueLimit] = (), requires: Sequence[Guard] = ()) -> Submitted:
         """``submit`` on an event loop (the API): the same decision and the same one write, committed
-        with the store's async client in one round trip that also reads the job's queue position."""
+        with the store's async client in one round trip that also reads the job's queue position.
+        ``requires``: fields that must hold for the write to apply (the API's: the submitting key is
+        not revoked); RequirementFailed when one does not, and nothing is written."""
         plan = self._plan_submit(job, entry_stages, idempotency, idempotency_ttl_s, quota, queue_limits)
+        plan.change.guards[:0] = requires
         conflict, position = await self.store.acommit_placed(plan.change, plan.job)
         if conflict is None:
             self._committed(plan.job, plan.change)
@@ -393,11 +405,13 @@ class JobLedger:
             since = conflict.cap.since
             oldest = await self.store.aoldest(conflict.cap.key, since=since) if since is not None else None
             raise self._submit_refused(plan, conflict.cap, conflict.found, oldest)
+        if conflict.guard is not None and conflict.guard in requires:
+            raise RequirementFailed(conflict.guard, conflict.found)
         claim = self._replay_claim(plan, conflict)
         earlier = await self.store.aidempotency(job.tenant, claim[0])
         if earlier is None:
-            return await self.asubmit(job, entry_stages, idempotency=idempotency,
-                                      idempotency_ttl_s=idempotency_ttl_s, quota=quota, queue_limits=queue_limits)
+            return await self.asubmit(job, entry_stages, idempotency=idempotency, idempotency_ttl_s=idempotency_ttl_s,
+                                      quota=quota, queue_limits=queue_limits, requires=requires)
         existing = await self.store.aget(self._replayed(claim, earlier))
         if existing is None:
             raise IdempotencyConflict(claim[0], earlier.job_id)

@@ -127,3 +127,17 @@ def test_asubmit_loads_the_commit_script_again_after_a_redis_restart(redis_clien
 
     assert asyncio.run(twice()) == (True, True)
     assert store.queue_counts("ar") == (2, 0)
+
+
+def test_asubmit_writes_nothing_when_a_required_field_does_not_hold(ledger: JobLedger, store: JobStore) -> None:
+    from omni_jobs.jobs.change import Guard
+    from omni_jobs.jobs.ledger import RequirementFailed
+
+    record = f"{keys.PREFIX}:test:key"
+    store.commit(Change().hset(record, {"revoked": "0"}))
+    requires = [Guard(record, "revoked", ("0", None))]
+    assert run(store, lambda: ledger.asubmit(two_stage_job(), ["ar"], requires=requires)).created
+    store.commit(Change().hset(record, {"revoked": "1"}))
+    with pytest.raises(RequirementFailed):
+        run(store, lambda: ledger.asubmit(two_stage_job(), ["ar"], requires=requires, idempotency=("k", "fp")))
+    assert len(ledger.page(limit=10).jobs) == 1 and store.idempotency("t1", "k") is None
