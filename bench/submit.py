@@ -22,7 +22,9 @@ Rows (each with a fresh redis-server that both arms write to):
   bench/durability.py and README "Reliability"), no workers.
 
 Prints jobs/s (median of the repetitions), p50/p99 latency (median of the repetitions' wrk
-percentiles) and system/bare. Needs ``wrk`` (apt-get install wrk).
+percentiles), the server process's CPU time per request (median), and the ratios to bare. On a
+shared machine jobs/s swings with the neighbours' load; CPU per request barely does: compare that
+first. Needs ``wrk`` (apt-get install wrk).
 """
 
 from __future__ import annotations
@@ -72,10 +74,20 @@ class Arm:
     rates: list[float] = field(default_factory=list)
     p50_ms: list[float] = field(default_factory=list)
     p99_ms: list[float] = field(default_factory=list)
+    cpu_ms: list[float] = field(default_factory=list)
+    """CPU time of the server process per request (user + system): what a request costs, which a
+    busy shared machine changes far less than it changes jobs/s."""
     errors: int = 0
 
-    def row(self) -> tuple[float, float, float]:
-        return statistics.median(self.rates), statistics.median(self.p50_ms), statistics.median(self.p99_ms)
+    def row(self) -> tuple[float, float, float, float]:
+        return (statistics.median(self.rates), statistics.median(self.p50_ms), statistics.median(self.p99_ms),
+                statistics.median(self.cpu_ms))
+
+
+def cpu_s(pid: int | None) -> float:
+    """User + system CPU seconds of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _ms(text: str) -> float:
@@ -83,8 +95,9 @@ def _ms(text: str) -> float:
     return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60000.0}[unit]
 
 
-def wrk(url: str, script: Path, *, connections: int, duration_s: float, threads: int = 2) -> tuple[float, float, float, int]:
-    """(requests/s, p50 ms, p99 ms, non-2xx answers + socket errors) of one wrk run."""
+def wrk(url: str, script: Path, *, connections: int, duration_s: float,
+        threads: int = 2) -> tuple[float, float, float, int, int]:
+    """(requests/s, p50 ms, p99 ms, non-2xx answers + socket errors, requests) of one wrk run."""
     out = subprocess.run(["wrk", "-t", str(threads), "-c", str(connections), "-d", f"{duration_s:g}s",
                           "--timeout", "10s", "--latency", "-s", str(script), url],
                          check=True, capture_output=True, text=True).stdout
@@ -92,7 +105,8 @@ def wrk(url: str, script: Path, *, connections: int, duration_s: float, threads:
     pct = dict(re.findall(r"^\s+(\d+)%\s+([\d.]+\w+)\s*$", out, re.MULTILINE))
     errors = sum(int(n) for n in re.findall(r"Non-2xx or 3xx responses: (\d+)", out))
     errors += sum(int(n) for n in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
-    return rate, _ms(pct["50"]), _ms(pct["99"]), errors
+    requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    return rate, _ms(pct["50"]), _ms(pct["99"]), errors, requests
 
 
 def _ready(port: int) -> bool:
@@ -140,10 +154,11 @@ def measure_row(row: str, args: argparse.Namespace, home: Path) -> dict[str, Arm
         bare = start_uvicorn("bare", "bench.bare_submit_app:app", {"BARE_REDIS_URL": server.url}, home)
         stack.callback(bare.stop)
         urls = {"bare": bare.url, "system": system.url}
+        pids = {"bare": bare.pid, "system": system.pid}
         for name, source in args.compare.items():
             other = start_uvicorn(name, "api.main:app", env, home, source=source)
             stack.callback(other.stop)
-            urls[name] = other.url
+            urls[name], pids[name] = other.url, other.pid
         scripts = {name: home / f"{name}.lua" for name in urls}
         for name, script in scripts.items():
             auth = "" if name == "bare" else f'wrk.headers["Authorization"] = "Bearer {key}"'
@@ -160,15 +175,18 @@ def measure_row(row: str, args: argparse.Namespace, home: Path) -> dict[str, Arm
             wrk(url, scripts[name], connections=args.connections, duration_s=args.warmup)
         for _rep in range(args.reps):
             for name, url in urls.items():
-                rate, p50, p99, errors = wrk(url, scripts[name], connections=args.connections,
-                                             duration_s=args.duration)
+                cpu_before = cpu_s(pids[name])
+                rate, p50, p99, errors, requests = wrk(url, scripts[name], connections=args.connections,
+                                                       duration_s=args.duration)
+                cpu_ms = 1000 * (cpu_s(pids[name]) - cpu_before) / max(1, requests)
                 arm = arms[name]
                 arm.rates.append(rate)
                 arm.p50_ms.append(p50)
                 arm.p99_ms.append(p99)
+                arm.cpu_ms.append(cpu_ms)
                 arm.errors += errors
-                print(f"  {row} {name}: {rate:,.0f} jobs/s, p50 {p50:.1f} ms, p99 {p99:.1f} ms"
-                      + (f", {errors} errors" if errors else ""), flush=True)
+                print(f"  {row} {name}: {rate:,.0f} jobs/s, p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
+                      f"{cpu_ms:.2f} CPU ms/request" + (f", {errors} errors" if errors else ""), flush=True)
     return arms
 
 
@@ -204,15 +222,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"measuring: {ROWS[row]} ...", flush=True)
             results[row] = measure_row(row, args, Path(tmp) / row)
     print(f"\nPOST /v1/jobs, {args.connections} connections, {args.reps} x {args.duration:g} s per arm, medians\n")
-    print("| row | arm | jobs/s | p50 ms | p99 ms | system / bare |")
-    print("|---|---|---|---|---|---|")
+    print("| row | arm | jobs/s | p50 ms | p99 ms | server CPU ms/job | jobs/s vs bare | CPU/job vs bare |")
+    print("|---|---|---|---|---|---|---|---|")
     for row, arms in results.items():
-        bare_rate = arms["bare"].row()[0]
+        bare_rate, _, _, bare_cpu = arms["bare"].row()
         for name, arm in arms.items():
-            rate, p50, p99 = arm.row()
-            ratio = f"{rate / bare_rate:.2f}" if name != "bare" else ""
+            rate, p50, p99, cpu = arm.row()
+            ratios = f"{rate / bare_rate:.2f} | {cpu / bare_cpu:.1f}x" if name != "bare" else " | "
             errs = f" ({arm.errors} errors)" if arm.errors else ""
-            print(f"| {ROWS[row]} | {name}{errs} | {rate:,.0f} | {p50:.1f} | {p99:.1f} | {ratio} |")
+            print(f"| {ROWS[row]} | {name}{errs} | {rate:,.0f} | {p50:.1f} | {p99:.1f} | {cpu:.2f} | {ratios} |")
     if args.json:
         args.json.write_text(json.dumps({row: {name: vars(arm) for name, arm in arms.items()}
                                          for row, arms in results.items()}, indent=2))
