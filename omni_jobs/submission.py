@@ -137,19 +137,20 @@ class Admission:
     retry_after_s: int
 
     def limits(self, spec: PipelineSpec) -> list[QueueLimit]:
-        return [QueueLimit(queue, self.max_queued, self.retry_after_s) for queue in _entry_queues(spec)]
+        return [QueueLimit(queue, self.max_queued, self.retry_after_s) for queue in _entries(spec)[1]]
 
 
-_ENTRY_QUEUES: dict[int, tuple[PipelineSpec, tuple[str, ...]]] = {}
+_ENTRIES: dict[int, tuple[PipelineSpec, list[str], tuple[str, ...]]] = {}
 
 
-def _entry_queues(spec: PipelineSpec) -> tuple[str, ...]:
-    """The queues a pipeline's jobs start on (asked on every submit; a loaded spec does not change,
-    and it is kept here with its answer so that its id is not reused)."""
-    found = _ENTRY_QUEUES.get(id(spec))
+def _entries(spec: PipelineSpec) -> tuple[list[str], tuple[str, ...]]:
+    """The stages a pipeline's jobs start with, and their queues (asked on every submit; a loaded spec
+    does not change, and it is kept here with its answer so that its id is not reused)."""
+    found = _ENTRIES.get(id(spec))
     if found is None or found[0] is not spec:
-        found = _ENTRY_QUEUES[id(spec)] = (spec, tuple(sorted({s.queue_name for s in spec.entry_stages()})))
-    return found[1]
+        entry = spec.entry_stages()
+        found = _ENTRIES[id(spec)] = (spec, [s.id for s in entry], tuple(sorted({s.queue_name for s in entry})))
+    return found[1], found[2]
 
 
 def request_fingerprint(pipeline: str, input_: Any, params: Any, webhook: Any = None,
@@ -331,7 +332,7 @@ class JobSubmitter:
         if idempotency_key is not None:
             claim = (idempotency_key, request_fingerprint(pipeline, input_, params, webhook, webhook_events_filter,
                                                           chosen_priority.value))
-        return _NewJob(spec, job, [s.id for s in spec.entry_stages()], claim)
+        return _NewJob(spec, job, list(_entries(spec)[0]), claim)
 
     def _quota(self, tenant: str, api_key_id: str | None) -> Quota | None:
         """The submit's limits (cached by Quotas: a Redis read at most every few seconds per tenant or key)."""

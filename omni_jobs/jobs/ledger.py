@@ -233,7 +233,8 @@ class JobLedger:
         change = Change()
         after = decision.after or before
         job_key = keys.job(before.id)
-        old, new = codec.encode(before), codec.encode(after)
+        new = codec.encode(after)
+        old = codec.encode(before) if not new_job else {}  # a new job has no stored fields to compare
         if new_job:
             change.expect(job_key, "id", None).hset(job_key, new).expire(job_key, self.store.ttl_s)
             change.zadd(keys.JOBS_INDEX, after.id, after.created_at)
