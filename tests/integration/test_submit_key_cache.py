@@ -49,3 +49,18 @@ def test_a_wrong_secret_for_a_cached_key_id_is_refused(app_client: TestClient, r
     assert app_client.post("/v1/jobs", json=BODY, headers={"authorization": f"Bearer {key}"}).status_code == 202
     forged = key[:-1] + ("A" if key[-1] != "A" else "B")
     assert app_client.post("/v1/jobs", json=BODY, headers={"authorization": f"Bearer {forged}"}).status_code == 401
+
+
+def test_the_submit_headers_keep_their_limits_and_meaning(app_client: TestClient, redis_client: redis.Redis) -> None:
+    key, _ = ApiKeys(redis_client).create("acme")
+    auth = {"authorization": f"Bearer {key}"}
+    too_long = app_client.post("/v1/jobs", json=BODY, headers={**auth, "idempotency-key": "k" * 256})
+    assert too_long.status_code == 422
+    assert too_long.json()["detail"][0]["loc"] == ["header", "idempotency-key"]
+    assert app_client.post("/v1/jobs", json=BODY, headers={**auth, "cancel-after": "1" * 33}).status_code == 422
+    bad = app_client.post("/v1/jobs", json=BODY, headers={**auth, "cancel-after": "soon"})
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["header", "Cancel-After"]
+    timed = app_client.post("/v1/jobs", json=BODY, headers={**auth, "cancel-after": "5m", "idempotency-key": "k" * 255})
+    assert timed.status_code == 202 and timed.json()["deadline_at"] is not None
+    again = app_client.post("/v1/jobs", json=BODY, headers={**auth, "cancel-after": "5m", "idempotency-key": "k" * 255})
+    assert again.headers["idempotent-replayed"] == "true" and again.json()["id"] == timed.json()["id"]
