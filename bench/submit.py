@@ -170,7 +170,7 @@ def measure_row(row: str, args: argparse.Namespace, home: Path) -> dict[str, Arm
                     r.raise_for_status()
             for queue, pool, conc in (("ar", "threads", 16), ("results", "solo", 1)):
                 stack.callback(start_worker(queue, pool, conc, env, home).stop)
-            _wait_running(server.url, timeout_s=120)
+            _wait_running(server.url, timeout_s=300)
         for name, url in urls.items():  # warm up: connections, scripts, imports
             wrk(url, scripts[name], connections=args.connections, duration_s=args.warmup)
         for _rep in range(args.reps):
