@@ -140,17 +140,19 @@ class Admission:
         return [QueueLimit(queue, self.max_queued, self.retry_after_s) for queue in _entries(spec)[1]]
 
 
-_ENTRIES: dict[int, tuple[PipelineSpec, list[str], tuple[str, ...]]] = {}
+_ENTRIES: dict[int, tuple[PipelineSpec, list[str], tuple[str, ...], frozenset[str]]] = {}
 
 
-def _entries(spec: PipelineSpec) -> tuple[list[str], tuple[str, ...]]:
-    """The stages a pipeline's jobs start with, and their queues (asked on every submit; a loaded spec
-    does not change, and it is kept here with its answer so that its id is not reused)."""
+def _entries(spec: PipelineSpec) -> tuple[list[str], tuple[str, ...], frozenset[str]]:
+    """The stages a pipeline's jobs start with, their queues, and its file inputs (asked on every
+    submit; a loaded spec does not change, and it is kept here with its answer so that its id is not
+    reused)."""
     found = _ENTRIES.get(id(spec))
     if found is None or found[0] is not spec:
         entry = spec.entry_stages()
-        found = _ENTRIES[id(spec)] = (spec, [s.id for s in entry], tuple(sorted({s.queue_name for s in entry})))
-    return found[1], found[2]
+        found = _ENTRIES[id(spec)] = (spec, [s.id for s in entry], tuple(sorted({s.queue_name for s in entry})),
+                                      frozenset(spec.file_inputs()))
+    return found[1], found[2], found[3]
 
 
 def request_fingerprint(pipeline: str, input_: Any, params: Any, webhook: Any = None,
@@ -343,7 +345,8 @@ class JobSubmitter:
 
     @staticmethod
     def _has_files(spec: PipelineSpec, input_: dict[str, Any]) -> bool:
-        return any(name in input_ for name in spec.file_inputs())
+        files = _entries(spec)[2]
+        return bool(files) and any(name in input_ for name in files)
 
     def _prepare_files(self, spec: PipelineSpec, input_: dict[str, Any], tenant: str) -> dict[str, PreparedImage]:
         """Image inputs resolved and normalized before anything is claimed or stored."""

@@ -8,6 +8,7 @@ decisions (which transition is legal, what it dispatches) are made once, in the 
 from __future__ import annotations
 
 import asyncio
+import json
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -189,6 +190,16 @@ end
 return {1}
 """
 
+_COMMIT_PLACED = _COMMIT.replace("\nreturn {1}\n", """
+-- then the queue position of the job just written (ARGV[2]: released key, slot, ready key, entry,
+-- tenants key; or an empty list when none of its stages waits): see estimate_position
+local p = cjson.decode(ARGV[2])
+if #p == 0 then return {1} end
+return {1, redis.call('ZRANK', p[1], p[2]), redis.call('ZCARD', p[1]), redis.call('ZRANK', p[3], p[4]),
+        redis.call('ZCARD', p[5])}
+""")
+"""The commit script, answering the queue position of the job it wrote as well (a submit's answer)."""
+
 _CLAIM = """
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]) * 4)
 local out = {}
@@ -357,50 +368,44 @@ class RedisJobStore:
         found = self._async.get(loop)
         if found is None:
             client = self._make_async()
-            found = self._async[loop] = (client, client.register_script(_COMMIT))
+            found = self._async[loop] = (client, client.register_script(_COMMIT_PLACED))
         return found
 
     async def acommit(self, change: Change) -> Conflict | None:
         """``commit`` on the event loop: the same script and the same answer, in one round trip."""
-        if change.durable and self.wait_replicas > 0:
-            return (await self.acommit_placed(change, None))[0]
-        _client, script = self._aclient()
-        return self._conflict(change, await script(args=[change.wire()]))
+        return (await self.acommit_placed(change, None))[0]
 
     async def acommit_placed(self, change: Change, job: Job | None) -> tuple[Conflict | None, int | None]:
-        """The script (EVALSHA), WAIT when the change must reach replicas, and the position reads,
-        pipelined: one round trip. The reads see the change applied (they run after it on the same
-        connection). The script is not registered with the pipeline, which would cost a SCRIPT
-        EXISTS round trip per call: a server that lacks it (restarted) answers NOSCRIPT, nothing ran,
-        and the whole pipeline goes again after loading it."""
+        """One EVALSHA of the commit script that also reads the job's queue position after the write
+        (pipelined with WAIT when the change must reach replicas): one round trip, one command. The
+        script is not registered with a pipeline, which would cost a SCRIPT EXISTS round trip per
+        call: a server that lacks it (restarted) answers NOSCRIPT, nothing ran, and the call goes
+        again after loading it."""
         client, script = self._aclient()
         record = waiting_stage(job) if job is not None else None
+        place = json.dumps(position_keys(job, record) if job is not None and record is not None else [])
         wait = change.durable and self.wait_replicas > 0
         wire = change.wire()
-        replies: list[Any] = []
         for attempt in range(2):
             try:
-                async with client.pipeline(transaction=False) as pipe:
-                    pipe.evalsha(script.sha, 0, wire)
-                    if wait:
+                if wait:
+                    async with client.pipeline(transaction=False) as pipe:
+                        pipe.evalsha(script.sha, 0, wire, place)
                         pipe.wait(self.wait_replicas, self.wait_timeout_ms)
-                    if job is not None and record is not None:
-                        for command, args in position_reads(job, record):
-                            getattr(pipe, command)(*args)
-                    replies = await pipe.execute()
+                        reply, acked = await pipe.execute()
+                    if int(reply[0]) == 1 and int(acked) < self.wait_replicas:
+                        raise NotDurable(int(acked), self.wait_replicas, self.wait_timeout_ms)
+                else:
+                    reply = await client.evalsha(script.sha, 0, wire, place)  # type: ignore[misc]
                 break
             except NoScriptError:
                 if attempt:
                     raise
-                await client.script_load(_COMMIT)
-        reply = replies[0]
-        if wait and int(reply[0]) == 1 and int(replies[1]) < self.wait_replicas:
-            raise NotDurable(int(replies[1]), self.wait_replicas, self.wait_timeout_ms)
+                await client.script_load(_COMMIT_PLACED)
         conflict = self._conflict(change, reply)
-        reads = replies[2 if wait else 1:]
-        if conflict is not None or len(reads) != 4:
+        if conflict is not None or len(reply) != 5:
             return conflict, None
-        released_rank, released, ready_rank, tenants = reads
+        _ok, released_rank, released, ready_rank, tenants = reply
         return None, estimate_position(released_rank, int(released), ready_rank, int(tenants))
 
     async def aget(self, job_id: str) -> Job | None:
@@ -567,6 +572,13 @@ def waiting_stage(job: Job) -> StageRecord | None:
     if job.status.is_final or not waiting:
         return None
     return min(waiting, key=lambda r: r.queued_at or 0.0)
+
+
+def position_keys(job: Job, record: StageRecord) -> list[str]:
+    """What the commit script reads a just-written job's queue position from (as position_reads)."""
+    slot = stage_slot(job.id, record.id)
+    return [keys.queue_released(record.queue), slot, keys.queue_ready(record.queue, job.tenant),
+            f"{slot}:{record.attempts + 1}", keys.queue_tenants(record.queue)]
 
 
 def position_reads(job: Job, record: StageRecord) -> list[tuple[str, tuple[Any, ...]]]:
