@@ -34,6 +34,8 @@ class ApiContext:
         self.watcher = JobWatcher.from_url(runtime.settings.redis_url)  # SSE and Prefer: wait
         # Reads on the event loop (API keys); made here, in the lifespan: it belongs to the app's loop.
         self.aredis = aioredis.Redis.from_url(runtime.settings.redis_url, health_check_interval=30)
+        url = runtime.settings.redis_url  # the submit path's client: the same URL as the sync one (TLS too)
+        runtime.store.use_async_client(lambda: aioredis.Redis.from_url(url, health_check_interval=30))
         self.key_cache: dict[str, tuple[float, ApiKeyInfo]] = {}
         """Verified API keys of submits (api.auth.authenticate_submit): SHA-256 -> (valid until, record)."""
 

@@ -362,6 +362,11 @@ class RedisJobStore:
         return Conflict(guard, _text(reply[2]) if len(reply) > 2 else None)
 
     # --- async (the API's event loop) ---
+    def use_async_client(self, make: Callable[[], aioredis.Redis]) -> None:
+        """How the ``a*`` methods make their client (once per event loop), e.g. from the same URL as
+        the sync client, TLS and all: ``lambda: redis.asyncio.Redis.from_url(url)``."""
+        self._make_async = make
+
     def _aclient(self) -> tuple[aioredis.Redis, Any]:
         """This event loop's client and its commit script (EVALSHA, loaded once per server)."""
         loop = asyncio.get_running_loop()
@@ -590,7 +595,8 @@ def position_reads(job: Job, record: StageRecord) -> list[tuple[str, tuple[Any, 
 
 
 def same_server_async(client: redis.Redis) -> aioredis.Redis:
-    """A redis.asyncio client for the server (address, database, credentials) that ``client`` uses."""
+    """A redis.asyncio client for the server (address, database, credentials) that ``client`` uses
+    (plain TCP or a Unix socket; a TLS deployment passes its URL with ``use_async_client``)."""
     kwargs = client.connection_pool.connection_kwargs
     wanted = ("host", "port", "db", "username", "password", "path", "socket_timeout", "socket_connect_timeout")
     if "path" in kwargs:
