@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from omni_jobs.artifacts import ArtifactStore
 from omni_jobs.auth import DEFAULT_TENANT
-from omni_jobs.errors import FieldError, IdempotencyConflict, InvalidRequest
+from omni_jobs.errors import FieldError, IdempotencyConflict, InvalidRequest, Overloaded
 from omni_jobs.input_files import InputFiles, PreparedImage, parse_image_value
 from omni_jobs.jobs.change import Guard
 from omni_jobs.jobs.ledger import JobLedger, QueueLimit, Quota, Submitted
@@ -129,7 +129,8 @@ class Admission:
     It counts the steps waiting on the queue in the job store's own index, which includes what is
     accepted but not yet published: so it holds while the broker is away. The count is taken in the
     submit's own atomic write (a cap of the Change, QueueLimit), so a burst cannot slip past it and
-    it costs no read of its own. ``store`` is the store those writes go to.
+    it costs no read of its own. ``store`` is the store those writes go to; ``check`` reads it
+    beforehand, for a submit that would otherwise store its input files for nothing.
     """
 
     store: JobStore
@@ -138,6 +139,13 @@ class Admission:
 
     def limits(self, spec: PipelineSpec) -> list[QueueLimit]:
         return [QueueLimit(queue, self.max_queued, self.retry_after_s) for queue in _entries(spec)[1]]
+
+    def check(self, spec: PipelineSpec) -> None:
+        """Overloaded now, if an entry queue is full (the write checks again, atomically)."""
+        for queue in _entries(spec)[1]:
+            waiting, _running = self.store.queue_counts(queue)
+            if waiting >= self.max_queued:
+                raise Overloaded(queue, waiting, self.max_queued, self.retry_after_s)
 
 
 _ENTRIES: dict[int, tuple[PipelineSpec, list[str], tuple[str, ...], frozenset[str]]] = {}
@@ -262,6 +270,8 @@ class JobSubmitter:
                 if existing is not None:
                     return existing, False
         if files and self.input_files is not None:
+            if self.admission is not None:  # before storing files that a full queue would leave unused
+                self.admission.check(new.spec)
             new.job.input = {**new.job.input, **self.input_files.store(new.job.id, files)}
         return self.ledger.submit(new.job, new.entry_stages, idempotency=new.claim,
                                   idempotency_ttl_s=self.idempotency_ttl_s, quota=self._quota(tenant, api_key_id),
@@ -291,6 +301,8 @@ class JobSubmitter:
                 if existing is not None:
                     return await self.ledger.replayed(existing)
         if files and self.input_files is not None:
+            if self.admission is not None:  # before storing files that a full queue would leave unused
+                await asyncio.to_thread(self.admission.check, new.spec)
             stored = await asyncio.to_thread(self.input_files.store, new.job.id, files)
             new.job.input = {**new.job.input, **stored}
         return await self.ledger.asubmit(new.job, new.entry_stages, idempotency=new.claim,
