@@ -5,11 +5,11 @@ from __future__ import annotations
 import gc
 from collections.abc import Sequence
 
-import redis.asyncio as aioredis
 from celery import Celery
 from fastapi import Request
 
 from omni_jobs.auth import ApiKeyInfo
+from omni_jobs.jobs.store import async_client_from_url
 from omni_jobs.jobs.watch import JobWatcher
 from omni_jobs.outbox import OutboxRelay
 from omni_jobs.queueing import celery_config, publish_steps
@@ -33,9 +33,9 @@ class ApiContext:
         self.relay: OutboxRelay = runtime.relay(self._publish)
         self.watcher = JobWatcher.from_url(runtime.settings.redis_url)  # SSE and Prefer: wait
         # Reads on the event loop (API keys); made here, in the lifespan: it belongs to the app's loop.
-        self.aredis = aioredis.Redis.from_url(runtime.settings.redis_url, health_check_interval=30)
+        self.aredis = async_client_from_url(runtime.settings.redis_url)
         url = runtime.settings.redis_url  # the submit path's client: the same URL as the sync one (TLS too)
-        runtime.store.use_async_client(lambda: aioredis.Redis.from_url(url, health_check_interval=30))
+        runtime.store.use_async_client(lambda: async_client_from_url(url))
         self.key_cache: dict[str, tuple[float, ApiKeyInfo]] = {}
         """Verified API keys of submits (api.auth.authenticate_submit): SHA-256 -> (valid until, record)."""
 

@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 import redis
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import NoScriptError
 
 from omni_jobs import keys
@@ -594,15 +596,32 @@ def position_reads(job: Job, record: StageRecord) -> list[tuple[str, tuple[Any, 
             ("zrank", (keys.queue_ready(record.queue, job.tenant), entry)), ("zcard", (keys.queue_tenants(record.queue),))]
 
 
+def async_retry_options() -> dict[str, Any]:
+    """Retry a command on a dropped connection, as redis-py's sync client does by default.
+
+    redis.asyncio does not: after Redis restarts, each pooled connection fails its next command with
+    "Connection closed by server" once, so the API answered 503 to requests that a reconnect would
+    have served. A retried write is safe here: every commit is guarded (a submit expects the job to
+    be absent, a transition expects the fields it read), so one that did apply the first time
+    conflicts instead of applying twice."""
+    return {"retry": AsyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3),
+            "retry_on_error": [redis.ConnectionError, redis.TimeoutError]}
+
+
+def async_client_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
+    """A redis.asyncio client for ``url`` that reconnects and retries like the sync one."""
+    return aioredis.Redis.from_url(url, **{"health_check_interval": 30, **async_retry_options(), **kwargs})
+
+
 def same_server_async(client: redis.Redis) -> aioredis.Redis:
     """A redis.asyncio client for the server (address, database, credentials) that ``client`` uses
     (plain TCP or a Unix socket; a TLS deployment passes its URL with ``use_async_client``)."""
     kwargs = client.connection_pool.connection_kwargs
     wanted = ("host", "port", "db", "username", "password", "path", "socket_timeout", "socket_connect_timeout")
     if "path" in kwargs:
-        return aioredis.Redis(unix_socket_path=kwargs["path"],
+        return aioredis.Redis(unix_socket_path=kwargs["path"], **async_retry_options(),
                               **{k: kwargs[k] for k in wanted if k in kwargs and k not in ("path", "host", "port")})
-    return aioredis.Redis(**{k: kwargs[k] for k in wanted if k in kwargs})
+    return aioredis.Redis(**async_retry_options(), **{k: kwargs[k] for k in wanted if k in kwargs})
 
 
 def estimate_position(released_rank: int | None, released: int, ready_rank: int | None, tenants: int) -> int | None:
