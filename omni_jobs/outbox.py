@@ -60,9 +60,14 @@ class OutboxRelay:
         return len(entries)
 
     def wake(self) -> None:
-        """A commit of this process wrote outbox entries: publish them now (starts the relay if needed)."""
-        self.start()
-        self._wake.set()
+        """A commit of this process wrote outbox entries: publish them now (starts the relay if needed).
+        Called after every such commit (each submit): while the relay runs and is already woken, it
+        costs two attribute reads."""
+        thread = self._thread
+        if thread is None or self._pid != os.getpid() or not thread.is_alive():
+            self.start()
+        if not self._wake.is_set():
+            self._wake.set()
 
     def start(self) -> OutboxRelay:
         """Run in a daemon thread of this process (again after a fork: threads do not survive one)."""

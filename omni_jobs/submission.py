@@ -8,8 +8,10 @@ its first stages (outbox): all of them, or none. A relay publishes the dispatche
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +21,8 @@ from omni_jobs.artifacts import ArtifactStore
 from omni_jobs.auth import DEFAULT_TENANT
 from omni_jobs.errors import FieldError, IdempotencyConflict, InvalidRequest, Overloaded
 from omni_jobs.input_files import InputFiles, PreparedImage, parse_image_value
-from omni_jobs.jobs.ledger import JobLedger
+from omni_jobs.jobs.change import Guard
+from omni_jobs.jobs.ledger import JobLedger, QueueLimit, Quota, Submitted
 from omni_jobs.jobs.models import Job, JobWebhook, Priority, StageRecord, new_job_id
 from omni_jobs.jobs.store import JobStore
 from omni_jobs.limits import Limits
@@ -124,19 +127,40 @@ class Admission:
     """Refuses new jobs while the queue of their first stage is full (overload protection).
 
     It counts the steps waiting on the queue in the job store's own index, which includes what is
-    accepted but not yet published: so it holds while the broker is away, and a burst cannot slip
-    past it between a submit and its publish.
+    accepted but not yet published: so it holds while the broker is away. The count is taken in the
+    submit's own atomic write (a cap of the Change, QueueLimit), so a burst cannot slip past it and
+    it costs no read of its own. ``store`` is the store those writes go to; ``check`` reads it
+    beforehand, for a submit that would otherwise store its input files for nothing.
     """
 
     store: JobStore
     max_queued: int
     retry_after_s: int
 
+    def limits(self, spec: PipelineSpec) -> list[QueueLimit]:
+        return [QueueLimit(queue, self.max_queued, self.retry_after_s) for queue in _entries(spec)[1]]
+
     def check(self, spec: PipelineSpec) -> None:
-        for queue in sorted({s.queue_name for s in spec.entry_stages()}):
+        """Overloaded now, if an entry queue is full (the write checks again, atomically)."""
+        for queue in _entries(spec)[1]:
             waiting, _running = self.store.queue_counts(queue)
             if waiting >= self.max_queued:
                 raise Overloaded(queue, waiting, self.max_queued, self.retry_after_s)
+
+
+_ENTRIES: dict[int, tuple[PipelineSpec, list[str], tuple[str, ...], frozenset[str]]] = {}
+
+
+def _entries(spec: PipelineSpec) -> tuple[list[str], tuple[str, ...], frozenset[str]]:
+    """The stages a pipeline's jobs start with, their queues, and its file inputs (asked on every
+    submit; a loaded spec does not change, and it is kept here with its answer so that its id is not
+    reused)."""
+    found = _ENTRIES.get(id(spec))
+    if found is None or found[0] is not spec:
+        entry = spec.entry_stages()
+        found = _ENTRIES[id(spec)] = (spec, [s.id for s in entry], tuple(sorted({s.queue_name for s in entry})),
+                                      frozenset(spec.file_inputs()))
+    return found[1], found[2], found[3]
 
 
 def request_fingerprint(pipeline: str, input_: Any, params: Any, webhook: Any = None,
@@ -148,6 +172,17 @@ def request_fingerprint(pipeline: str, input_: Any, params: Any, webhook: Any = 
         fields["priority"] = priority
     body = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(body.encode()).hexdigest()
+
+
+@dataclass
+class _NewJob:
+    """A validated submission, before any I/O: its pipeline, the job to store, where it starts, and
+    its Idempotency-Key claim (key, request fingerprint)."""
+
+    spec: PipelineSpec
+    job: Job
+    entry_stages: list[str]
+    claim: tuple[str, str] | None
 
 
 class JobSubmitter:
@@ -222,6 +257,64 @@ class JobSubmitter:
         ``tenant`` owns the job; Idempotency-Keys and referenced outputs are looked up within it, and
         its quotas (or those of ``api_key_id``, the key that submits) apply.
         """
+        new = self._accept(pipeline, input_, params, cancel_after_s=cancel_after_s, idempotency_key=idempotency_key,
+                           webhook=webhook, webhook_events_filter=webhook_events_filter, tenant=tenant,
+                           priority=priority)
+        files = self._prepare_files(new.spec, new.job.input, tenant)
+        if new.claim is not None:
+            earlier = self.ledger.store.idempotency(tenant, new.claim[0])
+            if earlier is not None:  # a replay: answer it before any check that could refuse it
+                if earlier.fingerprint != new.claim[1]:
+                    raise IdempotencyConflict(new.claim[0], earlier.job_id)
+                existing = self.ledger.get(earlier.job_id)
+                if existing is not None:
+                    return existing, False
+        if files and self.input_files is not None:
+            if self.admission is not None:  # before storing files that a full queue would leave unused
+                self.admission.check(new.spec)
+            new.job.input = {**new.job.input, **self.input_files.store(new.job.id, files)}
+        return self.ledger.submit(new.job, new.entry_stages, idempotency=new.claim,
+                                  idempotency_ttl_s=self.idempotency_ttl_s, quota=self._quota(tenant, api_key_id),
+                                  queue_limits=self._queue_limits(new.spec))
+
+    async def asubmit_idempotent(self, pipeline: str, input_: Any, params: Any = None, *,
+                                 cancel_after_s: float | None = None, idempotency_key: str | None = None,
+                                 webhook: Any = None, webhook_events_filter: Any = None, tenant: str = DEFAULT_TENANT,
+                                 priority: Any = None, api_key_id: str | None = None,
+                                 requires: Sequence[Guard] = ()) -> Submitted:
+        """``submit_idempotent`` for an event loop (the API): the same checks and the same one write,
+        through the store's async client. A job without file inputs costs one Redis round trip (two
+        with an Idempotency-Key) and no thread; file inputs are read and stored in a thread. The
+        answer also carries the job's queue position, read in the same round trip. ``requires``:
+        guards the write must find true (JobLedger.asubmit)."""
+        new = self._accept(pipeline, input_, params, cancel_after_s=cancel_after_s, idempotency_key=idempotency_key,
+                           webhook=webhook, webhook_events_filter=webhook_events_filter, tenant=tenant,
+                           priority=priority)
+        files = await asyncio.to_thread(self._prepare_files, new.spec, new.job.input, tenant) \
+            if self._has_files(new.spec, new.job.input) else {}
+        if new.claim is not None:
+            earlier = await self.ledger.store.aidempotency(tenant, new.claim[0])
+            if earlier is not None:  # a replay: answer it before any check that could refuse it
+                if earlier.fingerprint != new.claim[1]:
+                    raise IdempotencyConflict(new.claim[0], earlier.job_id)
+                existing = await self.ledger.store.aget(earlier.job_id)
+                if existing is not None:
+                    return await self.ledger.replayed(existing)
+        if files and self.input_files is not None:
+            if self.admission is not None:  # before storing files that a full queue would leave unused
+                await asyncio.to_thread(self.admission.check, new.spec)
+            stored = await asyncio.to_thread(self.input_files.store, new.job.id, files)
+            new.job.input = {**new.job.input, **stored}
+        return await self.ledger.asubmit(new.job, new.entry_stages, idempotency=new.claim,
+                                         idempotency_ttl_s=self.idempotency_ttl_s,
+                                         quota=self._quota(tenant, api_key_id), queue_limits=self._queue_limits(new.spec),
+                                         requires=requires)
+
+    def _accept(self, pipeline: str, input_: Any, params: Any, *, cancel_after_s: float | None,
+                idempotency_key: str | None, webhook: Any, webhook_events_filter: Any, tenant: str,
+                priority: Any) -> _NewJob:
+        """Everything a submit decides before any I/O: every bad field at once (InvalidRequest), else
+        the job to store, its entry stages and its Idempotency-Key claim."""
         hook_errors: list[FieldError] = []
         hook: JobWebhook | None = None
         try:
@@ -240,7 +333,6 @@ class JobSubmitter:
             raise InvalidRequest([*exc.errors, *hook_errors]) from None
         if hook_errors:
             raise InvalidRequest(hook_errors)
-        files = self._prepare_files(spec, clean_input, tenant)
         if cancel_after_s is not None and not 0 < cancel_after_s <= self.max_cancel_after_s:
             raise InvalidRequest([FieldError(("header", "Cancel-After"),
                                              f"must be between 0 and {self.max_cancel_after_s:g} seconds")])
@@ -248,30 +340,29 @@ class JobSubmitter:
         job.webhook = hook
         job.tenant = tenant
         job.priority = chosen_priority
+        if cancel_after_s is not None:
+            job.deadline_at = job.created_at + cancel_after_s
         claim = None
         if idempotency_key is not None:
             claim = (idempotency_key, request_fingerprint(pipeline, input_, params, webhook, webhook_events_filter,
-                                                      chosen_priority.value))
-            earlier = self.ledger.store.idempotency(tenant, idempotency_key)
-            if earlier is not None:  # a replay: answer it before any check that could refuse it
-                if earlier.fingerprint != claim[1]:
-                    raise IdempotencyConflict(idempotency_key, earlier.job_id)
-                existing = self.ledger.get(earlier.job_id)
-                if existing is not None:
-                    return existing, False
-        if self.admission is not None:
-            self.admission.check(spec)
-        if files and self.input_files is not None:
-            job.input = {**job.input, **self.input_files.store(job.id, files)}
-        if cancel_after_s is not None:
-            job.deadline_at = job.created_at + cancel_after_s
-        quota = self.quotas.for_submit(tenant, api_key_id) if self.quotas is not None else None
-        return self.ledger.submit(job, [s.id for s in spec.entry_stages()], idempotency=claim,
-                                  idempotency_ttl_s=self.idempotency_ttl_s, quota=quota)
+                                                          chosen_priority.value))
+        return _NewJob(spec, job, list(_entries(spec)[0]), claim)
+
+    def _quota(self, tenant: str, api_key_id: str | None) -> Quota | None:
+        """The submit's limits (cached by Quotas: a Redis read at most every few seconds per tenant or key)."""
+        return self.quotas.for_submit(tenant, api_key_id) if self.quotas is not None else None
+
+    def _queue_limits(self, spec: PipelineSpec) -> list[QueueLimit]:
+        return self.admission.limits(spec) if self.admission is not None else []
+
+    @staticmethod
+    def _has_files(spec: PipelineSpec, input_: dict[str, Any]) -> bool:
+        files = _entries(spec)[2]
+        return bool(files) and any(name in input_ for name in files)
 
     def _prepare_files(self, spec: PipelineSpec, input_: dict[str, Any], tenant: str) -> dict[str, PreparedImage]:
         """Image inputs resolved and normalized before anything is claimed or stored."""
-        if not spec.file_inputs() or not any(name in input_ for name in spec.file_inputs()):
+        if not self._has_files(spec, input_):
             return {}
         if self.input_files is None:
             raise InvalidRequest([FieldError(("input", name), "this server has no artifact store for file inputs")

@@ -21,15 +21,15 @@ messages, stale attempts and late results are refused here, whatever the broker 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from omni_jobs import keys
 from omni_jobs.artifacts.refs import ArtifactRef
-from omni_jobs.errors import IdempotencyConflict, JobAlreadyFinished, JobNotFound, QuotaExceeded
+from omni_jobs.errors import IdempotencyConflict, JobAlreadyFinished, JobNotFound, Overloaded, QuotaExceeded
 from omni_jobs.jobs import codec, state
-from omni_jobs.jobs.change import Cap, Change
+from omni_jobs.jobs.change import Cap, Change, Conflict, Guard
 from omni_jobs.jobs.models import (
     WEBHOOK_EVENT_OF,
     EventType,
@@ -46,7 +46,7 @@ from omni_jobs.jobs.models import (
     new_message_id,
     now,
 )
-from omni_jobs.jobs.store import JobPage, JobStore, webhook_field
+from omni_jobs.jobs.store import IdempotencyRecord, JobPage, JobStore, webhook_field
 from omni_jobs.steps import (
     RESULTS_QUEUE,
     WEBHOOKS_QUEUE,
@@ -111,6 +111,51 @@ class Quota:
 
     max_active: int = 0
     per_minute: int = 0
+
+
+QUEUE_FULL = "queue_full"
+"""The name of a submit's cap on its entry queue's waiting steps (admission)."""
+
+
+@dataclass(frozen=True)
+class QueueLimit:
+    """Admission: new jobs are refused (Overloaded) while ``max_waiting`` steps wait on ``queue``.
+    Counted in the submit's own write, so a burst cannot slip past it between a read and the write."""
+
+    queue: str
+    max_waiting: int
+    retry_after_s: int
+
+
+class RequirementFailed(Exception):
+    """A submit's ``requires`` guard did not hold (e.g. its API key was revoked): nothing was written."""
+
+    def __init__(self, guard: Guard, found: str | None) -> None:
+        super().__init__(f"{guard.key} {guard.field}: found {found!r}")
+        self.guard = guard
+        self.found = found
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What an async submit answers: the job, whether this call created it (False: an
+    Idempotency-Key replay), and its queue position (None when no stage of it waits)."""
+
+    job: Job
+    created: bool
+    queue_position: int | None
+
+
+@dataclass(frozen=True)
+class _SubmitPlan:
+    """What a submit decided: the job as stored and the Change that stores it, and for a refusal,
+    when it was decided and what it claimed."""
+
+    job: Job
+    change: Change
+    at: float
+    idempotency: tuple[str, str] | None
+    queue_limits: tuple[QueueLimit, ...]
 
 
 @dataclass
@@ -188,7 +233,8 @@ class JobLedger:
         change = Change()
         after = decision.after or before
         job_key = keys.job(before.id)
-        old, new = codec.encode(before), codec.encode(after)
+        new = codec.encode(after)
+        old = codec.encode(before) if not new_job else {}  # a new job has no stored fields to compare
         if new_job:
             change.expect(job_key, "id", None).hset(job_key, new).expire(job_key, self.store.ttl_s)
             change.zadd(keys.JOBS_INDEX, after.id, after.created_at)
@@ -318,15 +364,74 @@ class JobLedger:
 
     # --- submit ---
     def submit(self, job: Job, entry_stages: list[str], *, idempotency: tuple[str, str] | None = None,
-               idempotency_ttl_s: int = 24 * 3600, quota: Quota | None = None) -> tuple[Job, bool]:
+               idempotency_ttl_s: int = 24 * 3600, quota: Quota | None = None,
+               queue_limits: Sequence[QueueLimit] = ()) -> tuple[Job, bool]:
         """Store a new job, its idempotency record and its first dispatches in one write.
 
         ``idempotency``: (key, request fingerprint). A key used before returns (that job, False), or
-        IdempotencyConflict when the body differed. ``quota``: the tenant's limits, checked in the
-        same write (QuotaExceeded: nothing is written).
+        IdempotencyConflict when the body differed. ``quota``: the tenant's limits, and
+        ``queue_limits``: how many steps may wait on each entry queue, both checked in the same
+        write (QuotaExceeded, Overloaded: nothing is written).
         """
+        plan = self._plan_submit(job, entry_stages, idempotency, idempotency_ttl_s, quota, queue_limits)
+        conflict = self.store.commit(plan.change)
+        if conflict is None:
+            self._committed(plan.job, plan.change)
+            return plan.job, True
+        if conflict.cap is not None:
+            since = conflict.cap.since
+            oldest = self.store.oldest(conflict.cap.key, since=since) if since is not None else None
+            raise self._submit_refused(plan, conflict.cap, conflict.found, oldest)
+        claim = self._replay_claim(plan, conflict)
+        earlier = self.store.idempotency(job.tenant, claim[0])
+        if earlier is None:  # expired between the two reads: try again
+            return self.submit(job, entry_stages, idempotency=idempotency, idempotency_ttl_s=idempotency_ttl_s,
+                               quota=quota, queue_limits=queue_limits)
+        existing = self.store.get(self._replayed(claim, earlier))
+        if existing is None:
+            raise IdempotencyConflict(claim[0], earlier.job_id)
+        return existing, False
+
+    async def asubmit(self, job: Job, entry_stages: list[str], *, idempotency: tuple[str, str] | None = None,
+                      idempotency_ttl_s: int = 24 * 3600, quota: Quota | None = None,
+                      queue_limits: Sequence[QueueLimit] = (), requires: Sequence[Guard] = ()) -> Submitted:
+        """``submit`` on an event loop (the API): the same decision and the same one write, committed
+        with the store's async client in one round trip that also reads the job's queue position.
+        ``requires``: fields that must hold for the write to apply (the API's: the submitting key is
+        not revoked); RequirementFailed when one does not, and nothing is written."""
+        plan = self._plan_submit(job, entry_stages, idempotency, idempotency_ttl_s, quota, queue_limits)
+        plan.change.guards[:0] = requires
+        conflict, position = await self.store.acommit_placed(plan.change, plan.job)
+        if conflict is None:
+            self._committed(plan.job, plan.change)
+            return Submitted(plan.job, True, position)
+        if conflict.cap is not None:
+            since = conflict.cap.since
+            oldest = await self.store.aoldest(conflict.cap.key, since=since) if since is not None else None
+            raise self._submit_refused(plan, conflict.cap, conflict.found, oldest)
+        if conflict.guard is not None and conflict.guard in requires:
+            raise RequirementFailed(conflict.guard, conflict.found)
+        claim = self._replay_claim(plan, conflict)
+        earlier = await self.store.aidempotency(job.tenant, claim[0])
+        if earlier is None:
+            return await self.asubmit(job, entry_stages, idempotency=idempotency, idempotency_ttl_s=idempotency_ttl_s,
+                                      quota=quota, queue_limits=queue_limits, requires=requires)
+        existing = await self.store.aget(self._replayed(claim, earlier))
+        if existing is None:
+            raise IdempotencyConflict(claim[0], earlier.job_id)
+        return await self.replayed(existing)
+
+    async def replayed(self, job: Job) -> Submitted:
+        """An earlier job answered again (an Idempotency-Key replay), with its queue position now."""
+        return Submitted(job, False, await self.store.aqueue_position(job))
+
+    def _plan_submit(self, job: Job, entry_stages: list[str], idempotency: tuple[str, str] | None,
+                     idempotency_ttl_s: int, quota: Quota | None, queue_limits: Sequence[QueueLimit]) -> _SubmitPlan:
+        """The one decision of a submit (for ``submit`` and ``asubmit``): the job as stored, and its Change."""
         at = job.created_at
-        after = job.model_copy(deep=True)
+        # Queuing the entry stages changes only their records: copy those, share the rest (a deep
+        # copy of the whole job was a few per cent of a submit's CPU).
+        after = job.model_copy(update={"stages": [r.model_copy() for r in job.stages]})
         events = [JobEvent(job_id=job.id, type=EventType.job_queued, at=at, data={"pipeline": job.pipeline})]
         for stage_id in entry_stages:
             events += state.stage_queued(after, stage_id, at)
@@ -337,6 +442,8 @@ class JobLedger:
             change.hset(record_key, {"job_id": job.id, "fingerprint": idempotency[1]})
             change.expire(record_key, idempotency_ttl_s)
         submitted_at = now()
+        for limit in queue_limits:  # first: a full queue answers 503 before a quota answers 429, as it did
+            change.cap(keys.queue_waiting(limit.queue), limit.max_waiting, name=QUEUE_FULL)
         active, submits = keys.tenant_active(job.tenant), keys.tenant_submits(job.tenant)
         if quota is not None and quota.max_active:
             change.cap(active, quota.max_active, name="max_active")
@@ -345,31 +452,33 @@ class JobLedger:
         change.zadd(active, job.id, job.created_at).zadd(submits, job.id, submitted_at)
         change.ztrim(submits, submitted_at - 60).expire(submits, 120)
         change.durable = True
-        conflict = self.store.commit(change)
-        if conflict is None:
-            self._committed(after, change)
-            return after, True
-        if conflict.cap is not None:
-            raise self._quota_exceeded(job.tenant, conflict.cap, submitted_at)
-        if idempotency is None or conflict.guard is None or conflict.guard.field != "job_id":
-            raise RuntimeError(f"job id {job.id} already exists")
-        earlier = self.store.idempotency(job.tenant, idempotency[0])
-        if earlier is None:  # expired between the two reads: try again
-            return self.submit(job, entry_stages, idempotency=idempotency, idempotency_ttl_s=idempotency_ttl_s)
-        if earlier.fingerprint != idempotency[1]:
-            raise IdempotencyConflict(idempotency[0], earlier.job_id)
-        existing = self.store.get(earlier.job_id)
-        if existing is None:
-            raise IdempotencyConflict(idempotency[0], earlier.job_id)
-        return existing, False
+        return _SubmitPlan(after, change, submitted_at, idempotency, tuple(queue_limits))
 
-    def _quota_exceeded(self, tenant: str, cap: Cap, at: float) -> QuotaExceeded:
+    def _submit_refused(self, plan: _SubmitPlan, cap: Cap, found: str | None,
+                        oldest: float | None) -> QuotaExceeded | Overloaded:
+        """The refusal of a submit that reached ``cap`` (``oldest``: the rate window's first entry)."""
+        if cap.name == QUEUE_FULL:
+            limit = next(q for q in plan.queue_limits if keys.queue_waiting(q.queue) == cap.key)
+            return Overloaded(limit.queue, int(found or cap.below), limit.max_waiting, limit.retry_after_s)
         if cap.since is not None:  # a rate: the oldest submission in the window leaves it first
-            oldest = self.store.oldest(keys.tenant_submits(tenant), since=cap.since)
-            retry_after = max(1.0, (oldest or at) + 60 - at)
+            retry_after = max(1.0, (oldest or plan.at) + 60 - plan.at)
         else:
             retry_after = 5.0
-        return QuotaExceeded(tenant, cap.name, cap.below, retry_after)
+        return QuotaExceeded(plan.job.tenant, cap.name, cap.below, retry_after)
+
+    @staticmethod
+    def _replay_claim(plan: _SubmitPlan, conflict: Conflict) -> tuple[str, str]:
+        """The idempotency claim that conflicted (a key used before); any other conflict is a bug."""
+        if plan.idempotency is None or conflict.guard is None or conflict.guard.field != "job_id":
+            raise RuntimeError(f"job id {plan.job.id} already exists")
+        return plan.idempotency
+
+    @staticmethod
+    def _replayed(claim: tuple[str, str], earlier: IdempotencyRecord) -> str:
+        """The earlier job's id when the body is the same; IdempotencyConflict when it is not."""
+        if earlier.fingerprint != claim[1]:
+            raise IdempotencyConflict(claim[0], earlier.job_id)
+        return earlier.job_id
 
     # --- taking a step ---
     def acquire(self, step: Step, *, worker: str, owner: str, snapshot: Job | None = None) -> Acquired | Refused:

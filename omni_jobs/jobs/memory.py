@@ -356,3 +356,26 @@ class MemoryJobStore:
     def set_mark(self, name: str, value: str) -> None:
         with self._changed:
             self._apply(("set", name, value, 0))
+
+    # --- the same, for an event loop: nothing here waits on I/O, so these only hold the lock briefly ---
+    async def acommit(self, change: Change) -> Conflict | None:
+        return self.commit(change)
+
+    async def acommit_placed(self, change: Change, job: Job) -> tuple[Conflict | None, int | None]:
+        conflict = self.commit(change)
+        return conflict, (self.queue_position(job) if conflict is None else None)
+
+    async def aget(self, job_id: str) -> Job | None:
+        return self.get(job_id)
+
+    async def aidempotency(self, tenant: str, key: str) -> IdempotencyRecord | None:
+        return self.idempotency(tenant, key)
+
+    async def aqueue_position(self, job: Job) -> int | None:
+        return self.queue_position(job)
+
+    async def aoldest(self, key: str, *, since: float) -> float | None:
+        return self.oldest(key, since=since)
+
+    async def aclose(self) -> None:
+        return None

@@ -7,11 +7,18 @@ decisions (which transition is legal, what it dispatches) are made once, in the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import json
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import NoScriptError
 
 from omni_jobs import keys
 from omni_jobs.errors import NotDurable
@@ -126,6 +133,22 @@ class JobStore(Protocol):
     def get_mark(self, name: str) -> str | None: ...
     def set_mark(self, name: str, value: str) -> None: ...
 
+    # --- the same, for an event loop (the API's submit path: no thread, one round trip each) ---
+    async def acommit(self, change: Change) -> Conflict | None:
+        """``commit`` without blocking the event loop."""
+        ...
+    async def acommit_placed(self, change: Change, job: Job) -> tuple[Conflict | None, int | None]:
+        """``acommit``, then ``job``'s queue position read in the same round trip (a submit's answer
+        shows it); None when the change did not apply or no stage of the job waits."""
+        ...
+    async def aget(self, job_id: str) -> Job | None: ...
+    async def aidempotency(self, tenant: str, key: str) -> IdempotencyRecord | None: ...
+    async def aqueue_position(self, job: Job) -> int | None: ...
+    async def aoldest(self, key: str, *, since: float) -> float | None: ...
+    async def aclose(self) -> None:
+        """Close this event loop's async client (the API's shutdown)."""
+        ...
+
 
 _COMMIT = """
 local spec = cjson.decode(ARGV[1])
@@ -168,6 +191,16 @@ for _, op in ipairs(spec.o) do
 end
 return {1}
 """
+
+_COMMIT_PLACED = _COMMIT.replace("\nreturn {1}\n", """
+-- then the queue position of the job just written (ARGV[2]: released key, slot, ready key, entry,
+-- tenants key; or an empty list when none of its stages waits): see estimate_position
+local p = cjson.decode(ARGV[2])
+if #p == 0 then return {1} end
+return {1, redis.call('ZRANK', p[1], p[2]), redis.call('ZCARD', p[1]), redis.call('ZRANK', p[3], p[4]),
+        redis.call('ZCARD', p[5])}
+""")
+"""The commit script, answering the queue position of the job it wrote as well (a submit's answer)."""
 
 _CLAIM = """
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]) * 4)
@@ -232,10 +265,15 @@ class RedisJobStore:
     """Jobs as hashes, events as streams, the outbox and leases as sorted sets, in one Redis."""
 
     def __init__(self, client: redis.Redis, *, ttl_s: int, events_maxlen: int = 2000, wait_replicas: int = 0,
-                 wait_timeout_ms: int = 1000) -> None:
+                 wait_timeout_ms: int = 1000, async_client: Callable[[], aioredis.Redis] | None = None) -> None:
         """``wait_replicas``: a durable change (a submit) is acknowledged only once this many replicas
-        have it (Redis WAIT); 0 relies on the primary's own AOF (``appendfsync always``)."""
+        have it (Redis WAIT); 0 relies on the primary's own AOF (``appendfsync always``).
+        ``async_client``: makes the redis.asyncio client of the ``a*`` methods, one per event loop
+        (its connections belong to the loop that made them); default: the same server as ``client``."""
         self.redis = client
+        self._make_async = async_client or (lambda: same_server_async(client))
+        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[aioredis.Redis, Any]] = \
+            weakref.WeakKeyDictionary()
         self.ttl_s = ttl_s
         self.events_maxlen = events_maxlen
         self.wait_replicas = wait_replicas
@@ -313,12 +351,102 @@ class RedisJobStore:
                 raise NotDurable(int(acked), self.wait_replicas, self.wait_timeout_ms)
         else:
             reply = self._commit(args=[change.wire()])
+        return self._conflict(change, reply)
+
+    @staticmethod
+    def _conflict(change: Change, reply: Any) -> Conflict | None:
+        """The commit script's answer: None (applied), or the guard or cap that refused it."""
         if int(reply[0]) == 1:
             return None
         if int(reply[0]) == 2:
             return Conflict(None, _text(reply[2]), cap=change.caps[int(reply[1]) - 1])
         guard: Guard = change.guards[int(reply[1]) - 1]
         return Conflict(guard, _text(reply[2]) if len(reply) > 2 else None)
+
+    # --- async (the API's event loop) ---
+    def use_async_client(self, make: Callable[[], aioredis.Redis]) -> None:
+        """How the ``a*`` methods make their client (once per event loop), e.g. from the same URL as
+        the sync client, TLS and all: ``lambda: redis.asyncio.Redis.from_url(url)``."""
+        self._make_async = make
+
+    def _aclient(self) -> tuple[aioredis.Redis, Any]:
+        """This event loop's client and its commit script (EVALSHA, loaded once per server)."""
+        loop = asyncio.get_running_loop()
+        found = self._async.get(loop)
+        if found is None:
+            client = self._make_async()
+            found = self._async[loop] = (client, client.register_script(_COMMIT_PLACED))
+        return found
+
+    async def acommit(self, change: Change) -> Conflict | None:
+        """``commit`` on the event loop: the same script and the same answer, in one round trip."""
+        return (await self.acommit_placed(change, None))[0]
+
+    async def acommit_placed(self, change: Change, job: Job | None) -> tuple[Conflict | None, int | None]:
+        """One EVALSHA of the commit script that also reads the job's queue position after the write
+        (pipelined with WAIT when the change must reach replicas): one round trip, one command. The
+        script is not registered with a pipeline, which would cost a SCRIPT EXISTS round trip per
+        call: a server that lacks it (restarted) answers NOSCRIPT, nothing ran, and the call goes
+        again after loading it."""
+        client, script = self._aclient()
+        record = waiting_stage(job) if job is not None else None
+        place = json.dumps(position_keys(job, record) if job is not None and record is not None else [])
+        wait = change.durable and self.wait_replicas > 0
+        wire = change.wire()
+        for attempt in range(2):
+            try:
+                if wait:
+                    async with client.pipeline(transaction=False) as pipe:
+                        pipe.evalsha(script.sha, 0, wire, place)
+                        pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+                        reply, acked = await pipe.execute()
+                    if int(reply[0]) == 1 and int(acked) < self.wait_replicas:
+                        raise NotDurable(int(acked), self.wait_replicas, self.wait_timeout_ms)
+                else:
+                    reply = await client.evalsha(script.sha, 0, wire, place)  # type: ignore[misc]
+                break
+            except NoScriptError:
+                if attempt:
+                    raise
+                await client.script_load(_COMMIT_PLACED)
+        conflict = self._conflict(change, reply)
+        if conflict is not None or len(reply) != 5:
+            return conflict, None
+        _ok, released_rank, released, ready_rank, tenants = reply
+        return None, estimate_position(released_rank, int(released), ready_rank, int(tenants))
+
+    async def aget(self, job_id: str) -> Job | None:
+        client, _ = self._aclient()
+        async with client.pipeline(transaction=False) as pipe:
+            self._read(pipe, job_id)
+            fields, progress, deliveries = await pipe.execute()
+        return codec.decode(fields, progress, deliveries)
+
+    async def aidempotency(self, tenant: str, key: str) -> IdempotencyRecord | None:
+        client, _ = self._aclient()
+        raw = {_text(k): _text(v) for k, v in (await client.hgetall(keys.idempotency(tenant, key))).items()}
+        return IdempotencyRecord(raw["job_id"], raw["fingerprint"]) if "job_id" in raw else None
+
+    async def aqueue_position(self, job: Job) -> int | None:
+        record = waiting_stage(job)
+        if record is None:
+            return None
+        client, _ = self._aclient()
+        async with client.pipeline(transaction=False) as pipe:
+            for command, args in position_reads(job, record):
+                getattr(pipe, command)(*args)
+            released_rank, released, ready_rank, tenants = await pipe.execute()
+        return estimate_position(released_rank, int(released), ready_rank, int(tenants))
+
+    async def aoldest(self, key: str, *, since: float) -> float | None:
+        client, _ = self._aclient()
+        first = await client.zrangebyscore(key, since, "+inf", start=0, num=1, withscores=True)
+        return float(first[0][1]) if first else None
+
+    async def aclose(self) -> None:
+        found = self._async.pop(asyncio.get_running_loop(), None)
+        if found is not None:
+            await found[0].aclose()
 
     # --- outbox ---
     def claim_outbox(self, *, now: float, limit: int, hold_s: float, job_id: str | None = None) -> list[OutboxEntry]:
@@ -388,13 +516,9 @@ class RedisJobStore:
         record = waiting_stage(job)
         if record is None:
             return None
-        slot = stage_slot(job.id, record.id)
-        entry = f"{slot}:{record.attempts + 1}"
         with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zrank(keys.queue_released(record.queue), slot)
-            pipe.zcard(keys.queue_released(record.queue))
-            pipe.zrank(keys.queue_ready(record.queue, job.tenant), entry)
-            pipe.zcard(keys.queue_tenants(record.queue))
+            for command, args in position_reads(job, record):
+                getattr(pipe, command)(*args)
             released_rank, released, ready_rank, tenants = pipe.execute()
         return estimate_position(released_rank, int(released), ready_rank, int(tenants))
 
@@ -455,6 +579,49 @@ def waiting_stage(job: Job) -> StageRecord | None:
     if job.status.is_final or not waiting:
         return None
     return min(waiting, key=lambda r: r.queued_at or 0.0)
+
+
+def position_keys(job: Job, record: StageRecord) -> list[str]:
+    """What the commit script reads a just-written job's queue position from (as position_reads)."""
+    slot = stage_slot(job.id, record.id)
+    return [keys.queue_released(record.queue), slot, keys.queue_ready(record.queue, job.tenant),
+            f"{slot}:{record.attempts + 1}", keys.queue_tenants(record.queue)]
+
+
+def position_reads(job: Job, record: StageRecord) -> list[tuple[str, tuple[Any, ...]]]:
+    """The reads a queue position is estimated from (``estimate_position``), as (command, args)."""
+    slot = stage_slot(job.id, record.id)
+    entry = f"{slot}:{record.attempts + 1}"
+    return [("zrank", (keys.queue_released(record.queue), slot)), ("zcard", (keys.queue_released(record.queue),)),
+            ("zrank", (keys.queue_ready(record.queue, job.tenant), entry)), ("zcard", (keys.queue_tenants(record.queue),))]
+
+
+def async_retry_options() -> dict[str, Any]:
+    """Retry a command on a dropped connection, as redis-py's sync client does by default.
+
+    redis.asyncio does not: after Redis restarts, each pooled connection fails its next command with
+    "Connection closed by server" once, so the API answered 503 to requests that a reconnect would
+    have served. A retried write is safe here: every commit is guarded (a submit expects the job to
+    be absent, a transition expects the fields it read), so one that did apply the first time
+    conflicts instead of applying twice."""
+    return {"retry": AsyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3),
+            "retry_on_error": [redis.ConnectionError, redis.TimeoutError]}
+
+
+def async_client_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
+    """A redis.asyncio client for ``url`` that reconnects and retries like the sync one."""
+    return aioredis.Redis.from_url(url, **{"health_check_interval": 30, **async_retry_options(), **kwargs})
+
+
+def same_server_async(client: redis.Redis) -> aioredis.Redis:
+    """A redis.asyncio client for the server (address, database, credentials) that ``client`` uses
+    (plain TCP or a Unix socket; a TLS deployment passes its URL with ``use_async_client``)."""
+    kwargs = client.connection_pool.connection_kwargs
+    wanted = ("host", "port", "db", "username", "password", "path", "socket_timeout", "socket_connect_timeout")
+    if "path" in kwargs:
+        return aioredis.Redis(unix_socket_path=kwargs["path"], **async_retry_options(),
+                              **{k: kwargs[k] for k in wanted if k in kwargs and k not in ("path", "host", "port")})
+    return aioredis.Redis(**async_retry_options(), **{k: kwargs[k] for k in wanted if k in kwargs})
 
 
 def estimate_position(released_rank: int | None, released: int, ready_rank: int | None, tenants: int) -> int | None:

@@ -17,7 +17,7 @@ import redis.asyncio as aioredis
 from omni_jobs import keys
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.models import FINAL_EVENTS, Job, JobEvent
-from omni_jobs.jobs.store import parse_stream
+from omni_jobs.jobs.store import async_client_from_url, parse_stream
 
 MAX_BLOCK_S = 15.0
 """Longest blocking read; callers' heartbeats and waits are cut into pieces no longer than this."""
@@ -32,7 +32,7 @@ class JobWatcher:
     @classmethod
     def from_url(cls, url: str) -> JobWatcher:
         # The socket timeout must outlast the longest blocking XREAD (heartbeat, at most MAX_BLOCK_S).
-        return cls(aioredis.Redis.from_url(url, health_check_interval=30, socket_timeout=MAX_BLOCK_S + 15))
+        return cls(async_client_from_url(url, socket_timeout=MAX_BLOCK_S + 15))
 
     async def get(self, job_id: str) -> Job | None:
         async with self.redis.pipeline(transaction=False) as pipe:
