@@ -48,7 +48,7 @@ import redis
 
 from omni_jobs import keys
 from omni_jobs.auth import ApiKeys
-from omni_jobs.devservices import RunningService, free_port, start_redis
+from omni_jobs.local.devservices import RunningService, free_port, start_redis
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = {"idle": "idle (no persistence, workers stopped)",
