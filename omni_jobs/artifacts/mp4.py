@@ -51,7 +51,10 @@ def encode_mp4(frames: Any, fps: float) -> bytes:
         stream = container.add_stream("libx264", rate=rate)
         stream.width, stream.height = width, height
         stream.pix_fmt = "yuv420p"
-        stream.codec_context.options = {"crf": str(CRF), "preset": "medium", "threads": "1"}
+        # One encoder thread, lookahead included: libavcodec's "threads" alone leaves x264 a lookahead
+        # thread, and then about 1 encode in 60 differs (measured), so the same frames gave other bytes.
+        stream.codec_context.options = {"crf": str(CRF), "preset": "medium", "threads": "1",
+                                        "x264-params": "threads=1:lookahead-threads=1:sliced-threads=0"}
         stream.codec_context.thread_count = 1
         container.metadata.clear()
         for i in range(n):
