@@ -133,7 +133,11 @@ def validate_webhook(url: Any, events: Any) -> JobWebhook | None:
     if not isinstance(url, str):
         errors.append(FieldError(("webhook",), "must be an http(s) URL string", "type_error"))
     else:
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+            parts.hostname  # noqa: B018 - a bad [IPv6] literal raises here, not at urlsplit
+        except ValueError as exc:  # was a 500: http://[0]/ is not a URL
+            raise InvalidRequest([FieldError(("webhook",), f"is not a URL: {exc}", "url_parsing")]) from None
         if parts.scheme not in ("http", "https"):
             errors.append(FieldError(("webhook",), f"must be an http:// or https:// URL, got scheme "
                                      f"'{parts.scheme or '(none)'}'", "url_scheme"))

@@ -32,19 +32,22 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request, Response
 from fastapi.concurrency import run_in_threadpool
-from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.auth import api_key_id, authenticate
 from api.deps import ApiContext, get_context
+from api.schemas import errors
 from omni_jobs.artifacts import codecs
 from omni_jobs.doctor import is_builtin
 from omni_jobs.errors import InvalidRequest, QuotaExceeded
@@ -55,7 +58,33 @@ from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.spec import PipelineSpec, StageSpec
 from omni_jobs.text_stream import DeltaReader
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, requests (429), server_error, timeout.")
+    param: str | None = Field(description="The request field at fault, when one is.")
+    code: str | None = Field(description="e.g. unsupported_modality, model_not_found, job_failed, job_timeout.")
+
+
+class OpenAIErrorBody(BaseModel):
+    """OpenAI's error shape, which its clients parse."""
+
+    error: OpenAIErrorDetail
+
+
+def _openai_errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    text = {400: "A field is invalid or not supported by the chosen pipeline; `param` names it.",
+            404: "No such model (pipeline).",
+            429: "A tenant quota was reached (`param` names it); retry after Retry-After.",
+            500: "The job failed or was canceled (`X-Omni-Job-Id` names it; x-should-retry: false).",
+            504: "The job did not end within OMNI_OPENAI_WAIT_S; follow it at GET /v1/jobs/{id} "
+                 "(x-should-retry: false)."}
+    return {code: {"model": OpenAIErrorBody, "description": text[code]} for code in codes}
+
+
+# 401 and 503 come from the shared auth and store handlers, in the API's {"detail": ...} shape.
+router = APIRouter(prefix="/v1", tags=["openai"], responses=errors(401, 503))
+JOB_ERRORS = {**_openai_errors(400, 429, 500, 504), **errors(413)}
 
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/images/generations", "/v1/audio/speech", "/v1/models")
 OutputModality = Literal["text", "image", "audio"]
@@ -105,11 +134,20 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
     return OpenAIError(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param).response()
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """A body that cannot be parsed (400) on the OpenAI paths answers in OpenAI's shape too."""
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 400 and request.url.path.startswith(OPENAI_PATHS):
+        return OpenAIError(400, str(exc.detail)).response()
+    return await http_exception_handler(request, exc)
+
+
 def install(app: FastAPI) -> None:
     """Add the routes and their error handlers to the API."""
     app.include_router(router, dependencies=[Depends(authenticate)])  # the same bearer key (the client's api_key)
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
 
 
 # --- request bodies (extra fields are allowed: OpenAI's extra_body lands at the top level) ---
@@ -125,14 +163,42 @@ class _Body(BaseModel):
     negative_prompt: str | None = None
 
 
+SIZE_PATTERN = r"^(?:auto|([0-9]{1,9})[xX]([0-9]{1,9}))$"
+_SIZE = re.compile(SIZE_PATTERN)
+Size = Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "string", "pattern": SIZE_PATTERN}, {"type": "null"}]})]
+"""Checked by parse_size (400 with its own message); the stage then checks the numbers (e.g. multiple of 8)."""
+
+
+def only(value: Any) -> WithJsonSchema:
+    """The one value the route accepts besides null: the spec says so; the route answers 400 for
+    another, with its own message (a field validator would answer pydantic's)."""
+    return WithJsonSchema({"anyOf": [{"enum": [value]}, {"type": "null"}]})
+
+
+_TEXT = {"type": "string", "pattern": r"\S"}  # some text, not only whitespace
+MESSAGE_CONTENT: dict[str, Any] = {"anyOf": [
+    _TEXT,
+    {"type": "array", "minItems": 1, "items": {
+        "type": "object", "required": ["type", "text"],
+        "properties": {"type": {"type": "string", "enum": ["text"]}, "text": _TEXT}}},
+]}
+"""What _prompt_from_messages accepts (it answers 400 naming the message or part otherwise)."""
+
+
 class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[str | list[dict[str, Any]], WithJsonSchema(MESSAGE_CONTENT)] = Field(
+        description="The message's text, or its parts: these endpoints take text parts only.")
 
 
 class ChatCompletionRequest(_Body):
+    model_config = ConfigDict(json_schema_extra={  # what chat_completions checks across fields (else 400)
+        "dependentSchemas": {"stream_options": {"required": ["stream"], "properties": {"stream": {"const": True}}}},
+        "if": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+        "then": {"properties": {"modalities": {"anyOf": [{"type": "array", "items": {"const": "text"}},
+                                                         {"type": "null"}]}}}})
     model: str
     messages: list[ChatMessageIn] = Field(min_length=1)
     modalities: list[OutputModality] | None = Field(None, description="What to answer with; default ['text'].")
@@ -140,12 +206,14 @@ class ChatCompletionRequest(_Body):
     max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=1, description="One choice per modality: n is 1.")
     stream: bool | None = None
     stream_options: dict[str, Any] | None = Field(None, description="{'include_usage': true}: a last chunk "
                                                   "with the usage (stream=true only).")
-    audio: dict[str, Any] | None = Field(None, description="{'format': 'wav'}: the only audio format produced.")
-    size: str | None = Field(None, description="Image size 'WIDTHxHEIGHT' when an image is asked for.")
+    audio: Annotated[dict[str, Any] | None, WithJsonSchema(
+        {"anyOf": [{"type": "object", "properties": {"format": {"enum": ["wav", None]}}}, {"type": "null"}]})] = Field(
+        None, description="{'format': 'wav'}: the only audio format produced.")
+    size: Size = Field(None, description="Image size 'WIDTHxHEIGHT' when an image is asked for.")
     height: int | None = None
     width: int | None = None
 
@@ -154,10 +222,10 @@ class ImageGenerationRequest(_Body):
     prompt: str = Field(min_length=1)
     model: str | None = None
     n: int = Field(1, ge=1, le=10)
-    size: str | None = Field(None, description="'WIDTHxHEIGHT' or 'auto' (the pipeline's default).")
+    size: Size = Field(None, description="'WIDTHxHEIGHT' or 'auto' (the pipeline's default).")
     response_format: Literal["b64_json", "url"] | None = None
-    output_format: str | None = None
-    stream: bool | None = None
+    output_format: Annotated[str | None, only("png")] = None
+    stream: Annotated[bool | None, only(False)] = Field(None, description="Not supported: images come whole.")
 
 
 class SpeechRequest(_Body):
@@ -165,9 +233,9 @@ class SpeechRequest(_Body):
     input: str = Field(min_length=1, max_length=4096)
     voice: str | dict[str, Any] | None = None
     instructions: str | None = None
-    response_format: str | None = None
-    speed: float | None = None
-    stream_format: str | None = None
+    response_format: Annotated[str | None, only("wav")] = None
+    speed: Annotated[float | None, only(1.0)] = None
+    stream_format: Annotated[str | None, only("audio")] = Field(None, description="No SSE streaming.")
 
 
 # --- choosing the pipeline ---
@@ -256,10 +324,11 @@ def parse_size(size: str | None, *, param: str = "size") -> tuple[int | None, in
     """'WIDTHxHEIGHT' -> (width, height); None or 'auto' -> the pipeline's default."""
     if size is None or size == "auto":
         return None, None
-    width, sep, height = size.lower().partition("x")
-    if not sep or not width.isdigit() or not height.isdigit():
+    match = _SIZE.match(size)
+    if match is None:
         raise OpenAIError(400, f"size must be 'WIDTHxHEIGHT' (e.g. '64x64') or 'auto', got {size!r}", param=param)
-    return int(width), int(height)
+    return int(match[1]), int(match[2])
+
 
 
 def _invalid(exc: InvalidRequest, origin: Origin, prompt_param: str) -> OpenAIError:
@@ -389,22 +458,25 @@ def _prompt_from_messages(messages: list[ChatMessageIn]) -> str:
     turns: list[tuple[str, str]] = []
     for i, message in enumerate(messages):
         content = message.content
-        if content is None:
-            continue
         if isinstance(content, str):
             text = content
         else:
+            if not content:
+                raise OpenAIError(400, "content has no parts", param=f"messages[{i}].content")
             parts = []
             for j, part in enumerate(content):
                 if part.get("type") != "text":
                     raise OpenAIError(400, f"content part of type {part.get('type')!r}: these endpoints take text "
                                       "only (send images to an image-input pipeline with POST /v1/jobs)",
                                       param=f"messages[{i}].content[{j}]", code="unsupported_content")
-                parts.append(str(part.get("text", "")))
+                part_text = part.get("text")
+                if not isinstance(part_text, str) or not part_text.strip():
+                    raise OpenAIError(400, "a text part holds no text", param=f"messages[{i}].content[{j}].text")
+                parts.append(part_text)
             text = "\n".join(parts)
+        if not text.strip():
+            raise OpenAIError(400, "the message holds no text", param=f"messages[{i}].content")
         turns.append((message.role, text))
-    if not any(text.strip() for _role, text in turns):
-        raise OpenAIError(400, "messages contain no text", param="messages")
     if len(turns) == 1:
         return turns[0][1]
     lines = [f"{role.capitalize()}: {text}" for role, text in turns]
@@ -416,7 +488,11 @@ IdempotencyKey = Annotated[str | None, Header(max_length=255, include_in_schema=
 
 
 @router.post("/chat/completions", summary="OpenAI chat completions (text, image or audio out), run as a job",
-             responses={200: {"content": {"application/json": {}, "text/event-stream": {}}}})
+             responses={200: {"description": "The completion, or with stream=true its chunks (`data: {...}` "
+                              "lines, then `data: [DONE]`).",
+                              "content": {"application/json": {"schema": {"type": "object"}},
+                                          "text/event-stream": {}}},
+                        **JOB_ERRORS})
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            idempotency_key: IdempotencyKey = None) -> Response:
     ctx = get_context(request)
@@ -432,7 +508,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
         raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
     spec = choose_pipeline(ctx.runtime.catalogue, body.model, set(wanted), param="modalities")
     if body.stream and text_source(spec) is None:
-        raise OpenAIError(400, f"pipeline '{spec.name}' has no text output to stream", param="stream")
+        raise OpenAIError(400, f"pipeline '{spec.name}' has no text output to stream", param="stream",
+                          code="unsupported_modality")
     prompt = _prompt_from_messages(body.messages)
     width, height = parse_size(body.size)
     ar = {"max_tokens": (body.max_completion_tokens or body.max_tokens,
@@ -538,7 +615,8 @@ async def _chat_chunks(ctx: ApiContext, spec: PipelineSpec, job: Job, *, include
     yield "data: [DONE]\n\n"
 
 
-@router.post("/images/generations", summary="OpenAI (DALL-E) image generation, one job per image")
+@router.post("/images/generations", summary="OpenAI (DALL-E) image generation, one job per image",
+             responses=JOB_ERRORS)
 async def images_generations(body: ImageGenerationRequest, request: Request,
                              idempotency_key: IdempotencyKey = None) -> JSONResponse:
     ctx = get_context(request)
@@ -589,7 +667,10 @@ async def images_generations(body: ImageGenerationRequest, request: Request,
     return JSONResponse(answer, headers=_headers(jobs))
 
 
-@router.post("/audio/speech", summary="OpenAI text to speech, run as a job (WAV)", response_class=Response)
+@router.post("/audio/speech", summary="OpenAI text to speech, run as a job (WAV)", response_class=Response,
+             responses={200: {"description": "The speech as WAV.",
+                              "content": {"audio/wav": {"schema": {"type": "string", "format": "binary"}}}},
+                        **JOB_ERRORS})
 async def audio_speech(body: SpeechRequest, request: Request, idempotency_key: IdempotencyKey = None) -> Response:
     ctx = get_context(request)
     if body.response_format not in (None, "wav"):
@@ -622,7 +703,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [_model(spec) for spec in get_context(request).runtime.catalogue]}
 
 
-@router.get("/models/{model}", summary="One pipeline, as an OpenAI model")
+@router.get("/models/{model}", summary="One pipeline, as an OpenAI model", responses=_openai_errors(404))
 async def get_model(model: str, request: Request) -> dict[str, Any]:
     catalogue = get_context(request).runtime.catalogue
     if model not in catalogue:
