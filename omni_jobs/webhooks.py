@@ -47,6 +47,7 @@ from omni_jobs.jobs.models import (
     now,
 )
 from omni_jobs.jobs.patience import while_store_down
+from omni_jobs.jobs.view import JobJSON
 from omni_jobs.leases import LeaseKeeper
 from omni_jobs.net_guard import HostDoesNotResolve, NetGuard, UnsafeWebhookUrl
 from omni_jobs.steps import DeliverWebhook, StepOutcome
@@ -251,9 +252,12 @@ def post_webhook(client: httpx.Client, url: str, body: bytes, headers: dict[str,
 
 
 class WebhookDeliverer:
-    """Makes one delivery attempt of one message, records it on the job, and schedules the next."""
+    """Makes one delivery attempt of one message, records it on the job, and schedules the next.
 
-    def __init__(self, *, ledger: JobLedger, render: Callable[[Job], dict[str, Any]], signer: WebhookSigner | None,
+    The body is ``render(job)``, the job as a JobView (omni_jobs.jobs.view), plus ``preview`` (the
+    latest output.preview's data) on a preview message."""
+
+    def __init__(self, *, ledger: JobLedger, render: Callable[[Job], JobJSON], signer: WebhookSigner | None,
                  policy: RetryPolicy, timeout_s: float, unsigned_reason: str = "no signing secret",
                  client: httpx.Client | None = None, guard: NetGuard | None = None,
                  keeper: LeaseKeeper | None = None, store_wait_s: float = 600.0) -> None:

@@ -100,6 +100,10 @@ class JobView(_View):
     urls: JobUrls
 
 
+JobJSON = dict[str, Any]
+"""A job as JSON: what :func:`present_job` returns, and what :class:`JobView` describes."""
+
+
 def job_urls(job_id: str, public_url: str) -> dict[str, str]:
     base = f"{public_url.rstrip('/')}/v1/jobs/{job_id}"
     return {"get": base, "cancel": f"{base}/cancel", "events": f"{base}/events"}
@@ -116,7 +120,7 @@ def output_url(job: Job, name: str, *, public_url: str, artifacts: ArtifactStore
 
 
 def present_job(job: Job, *, public_url: str, artifacts: ArtifactStore, presign: bool = True,
-                queue_position: int | None = None) -> dict[str, Any]:
+                queue_position: int | None = None) -> JobJSON:
     """``queue_position``: 1-based place of the job's waiting stage on its queue, when the caller knows it."""
     data = job.model_dump(mode="json")
     data["metrics"] = job.metrics()
