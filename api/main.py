@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import redis
 from fastapi import FastAPI, Request
@@ -33,6 +34,7 @@ from omni_jobs.errors import (
 from omni_jobs.logs import configure_logging
 from omni_jobs.metrics import QUOTA_REFUSALS
 from omni_jobs.metrics import install as install_metrics
+from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.runtime import Runtime
 from omni_jobs.settings import Settings, get_settings
 
@@ -84,6 +86,60 @@ def _unavailable(_: Request, exc: Exception) -> JSONResponse:
     )
 
 
+def _not_nullable(parameter: dict[str, Any]) -> None:
+    """A query or header parameter is absent or a string, never null (there is no null on the wire):
+    FastAPI writes ``X | None = None`` as anyOf [X, null], so a client (or a fuzzer) sends "null"."""
+    schema = parameter.get("schema", {})
+    options = schema.get("anyOf")
+    if options and {"type": "null"} in options:
+        kept = [o for o in options if o != {"type": "null"}]
+        rest = {k: v for k, v in schema.items() if k != "anyOf"}
+        parameter["schema"] = {**rest, **kept[0]} if len(kept) == 1 else {**rest, "anyOf": kept}
+
+
+def _pipeline_enums(schema: dict[str, Any], names: list[str]) -> None:
+    """The pipeline names where the spec takes one: the catalogue is loaded once per process, so the
+    names are fixed for the life of this spec (an unknown one in a body is a 422, in a path a 404)."""
+    components = schema.get("components", {}).get("schemas", {})
+    pipeline = components.get("JobRequest", {}).get("properties", {}).get("pipeline")
+    if pipeline is not None:
+        pipeline["enum"] = names
+    for path, item in schema.get("paths", {}).items():
+        for operation in item.values():
+            for parameter in operation.get("parameters", []):
+                if parameter.get("in") in ("query", "header"):
+                    _not_nullable(parameter)
+                if path == "/v1/pipelines/{name}" and parameter.get("name") == "name":
+                    parameter["schema"]["enum"] = names
+            form = operation.get("requestBody", {}).get("content", {}).get("multipart/form-data", {})
+            field = form.get("schema", {}).get("properties", {}).get("pipeline")
+            if field is not None:
+                form["schema"]["properties"]["pipeline"] = {**field, "enum": names}
+
+
+def _setting_limits(schema: dict[str, Any], settings: Settings) -> None:
+    """Limits that are settings, fixed for the life of the process: in the spec as they are in force."""
+    n = schema.get("components", {}).get("schemas", {}).get("ImageGenerationRequest", {}).get("properties", {}).get("n")
+    if n is not None:
+        n["maximum"] = min(n.get("maximum", settings.max_outputs), settings.max_outputs)
+
+
+def install_openapi(app: FastAPI, settings: Settings) -> None:
+    """The spec FastAPI generates, made to say what the API enforces (see the functions above)."""
+
+    generate = app.openapi  # FastAPI's: it caches its result in app.openapi_schema, patched here once
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            _pipeline_enums(schema, load_catalogue(settings.pipelines_path).names())
+            _setting_limits(schema, settings)
+        assert app.openapi_schema is not None
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     install_metrics()  # the core's telemetry (batches, caches, artifact bytes, job events) as Prometheus metrics
@@ -111,6 +167,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         redoc_url=None,
     )
     docs.install(app)
+    install_openapi(app, settings)
     app.include_router(health.router)
     app.include_router(pipelines.router)
     app.include_router(jobs.router)

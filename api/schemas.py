@@ -6,11 +6,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from omni_jobs.jobs.view import JobView
+
+WEBHOOK_URL = r"^[Hh][Tt][Tt][Pp][Ss]?://([^/?#@\s]*@)?[^/?#@:\[\]\s]+(:[0-9]*)?([/?#]\S*)?$"
+"""What omni_jobs.webhooks.validate_webhook takes: an http(s) URL with a host (checked there, not by
+pydantic). A bracketed IPv6 literal is not in the pattern (it is accepted where it parses)."""
+
 
 class JobRequest(BaseModel):
-    """POST /v1/jobs."""
+    """POST /v1/jobs. ``input`` and ``params`` are checked against the pipeline (GET /v1/pipelines/{name}
+    describes its inputs and each stage's parameters): 422 names each wrong field."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={
+        # a filter without a webhook is refused (422 at webhook_events_filter)
+        "if": {"required": ["webhook_events_filter"], "properties": {"webhook_events_filter": {"type": "array"}}},
+        "then": {"required": ["webhook"], "properties": {"webhook": {"type": "string"}}},
+    })
 
     pipeline: str = Field(min_length=1, max_length=100, examples=["text-to-image"])
     input: dict[str, Any] = Field(examples=[{"prompt": "a red fox in the snow"}])
@@ -18,8 +29,10 @@ class JobRequest(BaseModel):
         None, description="Per-stage overrides keyed by stage id, e.g. {'dit': {'seed': 7, 'height': 64}}."
     )
     webhook: str | None = Field(
-        None, max_length=2048, description="http(s) URL that receives the job (signed, Standard Webhooks) as it changes.",
-        examples=["https://example.com/hooks/omni"],
+        None, max_length=2048, description="http(s) URL that receives the job (signed, Standard Webhooks) as it changes. "
+        "Refused (422) when the server has no signing secret, or when the host is private and not allowed "
+        "(OMNI_WEBHOOK_ALLOW_PRIVATE).",
+        examples=["https://example.com/hooks/omni"], json_schema_extra={"pattern": WEBHOOK_URL},
     )
     priority: Literal["low", "normal", "high"] = Field(
         "normal", description="The order of this tenant's waiting stages: high ones start first; a low one waits "
@@ -35,7 +48,7 @@ class JobRequest(BaseModel):
 
 
 class JobList(BaseModel):
-    data: list[dict[str, Any]]
+    data: list[JobView]
     next_cursor: str | None = Field(None, description="Pass as ?cursor= to get the next page.")
 
 
@@ -48,4 +61,51 @@ class PipelineInfo(BaseModel):
 
 
 class ErrorBody(BaseModel):
-    detail: Any
+    """Every error but a field error: ``{"detail": "what went wrong"}``."""
+
+    detail: str
+
+
+class QuotaErrorBody(ErrorBody):
+    """429: a tenant quota was reached; retry after the Retry-After header."""
+
+    limit: str = Field(description="Which limit: max_active (jobs queued or running at once) or jobs_per_minute.")
+    value: int = Field(description="The limit's value for this tenant.")
+
+
+class FieldErrorItem(BaseModel):
+    loc: list[str | int] = Field(description="Where: ['body', 'input', 'prompt'], ['query', 'limit'], "
+                                 "['header', 'Cancel-After'], ...")
+    msg: str
+    type: str
+
+
+class ValidationErrorBody(BaseModel):
+    """422: the fields that are wrong (FastAPI's HTTPValidationError shape; items may carry more keys)."""
+
+    detail: list[FieldErrorItem]
+
+
+_ERRORS: dict[int, tuple[type[BaseModel], str]] = {
+    400: (ErrorBody, "The body could not be parsed (not JSON, not UTF-8, or a broken multipart form)."),
+    401: (ErrorBody, "No valid API key (Authorization: Bearer <key>)."),
+    404: (ErrorBody, "No such resource, or it belongs to another tenant."),
+    409: (ErrorBody, "Conflict: the job already finished, or the Idempotency-Key was used with another body."),
+    413: (ErrorBody, "The body is larger than OMNI_MAX_REQUEST_BYTES."),
+    422: (ValidationErrorBody, "A field is invalid; `detail` lists each one."),
+    429: (QuotaErrorBody, "A tenant quota was reached: `limit` names it; retry after Retry-After."),
+    503: (ErrorBody, "Overloaded (a queue is full) or a backing service is unavailable; retry after Retry-After."),
+}
+RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "schema": {"type": "string"}}}
+
+
+def errors(*codes: int, **descriptions: str) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these error statuses, each with its body model; ``descriptions``
+    (``e404="..."``) replace the generic text."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for code in codes:
+        model, text = _ERRORS[code]
+        out[code] = {"model": model, "description": descriptions.get(f"e{code}", text)}
+        if code in (429, 503):
+            out[code]["headers"] = RETRY_AFTER
+    return out

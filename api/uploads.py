@@ -40,7 +40,8 @@ OPENAPI: dict[str, Any] = {
                         "input.image": {"type": "string", "format": "binary",
                                         "description": "A file input; name each file part input.<field>"},
                     },
-                    "additionalProperties": {"type": "string", "format": "binary"},
+                    "patternProperties": {r"^input\..+$": {"type": "string", "format": "binary"}},
+                    "additionalProperties": False,
                 }
             }
         },

@@ -47,6 +47,7 @@ from omni_jobs.jobs.models import (
     now,
 )
 from omni_jobs.jobs.patience import while_store_down
+from omni_jobs.jobs.view import JobJSON
 from omni_jobs.leases import LeaseKeeper
 from omni_jobs.net_guard import HostDoesNotResolve, NetGuard, UnsafeWebhookUrl
 from omni_jobs.steps import DeliverWebhook, StepOutcome
@@ -133,7 +134,11 @@ def validate_webhook(url: Any, events: Any) -> JobWebhook | None:
     if not isinstance(url, str):
         errors.append(FieldError(("webhook",), "must be an http(s) URL string", "type_error"))
     else:
-        parts = urlsplit(url)
+        try:
+            parts = urlsplit(url)
+            parts.hostname  # noqa: B018 - a bad [IPv6] literal raises here, not at urlsplit
+        except ValueError as exc:  # was a 500: http://[0]/ is not a URL
+            raise InvalidRequest([FieldError(("webhook",), f"is not a URL: {exc}", "url_parsing")]) from None
         if parts.scheme not in ("http", "https"):
             errors.append(FieldError(("webhook",), f"must be an http:// or https:// URL, got scheme "
                                      f"'{parts.scheme or '(none)'}'", "url_scheme"))
@@ -247,9 +252,12 @@ def post_webhook(client: httpx.Client, url: str, body: bytes, headers: dict[str,
 
 
 class WebhookDeliverer:
-    """Makes one delivery attempt of one message, records it on the job, and schedules the next."""
+    """Makes one delivery attempt of one message, records it on the job, and schedules the next.
 
-    def __init__(self, *, ledger: JobLedger, render: Callable[[Job], dict[str, Any]], signer: WebhookSigner | None,
+    The body is ``render(job)``, the job as a JobView (omni_jobs.jobs.view), plus ``preview`` (the
+    latest output.preview's data) on a preview message."""
+
+    def __init__(self, *, ledger: JobLedger, render: Callable[[Job], JobJSON], signer: WebhookSigner | None,
                  policy: RetryPolicy, timeout_s: float, unsigned_reason: str = "no signing secret",
                  client: httpx.Client | None = None, guard: NetGuard | None = None,
                  keeper: LeaseKeeper | None = None, store_wait_s: float = 600.0) -> None:

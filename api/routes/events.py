@@ -20,13 +20,18 @@ from fastapi.responses import StreamingResponse
 
 from api.auth import Tenant, authenticate
 from api.deps import ApiContext, get_context
+from api.schemas import errors
 from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound
 from omni_jobs.jobs.models import FINAL_EVENTS
 from omni_jobs.jobs.watch import STREAM_ID
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authenticate)])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authenticate)], responses=errors(401, 503))
 Ctx = Annotated[ApiContext, Depends(get_context)]
 
+EVENT_ID = r"^\d{1,19}-\d{1,19}$"
+"""A Redis stream id (ms-seq), in the spec and checked by FastAPI (422). Nineteen digits each, not
+watch.STREAM_ID's twenty: a twenty-digit part can pass 2**64 - 1, which Redis refuses in the middle
+of the stream (the answer was cut short); this server's ids have thirteen."""
 HEARTBEAT_S = 15.0
 RECONNECT_MS = 2000
 
@@ -46,14 +51,18 @@ def _start_after(last_event_id: str | None, after: str | None) -> str:
     "/{job_id}/events",
     summary="Stream the job's events (Server-Sent Events) until it ends",
     response_class=StreamingResponse,
-    responses={200: {"content": {"text/event-stream": {}}}},
+    responses={200: {"description": "`retry:`, then `id:`/`event:`/`data:` messages (each event as JSON; the final "
+                     "one's data adds `job`, the JobView) and `: keep-alive` comments, until the job ends.",
+                     "content": {"text/event-stream": {}}},
+               **errors(404, 422, e422="Last-Event-ID or `after` is not an event id this stream gave.")},
 )
 async def job_events(
     job_id: str,
     ctx: Ctx,
     tenant: Tenant,
-    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=64)] = None,
-    after: Annotated[str | None, Query(max_length=64, description="Resume after this event id.")] = None,
+    last_event_id: Annotated[str | None, Header(alias="Last-Event-ID", max_length=64, pattern=EVENT_ID)] = None,
+    after: Annotated[str | None, Query(max_length=64, pattern=EVENT_ID,
+                                       description="Resume after this event id (like 1712345678901-0).")] = None,
 ) -> StreamingResponse:
     start = _start_after(last_event_id, after)
     watcher = ctx.watcher

@@ -8,11 +8,12 @@ from fastapi import APIRouter, Depends, HTTPException, status
 
 from api.auth import authenticate
 from api.deps import ApiContext, get_context
-from api.schemas import PipelineInfo
+from api.schemas import PipelineInfo, errors
 from omni_jobs.errors import UnknownPipeline
 from omni_jobs.pipelines.spec import PipelineSpec
 
-router = APIRouter(prefix="/v1/pipelines", tags=["pipelines"], dependencies=[Depends(authenticate)])
+router = APIRouter(prefix="/v1/pipelines", tags=["pipelines"], dependencies=[Depends(authenticate)],
+                   responses=errors(401, 503))
 Ctx = Annotated[ApiContext, Depends(get_context)]
 
 
@@ -36,7 +37,7 @@ def list_pipelines(ctx: Ctx) -> list[PipelineInfo]:
 
 
 @router.get("/{name}", summary="Get one pipeline",
-            responses={404: {"description": "No pipeline of that name; the message lists the known ones."}})
+            responses=errors(404, e404="No pipeline of that name; the message lists the known ones."))
 def get_pipeline(name: str, ctx: Ctx) -> PipelineInfo:
     try:
         spec = ctx.runtime.catalogue.get(name)

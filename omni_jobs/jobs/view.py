@@ -1,15 +1,107 @@
 """The public JSON of a job: the stored Job plus what is derived at read time (URLs, metrics).
 
 Presigned URLs expire, so they are made when a job is shown, never stored. API responses, SSE
-and webhooks all use this one function so that clients see one shape.
+and webhooks all use this one function so that clients see one shape, and :class:`JobView` is
+that shape as a model: the ``response_model`` of every job route (so the OpenAPI spec describes
+it), the ``job`` of webhook bodies and of SSE final events, and what a client parses.
+
+:func:`present_job` builds the JSON as a plain dict (the hot path: one ``model_dump``, no second
+validation); ``JobView.model_validate(present_job(...))`` holds for every job, which the tests
+check with ``extra="forbid"`` on each job JSON they see.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from omni_jobs.artifacts import ArtifactStore
-from omni_jobs.jobs.models import Job
+from omni_jobs.artifacts.refs import ArtifactRef
+from omni_jobs.jobs.models import Job, JobError, JobStatus, JobWebhook, Priority, Progress, StageStatus
+
+
+class _View(BaseModel):
+    # Clients parse with the default (extra ignored): a newer server may add fields. Tests forbid extras.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StageView(_View):
+    """One stage of the job as shown: its record plus derived times."""
+
+    id: str
+    engine: str
+    queue: str
+    status: StageStatus
+    queued_at: float | None
+    started_at: float | None
+    finished_at: float | None
+    worker: str | None
+    attempts: int
+    outputs: dict[str, ArtifactRef] = Field(description="The stage's output ports and where each is stored.")
+    metrics: dict[str, float] = Field(description="Stage timings, e.g. engine_s.")
+    duration_s: float | None = Field(description="finished_at - started_at, once both are known.")
+    wait_s: float | None = Field(description="started_at - queued_at: how long the stage waited for a worker.")
+
+
+class OutputView(_View):
+    """A final output. Optional fields are absent (not null) when they do not apply."""
+
+    name: str
+    type: str = Field(description="text | image | audio | video | latents | ...")
+    media_type: str
+    size: int
+    url: str = Field(description="Where to download it: a presigned URL, or GET /v1/jobs/{id}/outputs/{name}.")
+    width: int | None = None
+    height: int | None = None
+    duration_s: float | None = None
+    sample_rate: int | None = None
+    frames: int | None = Field(None, description="For videos: the number of frames.")
+    fps: float | None = Field(None, description="For videos: frames per second.")
+    shape: list[int] | None = Field(None, description="For tensor outputs (latents, hidden states): the shape.")
+    text: str | None = Field(None, description="For text outputs: the text itself.")
+
+
+class JobMetrics(_View):
+    queue_time_s: float | None = Field(description="started_at - created_at.")
+    run_time_s: float | None = Field(description="completed_at - started_at.")
+    total_time_s: float | None = Field(description="completed_at - created_at.")
+
+
+class JobUrls(_View):
+    get: str
+    cancel: str
+    events: str = Field(description="The job's Server-Sent Events.")
+
+
+class JobView(_View):
+    """The job object: what GET /v1/jobs/{id}, lists, SSE final events and webhooks carry."""
+
+    id: str = Field(examples=["job_5f0c2a9e1b7d4c3a8e6f0b1d"])
+    pipeline: str
+    status: JobStatus
+    input: dict[str, Any]
+    params: dict[str, dict[str, Any]] = Field(description="Per-stage parameters in force.")
+    stage: str | None = Field(description="The stage running now.")
+    progress: Progress | None
+    stages: list[StageView]
+    outputs: list[OutputView]
+    error: JobError | None
+    created_at: float
+    started_at: float | None
+    completed_at: float | None
+    webhook: JobWebhook | None
+    deadline_at: float | None = Field(description="The job is canceled if it has not finished by then.")
+    tenant: str = Field(description="Who owns the job (the API key's tenant); only it sees the job.")
+    priority: Priority
+    metrics: JobMetrics
+    queue_position: int | None = Field(description="1-based place of the job's waiting stage on its queue, "
+                                       "when known (GET and submit answers); null once running or in lists.")
+    urls: JobUrls
+
+
+JobJSON = dict[str, Any]
+"""A job as JSON: what :func:`present_job` returns, and what :class:`JobView` describes."""
 
 
 def job_urls(job_id: str, public_url: str) -> dict[str, str]:
@@ -28,7 +120,7 @@ def output_url(job: Job, name: str, *, public_url: str, artifacts: ArtifactStore
 
 
 def present_job(job: Job, *, public_url: str, artifacts: ArtifactStore, presign: bool = True,
-                queue_position: int | None = None) -> dict[str, Any]:
+                queue_position: int | None = None) -> JobJSON:
     """``queue_position``: 1-based place of the job's waiting stage on its queue, when the caller knows it."""
     data = job.model_dump(mode="json")
     data["metrics"] = job.metrics()

@@ -20,6 +20,7 @@ from omni_jobs.local.devservices import RunningService, free_port
 from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.settings import Settings
 from omni_jobs.webhooks import generate_secret
+from tests.e2e.job_contract import check_job_responses
 
 E2E_REDIS_DB = 3  # the integration tests flush DB 0 of the shared server; the system lives apart
 
@@ -112,5 +113,6 @@ def auth_headers(key: str | None) -> dict[str, str]:
 @pytest.fixture
 def api(system: EmbeddedSystem) -> Iterator[httpx.Client]:
     """The API as the demo tenant (the system's own key: auth is on in the tests, as in deployments)."""
-    with httpx.Client(base_url=system.api_url, timeout=30, headers=auth_headers(system.api_key)) as client:
+    with httpx.Client(base_url=system.api_url, timeout=30, headers=auth_headers(system.api_key),
+                      event_hooks={"response": [check_job_responses]}) as client:  # every job JSON is a JobView
         yield client

@@ -11,6 +11,7 @@ import pytest
 
 from omni_jobs.local.embedded import EmbeddedSystem
 from tests.e2e.helpers import submit, wait_for_job
+from tests.e2e.job_contract import assert_job_view
 
 SMALL_IMAGE = {"ar": {"max_tokens": 6}, "dit": {"height": 32, "width": 32, "num_inference_steps": 4, "seed": 2}}
 SLOW_IMAGE = {"ar": {"max_tokens": 4}, "dit": {"height": 384, "width": 384, "num_inference_steps": 200}}
@@ -33,6 +34,8 @@ def read_sse(system: EmbeddedSystem, job_id: str, headers: dict[str, str] | None
             assert time.monotonic() - started < timeout_s, "the stream did not end"
             if not line:
                 if "data" in current:
+                    if current["data"].get("job") is not None:  # a final event carries the job: a JobView
+                        assert_job_view(current["data"]["job"])
                     messages.append(current)
                 current = {}
             elif line.startswith((":", "retry:")):

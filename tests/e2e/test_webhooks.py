@@ -18,6 +18,7 @@ from standardwebhooks.webhooks import Webhook
 from omni_jobs.local.embedded import EmbeddedSystem
 from tests.e2e.conftest import WEBHOOK_SECRETS
 from tests.e2e.helpers import wait_for_job
+from tests.e2e.job_contract import assert_job_view
 from tests.webhook_receiver import Answer, Received, WebhookReceiver
 
 MAX_ATTEMPTS = 4  # OMNI_WEBHOOK_MAX_ATTEMPTS in the test system
@@ -34,6 +35,7 @@ def verify(received: Received) -> dict[str, Any]:
     bodies = [Webhook(secret).verify(received.body, received.headers) for secret in WEBHOOK_SECRETS]
     assert bodies[0] == bodies[1]
     body: dict[str, Any] = bodies[0]
+    assert_job_view({k: v for k, v in body.items() if k != "preview"})  # the job, plus a preview's data
     return body
 
 

@@ -1,0 +1,135 @@
+"""omni_jobs.openai_compat: OpenAI requests to (pipeline, input, params), finished jobs to answers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from omni_jobs.jobs.models import Job, JobError, JobOutput, JobStatus
+from omni_jobs.openai_compat import (
+    ChatCompletionRequest,
+    ImageGenerationRequest,
+    OpenAIError,
+    SpeechRequest,
+    chat_completion,
+    finished,
+    image_items,
+    images_response,
+    plan_chat,
+    plan_images,
+    plan_speech,
+    prompt_from_messages,
+)
+from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
+
+
+@pytest.fixture(scope="module")
+def catalogue() -> PipelineCatalogue:
+    return load_catalogue()
+
+
+def chat(**fields: Any) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}],
+                                                 **fields})
+
+
+def test_chat_picks_text_to_text_and_maps_sampling_to_the_ar_stage(catalogue: PipelineCatalogue) -> None:
+    plan = plan_chat(catalogue, chat(max_tokens=7, temperature=0.5))
+    assert plan.spec.name == "text-to-text" and plan.input == {"prompt": "hi"} and plan.wanted == ["text"]
+    (params,) = plan.params
+    ar = next(s.id for s in plan.spec.stages if s.engine == "ar")
+    assert params[ar] == {"max_tokens": 7, "temperature": 0.5}
+    assert plan.origin[(ar, "max_tokens")] == "max_tokens" and plan.prompt_param == "messages"
+
+
+def test_chat_image_modality_picks_an_image_pipeline_with_the_size(catalogue: PipelineCatalogue) -> None:
+    plan = plan_chat(catalogue, chat(modalities=["image"], size="64x48"))
+    assert plan.spec.name == "text-to-image"
+    dit = next(s.id for s in plan.spec.stages if s.engine == "dit")
+    assert (plan.params[0][dit]["width"], plan.params[0][dit]["height"]) == (64, 48)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"n": None, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": True, "modalities": ["image"]}, "stream"),
+    ({"size": "big", "modalities": ["image"]}, "size"),
+    ({"model": "text-to-text", "modalities": ["audio"]}, "modalities"),
+    ({"audio": {"format": "mp3"}}, "audio.format"),
+])
+def test_chat_refusals_name_the_parameter(catalogue: PipelineCatalogue, fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(OpenAIError) as err:
+        plan_chat(catalogue, chat(**fields))
+    assert err.value.status == 400 and err.value.param == param
+    assert err.value.body()["error"]["param"] == param
+
+
+def test_messages_must_hold_text() -> None:
+    def messages(*contents: Any) -> list[Any]:
+        return ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": c} for c in contents]}).messages
+
+    assert prompt_from_messages(messages("hello")) == "hello"
+    assert prompt_from_messages(messages([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])) == "a\nb"
+    assert prompt_from_messages(messages("q", "a")) == "User: q\nUser: a\nAssistant:"
+    for bad, param in [("  ", "messages[1].content"), ([], "messages[1].content"),
+                       ([{"type": "text", "text": " "}], "messages[1].content[0].text"),
+                       ([{"type": "text"}], "messages[1].content[0].text"),
+                       ([{"type": "image_url", "image_url": {"url": "x"}}], "messages[1].content[0]")]:
+        with pytest.raises(OpenAIError) as err:
+            prompt_from_messages(messages("ok", bad))  # one message without text is refused, not skipped
+        assert (err.value.status, err.value.param) == (400, param)
+
+
+def test_images_run_n_jobs_with_consecutive_seeds(catalogue: PipelineCatalogue) -> None:
+    body = ImageGenerationRequest.model_validate({"prompt": "a fox", "n": 3, "seed": 10})
+    plan = plan_images(catalogue, body, max_outputs=10)
+    dit = next(s.id for s in plan.spec.stages if s.engine == "dit")
+    assert [p[dit]["seed"] for p in plan.params] == [10, 11, 12]
+    with pytest.raises(OpenAIError, match="OMNI_MAX_OUTPUTS"):
+        plan_images(catalogue, body, max_outputs=2)
+
+
+def test_speech_takes_wav_only(catalogue: PipelineCatalogue) -> None:
+    plan = plan_speech(catalogue, SpeechRequest.model_validate({"model": "tts-1", "input": "hello"}))
+    assert plan.spec.name == "text-to-audio" and plan.input == {"prompt": "hello"} and plan.prompt_param == "input"
+    with pytest.raises(OpenAIError, match="use 'wav'"):
+        plan_speech(catalogue, SpeechRequest.model_validate({"model": "tts-1", "input": "x", "response_format": "mp3"}))
+
+
+def job(status: JobStatus = JobStatus.succeeded, **fields: Any) -> Job:
+    return Job.model_validate({"id": "job_1", "pipeline": "text-to-image", "status": status, "input": {},
+                               "stages": [], "created_at": 100.0, "completed_at": 101.0, **fields})
+
+
+def output(name: str, type_: str, **fields: Any) -> JobOutput:
+    ref = {"backend": "redis", "key": f"k/{name}", "media_type": "x/y", "size": 1, "sha256": "0" * 64}
+    return JobOutput.model_validate({"name": name, "type": type_, "media_type": "image/png", "size": 1,
+                                     "artifact": ref, **fields})
+
+
+def test_finished_answers_failure_and_timeout_in_openais_shape() -> None:
+    ok = job()
+    assert finished([ok], [ok], wait_s=1) == [ok]
+    failed = job(JobStatus.failed, error=JobError(stage="dit", type="EngineError", message="boom"))
+    with pytest.raises(OpenAIError) as err:
+        finished([ok], [failed], wait_s=1)
+    assert (err.value.status, err.value.code, err.value.headers()["x-should-retry"]) == (500, "job_failed", "false")
+    with pytest.raises(OpenAIError) as err:
+        finished([ok], [job(JobStatus.running)], wait_s=2)
+    assert (err.value.status, err.value.code) == (504, "job_timeout") and "after 2s" in err.value.message
+    with pytest.raises(OpenAIError, match="disappeared"):
+        finished([ok], [None], wait_s=1)
+
+
+def test_answers_from_a_finished_job(catalogue: PipelineCatalogue) -> None:
+    done = job(outputs=[output("image", "image", width=64, height=48), output("text", "text", text="a fox")])
+    plan = plan_chat(catalogue, chat(modalities=["text", "image"]))
+    answer = chat_completion(plan, done, finish="stop", usage=None, data={"image": b"PNG"}, output_ttl_s=60)
+    assert answer["id"] == "chatcmpl-job_1" and answer["model"] == plan.spec.name
+    text, image = answer["choices"]
+    assert text["message"]["content"] == "a fox"
+    assert image["message"]["content"] == [{"type": "image_url", "image_url": {"url": "data:image/png;base64,UE5H"}}]
+    items = image_items(done, None, data={"image": b"PNG"})
+    assert items == [{"b64_json": "UE5H", "revised_prompt": "a fox"}]
+    assert images_response([done], items) == {"created": 100, "data": items, "output_format": "png", "size": "64x48"}
