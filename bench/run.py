@@ -71,6 +71,8 @@ class Arm:
     """First to last job created: how long the clients took to hand the system all the work."""
     cpu_s: dict[str, list[float]] = field(default_factory=dict)
     """CPU seconds (user + system) per process and repetition: where the machine's time went."""
+    batch_mean: dict[str, list[float]] = field(default_factory=dict)
+    """Mean requests per engine call (admissions for AR) per worker and repetition, from its metrics."""
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -82,6 +84,7 @@ class Arm:
             "peak_rss_mib": self.rss_mib,
             "cpu_s": {k: statistics.median(v) for k, v in self.cpu_s.items()},
             "submit_span_s": statistics.median(self.submit_span_s) if self.submit_span_s else None,
+            "batch_mean": {k: [round(x, 2) for x in v] for k, v in self.batch_mean.items()},
         }
 
 
@@ -210,6 +213,23 @@ class Bench:
                 return _peak_rss_mib(proc.pid)
         return float("nan")
 
+    def batch_counts(self, node: str) -> tuple[float, float]:
+        """(requests, engine calls) the worker ``node`` counted so far (omni_jobs_engine_batch_size)."""
+        assert self.system
+        port = self.system.metrics_ports.get(node)
+        if port is None:
+            return (0.0, 0.0)
+        try:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return (0.0, 0.0)
+        total = {"sum": 0.0, "count": 0.0}
+        for line in text.splitlines():
+            for part in total:
+                if line.startswith(f"omni_jobs_engine_batch_size_{part}{{"):
+                    total[part] += float(line.rsplit(" ", 1)[1])
+        return (total["sum"], total["count"])
+
     def cpu_times(self) -> dict[str, float]:
         """CPU seconds used so far by each process of the system (Redis, API, workers) and this driver."""
         assert self.system
@@ -261,7 +281,13 @@ class Bench:
         """One repetition of N jobs through the API; adds its figures to ``arm``."""
         texts = prompts(self.n, rep + (100 if pipeline.endswith("-naive") else 0) + salt)
         cpu_before = self.cpu_times()
+        nodes = [] if pipeline.endswith("-naive") else (["ar-b", "dit-b"] if pipeline.endswith("-b") else ["ar", "dit"])
+        batches_before = {n: self.batch_counts(n) for n in nodes}
         jobs = self.run_jobs(pipeline, texts, params)
+        for n in nodes:
+            (s1, c1), (s0, c0) = self.batch_counts(n), batches_before[n]
+            if c1 > c0:
+                arm.batch_mean.setdefault(n, []).append((s1 - s0) / (c1 - c0))
         for name, cpu in self.cpu_times().items():
             arm.cpu_s.setdefault(name, []).append(cpu - cpu_before.get(name, 0.0))
         start = min(j.created_at for j in jobs)
@@ -476,6 +502,8 @@ class Bench:
         else:
             naive.jobs_per_s = [float("nan")] * self.reps
         print(f"  system cpu {_cpu_line(system.summary()['cpu_s'])} submit span {system.submit_span_s}", flush=True)
+        print(f"  mean batch: system {system.summary()['batch_mean']}"
+              + (f", B {b.summary()['batch_mean']}" if b.jobs_per_s else ""), flush=True)
         print(f"  naive  cpu {_cpu_line(naive.summary()['cpu_s'])}", flush=True)
         over_direct, over_naive = _ratios(system.jobs_per_s, direct.jobs_per_s), _ratios(system.jobs_per_s, naive.jobs_per_s)
         self.results["rows"][w.name] = {
