@@ -154,7 +154,7 @@ def on_worker_ready(sender: Any = None, **_: Any) -> None:
         startup.check_models(name, preload_engines(set(queues)), settings)
     rt.relay(partial(publish_steps, app)).start()
     rt.reaper.start()
-    concurrency = int(getattr(sender, "concurrency", 1) or 1)  # the scheduler's window counts it
+    concurrency = worker_concurrency(sender)  # the scheduler's window counts it
     configure_batch_filling(rt, queues, concurrency)
     _heartbeat["stop"] = start_heartbeat(rt.redis, name, queues, concurrency)
     _heartbeat["name"] = name
@@ -169,6 +169,18 @@ def on_worker_shutdown(**_: Any) -> None:
 
 
 _heartbeat: dict[str, object] = {}
+
+
+def worker_concurrency(consumer: Any) -> int:
+    """Tasks this worker runs at once. worker_ready's sender is the Consumer, which has no
+    ``concurrency`` of its own: read its WorkController's (or its pool's limit). Reading the consumer
+    alone gave 1, so the scheduler's window let out 3 tasks at a time to a -c 64 stage worker."""
+    for value in (getattr(getattr(consumer, "controller", None), "concurrency", None),
+                  getattr(getattr(consumer, "pool", None), "limit", None),
+                  getattr(consumer, "concurrency", None)):
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1
 
 
 def configure_batch_filling(rt: Runtime, queues: Sequence[str], concurrency: int) -> None:
