@@ -72,6 +72,8 @@ class Arm:
     """First to last job created: how long the clients took to hand the system all the work."""
     cpu_s: dict[str, list[float]] = field(default_factory=dict)
     """CPU seconds (user + system) per process and repetition: where the machine's time went."""
+    batch_mean: dict[str, list[float]] = field(default_factory=dict)
+    """Mean requests per engine call (admissions for AR) per worker and repetition, from its metrics."""
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -83,6 +85,7 @@ class Arm:
             "peak_rss_mib": self.rss_mib,
             "cpu_s": {k: statistics.median(v) for k, v in self.cpu_s.items()},
             "submit_span_s": statistics.median(self.submit_span_s) if self.submit_span_s else None,
+            "batch_mean": {k: [round(x, 2) for x in v] for k, v in self.batch_mean.items()},
         }
 
 
@@ -117,7 +120,7 @@ def pipelines(batch: int, ar_tokens: int, steps: int) -> list[dict[str, Any]]:
                 "defaults": {"height": size, "width": size, "num_inference_steps": steps, "seed": 0}, **extra}
 
     out: list[dict[str, Any]] = []
-    for suffix, queue_sfx, policy in (("", "", batched), ("-naive", "-naive", naive)):
+    for suffix, queue_sfx, policy in (("", "", batched), ("-naive", "-naive", naive), ("-b", "-b", batched)):
         inputs = {"prompt": {"type": "text", "max_length": 2000}}
         out.append({"name": f"b-text{suffix}", "inputs": inputs, "stages": [ar_stage("ar" + queue_sfx, policy, ar_tokens)],
                     "outputs": [{"name": "text", "from": "ar.text"}]})
@@ -178,10 +181,26 @@ class Bench:
                                      with_flower=False)
         os.environ.setdefault("OMNI_AUTH_ENABLED", "false")
         self.system.start(say=lambda m: print(f"  [system] {m}", flush=True))
+        if self.args.ab:
+            self.start_b_workers(env)
         assert self.system.redis_url
         headers = {"Authorization": f"Bearer {self.system.api_key}"} if self.system.api_key else {}
         self.api = httpx.Client(base_url=self.system.api_url, timeout=60, headers=headers)
         self.store = RedisJobStore(redis.Redis.from_url(self.system.redis_url), ttl_s=3600)
+
+    def start_b_workers(self, env: dict[str, str]) -> None:
+        """The B arm (--ab KEY=VALUE ...): threads workers on the ar-b/dit-b queues, as the system's own
+        but with these settings, so that one run compares both side by side."""
+        assert self.system
+        overrides = dict(kv.split("=", 1) for kv in self.args.ab)
+        for queue in ("ar-b", "dit-b"):
+            node = queue
+            self.system.metrics_ports[node] = free_port()
+            argv = [sys.executable, "-m", "celery", "-A", "workers.app:app", "worker", "-Q", queue, "-P", "threads",
+                    "-c", env["OMNI_STAGE_MAX_IN_FLIGHT"], "-n", f"{node}@%h", "--loglevel", "INFO"]
+            self.system._spawn(f"worker-{node}", argv, 0, lambda: True,
+                               env={"OMNI_METRICS_PORT": str(self.system.metrics_ports[node]), **overrides})
+        self.system.wait_for_workers({"ar-b", "dit-b"})
 
     def stop(self) -> None:
         if self.system is not None:
@@ -194,6 +213,23 @@ class Bench:
             if proc.name == f"worker-{queue}" and proc.pid:
                 return _peak_rss_mib(proc.pid)
         return float("nan")
+
+    def batch_counts(self, node: str) -> tuple[float, float]:
+        """(requests, engine calls) the worker ``node`` counted so far (omni_jobs_engine_batch_size)."""
+        assert self.system
+        port = self.system.metrics_ports.get(node)
+        if port is None:
+            return (0.0, 0.0)
+        try:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return (0.0, 0.0)
+        total = {"sum": 0.0, "count": 0.0}
+        for line in text.splitlines():
+            for part in total:
+                if line.startswith(f"omni_jobs_engine_batch_size_{part}{{"):
+                    total[part] += float(line.rsplit(" ", 1)[1])
+        return (total["sum"], total["count"])
 
     def cpu_times(self) -> dict[str, float]:
         """CPU seconds used so far by each process of the system (Redis, API, workers) and this driver."""
@@ -246,7 +282,13 @@ class Bench:
         """One repetition of N jobs through the API; adds its figures to ``arm``."""
         texts = prompts(self.n, rep + (100 if pipeline.endswith("-naive") else 0) + salt)
         cpu_before = self.cpu_times()
+        nodes = [] if pipeline.endswith("-naive") else (["ar-b", "dit-b"] if pipeline.endswith("-b") else ["ar", "dit"])
+        batches_before = {n: self.batch_counts(n) for n in nodes}
         jobs = self.run_jobs(pipeline, texts, params)
+        for n in nodes:
+            (s1, c1), (s0, c0) = self.batch_counts(n), batches_before[n]
+            if c1 > c0:
+                arm.batch_mean.setdefault(n, []).append((s1 - s0) / (c1 - c0))
         for name, cpu in self.cpu_times().items():
             arm.cpu_s.setdefault(name, []).append(cpu - cpu_before.get(name, 0.0))
         start = min(j.created_at for j in jobs)
@@ -433,7 +475,9 @@ class Bench:
         # warm-up: a full batch through the system, a job through the naive path: no arm pays first-call costs
         self.run_jobs(w.pipeline, [f"warm up {t}" for t in prompts(min(self.args.batch, self.n), 998)])
         self.run_jobs(w.pipeline + "-naive", ["warm up two"])
-        direct, system, naive = Arm(), Arm(), Arm()
+        direct, system, naive, b = Arm(), Arm(), Arm(), Arm()
+        if self.args.ab:
+            self.run_jobs(w.pipeline + "-b", [f"warm up {t}" for t in prompts(min(self.args.batch, self.n), 997)])
         with self.direct_process(w) as child:
             for rep in range(self.reps):
                 d = child.rep(rep)
@@ -442,14 +486,25 @@ class Bench:
                 direct.cpu_s.setdefault("driver", []).append(d["cpu_s"])
                 for k, v in d["stage_s"].items():
                     direct.stage_s.setdefault(k, []).append(v)
+                if self.args.ab and rep % 2:  # alternate which of the two goes first
+                    self.system_rep(w.pipeline + "-b", rep, b, salt=500)
                 self.system_rep(w.pipeline, rep, system)
-                self.system_rep(w.pipeline + "-naive", rep, naive)
+                if self.args.ab and not rep % 2:
+                    self.system_rep(w.pipeline + "-b", rep, b, salt=500)
+                if not self.args.no_naive:
+                    self.system_rep(w.pipeline + "-naive", rep, naive)
                 print(f"  rep {rep + 1}: direct {direct.jobs_per_s[-1]:.2f}, system {system.jobs_per_s[-1]:.2f}, "
-                      f"naive {naive.jobs_per_s[-1]:.2f} jobs/s", flush=True)
+                      + (f"B {b.jobs_per_s[-1]:.2f}, " if self.args.ab else "")
+                      + (f"naive {naive.jobs_per_s[-1]:.2f} " if naive.jobs_per_s else "") + "jobs/s", flush=True)
             direct.rss_mib = child.close()["rss_mib"]
         system.rss_mib = {q: round(self.worker_rss(q), 1) for q in queues}
-        naive.rss_mib = {f"{q}-naive": round(self.worker_rss(f"{q}-naive"), 1) for q in queues}
+        if naive.jobs_per_s:
+            naive.rss_mib = {f"{q}-naive": round(self.worker_rss(f"{q}-naive"), 1) for q in queues}
+        else:
+            naive.jobs_per_s = [float("nan")] * self.reps
         print(f"  system cpu {_cpu_line(system.summary()['cpu_s'])} submit span {system.submit_span_s}", flush=True)
+        print(f"  mean batch: system {system.summary()['batch_mean']}"
+              + (f", B {b.summary()['batch_mean']}" if b.jobs_per_s else ""), flush=True)
         print(f"  naive  cpu {_cpu_line(naive.summary()['cpu_s'])}", flush=True)
         over_direct, over_naive = _ratios(system.jobs_per_s, direct.jobs_per_s), _ratios(system.jobs_per_s, naive.jobs_per_s)
         self.results["rows"][w.name] = {
@@ -457,6 +512,15 @@ class Bench:
             "system_over_direct": statistics.median(over_direct), "system_over_naive": statistics.median(over_naive),
             "system_over_direct_runs": [round(r, 3) for r in over_direct],
         }
+        if b.jobs_per_s:
+            ab = _ratios(system.jobs_per_s, b.jobs_per_s)
+            b_direct = _ratios(b.jobs_per_s, direct.jobs_per_s)
+            self.results["rows"][w.name].update({
+                "b": b.summary(), "b_env": self.args.ab, "b_over_direct": statistics.median(b_direct),
+                "system_over_b": statistics.median(ab), "system_over_b_runs": [round(r, 3) for r in ab]})
+            print(f"  A/B: system/B {statistics.median(ab):.3f} (runs {[round(r, 3) for r in ab]}), B/direct "
+                  f"{statistics.median(b_direct):.3f}, system/direct {statistics.median(over_direct):.3f}; "
+                  f"p50 system {_f(system.summary()['p50_s'])} s, B {_f(b.summary()['p50_s'])} s", flush=True)
 
     def hops(self) -> None:
         """Queue overhead per hop on an idle system: jobs one at a time through the multi-stage pipeline."""
@@ -565,6 +629,14 @@ def _reply(data: dict[str, Any]) -> None:
     print(_REPLY + json.dumps(data), flush=True)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def _ratios(a: list[float], b: list[float]) -> list[float]:
     """a[i] / b[i]: repetition i of both arms ran back to back, under the same conditions."""
     return [x / y for x, y in zip(a, b, strict=True)]
@@ -652,6 +724,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "results", help="where the JSON goes")
     p.add_argument("--previews", type=int, nargs="?", const=5, default=None, metavar="N",
                    help="measure only what DiT previews cost: preview_every 0 vs N (default 5), side by side")
+    p.add_argument("--ab", nargs="+", default=None, metavar="KEY=VALUE",
+                   help="a B arm: the same system arm on twin workers with these settings (e.g. "
+                        "OMNI_BATCH_FILL_WAIT_MS=0), paired with the system arm in every repetition")
+    p.add_argument("--no-naive", action="store_true", help="skip the naive arm (shorter A/B runs)")
     p.add_argument("--direct", default=None, help=argparse.SUPPRESS)  # internal: one direct arm, JSON out
     args = p.parse_args(argv)
     args.jobs = args.jobs or (8 if args.quick else 64)

@@ -6,6 +6,12 @@ to ``wait_ms`` (or until ``max_batch_size`` are waiting), groups the compatible 
 and makes ONE engine call per group, so vLLM and diffusers see batches, not single requests.
 While a batch runs, new requests gather for the next one, so a busy engine is never idle waiting.
 
+Batch filling: when a batch is about to start with room left while more work for this process is
+known to be on its way (stage tasks it has received whose engine request has not reached a
+batcher yet, or messages waiting in its queues while it has free slots: ``Arrivals``), it waits up
+to ``fill_wait_ms`` more for them; when nothing else is coming it starts at once, so a lone job's
+latency does not grow.
+
 Each caller gets its own result or its own exception: the engine call reports a result or an
 exception per member, and when the whole call fails the members are retried one by one, so one bad
 request (an over-long prompt, a shape the model refuses) fails only its own job.
@@ -17,7 +23,8 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -60,6 +67,91 @@ class Member(Generic[R]):
             self.progress(done, total)
 
 
+class Arrivals:
+    """Work on its way to this process's batchers: what a starting batch may wait for (batch filling).
+
+    A stage worker reports each stage task it receives (``received``, from the broker consumer) and
+    runs it inside ``task``; the task counts as *arriving* until its thread submits to a batcher (or
+    the task ends without an engine call: a cache hit, a skipped attempt, an error). ``probe``
+    (optional) says how many messages wait in the worker's queues; they count only while the worker
+    has free slots to take them. ``fill_wait_ms`` 0 (the default, and in-process use): no filling.
+    """
+
+    def __init__(self, fill_wait_ms: float = 0.0, *, probe: Callable[[], int] | None = None, capacity: int = 0,
+                 expire_s: float = 30.0) -> None:
+        self.fill_wait_ms = fill_wait_ms
+        self.probe = probe
+        self.capacity = capacity
+        self.expire_s = expire_s
+        self._lock = threading.Lock()
+        self._waiting: dict[str, float] = {}  # token -> received at (monotonic)
+        self._active = 0  # tasks inside ``task``
+        self._local = threading.local()
+        self._batchers: weakref.WeakSet[Batcher[Any, Any]] = weakref.WeakSet()
+
+    def configure(self, fill_wait_ms: float, *, probe: Callable[[], int] | None = None, capacity: int = 0) -> None:
+        self.fill_wait_ms, self.probe, self.capacity = fill_wait_ms, probe, capacity
+
+    def received(self, token: str) -> None:
+        with self._lock:
+            self._waiting.setdefault(token, time.monotonic())
+
+    @contextmanager
+    def task(self, token: str) -> Iterator[None]:
+        """Around one stage task in its own thread: arriving until its first ``submit``."""
+        self.received(token)
+        with self._lock:
+            self._active += 1
+        self._local.token = token
+        try:
+            yield
+        finally:
+            self._local.token = None
+            with self._lock:
+                self._active -= 1
+                left = self._waiting.pop(token, None) is not None
+            if left:  # it never reached a batcher: a filling batch must not wait for it
+                for b in list(self._batchers):
+                    b.wake()
+
+    def submitted(self) -> None:
+        """The calling thread's task reached a batcher (called by ``Batcher.submit``, under its lock)."""
+        token = getattr(self._local, "token", None)
+        if token is not None:
+            self._local.token = None
+            with self._lock:
+                self._waiting.pop(token, None)
+
+    def arriving(self) -> int:
+        """Tasks received and not yet at a batcher (entries older than ``expire_s`` are dropped)."""
+        with self._lock:
+            if self._waiting:
+                old = time.monotonic() - self.expire_s
+                for token in [t for t, at in self._waiting.items() if at < old]:
+                    del self._waiting[token]
+            return len(self._waiting)
+
+    def expected(self) -> int:
+        """Requests still on their way: arriving tasks, plus queued messages the free slots can take."""
+        n = self.arriving()
+        if self.probe is not None and self.capacity > 0:
+            with self._lock:
+                free = self.capacity - max(self._active, len(self._waiting))
+            if free > 0:
+                try:
+                    n += min(free, self.probe())
+                except Exception:  # a broker hiccup must not stop batching
+                    log.debug("queue depth probe failed", exc_info=True)
+        return n
+
+    def watch(self, batcher: Batcher[Any, Any]) -> None:
+        self._batchers.add(batcher)
+
+
+arrivals = Arrivals()
+"""This process's arrivals (stage workers configure it at start: workers/tasks.py)."""
+
+
 RunBatch = Callable[[Sequence[Member[R]]], Sequence[Any]]
 """Runs one batch; returns, per member in order, its output or the exception it alone failed with."""
 
@@ -68,7 +160,8 @@ class Batcher(Generic[R, O]):
     """Coalesces concurrent ``submit`` calls into batched ``run_batch`` calls (one thread per batcher)."""
 
     def __init__(self, run_batch: RunBatch[R], policy: BatchPolicy | None = None, *,
-                 group_key: Callable[[R], Hashable] | None = None, name: str = "batcher") -> None:
+                 group_key: Callable[[R], Hashable] | None = None, name: str = "batcher",
+                 arrivals: Arrivals | None = None) -> None:
         self.run_batch = run_batch
         self.policy = policy or BatchPolicy()
         self.group_key = group_key or (lambda _r: None)
@@ -78,18 +171,27 @@ class Batcher(Generic[R, O]):
         self._pending: list[Member[R]] = []
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self.arrivals = arrivals if arrivals is not None else globals()["arrivals"]
+        self.arrivals.watch(self)
+        self.filled_s: list[float] = []
+        """Time each batch waited past its window to fill (the last 1000), for tests and the benchmark."""
 
     def submit(self, request: R, progress: ProgressFn | None = None) -> O:
         """Block until this request has run in some batch; return its output or raise its own error."""
         member: Member[R] = Member(request, progress)
         with self._cond:
             self._pending.append(member)
+            self.arrivals.submitted()
             self._ensure_thread()
             self._cond.notify_all()
         member.done.wait()
         if member.error is not None:
             raise member.error
         return member.result  # type: ignore[no-any-return]
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
 
     def take_more(self, like: R, limit: int) -> list[Member[R]]:
         """Waiting requests of ``like``'s group (at most ``limit``), for a running batch to take in."""
@@ -125,6 +227,7 @@ class Batcher(Generic[R, O]):
                 if left <= 0:
                     break
                 self._cond.wait(left)
+            self._fill()
             key = self.group_key(self._pending[0].request)
             batch: list[Member[R]] = []
             rest: list[Member[R]] = []
@@ -135,6 +238,21 @@ class Batcher(Generic[R, O]):
                     rest.append(m)
             self._pending = rest
             return batch
+
+    def _fill(self) -> None:
+        """Past the window with room left: wait up to ``fill_wait_ms`` while more requests are on their way."""
+        fill_s = self.arrivals.fill_wait_ms / 1000
+        if fill_s <= 0 or len(self._pending) >= self.policy.max_batch_size:
+            return
+        started = time.monotonic()
+        deadline = started + fill_s
+        while len(self._pending) < self.policy.max_batch_size:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.arrivals.expected() <= 0:
+                break
+            self._cond.wait(min(left, 0.005))  # submits wake it; queued messages turn into arrivals unseen
+        if time.monotonic() - started > 0.0005:
+            self.filled_s = [*self.filled_s[-999:], time.monotonic() - started]
 
     def _loop(self) -> None:
         while True:

@@ -113,6 +113,9 @@ class Settings(BaseSettings):
     batch_wait_ms: float = Field(
         10.0, ge=0, description="How long the first request of a batch waits for batch-mates (per-stage override)."
     )
+    batch_fill_wait_ms: float = Field(
+        50.0, ge=0, description="How much longer a batch with room left waits while more work for its worker is on "
+        "its way (received tasks, queued messages with free slots); it starts at once when nothing is coming.")
     stage_max_in_flight: int = Field(
         16, ge=1, description="Tasks one AR/DiT worker process runs at once (its threads; per-stage override)."
     )

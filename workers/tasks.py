@@ -22,9 +22,11 @@ from celery import Task, signals
 from celery.exceptions import Reject
 
 from omni_jobs import metrics
+from omni_jobs.batching import arrivals
 from omni_jobs.engines.model_source import load_model_sources
 from omni_jobs.engines.stage_exec import load_stage_engine
 from omni_jobs.errors import StoreUnavailable
+from omni_jobs.queue_depth import queue_depth
 from omni_jobs.queueing import publish_steps
 from omni_jobs.retention import cleanup
 from omni_jobs.runtime import Runtime
@@ -98,7 +100,15 @@ def _run_stage_with_hard_limit(rt: Runtime, step: Any) -> Any:
 
 @app.task(name=RUN_STAGE_TASK, bind=True, acks_late=True)
 def run_stage(self: Task, job_id: str, stage_id: str, attempt: int) -> str:
-    return _execute(self, RUN_STAGE_TASK, [job_id, stage_id, attempt])
+    with arrivals.task(str(self.request.id)):  # arriving until its engine request reaches the batcher
+        return _execute(self, RUN_STAGE_TASK, [job_id, stage_id, attempt])
+
+
+@signals.task_received.connect
+def on_task_received(request: Any = None, **_: Any) -> None:
+    """A stage task the consumer took: on its way to the batcher (batch filling, omni_jobs.batching)."""
+    if request is not None and getattr(request, "name", None) == RUN_STAGE_TASK:
+        arrivals.received(str(request.id))
 
 
 @app.task(name=ASSEMBLE_RESULTS_TASK, bind=True, acks_late=True)
@@ -148,7 +158,8 @@ def on_worker_ready(sender: Any = None, **_: Any) -> None:
         startup.check_models(name, preload_engines(set(queues)), settings)
     rt.relay(partial(publish_steps, app)).start()
     rt.reaper.start()
-    concurrency = int(getattr(sender, "concurrency", 1) or 1)  # the scheduler's window counts it
+    concurrency = worker_concurrency(sender)  # the scheduler's window counts it
+    configure_batch_filling(rt, queues, concurrency)
     _heartbeat["stop"] = start_heartbeat(rt.redis, name, queues, concurrency)
     _heartbeat["name"] = name
 
@@ -162,6 +173,29 @@ def on_worker_shutdown(**_: Any) -> None:
 
 
 _heartbeat: dict[str, object] = {}
+
+
+def worker_concurrency(consumer: Any) -> int:
+    """Tasks this worker runs at once. worker_ready's sender is the Consumer, which has no
+    ``concurrency`` of its own: read its WorkController's (or its pool's limit). Reading the consumer
+    alone gave 1, so the scheduler's window let out 3 tasks at a time to a -c 64 stage worker."""
+    for value in (getattr(getattr(consumer, "controller", None), "concurrency", None),
+                  getattr(getattr(consumer, "pool", None), "limit", None),
+                  getattr(consumer, "concurrency", None)):
+        if isinstance(value, int) and value > 0:
+            return value
+    return 1
+
+
+def configure_batch_filling(rt: Runtime, queues: Sequence[str], concurrency: int) -> None:
+    """A starting batch with room left waits (OMNI_BATCH_FILL_WAIT_MS at most) for the stage tasks this
+    worker has received, and for the messages waiting in its queues that its free slots will take."""
+    broker = rt.broker_redis
+
+    def depth() -> int:
+        return sum(queue_depth(broker, q) for q in queues)
+
+    arrivals.configure(rt.settings.batch_fill_wait_ms, probe=depth, capacity=concurrency)
 
 
 def preload_engines(queues: set[str]) -> list[startup.LoadFailure]:

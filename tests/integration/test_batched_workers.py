@@ -281,3 +281,31 @@ def test_canceling_one_dit_member_does_not_cancel_its_batch_mates(parts: dict[st
     assert ledger.require(jobs[0].id).status is JobStatus.canceled
     assert max(progress_steps(parts, jobs[0].id)) < 60
     assert_next_steps(parts, jobs, ["canceled", "succeeded", "succeeded"])
+
+
+def test_a_dit_batch_fills_with_the_tasks_its_worker_already_received(parts: dict[str, Any]) -> None:
+    """Batch filling (omni_jobs.batching.Arrivals, as workers/tasks.py wires it): tasks received at
+    once but reaching the batcher one after another, past the 300 ms window, still share one call."""
+    from omni_jobs.batching import arrivals
+
+    jobs = [parts["submit"].submit("batch-image", {"prompt": f"fill {i}"}) for i in range(3)]
+    steps = [first_step(parts, j, "dit") for j in jobs]
+    delays = [0.0, 0.6, 0.9]
+    for s in steps:
+        arrivals.received(s.job_id)
+
+    def task(i: int) -> str:
+        with arrivals.task(steps[i].job_id):
+            time.sleep(delays[i])  # this task's own work before its engine call, slower than the window
+            return run(parts, steps[i]).status
+
+    before = len(parts["dit_batcher"].batches)
+    arrivals.configure(5_000)
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            assert list(pool.map(task, range(3))) == ["succeeded"] * 3
+    finally:
+        arrivals.configure(0)
+    assert parts["dit_batcher"].batches[before:] == [3]
+    assert arrivals.arriving() == 0
+    assert_next_steps(parts, jobs, ["succeeded"] * 3)
