@@ -577,15 +577,7 @@ class JobLedger:
         stage_id = lease.step.stage_id
         after = snapshot.model_copy(deep=True)
         events = state.stage_progress(after, stage_id, step, total, unit, now())
-        decision = _Decision(None, after, events, (f"stage:{stage_id}:status", f"stage:{stage_id}:attempts",
-                                                   f"stage:{stage_id}:lease_owner"))
-        base = snapshot.model_copy(update={"progress": None})
-        change = self._change(base, decision)
-        if self.store.commit(change) is None:
-            self._committed(after, change)
-            return "ok"
-        current = self.store.get(lease.job_id)
-        return "canceled" if current is None or current.status is JobStatus.canceled else "lost"
+        return self._while_running(lease, snapshot.model_copy(update={"progress": None}), after, events)
 
     def publish(self, lease: Lease, snapshot: Job, event_type: EventType, data: dict[str, Any]) -> str:
         """Append a running stage's partial output (a text delta, a preview) to its job's event stream,
@@ -593,14 +585,18 @@ class JobLedger:
 
         It changes no job field, so it never conflicts with progress; the guard only keeps an attempt
         that lost its lease (or a canceled job) from adding to the stream."""
+        event = JobEvent(job_id=lease.job_id, type=event_type, at=now(), data=data)
+        return self._while_running(lease, snapshot, snapshot, [event])
+
+    def _while_running(self, lease: Lease, before: Job, after: Job, events: list[JobEvent]) -> str:
+        """Write what a running stage reports, guarded by its lease: 'ok', 'canceled' or 'lost'."""
         assert isinstance(lease.step, RunStage)
         stage_id = lease.step.stage_id
-        event = JobEvent(job_id=lease.job_id, type=event_type, at=now(), data=data)
-        decision = _Decision(None, snapshot, [event], (f"stage:{stage_id}:status", f"stage:{stage_id}:attempts",
-                                                        f"stage:{stage_id}:lease_owner"))
-        change = self._change(snapshot, decision)
+        decision = _Decision(None, after, events, (f"stage:{stage_id}:status", f"stage:{stage_id}:attempts",
+                                                   f"stage:{stage_id}:lease_owner"))
+        change = self._change(before, decision)
         if self.store.commit(change) is None:
-            self._committed(snapshot, change)
+            self._committed(after, change)
             return "ok"
         current = self.store.get(lease.job_id)
         return "canceled" if current is None or current.status is JobStatus.canceled else "lost"
