@@ -9,6 +9,7 @@ its first stages (outbox): all of them, or none. A relay publishes the dispatche
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -287,9 +288,12 @@ class JobSubmitter:
         with an Idempotency-Key) and no thread; file inputs are read and stored in a thread. The
         answer also carries the job's queue position, read in the same round trip. ``requires``:
         guards the write must find true (JobLedger.asubmit)."""
-        new = self._accept(pipeline, input_, params, cancel_after_s=cancel_after_s, idempotency_key=idempotency_key,
-                           webhook=webhook, webhook_events_filter=webhook_events_filter, tenant=tenant,
-                           priority=priority)
+        accept = functools.partial(self._accept, pipeline, input_, params, cancel_after_s=cancel_after_s,
+                                   idempotency_key=idempotency_key, webhook=webhook,
+                                   webhook_events_filter=webhook_events_filter, tenant=tenant, priority=priority)
+        # A webhook URL's host is resolved (NetGuard) by the blocking OS resolver, which can take
+        # seconds: off the event loop, so one slow DNS answer does not stall every other request.
+        new = await asyncio.to_thread(accept) if webhook is not None and self.net_guard is not None else accept()
         files = await asyncio.to_thread(self._prepare_files, new.spec, new.job.input, tenant) \
             if self._has_files(new.spec, new.job.input) else {}
         if new.claim is not None:
