@@ -47,7 +47,7 @@ LONG_PIPELINE = {
     "inputs": {"prompt": {"type": "text"}},
     "stages": [{"id": "dit", "engine": "dit", "model": "tiny:pixart", "queue": "dit-long",
                 "inputs": {"prompt": "input.prompt"}, "engine_args": {"pipeline_class": "PixArtSigmaPipeline"},
-                "defaults": {"height": 192, "width": 192, "num_inference_steps": 150}}],
+                "defaults": {"height": 384, "width": 384, "num_inference_steps": 200}}],  # ~8 s on an idle 2-core VM: well past the test's 2 s visibility timeout
     "outputs": [{"name": "image", "from": "dit.image"}],
 }
 
