@@ -1,8 +1,8 @@
 """Video as MP4 (H.264 in yuv420p, through PyAV): encode frames, read them back, read the header.
 
-The encoder is deterministic (one x264 thread, fixed settings, no timestamps in the container), so
-the same frames give the same bytes in any process: a retried stage writes the same sha256, and a
-job run in-process gives the same file as a queued one. H.264 in yuv420p needs even sides (video
+The encoder is as deterministic as x264 allows (one thread, lookahead included, fixed settings, no
+timestamps in the container): the same frames give the same pictures in any process, and almost
+always the same bytes (a full test run still saw them differ now and then). H.264 in yuv420p needs even sides (video
 pipelines make multiples of 8 or 16). PyAV is imported only inside the functions.
 """
 

