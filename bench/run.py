@@ -37,6 +37,7 @@ import httpx
 import redis
 import yaml
 
+from bench.procfs import cpu_s, memory_mib
 from omni_jobs import keys
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.store import RedisJobStore
@@ -211,7 +212,7 @@ class Bench:
         assert self.system
         for proc in self.system.processes:
             if proc.name == f"worker-{queue}" and proc.pid:
-                return _peak_rss_mib(proc.pid)
+                return memory_mib(proc.pid, "VmHWM")
         return float("nan")
 
     def batch_counts(self, node: str) -> tuple[float, float]:
@@ -234,10 +235,10 @@ class Bench:
     def cpu_times(self) -> dict[str, float]:
         """CPU seconds used so far by each process of the system (Redis, API, workers) and this driver."""
         assert self.system
-        out = {"driver": _cpu_s(os.getpid())}
+        out = {"driver": cpu_s(os.getpid())}
         for proc in self.system.processes:
             if proc.pid:
-                out[proc.name.removeprefix("worker-")] = _cpu_s(proc.pid)
+                out[proc.name.removeprefix("worker-")] = cpu_s(proc.pid)
         return out
 
     def run_jobs(self, pipeline: str, texts: list[str], params: dict[str, Any] | None = None) -> list[Job]:
@@ -412,7 +413,7 @@ class Bench:
             if line.strip() == "quit":
                 break
             _reply(self.direct_rep(w, dit, int(line)))
-        _reply({"rss_mib": {"driver": round(_peak_rss_mib(os.getpid()), 1)}})
+        _reply({"rss_mib": {"driver": round(memory_mib(os.getpid(), "VmHWM"), 1)}})
 
     def direct_rep(self, w: Workload, dit: Any, rep: int) -> dict[str, Any]:
         """One repetition of the same work as N jobs, by direct engine calls."""
@@ -645,20 +646,6 @@ def _ratios(a: list[float], b: list[float]) -> list[float]:
 def _cpu_line(cpu_s: dict[str, float]) -> str:
     """The processes that used any CPU, as ``name=seconds``."""
     return " ".join(f"{k}={v:.2f}" for k, v in cpu_s.items() if v >= 0.01)
-
-
-def _cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads), seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _peak_rss_mib(pid: int) -> float:
-    """Peak RSS (VmHWM) of a process, MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def _f(v: Any, fmt: str = "{:.2f}") -> str:

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from bench.procfs import memory_mib
 from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.settings import Settings
 
@@ -39,14 +40,6 @@ class Sample:
     rss_mib: dict[str, float]
 
 
-def rss_mib(pid: int) -> float:
-    """Current resident memory (VmRSS) of a process, MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def job_body(i: int) -> dict[str, Any]:
     """Every third job makes an image; the rest are short text jobs (both run the AR stage)."""
     prompt = f"soak job {i}: a lighthouse on a cliff, variation {i % 97}"
@@ -58,7 +51,7 @@ def job_body(i: int) -> dict[str, Any]:
 
 
 def snapshot(system: EmbeddedSystem) -> dict[str, float]:
-    return {proc.name: round(rss_mib(proc.pid), 1) for proc in system.processes
+    return {proc.name: round(memory_mib(proc.pid, "VmRSS"), 1) for proc in system.processes
             if proc.pid and proc.name != "redis"}
 
 

@@ -46,6 +46,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from bench.procfs import cpu_s
 from omni_jobs import keys
 from omni_jobs.auth import ApiKeys
 from omni_jobs.local.devservices import RunningService, free_port, start_redis
@@ -82,12 +83,6 @@ class Arm:
     def row(self) -> tuple[float, float, float, float]:
         return (statistics.median(self.rates), statistics.median(self.p50_ms), statistics.median(self.p99_ms),
                 statistics.median(self.cpu_ms))
-
-
-def cpu_s(pid: int | None) -> float:
-    """User + system CPU seconds of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _ms(text: str) -> float:

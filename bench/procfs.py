@@ -1,0 +1,20 @@
+"""What the benchmarks read about a process from /proc (Linux): CPU time and memory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads) so far, seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def memory_mib(pid: int, field: str) -> float:
+    """A memory line of /proc/PID/status in MiB: ``VmRSS`` (resident now), ``VmHWM`` (peak resident)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
