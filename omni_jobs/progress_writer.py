@@ -126,12 +126,17 @@ class ProgressWriter:
 
     def _write(self, report: Report) -> None:
         lease, job, step, total, unit = report
+        self._settle(lease, "write progress", lambda: self.ledger.progress(lease, job, step, total, unit))
+
+    def _settle(self, lease: Lease, what: str, write: Callable[[], str]) -> None:
+        """Run one lease-guarded write; a refusal ('canceled', 'lost') stops the stage. In the background
+        a failed write is logged and dropped (the next report carries on); inline it raises."""
         try:
-            outcome = self.ledger.progress(lease, job, step, total, unit)
+            outcome = write()
         except Exception:
             if not self.background:
                 raise
-            log.warning("job %s: could not write progress of %s", lease.job_id, lease.slot, exc_info=True)
+            log.warning("job %s: could not %s of %s", lease.job_id, what, lease.slot, exc_info=True)
             return
         if outcome != "ok":
             self.stop(lease, outcome)
@@ -146,12 +151,4 @@ class ProgressWriter:
         except Exception:  # a preview that cannot be made is skipped; it never fails the stage
             log.warning("job %s: could not make a preview of %s", lease.job_id, lease.slot, exc_info=True)
             return
-        try:
-            outcome = self.ledger.publish(lease, job, EventType.output_preview, data)
-        except Exception:
-            if not self.background:
-                raise
-            log.warning("job %s: could not publish a preview of %s", lease.job_id, lease.slot, exc_info=True)
-            return
-        if outcome != "ok":
-            self.stop(lease, outcome)
+        self._settle(lease, "publish a preview", lambda: self.ledger.publish(lease, job, EventType.output_preview, data))
