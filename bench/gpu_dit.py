@@ -2,7 +2,7 @@
 
 ``python -m bench.gpu_dit [--jobs 64] [--batch 32]`` prints, per size, images/s of
 sequential single calls (what a naive one-job-per-task worker does), of the pipeline on batches
-(direct, the limit), and of N concurrent callers through omni_jobs.batching's DiT batcher (what a
+(direct, the limit), and of N concurrent callers through omni_jobs.engines.batching's DiT batcher (what a
 stage worker's threads do), with the ratios; and writes JSON to --out.
 """
 
@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from omni_jobs.batching import BatchPolicy, dit_batcher
+from omni_jobs.engines.batching import BatchPolicy, dit_batcher
 from omni_jobs.engines.dit import DiTEngine, DiTRequest
 from omni_jobs.local.tiny import build_bench_pixart, build_bench_pixart_small, build_tiny_pixart
 

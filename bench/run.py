@@ -6,7 +6,7 @@ starts one EmbeddedSystem (real API, Redis, Celery workers) and, for each worklo
 * direct: the limit. ``LLM.generate`` on all prompts at once; the diffusers pipeline on batches of
   the system's batch size. In this (driver) process, with the same engine arguments.
 * system: N jobs POSTed through the API to batched stage workers (threads pool, one engine,
-  omni_jobs.batching).
+  omni_jobs.engines.batching).
 * naive: the same jobs on a solo-pool worker, one job per task, batch size 1 (what a user would
   write by hand): the same pipeline on the ``*-naive`` queues.
 

@@ -17,7 +17,7 @@ from redis import Redis
 
 from omni_jobs import telemetry
 from omni_jobs.artifacts import ArtifactStore, artifact_store_from_settings
-from omni_jobs.batching import BatchDefaults
+from omni_jobs.engines.batching import BatchDefaults
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.executor import StepExecutor
 from omni_jobs.jobs.ledger import JobLedger

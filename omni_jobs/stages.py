@@ -22,8 +22,8 @@ import redis
 
 from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, ArtifactStoreUnavailable
-from omni_jobs.batching import BatchDefaults, BatchPolicy, ar_batcher
 from omni_jobs.engines.ar import ARRequest, SamplingOptions, TextSoFar
+from omni_jobs.engines.batching import BatchDefaults, BatchPolicy, ar_batcher
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.engines.stage_exec import execute_dit, execute_encode
 from omni_jobs.errors import JobAlreadyFinished, JobNotFound, StageError, TransientStageError

@@ -29,7 +29,7 @@ WEBHOOKS_QUEUE = "webhooks"
 WORKER_QUEUES: dict[str, str] = {"ar": "threads", "dit": "threads", "results": "solo", "webhooks": "threads"}
 """Queue -> Celery pool. Stage workers run threads: one engine per process, loaded once, vLLM in
 single-process mode (VLLM_ENABLE_V1_MULTIPROCESSING=0: no engine-core child to start or lose),
-and several jobs in flight whose engine calls the batcher (omni_jobs.batching) turns into one
+and several jobs in flight whose engine calls the batcher (omni_jobs.engines.batching) turns into one
 batch. Webhook deliveries wait on other people's servers, so they run in threads, several at once."""
 
 STAGE_QUEUES = ("ar", "dit")

@@ -1,6 +1,6 @@
 """A workaround for kombu's Redis transport when the broker goes away under a threads-pool worker.
 
-Stage workers run a threads pool so that several jobs are in flight (omni_jobs.batching). When
+Stage workers run a threads pool so that several jobs are in flight (omni_jobs.engines.batching). When
 Redis restarts while such a worker holds unacknowledged messages, Celery closes the lost
 connection, and then kombu (restoring those messages, or a task thread acknowledging one) asks
 the closed channel for its connection parameters: ``AttributeError`` on None, which Celery

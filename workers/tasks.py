@@ -22,7 +22,7 @@ from celery import Task, signals
 from celery.exceptions import Reject
 
 from omni_jobs import metrics
-from omni_jobs.batching import arrivals
+from omni_jobs.engines.batching import arrivals
 from omni_jobs.engines.model_source import load_model_sources
 from omni_jobs.engines.stage_exec import load_stage_engine
 from omni_jobs.errors import StoreUnavailable
@@ -106,7 +106,7 @@ def run_stage(self: Task, job_id: str, stage_id: str, attempt: int) -> str:
 
 @signals.task_received.connect
 def on_task_received(request: Any = None, **_: Any) -> None:
-    """A stage task the consumer took: on its way to the batcher (batch filling, omni_jobs.batching)."""
+    """A stage task the consumer took: on its way to the batcher (batch filling, omni_jobs.engines.batching)."""
     if request is not None and getattr(request, "name", None) == RUN_STAGE_TASK:
         arrivals.received(str(request.id))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from omni_jobs.batching import BatchPolicy, dit_batcher
+from omni_jobs.engines.batching import BatchPolicy, dit_batcher
 from omni_jobs.engines.dit import DiTEngine, DiTRequest, PreviewCallback
 from omni_jobs.engines.encoder import EncodeRequest
 from omni_jobs.engines.pool import EnginePool

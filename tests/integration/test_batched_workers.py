@@ -21,9 +21,9 @@ import yaml
 from PIL import Image
 
 from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
-from omni_jobs.batching import BatchDefaults, ar_batcher, dit_batcher
 from omni_jobs.cancellation import cancel_job
 from omni_jobs.engines.ar import ARRequest, SamplingOptions
+from omni_jobs.engines.batching import BatchDefaults, ar_batcher, dit_batcher
 from omni_jobs.engines.dit import DiTRequest
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import EventType, Job, JobStatus, StageStatus, now
@@ -284,9 +284,9 @@ def test_canceling_one_dit_member_does_not_cancel_its_batch_mates(parts: dict[st
 
 
 def test_a_dit_batch_fills_with_the_tasks_its_worker_already_received(parts: dict[str, Any]) -> None:
-    """Batch filling (omni_jobs.batching.Arrivals, as workers/tasks.py wires it): tasks received at
+    """Batch filling (omni_jobs.engines.batching.Arrivals, as workers/tasks.py wires it): tasks received at
     once but reaching the batcher one after another, past the 300 ms window, still share one call."""
-    from omni_jobs.batching import arrivals
+    from omni_jobs.engines.batching import arrivals
 
     jobs = [parts["submit"].submit("batch-image", {"prompt": f"fill {i}"}) for i in range(3)]
     steps = [first_step(parts, j, "dit") for j in jobs]

@@ -12,7 +12,7 @@ import yaml
 
 from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
-from omni_jobs.batching import BatchDefaults, dit_batcher
+from omni_jobs.engines.batching import BatchDefaults, dit_batcher
 from omni_jobs.errors import PipelineSpecError
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job, now

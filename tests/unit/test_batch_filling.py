@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from omni_jobs.batching import Arrivals, Batcher, BatchPolicy, Member
+from omni_jobs.engines.batching import Arrivals, Batcher, BatchPolicy, Member
 
 
 def square(batch: Sequence[Member[Any]]) -> list[Any]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from omni_jobs.batching import BatchDefaults, Batcher, BatchPolicy, Member
+from omni_jobs.engines.batching import BatchDefaults, Batcher, BatchPolicy, Member
 
 
 class Recorder:
