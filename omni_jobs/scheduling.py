@@ -43,25 +43,29 @@ class Scheduler:
         self._cached: tuple[float, dict[str, int]] = (0.0, {})
         self._lock = threading.Lock()
 
+    def _capacity(self) -> dict[str, int]:
+        with self._lock:
+            at, capacity = self._cached
+            if time.monotonic() - at > self.refresh_s:
+                assert self.capacity is not None
+                capacity = self.capacity()
+                self._cached = (time.monotonic(), capacity)
+        return capacity
+
     def window(self, queue: str) -> int:
         """How many of the queue's steps may be released or running at once."""
         if self.capacity is None:
             return UNLIMITED
-        with self._lock:
-            at, capacity = self._cached
-            if time.monotonic() - at > self.refresh_s:
-                capacity = self.capacity()
-                self._cached = (time.monotonic(), capacity)
-        return capacity.get(queue, 0) + self.slack if capacity.get(queue, 0) else 0
+        capacity = self._capacity().get(queue, 0)
+        return capacity + self.slack if capacity else 0
 
     def release_all(self) -> int:
-        """One pass over every scheduled queue; returns how many steps it released."""
-        released = 0
-        for queue in self.store.scheduled_queues():
-            window = self.window(queue)
-            if window > 0:
-                released += len(self.store.release(queue, window=window, now=now()))
-        return released
+        """One pass over every queue with live workers (one script); returns how many steps it released."""
+        if self.capacity is None:
+            windows = dict.fromkeys(self.store.scheduled_queues(), UNLIMITED)
+        else:
+            windows = {queue: n + self.slack for queue, n in self._capacity().items() if n > 0}
+        return len(self.store.release(windows, now=now())) if windows else 0
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import bisect
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omni_jobs import keys
@@ -246,8 +246,14 @@ class MemoryJobStore:
             ordered = self._ordered(self._zset(keys.queue_released(queue)))
         return [m for m, s in ordered if s <= before][:limit]
 
-    def release(self, queue: str, *, window: int, now: float, limit: int = 100) -> list[tuple[str, str]]:
+    def release(self, windows: Mapping[str, int], *, now: float, limit: int = 100) -> list[tuple[str, str]]:
         """The same pass as RedisJobStore.release, under the lock."""
+        out: list[tuple[str, str]] = []
+        for queue, window in windows.items():
+            out += self._release_queue(queue, window, now, limit)
+        return out
+
+    def _release_queue(self, queue: str, window: int, now: float, limit: int) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
         with self._changed:
             tenants = self._zsets.setdefault(keys.queue_tenants(queue), {})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -105,8 +105,8 @@ class JobStore(Protocol):
     def released(self, queue: str, *, before: float, limit: int) -> list[str]:
         """Step slots published (or due) on the queue before ``before`` that no worker started yet."""
         ...
-    def release(self, queue: str, *, window: int, now: float, limit: int = 100) -> list[tuple[str, str]]:
-        """The scheduler's pass on one queue (see RedisJobStore.release)."""
+    def release(self, windows: Mapping[str, int], *, now: float, limit: int = 100) -> list[tuple[str, str]]:
+        """The scheduler's pass over the queues in ``windows`` (queue -> window; see RedisJobStore.release)."""
         ...
     def scheduled_queues(self) -> list[str]: ...
     def oldest(self, key: str, *, since: float) -> float | None:
@@ -223,33 +223,40 @@ return out
 
 
 _RELEASE = """
--- KEYS: tenants, released, running, outbox, items; ARGV: queue prefix, window, now, limit
-local in_service = redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3])
-local window, now, limit = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+-- KEYS: outbox, items; ARGV: now, limit, then per queue: tenants key, released key, running key,
+-- ready-list prefix, window. One pass over every queue given, in one round trip.
+local now, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
 local out = {}
-while in_service < window and #out < limit * 2 do
-  local first = redis.call('ZRANGE', KEYS[1], 0, 0)
-  if #first == 0 then break end
-  local tenant = first[1]
-  local ready = ARGV[1] .. tenant
-  local head = redis.call('ZRANGE', ready, 0, 0)
-  if #head == 0 then
-    redis.call('ZREM', KEYS[1], tenant)
-  else
-    local id = head[1]
-    redis.call('ZREM', ready, id)
-    if redis.call('HEXISTS', KEYS[5], id) == 1 then
-      redis.call('ZADD', KEYS[4], now, id)
-      local slot = string.match(id, '^(.*):%d+$')
-      redis.call('ZADD', KEYS[2], now + #out * 0.0000005, slot)  -- release order, within one pass too
-      in_service = in_service + 1
-      out[#out + 1] = id
-      out[#out + 1] = tenant
-    end
-    if redis.call('ZCARD', ready) == 0 then
-      redis.call('ZREM', KEYS[1], tenant)
+for q = 3, #ARGV, 5 do
+  local tenants, released, running, prefix = ARGV[q], ARGV[q + 1], ARGV[q + 2], ARGV[q + 3]
+  local window = tonumber(ARGV[q + 4])
+  local in_service = redis.call('ZCARD', released) + redis.call('ZCARD', running)
+  local taken = 0
+  while in_service < window and taken < limit do
+    local first = redis.call('ZRANGE', tenants, 0, 0)
+    if #first == 0 then break end
+    local tenant = first[1]
+    local ready = prefix .. tenant
+    local head = redis.call('ZRANGE', ready, 0, 0)
+    if #head == 0 then
+      redis.call('ZREM', tenants, tenant)
     else
-      redis.call('ZADD', KEYS[1], now, tenant)
+      local id = head[1]
+      redis.call('ZREM', ready, id)
+      if redis.call('HEXISTS', KEYS[2], id) == 1 then
+        redis.call('ZADD', KEYS[1], now, id)
+        local slot = string.match(id, '^(.*):%d+$')
+        redis.call('ZADD', released, now + taken * 0.0000005, slot)  -- release order, within one pass too
+        in_service = in_service + 1
+        taken = taken + 1
+        out[#out + 1] = id
+        out[#out + 1] = tenant
+      end
+      if redis.call('ZCARD', ready) == 0 then
+        redis.call('ZREM', tenants, tenant)
+      else
+        redis.call('ZADD', tenants, now, tenant)
+      end
     end
   end
 end
@@ -461,13 +468,19 @@ class RedisJobStore:
                 pipe.hdel(keys.OUTBOX_ITEMS, *ids)
                 pipe.execute()
 
-    def release(self, queue: str, *, window: int, now: float, limit: int = 100) -> list[tuple[str, str]]:
-        """The scheduler's pass on one queue: while fewer than ``window`` of its steps are released
-        or running, move the next ready step to the outbox, taking the tenants in turn (the one
-        served longest ago first) and each tenant's steps in order. Returns (entry id, tenant) released."""
-        reply = self._release(keys=[keys.queue_tenants(queue), keys.queue_released(queue), keys.queue_running(queue),
-                                    keys.OUTBOX, keys.OUTBOX_ITEMS],
-                              args=[keys.queue_ready(queue, ""), window, repr(now), limit])
+    def release(self, windows: Mapping[str, int], *, now: float, limit: int = 100) -> list[tuple[str, str]]:
+        """The scheduler's pass over the queues in ``windows``, in one script: while fewer than its
+        window of a queue's steps are released or running, move its next ready step to the outbox,
+        taking the tenants in turn (the one served longest ago first) and each tenant's steps in
+        order. Returns (entry id, tenant) released."""
+        args: list[Any] = [repr(now), limit]
+        for queue, window in windows.items():
+            if window > 0:
+                args += [keys.queue_tenants(queue), keys.queue_released(queue), keys.queue_running(queue),
+                         keys.queue_ready(queue, ""), window]
+        if len(args) == 2:
+            return []
+        reply = self._release(keys=[keys.OUTBOX, keys.OUTBOX_ITEMS], args=args)
         return [(_text(reply[i]), _text(reply[i + 1])) for i in range(0, len(reply), 2)]
 
     def scheduled_queues(self) -> list[str]:

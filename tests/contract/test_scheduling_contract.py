@@ -21,7 +21,7 @@ def dit_job(tenant: str, priority: Priority = Priority.normal) -> Job:
 
 def releases(store: JobStore, window: int) -> list[str]:
     """One release pass on the dit queue; the job ids it released, in order."""
-    return [entry.split(":")[1] for entry, _tenant in store.release("dit", window=window, now=now())]
+    return [entry.split(":")[1] for entry, _tenant in store.release({"dit": window}, now=now())]
 
 
 def run_to_end(ledger: JobLedger, job_id: str) -> None:
@@ -40,6 +40,16 @@ def test_nothing_is_released_beyond_the_window(ledger: JobLedger, store: JobStor
     assert store.queue_counts("dit") == (4, 0)  # waiting: two released, two ready
     published = store.claim_outbox(now=now(), limit=10, hold_s=1)
     assert {e.step.job_id for e in published if isinstance(e.step, RunStage)} == {jobs[1], jobs[2]}  # started: gone
+
+
+def test_one_pass_releases_on_every_queue_each_within_its_window(ledger: JobLedger, store: JobStore) -> None:
+    dit = [ledger.submit(dit_job("a"), ["dit"])[0].id for _ in range(3)]
+    ar = [ledger.submit(Job(id=new_job_id(), pipeline="ar-only", input={}, tenant="a",
+                            stages=[StageRecord(id="ar", engine="ar", queue="ar")]), ["ar"])[0].id for _ in range(3)]
+    released = store.release({"dit": 2, "ar": 1, "idle": 4}, now=now())
+    assert sorted(entry.split(":")[1] for entry, _ in released) == sorted(dit[:2] + ar[:1])
+    assert store.release({"dit": 2, "ar": 1}, now=now()) == []  # both windows full
+    assert store.release({}, now=now()) == []
 
 
 def test_tenants_take_turns_whatever_their_backlog(ledger: JobLedger, store: JobStore) -> None:
