@@ -132,11 +132,18 @@ class ResultsAssembler:
         taken = self._patiently(lambda: self.ledger.acquire(step, worker=worker, owner=owner), where)
         if isinstance(taken, Refused):
             return StepOutcome("skipped", taken.reason)
+        return self.run_held(taken.job, taken.lease)
+
+    def run_held(self, job: Job, lease: Lease) -> StepOutcome:
+        """Write the outputs of a job whose results lease this process holds already: after
+        ``acquire``, or inline in the worker whose stage completed the job (``complete_stage``'s
+        ``results_worker``)."""
+        where = f"job {job.id} results attempt {lease.attempt}"
         lost = threading.Event()
         if self.keeper is None:
-            return self._assemble(taken.job, taken.lease, lost, where)
-        with self.keeper.hold(taken.lease, on_lost=lost.set):
-            return self._assemble(taken.job, taken.lease, lost, where)
+            return self._assemble(job, lease, lost, where)
+        with self.keeper.hold(lease, on_lost=lost.set):
+            return self._assemble(job, lease, lost, where)
 
     def _assemble(self, job: Job, lease: Lease, lost: threading.Event, where: str) -> StepOutcome:
         try:

@@ -42,9 +42,11 @@ from omni_jobs.worker_registry import queue_capacity
 
 
 class Runtime:
-    def __init__(self, settings: Settings, *, worker: str | None = None) -> None:
-        """``worker``: this process's worker name (Celery's node name, e.g. ``dit@host``)."""
+    def __init__(self, settings: Settings, *, worker: str | None = None, hard_time_limits: bool = False) -> None:
+        """``worker``: this process's worker name (Celery's node name, e.g. ``dit@host``).
+        ``hard_time_limits``: a stage past its hard time limit ends this process (worker processes)."""
         self.settings = settings
+        self.hard_time_limits = hard_time_limits
         self.worker = worker or socket.gethostname()
         self._owner: tuple[int, str] | None = None
         self._relay: OutboxRelay | None = None
@@ -117,7 +119,9 @@ class Runtime:
                            engines=self.engines, limits=limits, batching=batching, cache_redis=self.redis,
                            cache_defaults=(s.stage_cache_max_entries, s.stage_cache_eviction), keeper=self.keeper,
                            retry_backoff_s=s.stage_retry_backoff_s, store_wait_s=s.store_wait_s,
-                           run_journal=RunJournal(s.run_journal) if s.run_journal else None)
+                           run_journal=RunJournal(s.run_journal) if s.run_journal else None,
+                           assemble_results=self.results.run_held if s.results_inline else None,
+                           hard_limits=self.hard_time_limits)
 
     @cached_property
     def results(self) -> ResultsAssembler:

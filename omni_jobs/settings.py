@@ -135,6 +135,9 @@ class Settings(BaseSettings):
     dispatch_timeout_s: float = Field(
         20, gt=0, description="A step still waiting this long while its queue is empty is published again (its "
         "message was lost, or held by a worker that died before starting it).")
+    results_inline: bool = Field(
+        True, description="The worker whose stage completes a job writes its final outputs at once (no hop through "
+        "the results queue). Turn off where stage workers cannot reach the output store; results workers then do it.")
     outbox_poll_s: float = Field(0.5, gt=0, description="How often a relay looks for due outbox entries besides "
                                  "being woken by its own process's commits.")
     store_wait_s: float = Field(

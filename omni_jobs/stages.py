@@ -15,6 +15,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,7 +30,7 @@ from omni_jobs.engines.stage_exec import execute_dit, execute_encode
 from omni_jobs.errors import JobAlreadyFinished, JobNotFound, StageError, TransientStageError
 from omni_jobs.input_files import load_input_image
 from omni_jobs.jobs.ledger import JobLedger, Lease, Refused
-from omni_jobs.jobs.models import EventType, Job, JobError, now
+from omni_jobs.jobs.models import EventType, Job, JobError, StageStatus, now
 from omni_jobs.jobs.patience import STORE_DOWN, while_store_down
 from omni_jobs.leases import LeaseKeeper
 from omni_jobs.payloads import FORMATS, decode_payload, encode_payload
@@ -40,13 +41,16 @@ from omni_jobs.previews import LatentPreview
 from omni_jobs.progress_writer import ProgressWriter
 from omni_jobs.run_journal import RunJournal
 from omni_jobs.stage_cache import CachedOutputs, Eviction, StageOutputCache, cache_key, text_digest
-from omni_jobs.steps import RunStage, StepOutcome, stage_slot
+from omni_jobs.steps import AssembleResults, RunStage, StepOutcome, stage_slot
 from omni_jobs.text_stream import TextDeltas, TextStreams
+from omni_jobs.watchdog import hard_time_limit
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 ProgressFn = Callable[[int, int], None]
+AssembleHeld = Callable[[Job, Lease], StepOutcome]
+"""(job, its results lease, held by this process) -> the results step's outcome (ResultsAssembler.run_held)."""
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ArtifactStoreUnavailable, TransientStageError, *STORE_DOWN)
 """Errors that may pass (a store or the broker unreachable): the next attempt backs off and retries."""
 
@@ -112,10 +116,16 @@ class StageRunner:
                  engines: EnginePool, limits: StageLimits | None = None, batching: BatchDefaults | None = None,
                  cache_redis: redis.Redis | None = None, cache_defaults: tuple[int, Eviction] = (1000, "lru"),
                  keeper: LeaseKeeper | None = None, retry_backoff_s: float = 1.0, store_wait_s: float = 600.0,
-                 run_journal: RunJournal | None = None) -> None:
+                 run_journal: RunJournal | None = None, assemble_results: AssembleHeld | None = None,
+                 hard_limits: bool = False) -> None:
         """``batching``: engine calls go through the per-engine batcher (stage workers); None calls the
         engine per job. ``cache_redis``: where stages with ``cache.enabled`` keep their outputs.
-        ``keeper``: renews the leases of running attempts (workers; None in one process)."""
+        ``keeper``: renews the leases of running attempts (workers; None in one process).
+        ``assemble_results``: results inline: the attempt that completes a job's last stage takes its
+        results step in the same write and writes the outputs here (ResultsAssembler.run_held), a hop
+        through the results queue saved; None leaves the results step to the results queue.
+        ``hard_limits``: a stage still running at its hard time limit fails its job and ends this
+        process (omni_jobs.watchdog; worker processes only: the supervisor starts a fresh one)."""
         self.ledger = ledger
         self.catalogue = catalogue
         self.artifacts = artifacts
@@ -128,6 +138,8 @@ class StageRunner:
         self.retry_backoff_s = retry_backoff_s
         self.store_wait_s = store_wait_s
         self.run_journal = run_journal
+        self.assemble_results = assemble_results
+        self.hard_limits = hard_limits
         self._caches: dict[tuple[int, str], StageOutputCache] = {}
         self._in_flight: dict[tuple[str, str], threading.BoundedSemaphore] = {}
         self._guard = threading.Lock()
@@ -153,16 +165,24 @@ class StageRunner:
         with self._guard:
             self._running[lease.slot] = lease
         try:
-            if self.keeper is None:
-                return self._attempt(job, lease, step, where)
-            with self.keeper.hold(lease, on_lost=lambda: self.progress.stop(lease, "lost")):
-                return self._attempt(job, lease, step, where)
+            with self._hard_limit(job, step):
+                if self.keeper is None:
+                    outcome, ended = self._attempt(job, lease, step, where, worker)
+                else:
+                    with self.keeper.hold(lease, on_lost=lambda: self.progress.stop(lease, "lost")):
+                        outcome, ended = self._attempt(job, lease, step, where, worker)
         finally:
             self.progress.finish(lease)
             with self._guard:
                 self._running.pop(lease.slot, None)
+        if ended is not None and self.assemble_results is not None:
+            results = self.assemble_results(ended, Lease(AssembleResults(ended.id, ended.results.attempts), lease.owner))
+            log.info("%s: results assembled inline: %s", where, results.status)
+        return outcome
 
-    def _attempt(self, job: Job, lease: Lease, step: RunStage, where: str) -> StepOutcome:
+    def _attempt(self, job: Job, lease: Lease, step: RunStage, where: str,
+                 worker: str) -> tuple[StepOutcome, Job | None]:
+        """The attempt's outcome, and the job when this attempt took its results step (results inline)."""
         spec = self.catalogue.get(job.pipeline)
         stage = spec.stage(step.stage_id)
         started = time.perf_counter()
@@ -189,28 +209,32 @@ class StageRunner:
             if isinstance(exc, DeadlineExceeded):
                 self._patiently(lambda: self.cancel_for_deadline(job.id), where)
             log.info("%s stopped: %s", where, "its lease was lost" if why == "lost" else "the job was canceled")
-            return StepOutcome(why, str(exc))
+            return StepOutcome(why, str(exc)), None
         except StageError as exc:
             error = job_error(stage.id, exc)
             self._patiently(lambda: self.ledger.fail(job.id, error, lease=lease), where)
             log.error("%s failed: %s", where, exc)
-            return StepOutcome("failed", str(exc))
+            return StepOutcome("failed", str(exc)), None
         except TRANSIENT_ERRORS as exc:
             delay, error = self.retry_delay(step.attempt), job_error(stage.id, exc)
             outcome = self._patiently(lambda: self.ledger.retry_later(lease, error, delay), where)
             log.warning("%s: transient error (%s: %s); %s", where, type(exc).__name__, exc,
                         f"attempt {step.attempt + 1} in {delay:.1f}s" if outcome == "retrying" else outcome)
-            return StepOutcome("retrying" if outcome == "retrying" else outcome, str(exc))
+            return StepOutcome("retrying" if outcome == "retrying" else outcome, str(exc)), None
         metrics = {"run_s": time.perf_counter() - started, "engine_s": engine_s}
         if cache is not None and digest:
             metrics["cache_hit"] = 1.0 if hit is not None else 0.0
-        done = self._patiently(lambda: self.ledger.complete_stage(lease, refs, metrics, snapshot=job), where)
+        inline = worker if self.assemble_results is not None else None
+        done = self._patiently(lambda: self.ledger.complete_stage(lease, refs, metrics, snapshot=job,
+                                                                  results_worker=inline), where)
         if isinstance(done, Refused):
             log.warning("%s: result discarded: %s", where, done.reason)
-            return StepOutcome("discarded", done.reason)
+            return StepOutcome("discarded", done.reason), None
         if self.run_journal is not None:
             self.run_journal.record(lease, "engine.recorded")
-        return StepOutcome("succeeded", "")
+        took_results = (inline is not None and done.results.status is StageStatus.running
+                        and done.results.lease_owner == lease.owner)
+        return StepOutcome("succeeded", ""), done if took_results else None
 
     def retry_delay(self, attempt: int) -> float:
         """Exponential backoff with jitter before the next attempt after a transient error."""
@@ -225,12 +249,18 @@ class StageRunner:
             return False
         return self.ledger.fail(job_id, job_error(stage_id, exc), lease=lease)
 
-    def time_limits(self, job_id: str, stage_id: str) -> tuple[float, float]:
-        """(soft, hard) seconds for this stage of this job (defaults when the job is unknown)."""
-        job = self.ledger.get(job_id)
-        if job is None or job.pipeline not in self.catalogue:
-            return (self.limits.soft_time_limit_s, self.limits.time_limit_s)
-        return self.limits.for_stage(self.catalogue.get(job.pipeline).stage(stage_id))
+    def _hard_limit(self, job: Job, step: RunStage) -> AbstractContextManager[None]:
+        """The attempt's hard time limit (``hard_limits``): past it, the job fails and the process ends."""
+        if not self.hard_limits or job.pipeline not in self.catalogue:
+            return nullcontext()
+        _soft, hard = self.limits.for_stage(self.catalogue.get(job.pipeline).stage(step.stage_id))
+        timeout = StageTimeout(f"stage '{step.stage_id}' ran past its hard time limit of {hard:g}s; its worker was "
+                               "restarted (set time_limit_s on the stage or OMNI_STAGE_TIME_LIMIT_S)")
+
+        def on_expire() -> None:
+            self.fail_running(job.id, step.stage_id, timeout)
+
+        return hard_time_limit(hard, on_expire)
 
     def cancel_for_deadline(self, job_id: str) -> None:
         try:

@@ -31,7 +31,6 @@ from omni_jobs.queueing import publish_steps
 from omni_jobs.retention import cleanup
 from omni_jobs.runtime import Runtime
 from omni_jobs.settings import get_settings
-from omni_jobs.stages import StageTimeout
 from omni_jobs.steps import (
     ASSEMBLE_RESULTS_TASK,
     CLEANUP_TASK,
@@ -42,7 +41,6 @@ from omni_jobs.steps import (
     display_name,
     from_task,
 )
-from omni_jobs.watchdog import hard_time_limit
 from omni_jobs.worker_registry import start_heartbeat, unregister_worker
 from workers import observability, startup
 from workers.app import app
@@ -56,7 +54,7 @@ def runtime() -> Runtime:
     settings = get_settings()
     load_model_sources(settings.model_sources)  # tiny:NAME ids resolve (and build on first use)
     metrics.install()  # already done at worker_init; again for a process that runs tasks without it
-    rt = Runtime(settings)
+    rt = Runtime(settings, hard_time_limits=True)  # a stage past its hard limit ends this process
     rt.relay(partial(publish_steps, app))  # this process publishes what its commits dispatch
     return rt
 
@@ -68,10 +66,7 @@ def _execute(task: Task, name: str, args: Sequence[Any]) -> str:
     if rt.worker != worker:
         rt.set_worker(worker)
     try:
-        if step.kind is StepKind.run_stage:
-            outcome = _run_stage_with_hard_limit(rt, step)
-        else:
-            outcome = rt.executor.execute(step, worker=worker, owner=rt.owner)
+        outcome = rt.executor.execute(step, worker=worker, owner=rt.owner)
     except StoreUnavailable as exc:
         # Nothing was recorded (or the lease will expire and the reaper takes the step back): keep
         # the message for another try rather than acknowledge work that did not happen.
@@ -84,18 +79,6 @@ def _execute(task: Task, name: str, args: Sequence[Any]) -> str:
     if outcome.status == "skipped":
         log.info("%s: skipped: %s", display_name(name, args), outcome.detail)
     return outcome.status
-
-
-def _run_stage_with_hard_limit(rt: Runtime, step: Any) -> Any:
-    _soft, hard = rt.stage_runner.time_limits(step.job_id, step.stage_id)
-    timeout = StageTimeout(f"stage '{step.stage_id}' ran past its hard time limit of {hard:g}s; its worker was "
-                           "restarted (set time_limit_s on the stage or OMNI_STAGE_TIME_LIMIT_S)")
-
-    def on_expire() -> None:
-        rt.stage_runner.fail_running(step.job_id, step.stage_id, timeout)
-
-    with hard_time_limit(hard, on_expire):
-        return rt.executor.execute(step, worker=rt.worker, owner=rt.owner)
 
 
 @app.task(name=RUN_STAGE_TASK, bind=True, acks_late=True)

@@ -603,8 +603,13 @@ class JobLedger:
 
     # --- a step ends ---
     def complete_stage(self, lease: Lease, outputs: dict[str, ArtifactRef], metrics: dict[str, float], *,
-                       snapshot: Job | None = None) -> Job | Refused:
-        """Record the stage's outputs and queue what became runnable (next stages, or the results step)."""
+                       snapshot: Job | None = None, results_worker: str | None = None) -> Job | Refused:
+        """Record the stage's outputs and queue what became runnable (next stages, or the results step).
+
+        ``results_worker``: when this was the job's last stage, that worker takes the results step in
+        the same write, under this attempt's lease owner (results inline: no hop through the results
+        queue). If it dies before the results are written, the results lease expires and the reaper
+        requeues the step to the results queue like any lost attempt."""
         step = lease.step
         assert isinstance(step, RunStage)
 
@@ -621,10 +626,14 @@ class JobLedger:
             for rec in after.stages:
                 if rec.status is StageStatus.pending and set(rec.needs) <= done:
                     events += state.stage_queued(after, rec.id, at)
-            if done == {r.id for r in after.stages}:
-                state.results_queued(after, at)
             guard = tuple(f"stage:{r.id}:{f}" for r in job.stages for f in ("status", "attempts")) + (
                 f"stage:{step.stage_id}:lease_owner",)
+            if done == {r.id for r in after.stages}:
+                state.results_queued(after, at)
+                if results_worker is not None:
+                    state.results_started(after, results_worker)
+                    after.results.lease_owner, after.results.lease_until = lease.owner, at + self.lease_s
+                    guard += ("results:status", "results:attempts")
             return _Decision(after, after, events, guard)
 
         return self._transition(step.job_id, decide, missing=lambda: Refused("job is gone"), snapshot=snapshot)

@@ -123,6 +123,41 @@ def test_completion_queues_the_next_stage_then_the_results_step(ledger: JobLedge
     assert ledger.complete_results(results.lease, []) == final
 
 
+def test_the_last_stage_can_take_the_results_step_in_the_same_write(ledger: JobLedger, store: JobStore) -> None:
+    """Results inline: the worker that completes the last stage holds the results lease at once; nothing
+    goes through the results queue, and the outputs it writes end the job."""
+    job, _ = ledger.submit(two_stage_job(), ["ar"])
+    ar = start(ledger, claim(store)[0])
+    after_ar = ledger.complete_stage(ar.lease, {"text": ref("text")}, {}, results_worker="ar@h")
+    assert isinstance(after_ar, Job) and after_ar.results.status is StageStatus.pending  # not the last stage
+    dit = start(ledger, claim(store)[0], "dit@h#1")
+    done = ledger.complete_stage(dit.lease, {"image": ref("image")}, {}, results_worker="dit@h")
+    assert isinstance(done, Job) and done.status is JobStatus.running
+    assert done.results.status is StageStatus.running and done.results.attempts == 1
+    assert done.results.worker == "dit@h" and done.results.lease_owner == "dit@h#1"
+    assert claim(store) == []  # no AssembleResults message: this worker has it
+    assert store.leased_slots() == [f"results:{job.id}"] and store.queue_counts("results") == (0, 1)
+    # Another delivery of the step finds it taken; the holder's write ends the job.
+    assert isinstance(ledger.acquire(AssembleResults(job.id, 1), worker="r", owner="r#1"), Refused)
+    output = JobOutput(name="image", type="image", media_type="image/png", size=1, artifact=ref("image"))
+    final = ledger.complete_results(Lease(AssembleResults(job.id, 1), "dit@h#1"), [output])
+    assert isinstance(final, Job) and final.status is JobStatus.succeeded and final.outputs == [output]
+    assert store.leased_slots() == [] and store.queue_counts("results") == (0, 0)
+
+
+def test_inline_results_of_a_dead_worker_go_to_the_results_queue(ledger: JobLedger, store: JobStore) -> None:
+    job, _ = ledger.submit(two_stage_job(), ["ar"])
+    ledger.complete_stage(start(ledger, claim(store)[0]).lease, {"text": ref("text")}, {})
+    dit = start(ledger, claim(store)[0], "dit@host#111.aaaa")
+    ledger.complete_stage(dit.lease, {"image": ref("image")}, {}, results_worker="dit@host")
+    # The worker died before writing the outputs: its restarted node takes the step back at once.
+    assert ledger.expire(f"results:{job.id}", dead_owner=lambda owner: owner == "dit@host#111.aaaa") == "requeued"
+    assert claim(store) == [AssembleResults(job.id, 2)]
+    results = start(ledger, AssembleResults(job.id, 2), "results@h#1")
+    final = ledger.complete_results(results.lease, [])
+    assert isinstance(final, Job) and final.status is JobStatus.succeeded
+
+
 def test_two_parents_finishing_together_queue_their_child_exactly_once(ledger: JobLedger, store: JobStore) -> None:
     for _ in range(10):
         job, _ = ledger.submit(fan_in_job(), ["a", "b"])

@@ -182,7 +182,10 @@ def test_sigkill_dit_worker_during_an_s3_upload(faults: FaultSystem, api: httpx.
     report("SIGKILL DiT worker during an S3 upload", [done], duplicated, done["completed_at"] - killed_at)
 
 
-def test_sigkill_results_worker_mid_assembly(faults: FaultSystem, api: httpx.Client) -> None:
+def test_sigkill_mid_assembly(faults: FaultSystem, api: httpx.Client) -> None:
+    """The results are written inline by the last stage's worker (OMNI_RESULTS_INLINE): killed while it
+    uploads them, its restarted node gives the results step back to the results queue, whose worker
+    writes them again; the completed webhook goes out once."""
     url = faults.receiver.script("/results-kill", [])
     response = api.post("/v1/jobs", json={"pipeline": "text-to-image", "input": {"prompt": "assembly kill"},
                                           "params": image_params(seed=6, steps=2, size=64),
@@ -191,7 +194,7 @@ def test_sigkill_results_worker_mid_assembly(faults: FaultSystem, api: httpx.Cli
     job = response.json()
     faults.gate.hold(rf"PUT /{BUCKET}/jobs/{job['id']}/outputs/")
     assert faults.gate.wait_held(120), "the results step never wrote an output"
-    worker = faults.process("worker-results")
+    worker = faults.process("worker-dit")  # the last stage's worker, assembling inline
     worker.kill()
     killed_at = time.time()
     faults.gate.release()
@@ -205,7 +208,7 @@ def test_sigkill_results_worker_mid_assembly(faults: FaultSystem, api: httpx.Cli
     assert len(webhook_ids(faults.receiver.at("/results-kill"), job["id"], "completed")) == 1
     duplicated = duplicates(faults, [done], outputs_per_job=2)
     assert duplicated == 0
-    report("SIGKILL results worker mid-assembly", [done], duplicated, done["completed_at"] - killed_at)
+    report("SIGKILL the assembling worker mid-assembly", [done], duplicated, done["completed_at"] - killed_at)
 
 
 def test_a_stage_longer_than_the_visibility_timeout_runs_once(faults: FaultSystem, api: httpx.Client) -> None:
