@@ -524,21 +524,24 @@ class Bench:
                   f"p50 system {_f(system.summary()['p50_s'])} s, B {_f(b.summary()['p50_s'])} s", flush=True)
 
     def hops(self) -> None:
-        """Queue overhead per hop on an idle system: jobs one at a time through the multi-stage pipeline."""
-        api_to_worker, worker_to_next, to_results = [], [], []
+        """Queue overhead per hop on an idle system: jobs one at a time through the multi-stage pipeline
+        (with --ab, the system's and the B arm's jobs alternate, so both see the same machine)."""
+        arms = {"system": "b-multi", **({"b": "b-multi-b"} if self.args.ab else {})}
+        hops: dict[str, list[tuple[float, float, float]]] = {arm: [] for arm in arms}
         for i in range(self.args.hop_jobs):
-            (job,) = self.run_jobs("b-multi", [f"hop {i}"])
-            ar, dit = job.stage_record("ar"), job.stage_record("dit")
-            assert ar.started_at and ar.finished_at and dit.started_at and dit.finished_at and job.completed_at
-            api_to_worker.append(ar.started_at - job.created_at)
-            worker_to_next.append(dit.started_at - ar.finished_at)
-            to_results.append(job.completed_at - dit.finished_at)
-        self.results["hops"] = {
-            "api_to_worker_p50_ms": 1000 * statistics.median(api_to_worker),
-            "worker_to_next_stage_p50_ms": 1000 * statistics.median(worker_to_next),
-            "stage_to_results_done_p50_ms": 1000 * statistics.median(to_results),
-            "n": len(api_to_worker),
-        }
+            for arm, pipeline in (arms.items() if i % 2 else reversed(arms.items())):
+                (job,) = self.run_jobs(pipeline, [f"hop {i}"])
+                ar, dit = job.stage_record("ar"), job.stage_record("dit")
+                assert ar.started_at and ar.finished_at and dit.started_at and dit.finished_at and job.completed_at
+                hops[arm].append((ar.started_at - job.created_at, dit.started_at - ar.finished_at,
+                                  job.completed_at - dit.finished_at))
+        for arm, seen in hops.items():
+            self.results["hops" if arm == "system" else "hops_b"] = {
+                "api_to_worker_p50_ms": 1000 * statistics.median(h[0] for h in seen),
+                "worker_to_next_stage_p50_ms": 1000 * statistics.median(h[1] for h in seen),
+                "stage_to_results_done_p50_ms": 1000 * statistics.median(h[2] for h in seen),
+                "n": len(seen),
+            }
 
     def caches(self) -> None:
         """The stage-output cache (repeat the same jobs) and the first-block denoising cache."""
@@ -655,7 +658,7 @@ def _f(v: Any, fmt: str = "{:.2f}") -> str:
 def table(results: dict[str, Any]) -> str:
     header = (f"{'workload':32} {'arm':7} {'jobs/s':>8} {'p50 s':>7} {'p95 s':>7} {'stage s (median/job)':24} "
               f"{'peak RSS MiB':22} {'sys/direct':>10} {'sys/naive':>9}")
-    lines = [header]
+    lines = [header] if results["rows"] else []
     for name, row in results["rows"].items():
         for arm in ("direct", "system", "naive"):
             a = row[arm]
@@ -673,19 +676,20 @@ def table(results: dict[str, Any]) -> str:
                      f"CPU off/on {p['engine']['cpu_off_over_on']:.3f}, one preview {p['engine']['preview_cpu_ms']:.2f} ms "
                      f"CPU = {p['engine']['preview_share_of_engine_cpu']:.2%} of a job's engine CPU; "
                      f"a preview is {p['preview_base64_bytes']} bytes of base64")
-    if not results["rows"]:
-        return "\n".join(lines[1:])
-    lines.append("\nwhere the CPU went (seconds per repetition, median; 2 cores) and how long the clients took to submit:")
+    if results["rows"]:
+        lines.append("\nwhere the CPU went (seconds per repetition, median; 2 cores) and how long the clients took "
+                     "to submit:")
     for name, row in results["rows"].items():
         direct_cpu = sum(row["direct"]["cpu_s"].values())
         span = row["system"].get("submit_span_s")
         lines.append(f"  {name:32} direct {direct_cpu:.2f} | system {_cpu_line(row['system']['cpu_s'])}"
                      + (f" | submit span {span:.2f} s" if span is not None else ""))
-    h = results.get("hops") or {}
-    if h:
-        lines.append(f"\nper-hop queue overhead (p50 of {h['n']} jobs, idle system): API->worker "
-                     f"{h['api_to_worker_p50_ms']:.1f} ms, worker->next stage {h['worker_to_next_stage_p50_ms']:.1f} ms, "
-                     f"last stage->results done {h['stage_to_results_done_p50_ms']:.1f} ms")
+    for arm, label in (("hops", "system"), ("hops_b", f"B {' '.join(results['config'].get('ab') or [])}")):
+        h = results.get(arm) or {}
+        if h:
+            lines.append(f"per-hop queue overhead, {label} (p50 of {h['n']} jobs, idle system): API->worker "
+                         f"{h['api_to_worker_p50_ms']:.1f} ms, worker->next stage {h['worker_to_next_stage_p50_ms']:.1f} "
+                         f"ms, last stage->results done {h['stage_to_results_done_p50_ms']:.1f} ms")
     c = results.get("cache") or {}
     if "stage_cache" in c:
         s = c["stage_cache"]
@@ -715,12 +719,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="a B arm: the same system arm on twin workers with these settings (e.g. "
                         "OMNI_BATCH_FILL_WAIT_MS=0), paired with the system arm in every repetition")
     p.add_argument("--no-naive", action="store_true", help="skip the naive arm (shorter A/B runs)")
+    p.add_argument("--hops", action="store_true", help="measure only the per-hop overhead (with --ab: both arms)")
     p.add_argument("--direct", default=None, help=argparse.SUPPRESS)  # internal: one direct arm, JSON out
     args = p.parse_args(argv)
     args.jobs = args.jobs or (8 if args.quick else 64)
     args.reps = args.reps or (1 if args.quick else 3)
     args.batch = args.batch or (8 if args.quick else 32)
-    args.hop_jobs = 5 if args.quick else 15
+    args.hop_jobs = 5 if args.quick else 15 if not args.hops else 31
     return args
 
 
@@ -736,6 +741,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.start()
         if args.previews is not None:
             bench.previews()
+        elif args.hops:
+            bench.hops()
         else:
             for w in WORKLOADS:
                 if args.only is None or any(o in w.name for o in args.only):
