@@ -684,7 +684,7 @@ def table(results: dict[str, Any]) -> str:
         span = row["system"].get("submit_span_s")
         lines.append(f"  {name:32} direct {direct_cpu:.2f} | system {_cpu_line(row['system']['cpu_s'])}"
                      + (f" | submit span {span:.2f} s" if span is not None else ""))
-    for arm, label in (("hops", "system"), ("hops_b", f"B {' '.join(results['config'].get('ab') or [])}")):
+    for arm, label in (("hops", "system"), ("hops_b", f"B {' '.join(results.get('config', {}).get('ab') or [])}")):
         h = results.get(arm) or {}
         if h:
             lines.append(f"per-hop queue overhead, {label} (p50 of {h['n']} jobs, idle system): API->worker "
