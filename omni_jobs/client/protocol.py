@@ -196,15 +196,14 @@ class Submission:
 
 def _job_body(pipeline: str, input: Mapping[str, Any] | None, opts: SubmitOptions) -> dict[str, Any]:
     body_input = dict(input or {})
-    if opts.get("prompt") is not None:
-        body_input["prompt"] = opts.get("prompt")
+    if (prompt := opts.get("prompt")) is not None:
+        body_input["prompt"] = prompt
     body: dict[str, Any] = {"pipeline": pipeline, "input": body_input}
-    if opts.get("params"):
-        body["params"] = dict(opts.get("params") or {})
-    if opts.get("webhook") is not None:
-        body["webhook"] = opts.get("webhook")
-    events = opts.get("webhook_events_filter")
-    if events is not None:
+    if params := opts.get("params"):
+        body["params"] = dict(params)
+    if (webhook := opts.get("webhook")) is not None:
+        body["webhook"] = webhook
+    if (events := opts.get("webhook_events_filter")) is not None:
         body["webhook_events_filter"] = list(events)
     return body
 
