@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from omni_jobs.cli.progress import ProgressDisplay
-from omni_jobs.client import DEFAULT_API_URL, ApiError, Client, ConflictError, JobInfo, NotFoundError
+from omni_jobs.client import DEFAULT_API_URL, ApiError, Client, ConflictError, JobView, NotFoundError
 from omni_jobs.webhooks import generate_secret
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE, EXIT_API = 0, 1, 2, 3
@@ -87,7 +87,7 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _print_outputs(job: JobInfo, paths: dict[str, Path]) -> None:
+def _print_outputs(job: JobView, paths: dict[str, Path]) -> None:
     for out in job.outputs:
         path = paths.get(out.name)
         print(f"{out.name}\t{path.resolve() if path else out.url}")
@@ -110,7 +110,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
         job = omni.submit(args.pipeline, inputs, params=params or None, webhook=args.webhook,
                           webhook_events_filter=args.webhook_events or None, files=files or None)
         if not args.wait:
-            print(json.dumps(job.model_dump(mode="json"), indent=2) if args.json else f"{job.id}\t{job.status}")
+            print(_json(job) if args.json else f"{job.id}\t{job.status.value}")
             return EXIT_OK
         display = ProgressDisplay(sys.stderr)
         display.queued(job)
@@ -121,10 +121,10 @@ def cmd_submit(args: argparse.Namespace) -> int:
         display.close()
         job = omni.get(job.id)
         if args.json:
-            print(json.dumps(job.model_dump(mode="json"), indent=2))
+            print(_json(job))
         if job.status != "succeeded":
             error = f": {job.error.type}: {job.error.message}" if job.error else ""
-            _say(f"job {job.id} {job.status}{error}")
+            _say(f"job {job.id} {job.status.value}{error}")
             return EXIT_JOB_FAILED
         out_dir = Path(args.out) / job.id
         paths = omni.download_outputs(job, out_dir)
@@ -134,8 +134,13 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return EXIT_OK
 
 
-def _describe(job: JobInfo) -> list[str]:
-    head = f"{job.id}  {job.pipeline}  {job.status}"
+def _json(job: JobView) -> str:
+    """The job as the API sent it (fields it left out stay out)."""
+    return json.dumps(job.model_dump(mode="json", exclude_unset=True), indent=2)
+
+
+def _describe(job: JobView) -> list[str]:
+    head = f"{job.id}  {job.pipeline}  {job.status.value}"
     if job.progress is not None:
         p = job.progress
         head += f"  {p.stage} {p.step}/{p.total} {p.unit}"
@@ -144,13 +149,13 @@ def _describe(job: JobInfo) -> list[str]:
     if job.queue_position is not None:
         head += f"  (queue position {job.queue_position})"
     m = job.metrics
-    timing = (f"  created {_when(job.created_at)} UTC  queue {_secs(m.get('queue_time_s'))}  "
-              f"run {_secs(m.get('run_time_s'))}  total {_secs(m.get('total_time_s'))}")
+    timing = (f"  created {_when(job.created_at)} UTC  queue {_secs(m.queue_time_s)}  "
+              f"run {_secs(m.run_time_s)}  total {_secs(m.total_time_s)}")
     lines = [head, timing]
     for s in job.stages:
         where = f" on {s.worker}" if s.worker else ""
         attempts = f" (attempt {s.attempts})" if s.attempts > 1 else ""
-        lines.append(f"  stage {s.id:<8} {s.status:<9} waited {_secs(s.wait_s)}  ran {_secs(s.duration_s)}"
+        lines.append(f"  stage {s.id:<8} {s.status.value:<9} waited {_secs(s.wait_s)}  ran {_secs(s.duration_s)}"
                      f"{where}{attempts}")
     for out in job.outputs:
         size = f"{out.width}x{out.height} " if out.width and out.height else ""
@@ -168,10 +173,7 @@ def _describe(job: JobInfo) -> list[str]:
 def cmd_status(args: argparse.Namespace) -> int:
     with _client(args) as omni:
         job = omni.get(args.job_id)
-    if args.json:
-        print(json.dumps(job.model_dump(mode="json"), indent=2))
-    else:
-        print("\n".join(_describe(job)))
+    print(_json(job) if args.json else "\n".join(_describe(job)))
     return EXIT_OK if job.status != "failed" else EXIT_JOB_FAILED
 
 
@@ -179,13 +181,13 @@ def cmd_list(args: argparse.Namespace) -> int:
     with _client(args) as omni:
         page = omni.list(limit=args.limit, status=args.status)
     if args.json:
-        print(json.dumps(page.model_dump(mode="json"), indent=2))
+        print(json.dumps(page.model_dump(mode="json", exclude_unset=True), indent=2))
         return EXIT_OK
     for job in page.data:
         where = job.stage or ""
         if job.progress is not None:
             where = f"{job.progress.stage} {job.progress.step}/{job.progress.total}"
-        print(f"{job.id}\t{job.status:<9}\t{job.pipeline}\t{_when(job.created_at)}\t{where}".rstrip())
+        print(f"{job.id}\t{job.status.value:<9}\t{job.pipeline}\t{_when(job.created_at)}\t{where}".rstrip())
     if page.next_cursor:
         _say(f"more: --limit {args.limit} shows the newest only ({len(page.data)} shown)")
     return EXIT_OK
@@ -194,7 +196,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 def cmd_cancel(args: argparse.Namespace) -> int:
     with _client(args) as omni:
         job = omni.cancel(args.job_id)
-    print(f"{job.id}\t{job.status}")
+    print(f"{job.id}\t{job.status.value}")
     return EXIT_OK
 
 
@@ -202,7 +204,7 @@ def cmd_download(args: argparse.Namespace) -> int:
     with _client(args) as omni:
         job = omni.get(args.job_id)
         if not job.outputs:
-            _say(f"job {job.id} is {job.status} and has no outputs")
+            _say(f"job {job.id} is {job.status.value} and has no outputs")
             return EXIT_JOB_FAILED
         paths = omni.download_outputs(job, Path(args.out) / job.id)
     _print_outputs(job, paths)

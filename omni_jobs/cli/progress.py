@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from omni_jobs.client import JobEventInfo, JobInfo
+from omni_jobs.client import JobEventView, JobView
 
 
 def bar(step: int, total: int, width: int = 24) -> str:
@@ -30,17 +30,17 @@ class ProgressDisplay:
         self._quarter: dict[str, int] = {}
         self._name_width = 4
 
-    def queued(self, job: JobInfo) -> None:
+    def queued(self, job: JobView) -> None:
         where = f" (position {job.queue_position} on queue '{self._queue_of(job)}')" if job.queue_position else ""
-        self._print(f"{job.id} {job.status}{where}")
+        self._print(f"{job.id} {job.status.value}{where}")
         self._name_width = max([self._name_width, *(len(s.id) for s in job.stages)])
 
     @staticmethod
-    def _queue_of(job: JobInfo) -> str:
+    def _queue_of(job: JobView) -> str:
         waiting = [s for s in job.stages if s.status == "queued"]
         return waiting[0].queue if waiting else "?"
 
-    def show(self, event: JobEventInfo) -> None:
+    def show(self, event: JobEventView) -> None:
         data = event.data
         stage = str(data.get("stage", ""))
         if event.type == "stage.started":

@@ -10,35 +10,57 @@
 
 Every endpoint has a method: ``submit`` (with ``wait`` = ``Prefer: wait=N``, webhooks, Idempotency-Key),
 ``get``, ``list`` / ``iter_jobs``, ``cancel``, ``events`` (and ``stream_text``: an AR stage's text as
-it is generated), ``wait``, ``download`` /
-``download_outputs``, ``pipelines``. Errors are ``ApiError`` subclasses that carry the server's
-detail (for a 422: the fields, e.g. ``body.input.prompt``). It needs only httpx and pydantic.
+it is generated), ``wait``, ``download`` / ``download_outputs``, ``pipelines``. A job is a
+``JobView``, the very model the API answers with (omni_jobs.jobs.view). Errors are ``ApiError``
+subclasses that carry the server's detail (for a 422: the fields, e.g. ``body.input.prompt``; for a
+429: the quota's ``limit``, ``value`` and ``retry_after_s``). It needs only httpx and pydantic.
+
+The two clients share one implementation of everything but I/O (omni_jobs/client/protocol.py: the
+requests, the answers, the SSE parser and the loops); the old names of the models (``JobInfo``,
+``OutputInfo``, ...) stay as aliases of the views.
 """
 
-from omni_jobs.client.http import (
+from omni_jobs.client.errors import (
+    ApiError,
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    RateLimitedError,
+    UnauthorizedError,
+    UnavailableError,
+)
+from omni_jobs.client.http import AsyncClient, Client
+from omni_jobs.client.protocol import (
     DEFAULT_API_URL,
     FINAL_EVENTS,
     FINAL_STATUSES,
-    ApiError,
-    AsyncClient,
-    Client,
-    ConflictError,
     FileInput,
-    InvalidRequestError,
-    JobErrorInfo,
-    JobEventInfo,
-    JobInfo,
-    JobPage,
-    NotFoundError,
-    OutputInfo,
     PipelineList,
-    Progress,
-    StageInfo,
-    UnavailableError,
-    WebhookDeliveryInfo,
-    WebhookInfo,
+    SubmitOptions,
     output_filename,
 )
+from omni_jobs.jobs.view import (
+    JobErrorView,
+    JobEventView,
+    JobListView,
+    JobView,
+    OutputView,
+    ProgressView,
+    StageView,
+    WebhookDeliveryView,
+    WebhookView,
+)
+
+# The names of the client's own models before it parsed the API's views (kept for user code).
+JobInfo = JobView
+JobPage = JobListView
+JobEventInfo = JobEventView
+StageInfo = StageView
+OutputInfo = OutputView
+JobErrorInfo = JobErrorView
+WebhookInfo = WebhookView
+WebhookDeliveryInfo = WebhookDeliveryView
+Progress = ProgressView
 
 __all__ = [
     "DEFAULT_API_URL",
@@ -51,16 +73,28 @@ __all__ = [
     "FileInput",
     "InvalidRequestError",
     "JobErrorInfo",
+    "JobErrorView",
     "JobEventInfo",
+    "JobEventView",
     "JobInfo",
+    "JobListView",
     "JobPage",
+    "JobView",
     "NotFoundError",
     "OutputInfo",
+    "OutputView",
     "PipelineList",
     "Progress",
+    "ProgressView",
+    "RateLimitedError",
     "StageInfo",
+    "StageView",
+    "SubmitOptions",
+    "UnauthorizedError",
     "UnavailableError",
     "WebhookDeliveryInfo",
+    "WebhookDeliveryView",
     "WebhookInfo",
+    "WebhookView",
     "output_filename",
 ]

@@ -3,27 +3,76 @@
 Presigned URLs expire, so they are made when a job is shown, never stored. API responses, SSE
 and webhooks all use this one function so that clients see one shape, and :class:`JobView` is
 that shape as a model: the ``response_model`` of every job route (so the OpenAPI spec describes
-it), the ``job`` of webhook bodies and of SSE final events, and what a client parses.
+it), the ``job`` of webhook bodies and of SSE final events, and what ``omni_jobs.client`` parses.
 
 :func:`present_job` builds the JSON as a plain dict (the hot path: one ``model_dump``, no second
 validation); ``JobView.model_validate(present_job(...))`` holds for every job, which the tests
 check with ``extra="forbid"`` on each job JSON they see.
+
+The models import nothing but pydantic and the job models (the artifact store is a type here,
+never imported at run time), so the HTTP client can use them without the storage layer.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from omni_jobs.artifacts import ArtifactStore
 from omni_jobs.artifacts.refs import ArtifactRef
-from omni_jobs.jobs.models import Job, JobError, JobStatus, JobWebhook, Priority, Progress, StageStatus
+from omni_jobs.jobs.models import (
+    FINAL_EVENTS,
+    Job,
+    JobError,
+    JobStatus,
+    Priority,
+    Progress,
+    StageStatus,
+    WebhookDelivery,
+)
+
+if TYPE_CHECKING:
+    from omni_jobs.artifacts.store import ArtifactStore
+
+_LENIENT = ConfigDict(extra="ignore")
+"""Clients parse with extra fields ignored, at every level: a newer server may add some. Tests
+forbid them instead (tests/e2e/job_contract.py)."""
 
 
 class _View(BaseModel):
-    # Clients parse with the default (extra ignored): a newer server may add fields. Tests forbid extras.
-    model_config = ConfigDict(extra="ignore")
+    model_config = _LENIENT
+
+
+class ArtifactRefView(ArtifactRef):
+    """Where a stage output is stored (an ArtifactRef, read leniently)."""
+
+    model_config = _LENIENT
+
+
+class ProgressView(Progress):
+    """The running stage's progress (steps for diffusion, tokens for AR stages)."""
+
+    model_config = _LENIENT
+
+
+class JobErrorView(JobError):
+    """Why the job failed: the stage (when one failed), the error's type and its message."""
+
+    model_config = _LENIENT
+
+
+class WebhookDeliveryView(WebhookDelivery):
+    """One attempt to deliver one webhook message."""
+
+    model_config = _LENIENT
+
+
+class WebhookView(_View):
+    """Where the job's webhooks go and what happened to them (the signing secret is never here)."""
+
+    url: str
+    events: list[str] = Field(description="Which events send it: start, progress, completed, preview.")
+    deliveries: list[WebhookDeliveryView]
 
 
 class StageView(_View):
@@ -38,7 +87,7 @@ class StageView(_View):
     finished_at: float | None
     worker: str | None
     attempts: int
-    outputs: dict[str, ArtifactRef] = Field(description="The stage's output ports and where each is stored.")
+    outputs: dict[str, ArtifactRefView] = Field(description="The stage's output ports and where each is stored.")
     metrics: dict[str, float] = Field(description="Stage timings, e.g. engine_s.")
     duration_s: float | None = Field(description="finished_at - started_at, once both are known.")
     wait_s: float | None = Field(description="started_at - queued_at: how long the stage waited for a worker.")
@@ -83,14 +132,14 @@ class JobView(_View):
     input: dict[str, Any]
     params: dict[str, dict[str, Any]] = Field(description="Per-stage parameters in force.")
     stage: str | None = Field(description="The stage running now.")
-    progress: Progress | None
+    progress: ProgressView | None
     stages: list[StageView]
     outputs: list[OutputView]
-    error: JobError | None
+    error: JobErrorView | None
     created_at: float
     started_at: float | None
     completed_at: float | None
-    webhook: JobWebhook | None
+    webhook: WebhookView | None
     deadline_at: float | None = Field(description="The job is canceled if it has not finished by then.")
     tenant: str = Field(description="Who owns the job (the API key's tenant); only it sees the job.")
     priority: Priority
@@ -98,6 +147,39 @@ class JobView(_View):
     queue_position: int | None = Field(description="1-based place of the job's waiting stage on its queue, "
                                        "when known (GET and submit answers); null once running or in lists.")
     urls: JobUrls
+
+    @property
+    def is_final(self) -> bool:
+        """True once the job succeeded, failed or was canceled: nothing about it changes after that."""
+        return self.status.is_final
+
+    def output(self, name: str) -> OutputView | None:
+        """The final output called ``name``, if the job has one."""
+        return next((o for o in self.outputs if o.name == name), None)
+
+
+class JobListView(_View):
+    """A page of jobs, newest first (GET /v1/jobs)."""
+
+    data: list[JobView]
+    next_cursor: str | None = Field(None, description="Pass as ?cursor= to get the next page.")
+
+
+class JobEventView(_View):
+    """One event of a job's Server-Sent Events (GET /v1/jobs/{id}/events): a stored JobEvent, and on
+    the final event (job.succeeded, job.failed, job.canceled) the job as it ended."""
+
+    id: str = Field("", description="The stream id: send it back as Last-Event-ID to resume after this event.")
+    job_id: str
+    type: str = Field(description="job.queued, stage.started, stage.progress, output.delta, job.succeeded, ...")
+    at: float
+    data: dict[str, Any] = Field(default_factory=dict)
+    job: JobView | None = Field(None, description="On the final event only: the job as it ended.")
+
+    @property
+    def is_final(self) -> bool:
+        """True for the event that ends the stream: the job succeeded, failed or was canceled."""
+        return self.type in FINAL_EVENTS
 
 
 JobJSON = dict[str, Any]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,16 +15,21 @@ from omni_jobs.client import (
     Client,
     ConflictError,
     InvalidRequestError,
-    JobEventInfo,
-    JobInfo,
+    JobEventView,
+    JobView,
     NotFoundError,
+    RateLimitedError,
+    UnauthorizedError,
 )
+from omni_jobs.jobs.models import JobStatus
 from omni_jobs.local.embedded import EmbeddedSystem
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PARAMS = {"ar": {"max_tokens": 6}, "dit": {"height": 32, "width": 40, "num_inference_steps": 3, "seed": 4}}
 
 
-def check_outputs(paths: dict[str, Path], job: JobInfo) -> None:
+def check_outputs(paths: dict[str, Path], job: JobView) -> None:
     assert set(paths) == {"image", "text"}
     with Image.open(paths["image"]) as image:
         assert image.size == (40, 32)
@@ -33,7 +40,8 @@ def test_sync_client_covers_every_endpoint(system: EmbeddedSystem, tmp_path: Pat
     with Client(system.api_url, api_key=system.api_key) as omni:
         assert {p["name"] for p in omni.pipelines()} >= {"text-to-image", "text-to-text"}
         job = omni.submit("text-to-image", prompt="a client test", params=PARAMS, wait=30)
-        assert job.status == "succeeded" and job.is_final and job.queue_position is None
+        assert isinstance(job, JobView) and job.status is JobStatus.succeeded and job.is_final
+        assert job.queue_position is None and job.tenant == system.demo_tenant and job.metrics.total_time_s
         assert [s.id for s in job.stages] == ["ar", "dit"] and all(s.duration_s for s in job.stages)
         assert omni.get(job.id).id == job.id
 
@@ -66,7 +74,7 @@ def test_async_client(system: EmbeddedSystem, tmp_path: Path) -> None:
         async with AsyncClient(system.api_url, api_key=system.api_key) as omni:
             jobs = await asyncio.gather(*(omni.submit("text-to-image", prompt=f"async {i}", params=PARAMS)
                                           for i in range(2)))
-            async def follow(job_id: str) -> list[JobEventInfo]:
+            async def follow(job_id: str) -> list[JobEventView]:
                 return [e async for e in omni.events(job_id)]
 
             streams = await asyncio.gather(*(follow(j.id) for j in jobs))  # two streams at once
@@ -91,3 +99,22 @@ def test_async_client(system: EmbeddedSystem, tmp_path: Path) -> None:
             assert waited.status == "succeeded" and waited.outputs[0].text
 
     asyncio.run(scenario())
+
+
+def test_a_bad_key_and_a_quota_refusal_raise_their_own_errors_with_the_servers_values(system: EmbeddedSystem) -> None:
+    with Client(system.api_url, api_key="ok_not-a-key") as stranger, pytest.raises(UnauthorizedError) as refused:
+        stranger.list()
+    assert refused.value.status_code == 401 and refused.value.message.startswith("missing or invalid API key")
+    assert refused.value.headers["www-authenticate"].startswith("Bearer")
+
+    subprocess.run([sys.executable, "-m", "omni_jobs.cli", "keys", "limits", "--tenant", "client-quota",
+                    "--per-minute", "1"], cwd=ROOT, env=system.child_env(), capture_output=True, timeout=60, check=True)
+    with Client(system.api_url, api_key=system.create_api_key("client-quota")) as omni:
+        first = omni.submit("dit-only", prompt="the one this minute allows")
+        with pytest.raises(RateLimitedError) as limited:
+            omni.submit("dit-only", prompt="one too many")
+        assert omni.wait(first.id, timeout=60).status == "succeeded"
+    error = limited.value
+    assert (error.status_code, error.limit, error.value) == (429, "jobs_per_minute", 1)
+    assert error.retry_after_s is not None and 1 <= error.retry_after_s <= 60
+    assert "tenant 'client-quota' reached its limit jobs_per_minute=1" in str(error)

@@ -15,7 +15,7 @@ from api.prefer import prefer_wait
 from omni_jobs.cli.jobs import parse_params
 from omni_jobs.cli.progress import ProgressDisplay
 from omni_jobs.client import JobEventInfo
-from omni_jobs.client.http import _SseParser
+from omni_jobs.client.sse import SseParser
 from omni_jobs.errors import InvalidRequest
 from omni_jobs.webhooks import (
     AttemptResult,
@@ -140,14 +140,13 @@ def test_prefer_wait_parsing() -> None:
 
 
 def test_sse_parser_reads_messages_and_skips_comments() -> None:
-    parser = _SseParser()
+    parser = SseParser()
     lines = ["retry: 2000", "", ": keep-alive", "", "id: 5-0", "event: stage.progress",
              'data: {"job_id":"j","type":"stage.progress","at":1,"data":{"step":2,"total":4}}', ""]
     messages = [m for m in (parser.feed(line) for line in lines) if m is not None]
     assert len(messages) == 1
-    event_id, name, data = messages[0]
-    assert (event_id, name) == ("5-0", "stage.progress")
-    assert JobEventInfo.model_validate_json(data).data == {"step": 2, "total": 4}
+    assert (messages[0].id, messages[0].event) == ("5-0", "stage.progress")
+    assert JobEventInfo.model_validate_json(messages[0].data).data == {"step": 2, "total": 4}
 
 
 def test_progress_display_without_a_terminal_prints_quarters() -> None:
