@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from enum import Enum, StrEnum
+from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -29,7 +29,7 @@ def new_message_id() -> str:
     return "msg_" + secrets.token_hex(12)
 
 
-class JobStatus(str, Enum):
+class JobStatus(StrEnum):
     queued = "queued"
     running = "running"
     succeeded = "succeeded"
@@ -44,7 +44,7 @@ class JobStatus(str, Enum):
 FINAL_STATUSES = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.canceled})
 
 
-class Priority(str, Enum):
+class Priority(StrEnum):
     """How soon a job's waiting stages start, against the same tenant's other jobs (README "Scheduling")."""
 
     low = "low"
@@ -52,7 +52,7 @@ class Priority(str, Enum):
     high = "high"
 
 
-class StageStatus(str, Enum):
+class StageStatus(StrEnum):
     pending = "pending"
     queued = "queued"
     running = "running"
