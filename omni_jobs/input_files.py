@@ -17,8 +17,9 @@ import base64
 import binascii
 import io
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from PIL import Image
 from pydantic import ValidationError
@@ -26,9 +27,11 @@ from pydantic import ValidationError
 from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactError, ArtifactNotFound, ArtifactRef, ArtifactStore, codecs
 from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound
+from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.pipelines.spec import DEFAULT_MAX_IMAGE_BYTES, InputField, PipelineSpec
 
 if TYPE_CHECKING:
+    from omni_jobs.jobs.models import Job
     from omni_jobs.jobs.store import JobStore
 
 MAX_IMAGE_PIXELS = 4096 * 4096
@@ -99,8 +102,9 @@ def _from_string(text: str) -> ImageSource:
     return ImageUpload(_b64(text))
 
 
-def parse_image_value(value: Any, field: InputField) -> ImageSource:
-    """The image source a request names; ValueError with a message that completes 'input.<name> ...'."""
+def parse_image_value(value: object, field: InputField) -> ImageSource:
+    """The image source a request names (JSON, or bytes); ValueError with a message that completes
+    'input.<name> ...'."""
     source: ImageSource
     if isinstance(value, bytes | bytearray | memoryview):
         source = ImageUpload(bytes(value))
@@ -159,10 +163,10 @@ class InputFiles:
         self.max_bytes = max_bytes
         self.max_pixels = max_pixels
 
-    def _owned_job(self, job_id: str, tenant: str | None) -> Any:
+    def _owned_job(self, job_id: str, tenant: str | None) -> Job:
         """The referenced job, if ``tenant`` owns it: another tenant's job reads as missing."""
         job = self.jobs.get(job_id)
-        if job is None or (tenant is not None and getattr(job, "tenant", tenant) != tenant):
+        if job is None or (tenant is not None and job.tenant != tenant):
             raise JobNotFound(job_id)
         return job
 
@@ -195,7 +199,8 @@ class InputFiles:
         except ArtifactError as exc:
             raise ValueError(f"names an artifact that cannot be read: {exc}") from None
 
-    def prepare(self, spec: PipelineSpec, input_: dict[str, Any], *, tenant: str | None = None) -> dict[str, PreparedImage]:
+    def prepare(self, spec: PipelineSpec, input_: Mapping[str, object], *,
+                tenant: str | None = None) -> dict[str, PreparedImage]:
         """Resolve and normalize every image input (no job yet); InvalidRequest names each bad field."""
         prepared: dict[str, PreparedImage] = {}
         errors: list[FieldError] = []
@@ -216,9 +221,9 @@ class InputFiles:
             raise InvalidRequest(errors)
         return prepared
 
-    def store(self, job_id: str, prepared: dict[str, PreparedImage]) -> dict[str, dict[str, Any]]:
+    def store(self, job_id: str, prepared: dict[str, PreparedImage]) -> dict[str, JsonObject]:
         """Store prepared images as the job's input artifacts; the records that replace them in its input."""
-        records: dict[str, dict[str, Any]] = {}
+        records: dict[str, JsonObject] = {}
         for name, image in prepared.items():
             ref = self.artifacts.put_output(keys.input_artifact(job_id, f"{name}.png"), image.png, codecs.MEDIA_PNG)
             records[name] = {"artifact": ref.model_dump(mode="json"), "media_type": ref.media_type,
@@ -226,7 +231,9 @@ class InputFiles:
         return records
 
 
-def load_input_image(artifacts: ArtifactStore, record: dict[str, Any]) -> Image.Image:
+def load_input_image(artifacts: ArtifactStore, record: JsonValue) -> Image.Image:
     """The image a job input record (``{"artifact": ref, ...}``) points to, for a stage."""
+    if not isinstance(record, dict) or "artifact" not in record:
+        raise ValueError(f"a job's image input must be a stored input record {{artifact, ...}}, got {type(record).__name__}")
     ref = ArtifactRef.model_validate(record["artifact"])
     return codecs.decode_png(artifacts.get(ref))

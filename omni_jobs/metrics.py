@@ -21,7 +21,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -38,6 +38,8 @@ from prometheus_client.registry import Collector
 from omni_jobs import telemetry
 
 if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
     import redis
 
     from omni_jobs.jobs.models import Job, JobEvent
@@ -139,12 +141,12 @@ def record_job_events(job: Job, events: list[JobEvent]) -> None:
 
 
 def _observe_failed_stage(job: Job, event: JobEvent) -> None:
-    error = event.data.get("error") or {}
-    stage_id = error.get("stage")
-    if not stage_id:
+    error = event.data.get("error")
+    stage_id = error.get("stage") if isinstance(error, dict) else None
+    if not isinstance(stage_id, str) or not stage_id:
         return
     try:
-        record = job.stage_record(str(stage_id))
+        record = job.stage_record(stage_id)
     except KeyError:
         return
     if record.started_at is not None:
@@ -301,10 +303,11 @@ class QueueCollector(Collector):
         released = GaugeMetricFamily("omni_jobs_queue_released", "Stages released to a queue's broker list and "
                                      "not started yet.", labels=["queue"])
         for queue in sorted(queues):
-            tenants = [t.decode() for t in self.state.zrange(keys.queue_tenants(queue), 0, -1)]  # type: ignore[union-attr]
+            members = self.state.zrange(keys.queue_tenants(queue), 0, -1)
+            tenants = [t.decode() if isinstance(t, bytes) else str(t) for t in members]
             for tenant in tenants:
-                ready.add_metric([queue, tenant], int(self.state.zcard(keys.queue_ready(queue, tenant))))  # type: ignore[arg-type]
-            released.add_metric([queue], int(self.state.zcard(keys.queue_released(queue))))  # type: ignore[arg-type]
+                ready.add_metric([queue, tenant], self.state.zcard(keys.queue_ready(queue, tenant)))
+            released.add_metric([queue], self.state.zcard(keys.queue_released(queue)))
         return ready, released
 
 
@@ -335,7 +338,7 @@ def render(*extra: Collector) -> tuple[bytes, str]:
     return body, CONTENT_TYPE_LATEST
 
 
-def start_metrics_server(port: int, addr: str = "0.0.0.0") -> Any:
+def start_metrics_server(port: int, addr: str = "0.0.0.0") -> WSGIServer:
     """Serve this process's metrics on ``port`` (a worker's OMNI_METRICS_PORT); returns the server."""
     from prometheus_client import start_http_server
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Literal, TypeAlias
 
 from omni_jobs import keys
 from omni_jobs.jobs.models import JobEvent
@@ -65,11 +65,24 @@ class OutboxEntry:
         return step_id(self.step)
 
 
-Op = tuple[Any, ...]
-"""One write: ("hset", key, {field: value}) | ("hdel", key, [fields]) | ("del", key)
-| ("set", key, value, ttl_s) | ("expire", key, ttl_s) | ("zadd", key, member, score)
-| ("zaddnx", key, member, score) | ("zrem", key, member) | ("ztrim", key, max_score) (drop members
-scored up to it) | ("sadd", key, member) | ("xadd", key, maxlen, payload) | ("rpush", key, value, keep_last)."""
+HSet: TypeAlias = tuple[Literal["hset"], str, dict[str, str]]
+HDel: TypeAlias = tuple[Literal["hdel"], str, list[str]]
+Del: TypeAlias = tuple[Literal["del"], str]
+Set: TypeAlias = tuple[Literal["set"], str, str, int]
+"""(op, key, value, ttl_s); ttl_s 0: no expiry."""
+Expire: TypeAlias = tuple[Literal["expire"], str, int]
+ZAdd: TypeAlias = tuple[Literal["zadd", "zaddnx"], str, str, float]
+"""(op, key, member, score); zaddnx keeps the score of a member already there."""
+ZRem: TypeAlias = tuple[Literal["zrem"], str, str]
+ZTrim: TypeAlias = tuple[Literal["ztrim"], str, float]
+"""(op, key, max_score): drop the members scored up to it."""
+SAdd: TypeAlias = tuple[Literal["sadd"], str, str]
+XAdd: TypeAlias = tuple[Literal["xadd"], str, int, str]
+"""(op, key, maxlen, payload)."""
+RPush: TypeAlias = tuple[Literal["rpush"], str, str, int]
+"""(op, key, value, keep_last)."""
+Op: TypeAlias = HSet | HDel | Del | Set | Expire | ZAdd | ZRem | ZTrim | SAdd | XAdd | RPush
+"""One write, as the Lua script reads it (a list) and the memory store applies it."""
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
 
 from omni_jobs.jobs.models import (
     Job,
@@ -42,7 +41,7 @@ def results_field(name: str) -> str:
     return f"results:{name}"
 
 
-def _json(value: Any) -> str:
+def _json(value: object) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
 

@@ -14,11 +14,11 @@ import itertools
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import assert_never
 
 from omni_jobs import keys
 from omni_jobs.jobs import codec
-from omni_jobs.jobs.change import Change, Conflict, OutboxEntry
+from omni_jobs.jobs.change import Change, Conflict, Op, OutboxEntry
 from omni_jobs.jobs.models import Job, JobEvent, JobStatus
 from omni_jobs.jobs.store import (
     IdempotencyRecord,
@@ -57,8 +57,12 @@ class MemoryJobStore:
         return True
 
     def _drop(self, key: str) -> None:
-        for space in (self._hashes, self._strings, self._zsets, self._streams, self._lists, self._sets):
-            space.pop(key, None)  # type: ignore[attr-defined]
+        self._hashes.pop(key, None)
+        self._strings.pop(key, None)
+        self._zsets.pop(key, None)
+        self._streams.pop(key, None)
+        self._lists.pop(key, None)
+        self._sets.pop(key, None)
         self._expiry.pop(key, None)
 
     def _hash(self, key: str) -> dict[str, str]:
@@ -152,51 +156,53 @@ class MemoryJobStore:
                 self._changed.notify_all()
         return None
 
-    def _apply(self, op: tuple[Any, ...]) -> None:
-        kind, key = op[0], op[1]
-        if kind != "del":
+    def _apply(self, op: Op) -> None:
+        key = op[1]
+        if op[0] != "del":
             self._alive(key)
-        if kind == "hset":
-            self._hashes.setdefault(key, {}).update(op[2])
-        elif kind == "hdel":
-            fields = self._hashes.get(key, {})
-            for name in op[2]:
-                fields.pop(name, None)
-            if not fields:
-                self._hashes.pop(key, None)
-        elif kind == "del":
-            self._drop(key)
-        elif kind == "set":
-            self._strings[key] = op[2]
-            if op[3] > 0:
-                self._expiry[key] = time.time() + op[3]
-            else:
-                self._expiry.pop(key, None)
-        elif kind == "expire":
-            if any(key in space for space in (self._hashes, self._strings, self._zsets, self._streams, self._lists)):
-                self._expiry[key] = time.time() + op[2]
-        elif kind == "zadd":
-            self._zsets.setdefault(key, {})[op[2]] = float(op[3])
-        elif kind == "zaddnx":
-            self._zsets.setdefault(key, {}).setdefault(op[2], float(op[3]))
-        elif kind == "zrem":
-            self._zsets.get(key, {}).pop(op[2], None)
-        elif kind == "ztrim":
-            zset = self._zsets.get(key, {})
-            for member in [m for m, score in zset.items() if score <= op[2]]:
-                del zset[member]
-        elif kind == "sadd":
-            self._sets.setdefault(key, set()).add(op[2])
-        elif kind == "xadd":
-            stream = self._streams.setdefault(key, [])
-            stream.append((next(self._seq), op[3]))
-            del stream[: max(0, len(stream) - op[2])]
-        elif kind == "rpush":
-            values = self._lists.setdefault(key, [])
-            values.append(op[2])
-            del values[: max(0, len(values) - op[3])]
-        else:
-            raise ValueError(f"unknown op {kind!r}")
+        match op:
+            case ("hset", _, mapping):
+                self._hashes.setdefault(key, {}).update(mapping)
+            case ("hdel", _, names):
+                fields = self._hashes.get(key, {})
+                for name in names:
+                    fields.pop(name, None)
+                if not fields:
+                    self._hashes.pop(key, None)
+            case ("del", _):
+                self._drop(key)
+            case ("set", _, value, ttl_s):
+                self._strings[key] = value
+                if ttl_s > 0:
+                    self._expiry[key] = time.time() + ttl_s
+                else:
+                    self._expiry.pop(key, None)
+            case ("expire", _, ttl_s):
+                if any(key in space for space in (self._hashes, self._strings, self._zsets, self._streams,
+                                                   self._lists)):
+                    self._expiry[key] = time.time() + ttl_s
+            case ("zadd", _, member, score):
+                self._zsets.setdefault(key, {})[member] = float(score)
+            case ("zaddnx", _, member, score):
+                self._zsets.setdefault(key, {}).setdefault(member, float(score))
+            case ("zrem", _, member):
+                self._zsets.get(key, {}).pop(member, None)
+            case ("ztrim", _, max_score):
+                zset = self._zsets.get(key, {})
+                for member in [m for m, score in zset.items() if score <= max_score]:
+                    del zset[member]
+            case ("sadd", _, member):
+                self._sets.setdefault(key, set()).add(member)
+            case ("xadd", _, maxlen, payload):
+                stream = self._streams.setdefault(key, [])
+                stream.append((next(self._seq), payload))
+                del stream[: max(0, len(stream) - maxlen)]
+            case ("rpush", _, value, keep_last):
+                values = self._lists.setdefault(key, [])
+                values.append(value)
+                del values[: max(0, len(values) - keep_last)]
+            case _:
+                assert_never(op)
 
     # --- outbox ---
     def claim_outbox(self, *, now: float, limit: int, hold_s: float, job_id: str | None = None) -> list[OutboxEntry]:
@@ -306,10 +312,10 @@ class MemoryJobStore:
             return ordered.index(member) if member in ordered else None
 
         with self._changed:
-            return estimate_position(rank(keys.queue_released(record.queue), slot),
-                                     len(self._zset(keys.queue_released(record.queue))),
-                                     rank(keys.queue_ready(record.queue, job.tenant), entry),
-                                     len(self._zset(keys.queue_tenants(record.queue))))
+            return estimate_position([rank(keys.queue_released(record.queue), slot),
+                                      len(self._zset(keys.queue_released(record.queue))),
+                                      rank(keys.queue_ready(record.queue, job.tenant), entry),
+                                      len(self._zset(keys.queue_tenants(record.queue)))])
 
     def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
         with self._changed:

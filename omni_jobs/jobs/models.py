@@ -8,11 +8,12 @@ from __future__ import annotations
 import secrets
 import time
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SkipValidation
 
 from omni_jobs.artifacts.refs import ArtifactRef
+from omni_jobs.json_types import JsonObject, JsonScalar, JsonValue
 
 
 def now() -> float:
@@ -193,8 +194,10 @@ class Job(Model):
     id: str
     pipeline: str
     status: JobStatus = JobStatus.queued
-    input: dict[str, Any]
-    params: dict[str, dict[str, Any]] = Field(default_factory=dict, description="Per-stage parameters in force.")
+    input: dict[str, SkipValidation[JsonValue]]
+    """JSON once stored (an image input is then its artifact record). Its values are not validated:
+    a submission holds an image input's raw bytes here until it has stored them (omni_jobs.submission)."""
+    params: dict[str, dict[str, JsonScalar]] = Field(default_factory=dict, description="Per-stage parameters in force.")
     stage: str | None = Field(None, description="The stage running now.")
     progress: Progress | None = None
     stages: list[StageRecord]
@@ -254,4 +257,4 @@ class JobEvent(Model):
                                   description="An EventType; a reader accepts a type it does not know yet "
                                   "(a newer writer's), and shows it as is.")
     at: float = Field(default_factory=now)
-    data: dict[str, Any] = Field(default_factory=dict)
+    data: JsonObject = Field(default_factory=dict)

@@ -8,8 +8,6 @@ from the before/after difference by the ledger, in the same atomic write.
 
 from __future__ import annotations
 
-from typing import Any
-
 from omni_jobs.artifacts.refs import ArtifactRef
 from omni_jobs.errors import InvalidTransition
 from omni_jobs.jobs.models import (
@@ -23,6 +21,7 @@ from omni_jobs.jobs.models import (
     StageStatus,
     StepSlot,
 )
+from omni_jobs.json_types import JsonValue
 
 JOB_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.queued: frozenset({JobStatus.running, JobStatus.failed, JobStatus.canceled}),
@@ -46,7 +45,7 @@ STAGE_TRANSITIONS: dict[StageStatus, frozenset[StageStatus]] = {
 OPEN = (StageStatus.pending, StageStatus.queued, StageStatus.running)
 
 
-def _event(job: Job, type_: EventType, at: float, **data: Any) -> JobEvent:
+def _event(job: Job, type_: EventType, at: float, **data: JsonValue) -> JobEvent:
     return JobEvent(job_id=job.id, type=type_, at=at, data=data)
 
 

@@ -12,13 +12,17 @@ import json
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol, TypeAlias, TypedDict
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.client
+import redis.client
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
+from redis.typing import XReadResponse, ZSetRangeResponse
 
 from omni_jobs import keys
 from omni_jobs.errors import NotDurable
@@ -54,13 +58,12 @@ def decode_webhook_slots(raw: dict[str, str]) -> dict[str, WebhookSlot]:
     ids = {name.split(":", 1)[0] for name in raw}
     slots: dict[str, WebhookSlot] = {}
     for mid in sorted(ids):
-        get = lambda n, mid=mid: raw.get(webhook_field(mid, n))
-        event, status = get("event"), get("status")
+        event, status = raw.get(webhook_field(mid, "event")), raw.get(webhook_field(mid, "status"))
         if event is None or status is None:
             continue
-        until = get("lease_until")
-        slots[mid] = WebhookSlot(mid, event, status, int(get("attempts") or 0), get("lease_owner"),
-                                 float(until) if until is not None else None)
+        until = raw.get(webhook_field(mid, "lease_until"))
+        slots[mid] = WebhookSlot(mid, event, status, int(raw.get(webhook_field(mid, "attempts")) or 0),
+                                 raw.get(webhook_field(mid, "lease_owner")), float(until) if until is not None else None)
     return slots
 
 
@@ -264,8 +267,26 @@ return out
 """
 
 
-def _text(value: Any) -> str:
+ScriptReply: TypeAlias = list[int | bytes | None]
+"""What the commit script answers: integers, strings, and nil for the rank of an absent member
+(redis-py types a script's reply as Any)."""
+Pipeline: TypeAlias = redis.client.Pipeline | redis.asyncio.client.Pipeline
+
+
+def _text(value: bytes | str | int) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _members(reply: ZSetRangeResponse) -> list[str]:
+    """The members a sorted-set range read answers (read without scores: each is a string)."""
+    return [_text(m) for m in reply if isinstance(m, bytes | str)]
+
+
+def _int(value: int | bytes | None) -> int:
+    """A number of a script's reply, where the script never answers nil."""
+    if value is None:
+        raise ValueError("the commit script answered nil where it answers a number")
+    return int(value)
 
 
 class RedisJobStore:
@@ -279,7 +300,7 @@ class RedisJobStore:
         (its connections belong to the loop that made them); default: the same server as ``client``."""
         self.redis = client
         self._make_async = async_client or (lambda: same_server_async(client))
-        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[aioredis.Redis, Any]] = \
+        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[aioredis.Redis, AsyncScript]] = \
             weakref.WeakKeyDictionary()
         self.ttl_s = ttl_s
         self.events_maxlen = events_maxlen
@@ -290,7 +311,7 @@ class RedisJobStore:
         self._release = client.register_script(_RELEASE)
 
     # --- reading ---
-    def _read(self, pipe: Any, job_id: str) -> None:
+    def _read(self, pipe: Pipeline, job_id: str) -> None:
         pipe.hgetall(keys.job(job_id))
         pipe.get(keys.job_progress(job_id))
         pipe.lrange(keys.job_deliveries(job_id), 0, -1)
@@ -318,7 +339,7 @@ class RedisJobStore:
         position = int(cursor) if cursor and cursor.isdigit() else 0
         found: list[Job] = []
         while len(found) < limit:
-            ids = [_text(i) for i in self.redis.zrevrange(index, position, position + limit - len(found) - 1)]
+            ids = _members(self.redis.zrevrange(index, position, position + limit - len(found) - 1))
             if not ids:
                 return JobPage(found, None)
             for job_id, job in zip(ids, self.get_many(ids), strict=True):
@@ -328,7 +349,7 @@ class RedisJobStore:
                 position += 1
                 if status is None or job.status is status:
                     found.append(job)
-        more = int(self.redis.zcard(index)) > position  # type: ignore[arg-type]
+        more = int(self.redis.zcard(index)) > position
         return JobPage(found, str(position) if more else None)
 
     def _jobs(self, ids: list[str]) -> list[Job]:
@@ -336,8 +357,7 @@ class RedisJobStore:
 
     def events(self, job_id: str, *, after: str = "0-0", block_ms: int | None = None,
                count: int = 100) -> list[JobEvent]:
-        reply: Any = self.redis.xread({keys.job_events(job_id): after}, count=count, block=block_ms)
-        return parse_stream(reply)
+        return parse_stream(self.redis.xread({keys.job_events(job_id): after}, count=count, block=block_ms))
 
     def webhook_slots(self, job_id: str) -> dict[str, WebhookSlot]:
         raw = self.redis.hgetall(keys.job_webhooks(job_id))
@@ -353,22 +373,26 @@ class RedisJobStore:
             with self.redis.pipeline(transaction=False) as pipe:
                 self._commit(args=[change.wire()], client=pipe)
                 pipe.wait(self.wait_replicas, self.wait_timeout_ms)
-                reply, acked = pipe.execute()
-            if int(reply[0]) == 1 and int(acked) < self.wait_replicas:
-                raise NotDurable(int(acked), self.wait_replicas, self.wait_timeout_ms)
+                replies = pipe.execute()
+            reply: ScriptReply = replies[0]
+            acked = int(replies[1])
+            if _int(reply[0]) == 1 and acked < self.wait_replicas:
+                raise NotDurable(acked, self.wait_replicas, self.wait_timeout_ms)
         else:
             reply = self._commit(args=[change.wire()])
         return self._conflict(change, reply)
 
     @staticmethod
-    def _conflict(change: Change, reply: Any) -> Conflict | None:
+    def _conflict(change: Change, reply: ScriptReply) -> Conflict | None:
         """The commit script's answer: None (applied), or the guard or cap that refused it."""
-        if int(reply[0]) == 1:
+        outcome = _int(reply[0])
+        if outcome == 1:
             return None
-        if int(reply[0]) == 2:
-            return Conflict(None, _text(reply[2]), cap=change.caps[int(reply[1]) - 1])
-        guard: Guard = change.guards[int(reply[1]) - 1]
-        return Conflict(guard, _text(reply[2]) if len(reply) > 2 else None)
+        found = reply[2] if len(reply) > 2 else None
+        if outcome == 2:
+            return Conflict(None, str(_int(found)), cap=change.caps[_int(reply[1]) - 1])
+        guard: Guard = change.guards[_int(reply[1]) - 1]
+        return Conflict(guard, _text(found) if found is not None else None)
 
     # --- async (the API's event loop) ---
     def use_async_client(self, make: Callable[[], aioredis.Redis]) -> None:
@@ -376,7 +400,7 @@ class RedisJobStore:
         the sync client, TLS and all: ``lambda: redis.asyncio.Redis.from_url(url)``."""
         self._make_async = make
 
-    def _aclient(self) -> tuple[aioredis.Redis, Any]:
+    def _aclient(self) -> tuple[aioredis.Redis, AsyncScript]:
         """This event loop's client and its commit script (EVALSHA, loaded once per server)."""
         loop = asyncio.get_running_loop()
         found = self._async.get(loop)
@@ -400,17 +424,19 @@ class RedisJobStore:
         place = json.dumps(position_keys(job, record) if job is not None and record is not None else [])
         wait = change.durable and self.wait_replicas > 0
         wire = change.wire()
+        reply: ScriptReply = []
         for attempt in range(2):
             try:
                 if wait:
                     async with client.pipeline(transaction=False) as pipe:
                         pipe.evalsha(script.sha, 0, wire, place)
                         pipe.wait(self.wait_replicas, self.wait_timeout_ms)
-                        reply, acked = await pipe.execute()
-                    if int(reply[0]) == 1 and int(acked) < self.wait_replicas:
-                        raise NotDurable(int(acked), self.wait_replicas, self.wait_timeout_ms)
+                        replies = await pipe.execute()
+                    reply, acked = replies[0], int(replies[1])
+                    if _int(reply[0]) == 1 and acked < self.wait_replicas:
+                        raise NotDurable(acked, self.wait_replicas, self.wait_timeout_ms)
                 else:
-                    reply = await client.evalsha(script.sha, 0, wire, place)  # type: ignore[misc]
+                    reply = await client.evalsha(script.sha, 0, wire, place)
                 break
             except NoScriptError:
                 if attempt:
@@ -419,8 +445,7 @@ class RedisJobStore:
         conflict = self._conflict(change, reply)
         if conflict is not None or len(reply) != 5:
             return conflict, None
-        _ok, released_rank, released, ready_rank, tenants = reply
-        return None, estimate_position(released_rank, int(released), ready_rank, int(tenants))
+        return None, estimate_position(reply[1:])
 
     async def aget(self, job_id: str) -> Job | None:
         client, _ = self._aclient()
@@ -440,10 +465,8 @@ class RedisJobStore:
             return None
         client, _ = self._aclient()
         async with client.pipeline(transaction=False) as pipe:
-            for command, args in position_reads(job, record):
-                getattr(pipe, command)(*args)
-            released_rank, released, ready_rank, tenants = await pipe.execute()
-        return estimate_position(released_rank, int(released), ready_rank, int(tenants))
+            _read_position(pipe, job, record)
+            return estimate_position(await pipe.execute())
 
     async def aoldest(self, key: str, *, since: float) -> float | None:
         client, _ = self._aclient()
@@ -491,28 +514,28 @@ class RedisJobStore:
         return float(first[0][1]) if first else None
 
     def count(self, key: str) -> int:
-        return int(self.redis.zcard(key))  # type: ignore[arg-type]
+        return int(self.redis.zcard(key))
 
     def outbox_holds(self, ids: Sequence[str]) -> set[str]:
         if not ids:
             return set()
         scores = self.redis.zmscore(keys.OUTBOX, list(ids))
-        return {i for i, s in zip(ids, scores, strict=True) if s is not None}  # type: ignore[arg-type]
+        return {i for i, s in zip(ids, scores, strict=True) if s is not None}
 
     def next_outbox_due(self) -> float | None:
         first = self.redis.zrange(keys.OUTBOX, 0, 0, withscores=True)
-        return float(first[0][1]) if first else None  # type: ignore[index]
+        return float(first[0][1]) if first else None
 
     # --- leases and queues ---
     def expired_leases(self, *, now: float, limit: int) -> list[str]:
-        return [_text(m) for m in self.redis.zrangebyscore(keys.LEASES, "-inf", now, start=0, num=limit)]
+        return _members(self.redis.zrangebyscore(keys.LEASES, "-inf", now, start=0, num=limit))
 
     def leased_slots(self) -> list[str]:
-        return [_text(m) for m in self.redis.zrange(keys.LEASES, 0, -1)]
+        return _members(self.redis.zrange(keys.LEASES, 0, -1))
 
     def released(self, queue: str, *, before: float, limit: int) -> list[str]:
         members = self.redis.zrangebyscore(keys.queue_released(queue), "-inf", before, start=0, num=limit)
-        return [_text(m) for m in members]
+        return _members(members)
 
     def queue_counts(self, queue: str) -> tuple[int, int]:
         with self.redis.pipeline(transaction=False) as pipe:
@@ -530,10 +553,8 @@ class RedisJobStore:
         if record is None:
             return None
         with self.redis.pipeline(transaction=False) as pipe:
-            for command, args in position_reads(job, record):
-                getattr(pipe, command)(*args)
-            released_rank, released, ready_rank, tenants = pipe.execute()
-        return estimate_position(released_rank, int(released), ready_rank, int(tenants))
+            _read_position(pipe, job, record)
+            return estimate_position(pipe.execute())
 
     def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
         return bool(self.redis.set(name, owner, nx=True, px=max(1, int(ttl_s * 1000))))
@@ -546,10 +567,10 @@ class RedisJobStore:
     # --- retention ---
     def job_ids_created(self, *, after: float | None, until: float) -> list[str]:
         low = "-inf" if after is None else f"({after!r}"
-        return [_text(i) for i in self.redis.zrangebyscore(keys.JOBS_INDEX, low, until)]
+        return _members(self.redis.zrangebyscore(keys.JOBS_INDEX, low, until))
 
     def overdue(self, *, now: float, limit: int) -> list[str]:
-        return [_text(i) for i in self.redis.zrangebyscore(keys.DEADLINES, "-inf", now, start=0, num=limit)]
+        return _members(self.redis.zrangebyscore(keys.DEADLINES, "-inf", now, start=0, num=limit))
 
     def delete(self, job_id: str) -> None:
         """The job and everything indexed under it: an expired job must not stay counted on a queue,
@@ -580,7 +601,7 @@ class RedisJobStore:
 
     def get_mark(self, name: str) -> str | None:
         raw = self.redis.get(name)
-        return _text(raw) if raw is not None else None  # type: ignore[arg-type]
+        return _text(raw) if raw is not None else None
 
     def set_mark(self, name: str, value: str) -> None:
         self.redis.set(name, value)
@@ -595,21 +616,27 @@ def waiting_stage(job: Job) -> StageRecord | None:
 
 
 def position_keys(job: Job, record: StageRecord) -> list[str]:
-    """What the commit script reads a just-written job's queue position from (as position_reads)."""
+    """What the commit script reads a just-written job's queue position from (as _read_position)."""
     slot = stage_slot(job.id, record.id)
     return [keys.queue_released(record.queue), slot, keys.queue_ready(record.queue, job.tenant),
             f"{slot}:{record.attempts + 1}", keys.queue_tenants(record.queue)]
 
 
-def position_reads(job: Job, record: StageRecord) -> list[tuple[str, tuple[Any, ...]]]:
-    """The reads a queue position is estimated from (``estimate_position``), as (command, args)."""
-    slot = stage_slot(job.id, record.id)
-    entry = f"{slot}:{record.attempts + 1}"
-    return [("zrank", (keys.queue_released(record.queue), slot)), ("zcard", (keys.queue_released(record.queue),)),
-            ("zrank", (keys.queue_ready(record.queue, job.tenant), entry)), ("zcard", (keys.queue_tenants(record.queue),))]
+def _read_position(pipe: Pipeline, job: Job, record: StageRecord) -> None:
+    """Queue the reads a queue position is estimated from (``estimate_position``) on ``pipe``."""
+    released_key, slot, ready_key, entry, tenants_key = position_keys(job, record)
+    pipe.zrank(released_key, slot)
+    pipe.zcard(released_key)
+    pipe.zrank(ready_key, entry)
+    pipe.zcard(tenants_key)
 
 
-def async_retry_options() -> dict[str, Any]:
+class RetryOptions(TypedDict):
+    retry: AsyncRetry
+    retry_on_error: list[type[Exception]]
+
+
+def async_retry_options() -> RetryOptions:
     """Retry a command on a dropped connection, as redis-py's sync client does by default.
 
     redis.asyncio does not: after Redis restarts, each pooled connection fails its next command with
@@ -621,9 +648,13 @@ def async_retry_options() -> dict[str, Any]:
             "retry_on_error": [redis.ConnectionError, redis.TimeoutError]}
 
 
-def async_client_from_url(url: str, **kwargs: Any) -> aioredis.Redis:
-    """A redis.asyncio client for ``url`` that reconnects and retries like the sync one."""
-    return aioredis.Redis.from_url(url, **{"health_check_interval": 30, **async_retry_options(), **kwargs})
+def async_client_from_url(url: str, *, socket_timeout: float | None = None) -> aioredis.Redis:
+    """A redis.asyncio client for ``url`` that reconnects and retries like the sync one
+    (``socket_timeout``: None keeps redis-py's default)."""
+    if socket_timeout is not None:
+        return aioredis.Redis.from_url(url, health_check_interval=30, socket_timeout=socket_timeout,
+                                       **async_retry_options())
+    return aioredis.Redis.from_url(url, health_check_interval=30, **async_retry_options())
 
 
 def same_server_async(client: redis.Redis) -> aioredis.Redis:
@@ -637,11 +668,14 @@ def same_server_async(client: redis.Redis) -> aioredis.Redis:
     return aioredis.Redis(**async_retry_options(), **{k: kwargs[k] for k in wanted if k in kwargs})
 
 
-def estimate_position(released_rank: int | None, released: int, ready_rank: int | None, tenants: int) -> int | None:
+def estimate_position(reads: Sequence[int | bytes | None]) -> int | None:
+    """The position from the reads of ``_read_position`` (or the commit script): the step's rank among
+    the released ones, their count, its rank in its tenant's ready steps, the tenants taking turns."""
+    released_rank, released, ready_rank, tenants = reads
     if released_rank is not None:
         return int(released_rank) + 1
     if ready_rank is not None:
-        return released + int(ready_rank) * max(1, tenants) + 1
+        return _int(released) + int(ready_rank) * max(1, _int(tenants)) + 1
     return None
 
 
@@ -663,8 +697,11 @@ def job_pending_steps(job_id: str, fields: dict[str, str], hooks: dict[str, str]
     return found
 
 
-def parse_stream(reply: Any) -> list[JobEvent]:
-    """XREAD's reply -> events, each with its stream id."""
+def parse_stream(reply: XReadResponse | None) -> list[JobEvent]:
+    """XREAD's reply -> events, each with its stream id. The reply is RESP2's, as the clients here
+    speak it ([[stream, [(id, fields), ...]]]; None or empty when a blocking read timed out)."""
+    if isinstance(reply, dict):
+        raise TypeError("XREAD answered a RESP3 map; the job store's clients speak RESP2")
     events: list[JobEvent] = []
     for _stream, entries in reply or []:
         for entry_id, fields in entries:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -18,6 +17,8 @@ from omni_jobs import keys
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.models import FINAL_EVENTS, Job, JobEvent
 from omni_jobs.jobs.store import async_client_from_url, parse_stream
+
+__all__ = ["FINAL_EVENTS", "MAX_BLOCK_S", "STREAM_ID", "JobWatcher"]  # FINAL_EVENTS: api/ui/routes.py imports it from here
 
 MAX_BLOCK_S = 15.0
 """Longest blocking read; callers' heartbeats and waits are cut into pieces no longer than this."""
@@ -45,8 +46,7 @@ class JobWatcher:
     async def events(self, job_id: str, *, after: str = "0-0", block_ms: int | None = None,
                      count: int = 100) -> list[JobEvent]:
         """Events after stream id ``after``; waits up to ``block_ms`` (> 0) for new ones when asked."""
-        reply: Any = await self.redis.xread({keys.job_events(job_id): after}, count=count, block=block_ms)
-        return parse_stream(reply)
+        return parse_stream(await self.redis.xread({keys.job_events(job_id): after}, count=count, block=block_ms))
 
     async def follow(self, job_id: str, *, after: str = "0-0", heartbeat_s: float = 15.0
                      ) -> AsyncIterator[JobEvent | None]:
