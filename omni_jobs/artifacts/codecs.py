@@ -10,9 +10,10 @@ from __future__ import annotations
 import io
 import json
 import wave
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
+import numpy.typing as npt
 from PIL import Image
 
 if TYPE_CHECKING:
@@ -111,14 +112,20 @@ def decode_png(data: bytes) -> Image.Image:
     return image
 
 
-def png_info(data: bytes) -> dict[str, Any]:
+class PngInfo(TypedDict):
+    width: int
+    height: int
+    mode: str
+
+
+def png_info(data: bytes) -> PngInfo:
     """Width, height and mode of PNG bytes, read from the header only."""
     image = _open_png(data)
     return {"width": image.width, "height": image.height, "mode": image.mode}
 
 
 # --- JSON ---
-def encode_json(obj: Any) -> bytes:
+def encode_json(obj: object) -> bytes:
     """Compact UTF-8 JSON with sorted keys; NaN/Infinity are refused (they are not JSON)."""
     try:
         text = json.dumps(obj, ensure_ascii=False, sort_keys=True, separators=(",", ":"), allow_nan=False)
@@ -128,7 +135,10 @@ def encode_json(obj: Any) -> bytes:
 
 
 def decode_json(data: bytes) -> Any:
-    """The value encoded in UTF-8 JSON bytes."""
+    """The value encoded in UTF-8 JSON bytes.
+
+    Typed Any, not JsonValue, until its readers in results.py and api/routes/openai.py narrow what
+    they read (they index the document as an object)."""
     try:
         return json.loads(bytes(data).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -136,7 +146,7 @@ def decode_json(data: bytes) -> Any:
 
 
 # --- audio ---
-def encode_wav(samples: Any, sample_rate: int) -> bytes:
+def encode_wav(samples: npt.ArrayLike, sample_rate: int) -> bytes:
     """16-bit PCM WAV from float samples in [-1, 1], shaped [n] (mono) or [channels, n].
 
     Values outside [-1, 1] are clipped; NaN or infinite samples are refused.
@@ -196,7 +206,13 @@ def decode_wav(data: bytes) -> tuple[np.ndarray, int]:
     return samples.reshape(-1, channels).T.copy(), rate
 
 
-def wav_info(data: bytes) -> dict[str, Any]:
+class WavInfo(TypedDict):
+    sample_rate: int
+    channels: int
+    duration_s: float
+
+
+def wav_info(data: bytes) -> WavInfo:
     """Sample rate, channel count and duration of WAV bytes, read from the header."""
     with _open_wav(data) as w:
         rate, channels, frames = w.getframerate(), w.getnchannels(), w.getnframes()

@@ -9,21 +9,33 @@ pipelines make multiples of 8 or 16). PyAV is imported only inside the functions
 from __future__ import annotations
 
 import io
+from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias, TypedDict
 
 import numpy as np
+import numpy.typing as npt
 
 from omni_jobs.artifacts.codecs import MEDIA_MP4, CodecError
 
-__all__ = ["MEDIA_MP4", "decode_mp4", "encode_mp4", "mp4_info"]
+if TYPE_CHECKING:
+    import av.container
+    import PIL.Image
+
+__all__ = ["MEDIA_MP4", "Mp4Info", "decode_mp4", "encode_mp4", "mp4_info"]
 CRF = 18
 """x264 quality: visually lossless at this size class; previews of random weights stay recognisable."""
 
 
-def _frames_array(frames: Any) -> np.ndarray:
+Frames: TypeAlias = "npt.ArrayLike | Sequence[PIL.Image.Image]"
+"""Float frames in [0, 1] or uint8 frames shaped [n, height, width, 3], or a list of PIL images."""
+
+
+def _frames_array(frames: Frames) -> np.ndarray:
     """uint8 [n, height, width, 3] from float frames in [0, 1], uint8 frames, or a list of PIL images."""
-    if isinstance(frames, list | tuple) and frames and hasattr(frames[0], "mode"):
+    from PIL import Image
+
+    if isinstance(frames, list | tuple) and frames and isinstance(frames[0], Image.Image):
         frames = np.stack([np.asarray(f.convert("RGB")) for f in frames])
     arr = np.asarray(frames)
     if arr.ndim != 4 or arr.shape[-1] != 3 or arr.shape[0] < 1:
@@ -35,7 +47,7 @@ def _frames_array(frames: Any) -> np.ndarray:
     return arr
 
 
-def encode_mp4(frames: Any, fps: float) -> bytes:
+def encode_mp4(frames: Frames, fps: float) -> bytes:
     """H.264 MP4 bytes of ``frames`` (see ``_frames_array``) at ``fps`` frames per second."""
     import av
 
@@ -67,7 +79,7 @@ def encode_mp4(frames: Any, fps: float) -> bytes:
     return buf.getvalue()
 
 
-def _open(data: bytes) -> Any:
+def _open(data: bytes) -> av.container.InputContainer:
     import av
 
     try:
@@ -96,7 +108,15 @@ def decode_mp4(data: bytes) -> tuple[np.ndarray, float]:
     return np.stack(frames), fps
 
 
-def mp4_info(data: bytes) -> dict[str, Any]:
+class Mp4Info(TypedDict):
+    frames: int
+    fps: float
+    duration_s: float
+    width: int
+    height: int
+
+
+def mp4_info(data: bytes) -> Mp4Info:
     """Frames, fps, duration (frames / fps), width and height of a video, from its header."""
     container = _open(data)
     try:

@@ -11,7 +11,7 @@ import io
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import quote
 
 from botocore.config import Config
@@ -53,6 +53,10 @@ _TRANSIENT_CODES = frozenset(
 )
 _DELETE_BATCH = 1000  # DeleteObjects limit
 
+S3Client: TypeAlias = Any
+"""A boto3 S3 client (``boto3.session.Session().client("s3")``): boto3 builds its clients at run time
+and ships no type information (that would take the mypy-boto3-s3 stubs)."""
+
 
 def _error_code(exc: ClientError) -> tuple[str, int, str]:
     err = exc.response.get("Error", {})
@@ -73,7 +77,8 @@ def content_disposition(filename: str) -> str:
 class S3Backend:
     """Artifacts as objects ``{prefix}{key}`` in ``bucket``; the bucket is created when missing."""
 
-    def __init__(self, client: Any, bucket: str, prefix: str = "", *, presign_client: Any | None = None) -> None:
+    def __init__(self, client: S3Client, bucket: str, prefix: str = "", *,
+                 presign_client: S3Client | None = None) -> None:
         """``presign_client`` signs download URLs for an endpoint clients reach (when it differs from ours)."""
         if not bucket:
             raise ValueError("S3Backend needs a bucket name (OMNI_S3_BUCKET)")
@@ -94,7 +99,7 @@ class S3Backend:
         return self._bucket
 
     @property
-    def client(self) -> Any:
+    def client(self) -> S3Client:
         return self._s3
 
     def object_key(self, key: str) -> str:
@@ -131,7 +136,7 @@ class S3Backend:
                 code, status, _ = _error_code(exc)
                 if status != 404 and code not in ("NoSuchBucket", "NotFound", "404"):
                     raise
-                kwargs: dict[str, Any] = {"Bucket": self._bucket}
+                kwargs: dict[str, object] = {"Bucket": self._bucket}
                 region = self._s3.meta.region_name
                 if region and region != "us-east-1":
                     kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
@@ -212,7 +217,7 @@ class S3Backend:
     def presigned_url(self, key: str, *, expires_s: int, filename: str | None = None) -> str | None:
         if expires_s <= 0:
             raise ValueError(f"expires_s must be positive, got {expires_s}")
-        params: dict[str, Any] = {"Bucket": self._bucket, "Key": self.object_key(key)}
+        params: dict[str, str] = {"Bucket": self._bucket, "Key": self.object_key(key)}
         if filename:
             params["ResponseContentDisposition"] = content_disposition(filename)
         with self._guard("presign", key):
@@ -221,7 +226,7 @@ class S3Backend:
 
 def s3_client_from_settings(
     settings: Settings, *, max_attempts: int = 5, connect_timeout_s: float = 5.0, endpoint_url: str | None = None
-) -> Any:
+) -> S3Client:
     """A boto3 S3 client for the OMNI_S3_* settings (path-style addressing for custom endpoints)."""
     import boto3
 
