@@ -16,8 +16,8 @@ import hmac
 import re
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
@@ -58,9 +58,12 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def _decode(raw: dict[Any, Any]) -> dict[str, str]:
-    return {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-            for k, v in raw.items()}
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _decode(raw: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
+    return {_text(k): _text(v) for k, v in raw.items()}
 
 
 class ApiKeys:
@@ -86,7 +89,7 @@ class ApiKeys:
         return key, info
 
     def _record(self, key_id: str) -> dict[str, str] | None:
-        raw: dict[Any, Any] = self.redis.hgetall(keys.api_key(key_id))  # type: ignore[assignment]
+        raw = self.redis.hgetall(keys.api_key(key_id))
         return _decode(raw) if raw else None
 
     @staticmethod
@@ -118,10 +121,9 @@ class ApiKeys:
 
     def list(self) -> list[ApiKeyInfo]:
         """Every key, oldest first (revoked ones included, marked)."""
-        ids: list[bytes] = self.redis.zrange(keys.API_KEYS_INDEX, 0, -1)  # type: ignore[assignment]
         found: list[ApiKeyInfo] = []
-        for raw_id in ids:
-            key_id = raw_id.decode()
+        ids = [_text(m) for m in self.redis.zrange(keys.API_KEYS_INDEX, 0, -1) if isinstance(m, bytes | str)]
+        for key_id in ids:
             record = self._record(key_id)
             if record is not None:
                 found.append(self._info(key_id, record))

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -70,7 +70,7 @@ class Check:
     fix: str = ""
     required: bool = True
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, str | bool]:
         return asdict(self)
 
 
@@ -192,7 +192,7 @@ def _redact(url: str) -> str:
 def check_redis(client: redis.Redis, *, name: str = "redis", url: str = "") -> Check:
     try:
         client.ping()
-        info: Any = client.info("server")
+        info = client.info("server")
         version = info.get("redis_version", "?") if isinstance(info, dict) else "?"
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         return Check("services", name, False, f"{_redact(url)} unreachable: {exc}",

@@ -8,8 +8,8 @@ the limit and the setting that raises it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from omni_jobs.errors import FieldError
 from omni_jobs.pipelines.spec import PipelineSpec
@@ -40,7 +40,7 @@ class Limits:
                    max_image_pixels=s.max_image_pixels, max_steps=s.max_steps, max_image_side=s.max_image_side,
                    max_tokens=s.max_tokens, max_outputs=s.max_outputs)
 
-    def check_input(self, spec: PipelineSpec, input_: dict[str, Any]) -> list[FieldError]:
+    def check_input(self, spec: PipelineSpec, input_: Mapping[str, object]) -> list[FieldError]:
         """Text inputs longer than max_prompt_chars."""
         errors: list[FieldError] = []
         for name, value in input_.items():
@@ -51,7 +51,7 @@ class Limits:
                                          f"{self.max_prompt_chars} (OMNI_MAX_PROMPT_CHARS)", "too_long"))
         return errors
 
-    def check_params(self, params: dict[str, dict[str, Any]]) -> list[FieldError]:
+    def check_params(self, params: Mapping[str, Mapping[str, object]]) -> list[FieldError]:
         """Resolved stage parameters above this server's caps (steps, width/height, max_tokens)."""
         errors: list[FieldError] = []
         for stage_id, values in params.items():

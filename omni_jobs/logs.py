@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from datetime import UTC, datetime
-from typing import Any, Literal
+from typing import Literal, TextIO
 
 job_id_var: ContextVar[str | None] = ContextVar("omni_job_id", default=None)
 stage_var: ContextVar[str | None] = ContextVar("omni_stage", default=None)
@@ -90,7 +90,7 @@ class JsonFormatter(logging.Formatter):
         self.host = socket.gethostname()
 
     def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
+        entry: dict[str, object] = {
             "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z"),
             "level": record.levelname,
             "logger": record.name,
@@ -115,7 +115,7 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 
-def _jsonable(value: Any) -> Any:
+def _jsonable(value: object) -> object:
     """``extra=`` values as they are when JSON can hold them (dicts stay objects), else their repr."""
     if isinstance(value, (str, int, float, bool, type(None))):
         return value
@@ -129,7 +129,8 @@ def _jsonable(value: Any) -> Any:
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [job=%(job_id)s stage=%(stage)s task=%(task_id)s] %(message)s"
 
 
-def make_handler(fmt: Literal["json", "text"] = "json", *, service: str = "", stream: Any = None) -> logging.Handler:
+def make_handler(fmt: Literal["json", "text"] = "json", *, service: str = "",
+                 stream: TextIO | None = None) -> logging.Handler:
     """A stream handler that writes records with their context ids, as JSON or text."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.addFilter(ContextFilter())
@@ -139,7 +140,7 @@ def make_handler(fmt: Literal["json", "text"] = "json", *, service: str = "", st
 
 
 def configure_logging(fmt: Literal["json", "text"] = "json", level: str | int = "INFO", *, service: str = "",
-                      stream: Any = None) -> logging.Handler:
+                      stream: TextIO | None = None) -> logging.Handler:
     """Send every log record (ours, Celery's, uvicorn's) to one handler on stderr in ``fmt``.
 
     Idempotent: a second call replaces the handler it installed before. Returns that handler.

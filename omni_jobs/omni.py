@@ -92,13 +92,11 @@ class OmniOutput:
         return codecs.decode_png(self.data)
 
     def audio(self) -> AudioClip:
-        clip: AudioClip = decode_payload("audio", self.data)
-        return clip
+        return decode_payload("audio", self.data)
 
     def video(self) -> VideoClip:
         """The frames (uint8 [n, height, width, 3]) and frame rate of a video output (its MP4 decoded)."""
-        clip: VideoClip = decode_payload("video", self.data)
-        return clip
+        return decode_payload("video", self.data)
 
     def tensor(self) -> torch.Tensor:
         (tensor,) = codecs.decode_tensors(self.data).values()

@@ -6,14 +6,18 @@ video MP4 (H.264), text JSON; nothing is pickled. Stage code calls encode/decode
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypeAlias, overload
 
 import numpy as np
 
 from omni_jobs.artifacts import codecs, mp4
 from omni_jobs.pipelines.modalities import TENSOR_MODALITIES, Modality
+
+if TYPE_CHECKING:
+    import PIL.Image
+    import torch
 
 
 @dataclass(frozen=True)
@@ -63,20 +67,30 @@ FORMATS: dict[Modality, PayloadFormat] = {
 }
 
 
-def encode_payload(modality: Modality, value: Any) -> bytes:
+Payload: TypeAlias = "str | torch.Tensor | PIL.Image.Image | AudioClip | VideoClip"
+"""What a decoded payload is: text, a tensor, an image, an audio clip or a video clip."""
+TensorModality = Literal["token_ids", "hidden_states", "prompt_embeds", "latents"]
+
+
+def encode_payload(modality: Modality, value: object) -> bytes:
     """text: str, or a mapping with "text" and what describes it (an AR stage's finish_reason and
     usage, kept beside the text); token_ids: list[int] or tensor; tensors: tensor; image: PIL image;
-    audio: AudioClip; video: VideoClip."""
+    audio: AudioClip; video: VideoClip. A value of another type is a TypeError."""
     if modality == "text":
         return codecs.encode_json(dict(value) if isinstance(value, Mapping) else {"text": value})
-    if modality == "token_ids":
+    if modality in TENSOR_MODALITIES:
         import torch
 
-        tensor = value if isinstance(value, torch.Tensor) else torch.tensor(list(value), dtype=torch.int64)
-        return codecs.encode_tensors({"token_ids": tensor})
-    if modality in TENSOR_MODALITIES:
+        if modality == "token_ids" and not isinstance(value, torch.Tensor) and isinstance(value, Iterable):
+            value = torch.tensor(list(value), dtype=torch.int64)
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{modality} payloads are tensors, got {type(value).__name__}")
         return codecs.encode_tensors({modality: value})
     if modality == "image":
+        from PIL import Image
+
+        if not isinstance(value, Image.Image):
+            raise TypeError(f"image payloads are PIL images, got {type(value).__name__}")
         return codecs.encode_png(value)
     if modality == "audio":
         if not isinstance(value, AudioClip):
@@ -89,7 +103,21 @@ def encode_payload(modality: Modality, value: Any) -> bytes:
     raise ValueError(f"no encoder for modality '{modality}'")
 
 
-def decode_payload(modality: Modality, data: bytes) -> Any:
+@overload
+def decode_payload(modality: Literal["text"], data: bytes) -> str: ...
+@overload
+def decode_payload(modality: TensorModality, data: bytes) -> torch.Tensor: ...
+@overload
+def decode_payload(modality: Literal["image"], data: bytes) -> PIL.Image.Image: ...
+@overload
+def decode_payload(modality: Literal["audio"], data: bytes) -> AudioClip: ...
+@overload
+def decode_payload(modality: Literal["video"], data: bytes) -> VideoClip: ...
+@overload
+def decode_payload(modality: Modality, data: bytes) -> Payload: ...
+
+
+def decode_payload(modality: Modality, data: bytes) -> Payload:
     if modality == "text":
         return str(codecs.decode_json(data)["text"])
     if modality in TENSOR_MODALITIES:

@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import base64
 import io
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from omni_jobs.json_types import JsonObject, JsonValue
+
 if TYPE_CHECKING:
+    import PIL.Image
     import torch
 
 MAX_SIDE = 256
@@ -79,7 +83,7 @@ class LatentPreview:
     """Of the output: the preview keeps its aspect ratio (see preview_size)."""
     height: int
 
-    def image(self) -> Any:
+    def image(self) -> PIL.Image.Image:
         """The preview as a PIL image of ``preview_size(width, height)``."""
         from PIL import Image
 
@@ -91,23 +95,26 @@ class LatentPreview:
         self.image().save(buf, format="JPEG", quality=JPEG_QUALITY)
         return buf.getvalue()
 
-    def event_data(self, stage: str) -> dict[str, Any]:
+    def event_data(self, stage: str) -> JsonObject:
         """The ``output.preview`` event's data: ``{stage, step, total, media_type, width, height, data}``."""
         width, height = preview_size(self.width, self.height)
         return {"stage": stage, "step": self.step, "total": self.total, "media_type": MEDIA_TYPE,
                 "width": width, "height": height, "data": base64.b64encode(self.encode()).decode("ascii")}
 
 
-def decode_preview(data: dict[str, Any]) -> Any:
+def decode_preview(data: Mapping[str, JsonValue]) -> PIL.Image.Image:
     """The PIL image of an ``output.preview`` event's data (clients, Omni's ``stream``)."""
     from PIL import Image
 
-    image = Image.open(io.BytesIO(base64.b64decode(data["data"])))
+    encoded = data.get("data")
+    if not isinstance(encoded, str):
+        raise TypeError("an output.preview event's data has no base64 'data'")
+    image = Image.open(io.BytesIO(base64.b64decode(encoded)))
     image.load()
     return image
 
 
-def spatial_latents(pipe: Any, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
+def spatial_latents(pipe: object, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """[batch, channels, h, w] (images) or [batch, channels, frames, h, w] (videos) from what a
     pipeline's step callback holds: packed sequences (Flux, Chroma) are unpacked."""
     if latents.ndim == 3:
@@ -115,7 +122,8 @@ def spatial_latents(pipe: Any, latents: torch.Tensor, height: int, width: int) -
         factor = getattr(pipe, "vae_scale_factor", None)
         if unpack is None or factor is None:
             raise ValueError(f"{type(pipe).__name__}: cannot unpack latents shaped {list(latents.shape)}")
-        return unpack(latents, height, width, factor)  # type: ignore[no-any-return]
+        unpacked: torch.Tensor = unpack(latents, height, width, factor)
+        return unpacked
     return latents
 
 
@@ -127,13 +135,13 @@ def one_frame(latents: torch.Tensor) -> np.ndarray:
     return latents.detach().to("cpu", dtype=_float32()).numpy().copy()
 
 
-def _float32() -> Any:
+def _float32() -> torch.dtype:
     import torch
 
     return torch.float32
 
 
-def fit_projection(pipe: Any) -> LatentProjection | None:
+def fit_projection(pipe: object) -> LatentProjection | None:
     """The least-squares latent -> RGB map of ``pipe``'s VAE (see the module doc); None without one."""
     import torch
 

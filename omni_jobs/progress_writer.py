@@ -18,16 +18,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from omni_jobs.jobs.ledger import JobLedger, Lease
 from omni_jobs.jobs.models import EventType, Job
+from omni_jobs.json_types import JsonObject
 
 log = logging.getLogger(__name__)
 
 Report = tuple[Lease, Job, int, int, str]
 """(lease, job snapshot, step, total, unit) of one running stage."""
-Preview = tuple[Lease, Job, Callable[[], dict[str, Any]]]
+Preview = tuple[Lease, Job, Callable[[], JsonObject]]
 """(lease, job snapshot, what makes the output.preview event's data) of one running stage."""
 
 
@@ -60,7 +60,7 @@ class ProgressWriter:
             self._pending[lease] = (lease, job, step, total, unit)
             self._wake()
 
-    def preview(self, lease: Lease, job: Job, make: Callable[[], dict[str, Any]]) -> None:
+    def preview(self, lease: Lease, job: Job, make: Callable[[], JsonObject]) -> None:
         """Publish a preview event whose data ``make`` returns (called off the engine's thread in
         background mode; an older unpublished preview of the same stage is replaced)."""
         if not self.background:

@@ -16,15 +16,21 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import redis
+from redis.typing import EncodableT
 
 from omni_jobs import keys, telemetry
+from omni_jobs.json_types import JsonValue
 
 Eviction = Literal["fifo", "lru"]
 _MEDIA = "__media__"
 METRIC_NAME = "stage"
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 @dataclass(frozen=True)
@@ -35,16 +41,16 @@ class CachedOutputs:
     media_types: dict[str, str]
 
 
-def _sha(value: Any) -> str:
+def _sha(value: object) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str, separators=(",", ":")).encode()).hexdigest()
 
 
-def cache_key(stage_config: Mapping[str, Any], params: Mapping[str, Any], input_digests: Mapping[str, str]) -> str:
+def cache_key(stage_config: Mapping[str, object], params: Mapping[str, object], input_digests: Mapping[str, str]) -> str:
     """The content hash of (stage config, resolved params incl. seed, input sha256s)."""
     return _sha({"stage": dict(stage_config), "params": dict(params), "inputs": dict(input_digests)})
 
 
-def text_digest(value: Any) -> str:
+def text_digest(value: JsonValue) -> str:
     """sha256 of a job-input value (text, number, or an uploaded file's reference)."""
     return _sha(value)
 
@@ -65,8 +71,8 @@ class StageOutputCache:
 
     def get(self, scope: str, digest: str) -> CachedOutputs | None:
         """The cached outputs, or None; a hit refreshes the entry's place under lru."""
-        raw: dict[bytes, bytes] = self.redis.hgetall(keys.stage_cache_entry(scope, digest))  # type: ignore[assignment]
-        if not raw or _MEDIA.encode() not in raw:
+        raw = {_text(k): v for k, v in self.redis.hgetall(keys.stage_cache_entry(scope, digest)).items()}
+        if not raw or _MEDIA not in raw:
             self.misses += 1
             telemetry.cache_lookup(METRIC_NAME, hit=False)
             return None
@@ -74,31 +80,31 @@ class StageOutputCache:
         telemetry.cache_lookup(METRIC_NAME, hit=True)
         if self.eviction == "lru":
             self.redis.zadd(keys.stage_cache_index(scope), {digest: self.redis.incr(keys.STAGE_CACHE_CLOCK)})
-        media = json.loads(raw.pop(_MEDIA.encode()))
-        data = {k.decode(): v for k, v in raw.items()}
+        media = json.loads(raw.pop(_MEDIA))
+        data = {k: v for k, v in raw.items() if isinstance(v, bytes)}  # the client does not decode replies
         return CachedOutputs(data=data, media_types=media)
 
     def put(self, scope: str, digest: str, data: Mapping[str, bytes], media_types: Mapping[str, str]) -> list[str]:
         """Store one result; returns the digests evicted to keep the scope within max_entries."""
-        mapping: dict[str, bytes | str] = {**data, _MEDIA: json.dumps(dict(media_types))}
+        mapping: dict[EncodableT, EncodableT] = {port: value for port, value in data.items()}
+        mapping[_MEDIA] = json.dumps(dict(media_types))
         index = keys.stage_cache_index(scope)
         pipe = self.redis.pipeline()
-        pipe.hset(keys.stage_cache_entry(scope, digest), mapping=mapping)  # type: ignore[arg-type]
+        pipe.hset(keys.stage_cache_entry(scope, digest), mapping=mapping)
         pipe.zadd(index, {digest: self.redis.incr(keys.STAGE_CACHE_CLOCK)}, nx=self.eviction == "fifo")
         pipe.execute()
         evicted: list[str] = []
         excess = int(self.redis.zcard(index)) - self.max_entries
         if excess > 0:
-            popped: list[tuple[bytes, float]] = self.redis.zpopmin(index, excess)  # type: ignore[assignment]
-            for member, _score in popped:
-                name = member.decode()
+            for entry in self.redis.zpopmin(index, excess):
+                name = _text(entry[0] if isinstance(entry, tuple | list) else entry)  # (member, score)
                 self.redis.delete(keys.stage_cache_entry(scope, name))
                 evicted.append(name)
         return evicted
 
     def digests(self, scope: str) -> list[str]:
         """The scope's digests, next to be evicted first."""
-        return [m.decode() for m in self.redis.zrange(keys.stage_cache_index(scope), 0, -1)]  # type: ignore[union-attr]
+        return [_text(m) for m in self.redis.zrange(keys.stage_cache_index(scope), 0, -1) if isinstance(m, bytes | str)]
 
     def stats(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses}

@@ -18,14 +18,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+
+from omni_jobs.json_types import JsonObject, JsonValue
 
 log = logging.getLogger(__name__)
 
 DELTA_INTERVAL_S = 0.05
 """The least time between two deltas of one output (the issue's 'at most one every 50 ms')."""
 
-Publish = Callable[[dict[str, Any]], str]
+Publish = Callable[[JsonObject], str]
 """Appends one delta event (its data) to the job's stream: 'ok', or 'canceled' / 'lost'."""
 
 
@@ -110,7 +111,7 @@ class TextDeltas:
                 self._sleep(left)
             with self._lock:
                 text, index = self._text[self._sent:], self._index
-            data: dict[str, Any] = {"stage": self.stage, "output": self.output, "text": text, "index": index}
+            data: JsonObject = {"stage": self.stage, "output": self.output, "text": text, "index": index}
             if self.attempt is not None:
                 data["attempt"] = self.attempt
             outcome = self._publish(data)
@@ -213,10 +214,10 @@ class DeltaReader:
         self.output = output
         self.text = ""
         """Everything handed out so far."""
-        self._attempt: Any = None
+        self._attempt: JsonValue = None
         self._attempt_text = ""
 
-    def feed(self, data: Mapping[str, Any]) -> str:
+    def feed(self, data: Mapping[str, JsonValue]) -> str:
         """The new text in this delta ('' when it is another output's or repeats what was handed out)."""
         if data.get("output") != self.output:
             return ""

@@ -28,9 +28,9 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 import httpx
@@ -48,6 +48,7 @@ from omni_jobs.jobs.models import (
 )
 from omni_jobs.jobs.patience import while_store_down
 from omni_jobs.jobs.view import JobJSON
+from omni_jobs.json_types import JsonObject
 from omni_jobs.leases import LeaseKeeper
 from omni_jobs.net_guard import HostDoesNotResolve, NetGuard, UnsafeWebhookUrl
 from omni_jobs.steps import DeliverWebhook, StepOutcome
@@ -123,8 +124,9 @@ class WebhookSigner:
 
 
 # --- what a job asks for ---
-def validate_webhook(url: Any, events: Any) -> JobWebhook | None:
-    """The job's webhook settings, or InvalidRequest naming ``webhook`` / ``webhook_events_filter``."""
+def validate_webhook(url: object, events: object) -> JobWebhook | None:
+    """The job's webhook settings (from the request's JSON), or InvalidRequest naming ``webhook`` /
+    ``webhook_events_filter``."""
     if url is None:
         if events:
             raise InvalidRequest([FieldError(("webhook_events_filter",), "is set but no 'webhook' URL is given",
@@ -188,7 +190,7 @@ class RetryPolicy:
 
     def nominal_delay(self, attempt: int) -> float:
         """Delay after failed attempt ``attempt`` (1-based), before jitter."""
-        return min(self.base_s * 2 ** (attempt - 1), self.max_delay_s)
+        return min(self.base_s * 2.0 ** (attempt - 1), self.max_delay_s)
 
     def delay(self, attempt: int, retry_after_s: float | None = None, rng: Callable[[], float] = random.random) -> float:
         if retry_after_s is not None:
@@ -235,7 +237,7 @@ class AttemptResult:
 
 
 def post_webhook(client: httpx.Client, url: str, body: bytes, headers: dict[str, str],
-                 extensions: dict[str, Any] | None = None) -> AttemptResult:
+                 extensions: Mapping[str, object] | None = None) -> AttemptResult:
     """One POST; redirects are not followed (a 3xx is an answer, not a success)."""
     started = time.perf_counter()
     try:
@@ -319,10 +321,10 @@ class WebhookDeliverer:
             return StepOutcome("lost", "the lease was taken back during the attempt")
         return StepOutcome(status, result.error or "")
 
-    def _latest_preview(self, job_id: str) -> dict[str, Any] | None:
+    def _latest_preview(self, job_id: str) -> JsonObject | None:
         """The data of the job's newest output.preview event (like the job object, what is newest when
         the attempt is made): ``{stage, step, total, media_type, width, height, data}``."""
-        latest: dict[str, Any] | None = None
+        latest: JsonObject | None = None
         after = "0-0"
         while True:
             events = self.ledger.events(job_id, after=after, count=500)
