@@ -13,9 +13,15 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any
 
 from omni_jobs import telemetry
+from omni_jobs.json_types import JsonValue
+
+if TYPE_CHECKING:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.outputs import RequestOutput
 
 
 @dataclass(frozen=True)
@@ -78,8 +84,8 @@ def _check_model_exists(model: str) -> None:
         raise FileNotFoundError(f"AR model path {model!r} does not exist")
 
 
-def build_llm(model: str, engine_args: Mapping[str, Any] | None, *, kv_cache_bytes: int, max_model_len: int,
-              **forced: Any) -> Any:
+def build_llm(model: str, engine_args: Mapping[str, JsonValue] | None, *, kv_cache_bytes: int, max_model_len: int,
+              **forced: object) -> LLM:
     """A vLLM ``LLM`` in single-process mode with our defaults, overridden by ``engine_args``, then ``forced``.
 
     Shared by the generating engine and the pooling encoder so both start vLLM the same way.
@@ -89,7 +95,7 @@ def build_llm(model: str, engine_args: Mapping[str, Any] | None, *, kv_cache_byt
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
-    args: dict[str, Any] = {
+    args: dict[str, Any] = {  # vLLM's keyword arguments, each of its own type: from the YAML, unchecked here
         "dtype": "float32",
         "max_model_len": max_model_len,
         "max_num_seqs": 16,
@@ -109,7 +115,7 @@ class AREngine:
         self,
         model: str,
         *,
-        engine_args: Mapping[str, Any] | None = None,
+        engine_args: Mapping[str, JsonValue] | None = None,
         kv_cache_bytes: int = 256 * 2**20,
         max_model_len: int = 512,
     ) -> None:
@@ -176,6 +182,7 @@ class AREngine:
         wait for the whole batch.
         """
         from vllm.inputs import TokensPrompt
+        from vllm.outputs import RequestOutput
         from vllm.sampling_params import RequestOutputKind
 
         all_requests: list[ARRequest] = []
@@ -216,7 +223,8 @@ class AREngine:
                             admit(joining)
                             telemetry.batch("ar", len(joining))
                     for out in engine.step():
-                        out = cast(Any, out)
+                        if not isinstance(out, RequestOutput):
+                            raise TypeError(f"a generating vLLM engine answered {type(out).__name__}")
                         i = ids.get(out.request_id, -1)
                         if i < 0 or results[i] is not None:
                             continue
@@ -243,7 +251,7 @@ class AREngine:
         return [r for r in results if r is not None]
 
     @staticmethod
-    def _sampling_params(request: ARRequest) -> Any:
+    def _sampling_params(request: ARRequest) -> SamplingParams:
         from vllm import SamplingParams
 
         return SamplingParams(
@@ -253,13 +261,14 @@ class AREngine:
             seed=request.sampling.seed,
         )
 
-    def _step_batch(self, requests: Sequence[ARRequest], prompts: list[Any], params: list[Any],
-                    on_progress: TokenProgress | None) -> list[Any]:
+    def _step_batch(self, requests: Sequence[ARRequest], prompts: list[TokensPrompt], params: list[SamplingParams],
+                    on_progress: TokenProgress | None) -> list[RequestOutput]:
+        from vllm.outputs import RequestOutput
         from vllm.sampling_params import RequestOutputKind
 
         engine = self._llm.llm_engine
         ids: list[str] = []
-        finished: dict[str, Any] = {}
+        finished: dict[str, RequestOutput] = {}
         try:
             for prompt, param in zip(prompts, params, strict=True):
                 param.output_kind = RequestOutputKind.CUMULATIVE
@@ -268,7 +277,8 @@ class AREngine:
             by_id = dict(zip(ids, requests, strict=True))
             while engine.has_unfinished_requests():
                 for out in engine.step():
-                    out = cast(Any, out)  # a RequestOutput: this engine only generates
+                    if not isinstance(out, RequestOutput):  # this engine only generates
+                        raise TypeError(f"a generating vLLM engine answered {type(out).__name__}")
                     request = by_id.get(out.request_id)
                     if request is None:
                         continue
@@ -285,7 +295,7 @@ class AREngine:
             raise
 
 
-def _report(request: ARRequest, out: Any, on_progress: TokenProgress | None) -> None:
+def _report(request: ARRequest, out: RequestOutput, on_progress: TokenProgress | None) -> None:
     """One step of one request: its text so far (streamed requests), then its token count."""
     completion = out.outputs[0]
     if request.on_text is not None:
@@ -294,7 +304,7 @@ def _report(request: ARRequest, out: Any, on_progress: TokenProgress | None) -> 
         on_progress(request.request_id, len(completion.token_ids), request.sampling.max_tokens)
 
 
-def _to_output(request: ARRequest, result: Any) -> AROutput:
+def _to_output(request: ARRequest, result: RequestOutput) -> AROutput:
     completion = result.outputs[0]
     return AROutput(
         request_id=request.request_id,

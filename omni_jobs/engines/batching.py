@@ -26,12 +26,18 @@ import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from omni_jobs.engines.ar import AREngine, AROutput, ARRequest
+    from omni_jobs.engines.dit import DiTEngine, DiTOutput, DiTRequest
+    from omni_jobs.pipelines.spec import StageSpec
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 O = TypeVar("O")
+K = TypeVar("K")
 
 ProgressFn = Callable[[int, int], None]
 """A member's own progress callback ``(done, total)``; it may raise to cancel that member only."""
@@ -52,19 +58,30 @@ class BatchPolicy:
 
 
 @dataclass
-class Member(Generic[R]):
-    """One caller's request inside a batch, with its own progress callback."""
+class Member(Generic[R, O]):
+    """One caller's request inside a batch, with its own progress callback, and then its outcome."""
 
     request: R
     progress: ProgressFn | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
-    result: Any = None
+    result: O | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
     def report(self, done: int, total: int) -> None:
         if self.progress is not None:
             self.progress(done, total)
+
+    def settle(self, outcome: O | BaseException) -> None:
+        """Its own output, or the exception it alone failed with."""
+        if isinstance(outcome, BaseException):
+            self.error = outcome
+        else:
+            self.result = outcome
+
+
+class _Wakeable(Protocol):
+    def wake(self) -> None: ...
 
 
 class Arrivals:
@@ -87,7 +104,7 @@ class Arrivals:
         self._waiting: dict[str, float] = {}  # token -> received at (monotonic)
         self._active = 0  # tasks inside ``task``
         self._local = threading.local()
-        self._batchers: weakref.WeakSet[Batcher[Any, Any]] = weakref.WeakSet()
+        self._batchers: weakref.WeakSet[_Wakeable] = weakref.WeakSet()
 
     def configure(self, fill_wait_ms: float, *, probe: Callable[[], int] | None = None, capacity: int = 0) -> None:
         self.fill_wait_ms, self.probe, self.capacity = fill_wait_ms, probe, capacity
@@ -144,22 +161,23 @@ class Arrivals:
                     log.debug("queue depth probe failed", exc_info=True)
         return n
 
-    def watch(self, batcher: Batcher[Any, Any]) -> None:
+    def watch(self, batcher: _Wakeable) -> None:
         self._batchers.add(batcher)
 
 
 arrivals = Arrivals()
 """This process's arrivals (stage workers configure it at start: workers/tasks.py)."""
+_arrivals = arrivals  # the default of Batcher's ``arrivals`` argument, which hides the name there
 
 
-RunBatch = Callable[[Sequence[Member[R]]], Sequence[Any]]
+RunBatch = Callable[[Sequence[Member[R, O]]], Sequence[O | BaseException]]
 """Runs one batch; returns, per member in order, its output or the exception it alone failed with."""
 
 
 class Batcher(Generic[R, O]):
     """Coalesces concurrent ``submit`` calls into batched ``run_batch`` calls (one thread per batcher)."""
 
-    def __init__(self, run_batch: RunBatch[R], policy: BatchPolicy | None = None, *,
+    def __init__(self, run_batch: RunBatch[R, O], policy: BatchPolicy | None = None, *,
                  group_key: Callable[[R], Hashable] | None = None, name: str = "batcher",
                  arrivals: Arrivals | None = None) -> None:
         self.run_batch = run_batch
@@ -168,17 +186,17 @@ class Batcher(Generic[R, O]):
         self.name = name
         self.batches: list[int] = []
         """Sizes of the batches run so far (the last 1000), for tests and the benchmark."""
-        self._pending: list[Member[R]] = []
+        self._pending: list[Member[R, O]] = []
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-        self.arrivals = arrivals if arrivals is not None else globals()["arrivals"]
+        self.arrivals: Arrivals = arrivals if arrivals is not None else _arrivals
         self.arrivals.watch(self)
         self.filled_s: list[float] = []
         """Time each batch waited past its window to fill (the last 1000), for tests and the benchmark."""
 
     def submit(self, request: R, progress: ProgressFn | None = None) -> O:
         """Block until this request has run in some batch; return its output or raise its own error."""
-        member: Member[R] = Member(request, progress)
+        member: Member[R, O] = Member(request, progress)
         with self._cond:
             self._pending.append(member)
             self.arrivals.submitted()
@@ -187,20 +205,22 @@ class Batcher(Generic[R, O]):
         member.done.wait()
         if member.error is not None:
             raise member.error
-        return member.result  # type: ignore[no-any-return]
+        if member.result is None:
+            raise RuntimeError(f"{self.name}: the batch ended without an output for this request")
+        return member.result
 
     def wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
 
-    def take_more(self, like: R, limit: int) -> list[Member[R]]:
+    def take_more(self, like: R, limit: int) -> list[Member[R, O]]:
         """Waiting requests of ``like``'s group (at most ``limit``), for a running batch to take in."""
         if limit <= 0:
             return []
         key = self.group_key(like)
         with self._cond:
-            taken: list[Member[R]] = []
-            rest: list[Member[R]] = []
+            taken: list[Member[R, O]] = []
+            rest: list[Member[R, O]] = []
             for m in self._pending:
                 if len(taken) < limit and self.group_key(m.request) == key:
                     taken.append(m)
@@ -216,7 +236,7 @@ class Batcher(Generic[R, O]):
             self._thread = threading.Thread(target=self._loop, name=f"{self.name}-dispatch", daemon=True)
             self._thread.start()
 
-    def _next_batch(self) -> list[Member[R]]:
+    def _next_batch(self) -> list[Member[R, O]]:
         """Wait for requests, then for the window to fill; take the first request's group (in order)."""
         with self._cond:
             while not self._pending:
@@ -229,8 +249,8 @@ class Batcher(Generic[R, O]):
                 self._cond.wait(left)
             self._fill()
             key = self.group_key(self._pending[0].request)
-            batch: list[Member[R]] = []
-            rest: list[Member[R]] = []
+            batch: list[Member[R, O]] = []
+            rest: list[Member[R, O]] = []
             for m in self._pending:
                 if len(batch) < self.policy.max_batch_size and self.group_key(m.request) == key:
                     batch.append(m)
@@ -264,7 +284,7 @@ class Batcher(Generic[R, O]):
                 for m in batch:
                     m.done.set()
 
-    def _run(self, batch: list[Member[R]]) -> None:
+    def _run(self, batch: list[Member[R, O]]) -> None:
         try:
             results = list(self.run_batch(batch))
             if len(results) != len(batch):
@@ -278,20 +298,21 @@ class Batcher(Generic[R, O]):
                 self._run([m])
             return
         for m, r in zip(batch, results, strict=True):
-            if isinstance(r, BaseException):
-                m.error = r
-            else:
-                m.result = r
+            m.settle(r)
 
 
-_batchers: weakref.WeakKeyDictionary[Any, dict[BatchPolicy, Batcher[Any, Any]]] = weakref.WeakKeyDictionary()
+_ar_batchers: weakref.WeakKeyDictionary[AREngine, dict[BatchPolicy, Batcher[ARRequest, AROutput]]] = \
+    weakref.WeakKeyDictionary()
+_dit_batchers: weakref.WeakKeyDictionary[DiTEngine, dict[BatchPolicy, Batcher[DiTRequest, DiTOutput]]] = \
+    weakref.WeakKeyDictionary()
 _batchers_lock = threading.Lock()
 
 
-def batcher_for(engine: Any, policy: BatchPolicy, make: Callable[[BatchPolicy], Batcher[Any, Any]]) -> Batcher[Any, Any]:
+def batcher_for(batchers: weakref.WeakKeyDictionary[K, dict[BatchPolicy, Batcher[R, O]]], engine: K,
+                policy: BatchPolicy, make: Callable[[BatchPolicy], Batcher[R, O]]) -> Batcher[R, O]:
     """The one batcher of this engine instance and policy in this process (made on first use)."""
     with _batchers_lock:
-        per_engine = _batchers.setdefault(engine, {})
+        per_engine = batchers.setdefault(engine, {})
         if policy not in per_engine:
             per_engine[policy] = make(policy)
         return per_engine[policy]
@@ -299,31 +320,28 @@ def batcher_for(engine: Any, policy: BatchPolicy, make: Callable[[BatchPolicy], 
 
 # --- the engines' batch functions ---
 
-def ar_batcher(engine: Any, policy: BatchPolicy) -> Batcher[Any, Any]:
+def ar_batcher(engine: AREngine, policy: BatchPolicy) -> Batcher[ARRequest, AROutput]:
     """Batcher of an AREngine: any requests batch together (vLLM takes mixed sampling params), and
     requests that arrive while a batch runs join it between engine steps (continuous batching),
     up to ``max_batch_size`` running at once; each caller returns as soon as its request is done."""
-    holder: list[Batcher[Any, Any]] = []
+    holder: list[Batcher[ARRequest, AROutput]] = []
 
-    def run(batch: Sequence[Member[Any]]) -> list[Any]:
+    def run(batch: Sequence[Member[ARRequest, AROutput]]) -> list[AROutput | BaseException]:
         members = list(batch)
         by_id = {m.request.request_id: m for m in members}
 
         def on_progress(request_id: str, done: int, total: int) -> None:
             by_id[request_id].report(done, total)
 
-        def more(live: int) -> list[Any]:
+        def more(live: int) -> list[ARRequest]:
             joined = holder[0].take_more(members[0].request, policy.max_batch_size - live)
             members.extend(joined)
             by_id.update({m.request.request_id: m for m in joined})
             return [m.request for m in joined]
 
-        def on_result(i: int, result: Any) -> None:
+        def on_result(i: int, result: AROutput | BaseException) -> None:
             m = members[i]
-            if isinstance(result, BaseException):
-                m.error = result
-            else:
-                m.result = result
+            m.settle(result)
             m.done.set()
 
         try:
@@ -337,23 +355,23 @@ def ar_batcher(engine: Any, policy: BatchPolicy) -> Batcher[Any, Any]:
             raise
         return results[: len(batch)]
 
-    def make(p: BatchPolicy) -> Batcher[Any, Any]:
+    def make(p: BatchPolicy) -> Batcher[ARRequest, AROutput]:
         holder.append(Batcher(run, p, name="ar"))
         return holder[0]
 
-    return batcher_for(engine, policy, make)
+    return batcher_for(_ar_batchers, engine, policy, make)
 
 
 class _AllMembersStopped(Exception):
     """Every member of a diffusers call was canceled: stop the call at this step."""
 
 
-def dit_batcher(engine: Any, policy: BatchPolicy) -> Batcher[Any, Any]:
+def dit_batcher(engine: DiTEngine, policy: BatchPolicy) -> Batcher[DiTRequest, DiTOutput]:
     """Batcher of a DiTEngine: only requests with the same call settings (size, steps, guidance,
     negative prompt, strength, duration, embedding shape) share a pipeline call; each keeps its seed."""
     from omni_jobs.engines.dit import group_key as _group_key
 
-    def run(batch: Sequence[Member[Any]]) -> list[Any]:
+    def run(batch: Sequence[Member[DiTRequest, DiTOutput]]) -> list[DiTOutput | BaseException]:
         stopped: dict[int, BaseException] = {}
 
         def on_step(done: int, total: int) -> None:
@@ -376,7 +394,7 @@ def dit_batcher(engine: Any, policy: BatchPolicy) -> Batcher[Any, Any]:
             return [stopped[i] for i in range(len(batch))]
         return [stopped.get(i, out) for i, out in enumerate(outputs)]
 
-    return batcher_for(engine, policy, lambda p: Batcher(run, p, group_key=_group_key, name="dit"))
+    return batcher_for(_dit_batchers, engine, policy, lambda p: Batcher(run, p, group_key=_group_key, name="dit"))
 
 
 @dataclass(frozen=True)
@@ -387,12 +405,12 @@ class BatchDefaults:
     wait_ms: float = 10.0
     max_in_flight: int = 16
 
-    def policy(self, stage: Any) -> BatchPolicy:
+    def policy(self, stage: StageSpec) -> BatchPolicy:
         spec = stage.batching
         return BatchPolicy(
             max_batch_size=spec.max_batch_size or self.max_batch_size,
             wait_ms=self.wait_ms if spec.wait_ms is None else spec.wait_ms,
         )
 
-    def in_flight(self, stage: Any) -> int:
+    def in_flight(self, stage: StageSpec) -> int:
         return int(stage.batching.max_in_flight or self.max_in_flight)

@@ -21,7 +21,7 @@ import inspect
 import json
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from omni_jobs import telemetry
+from omni_jobs.json_types import JsonValue
 from omni_jobs.pipelines.model_info import DIT_EMBED_KEYS
 from omni_jobs.previews import LatentPreview, LatentProjection, fit_projection, one_frame, spatial_latents
 
@@ -127,7 +128,9 @@ class DiTOutput:
     """float32 frames in [0, 1] shaped [frames, height, width, 3]."""
 
 
-GroupKey = tuple[Any, ...]
+GroupKey = tuple[int | None, int | None, int, float, str | None, float | None, float | None, tuple[int, ...] | None,
+                 bool, int | None]
+"""(height, width, steps, guidance, negative prompt, strength, duration, embeddings' shape, latents wanted, frames)."""
 
 
 def group_key(r: DiTRequest) -> GroupKey:
@@ -164,7 +167,7 @@ _load_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _fp32_load(model: str, dtype: Any) -> Any:
+def _fp32_load(model: str, dtype: torch.dtype) -> Iterator[None]:
     """Let a float32 load through where diffusers would refuse it for want of ``accelerate``.
 
     Models that keep some modules in float32 when loaded in half precision (Wan's transformer:
@@ -173,10 +176,10 @@ def _fp32_load(model: str, dtype: Any) -> Any:
     nothing: it is lifted for the load (of the classes this model's model_index.json names)."""
     import diffusers
     import torch
-    from diffusers.utils import is_accelerate_available
+    from diffusers.utils.import_utils import is_accelerate_available
 
     index = Path(model) / "model_index.json"
-    if dtype is not torch.float32 or is_accelerate_available() or not index.is_file():
+    if dtype is not torch.float32 or is_accelerate_available() or not index.is_file():  # type: ignore[no-untyped-call]
         yield
         return
     classes = []
@@ -205,10 +208,12 @@ class DiTEngine:
         pipeline_class: str | None = None,
         torch_dtype: str = "float32",
         device: str = "auto",
-        call_args: Mapping[str, Any] | None = None,
-        load_args: Mapping[str, Any] | None = None,
-        cache: Mapping[str, Any] | None = None,
+        call_args: Mapping[str, JsonValue] | None = None,
+        load_args: Mapping[str, JsonValue] | None = None,
+        cache: Mapping[str, JsonValue] | None = None,
     ) -> None:
+        """``call_args``: extra keyword arguments of every pipeline call; ``load_args``: of
+        ``from_pretrained``; ``cache``: a denoising cache (``{type, ...}``, see DenoiseCacheSpec)."""
         import diffusers
         import torch
 
@@ -216,6 +221,8 @@ class DiTEngine:
         if torch_dtype not in dtypes:
             raise ValueError(f"torch_dtype must be one of {sorted(dtypes)}, got {torch_dtype!r}")
         dtype = dtypes[torch_dtype]
+        # The pipeline's class is chosen at run time, and so are its components (transformer, vae) and
+        # call signature: the pipeline object is typed Any.
         cls: Any = diffusers.DiffusionPipeline
         if pipeline_class is not None:
             cls = getattr(diffusers, pipeline_class, None)
@@ -229,7 +236,7 @@ class DiTEngine:
         self.pipe.set_progress_bar_config(disable=True)
         self.pipeline_class = type(self.pipe).__name__
         self._params = set(inspect.signature(self.pipe.__call__).parameters)
-        self._call_args = {**self._default_call_args(), **dict(call_args or {})}
+        self._call_args: dict[str, object] = {**self._default_call_args(), **dict(call_args or {})}
         self._lock = threading.Lock()  # pipelines keep per-call state (scheduler timesteps)
         self.cache_type: str | None = None
         self._projection: LatentProjection | None = None
@@ -237,12 +244,18 @@ class DiTEngine:
         if cache:
             self._enable_denoising_cache(dict(cache))
 
-    def _enable_denoising_cache(self, cache: dict[str, Any]) -> None:
+    def _enable_denoising_cache(self, cache: dict[str, JsonValue]) -> None:
         """Turn on a diffusers built-in denoising cache on the transformer (first_block, faster, pab)."""
-        from diffusers import FirstBlockCacheConfig, hooks
+        from diffusers.hooks.faster_cache import FasterCacheConfig, apply_faster_cache
+        from diffusers.hooks.first_block_cache import FirstBlockCacheConfig, apply_first_block_cache
+        from diffusers.hooks.pyramid_attention_broadcast import (
+            PyramidAttentionBroadcastConfig,
+            apply_pyramid_attention_broadcast,
+        )
 
         kind = cache.pop("type", None)
-        options = {k: v for k, v in cache.items() if v is not None}
+        # The config class's own keyword arguments, as the YAML gives them (DenoiseCacheSpec lets any through).
+        options: dict[str, Any] = {k: v for k, v in cache.items() if v is not None}
         transformer = getattr(self.pipe, "transformer", None)
         if transformer is None:
             raise ValueError(f"engine_args.cache: {self.pipeline_class} has no transformer to cache")
@@ -252,22 +265,24 @@ class DiTEngine:
             current = getattr(pipe, "_current_timestep", None) or getattr(pipe, "current_timestep", None)
             return int(current) if current is not None else 500
 
+        config: FirstBlockCacheConfig | FasterCacheConfig | PyramidAttentionBroadcastConfig
         if kind == "first_block":
-            config: Any = FirstBlockCacheConfig(**options)
-            apply: Any = hooks.apply_first_block_cache
+            config = FirstBlockCacheConfig(**options)
         elif kind == "faster":
-            config = hooks.FasterCacheConfig(**{"current_timestep_callback": timestep, **options})
-            apply = hooks.apply_faster_cache
+            config = FasterCacheConfig(**{"current_timestep_callback": timestep, **options})
         elif kind == "pab":
             options.setdefault("spatial_attention_block_skip_range", 2)
-            config = hooks.PyramidAttentionBroadcastConfig(**{"current_timestep_callback": timestep, **options})
-            apply = hooks.apply_pyramid_attention_broadcast
+            config = PyramidAttentionBroadcastConfig(**{"current_timestep_callback": timestep, **options})
         else:
             raise ValueError(f"engine_args.cache.type must be first_block, faster or pab, got {kind!r}")
         if hasattr(transformer, "enable_cache"):
             transformer.enable_cache(config)
+        elif isinstance(config, FirstBlockCacheConfig):
+            apply_first_block_cache(transformer, config)
+        elif isinstance(config, FasterCacheConfig):
+            apply_faster_cache(transformer, config)
         else:
-            apply(transformer, config)
+            apply_pyramid_attention_broadcast(transformer, config)
         self.cache_type = kind
 
     # --- what the loaded pipeline can do ---
@@ -352,9 +367,9 @@ class DiTEngine:
         if not conditioned_on_embeds and not self.has_text_encoder:
             raise ValueError(f"{where} has no text encoder; wire prompt_embeds from an AR encode stage instead of text")
 
-    def _default_call_args(self) -> dict[str, Any]:
+    def _default_call_args(self) -> dict[str, bool]:
         """Defaults that make small sizes work and outputs independent of optional packages."""
-        defaults: dict[str, Any] = {}
+        defaults: dict[str, bool] = {}
         if "use_resolution_binning" in self._params:
             defaults["use_resolution_binning"] = False  # else PixArt snaps 32x32 to its aspect-ratio bins
         if "clean_caption" in self._params:
@@ -448,7 +463,7 @@ class DiTEngine:
         import torch
 
         first = batch[0]
-        kwargs: dict[str, Any] = dict(self._call_args)
+        kwargs: dict[str, object] = dict(self._call_args)
         kwargs.update(
             num_inference_steps=first.num_inference_steps,
             guidance_scale=first.guidance_scale,
@@ -464,7 +479,7 @@ class DiTEngine:
             kwargs.update(height=first.height, width=first.width, output_type="pil")
         if first.image is not None:
             kwargs.update(image=[r.image for r in batch], strength=first.strength)
-        captured: list[Any] = [None]
+        captured: list[torch.Tensor | None] = [None]
         previews = batch if self._projection is not None and any(r.preview_every for r in batch) else []
         if on_step is not None or first.want_latents or previews:
             kwargs.update(self._step_hook(done, total, on_step, captured if first.want_latents else None, previews))
@@ -486,13 +501,13 @@ class DiTEngine:
                 outputs.append(DiTOutput(r.request_id, image=result.images[j], latents=lat))
         return outputs
 
-    def _run_pipe(self, kwargs: dict[str, Any]) -> Any:
+    def _run_pipe(self, kwargs: dict[str, object]) -> Any:
         """One pipeline call; with a denoising cache, inside a cache context that is reset after it
-        (the cache's state belongs to one call: the next batch has other prompts and another size)."""
+        (the cache's state belongs to one call: the next batch has other prompts and another size).
+        Returns the pipeline class's output (``images``, ``audios`` or ``frames``): Any, as the pipeline."""
         if self.cache_type is None:
             return self.pipe(**kwargs)
-        from diffusers.hooks import HookRegistry
-        from diffusers.hooks.hooks import CacheContext, _set_cache_context
+        from diffusers.hooks.hooks import CacheContext, HookRegistry, _set_cache_context
 
         transformer = self.pipe.transformer
         _set_cache_context(transformer, CacheContext("cond"))
@@ -502,13 +517,13 @@ class DiTEngine:
             _set_cache_context(transformer, None)
             HookRegistry.check_if_exists_or_initialize(transformer).reset_stateful_hooks(recurse=True)
 
-    def _conditioning(self, batch: list[DiTRequest]) -> dict[str, Any]:
+    def _conditioning(self, batch: list[DiTRequest]) -> dict[str, object]:
         """Text prompts for the pipeline's own encoder, or stacked upstream prompt embeddings."""
         import torch
 
         first = batch[0]
         if first.prompt_embeds is None:
-            kwargs: dict[str, Any] = {"prompt": [r.prompt for r in batch]}
+            kwargs: dict[str, object] = {"prompt": [r.prompt for r in batch]}
             if first.negative_prompt is not None:
                 kwargs["negative_prompt"] = [first.negative_prompt] * len(batch)
             return kwargs
@@ -529,13 +544,13 @@ class DiTEngine:
         return kwargs
 
     def _step_hook(
-        self, done: int, total: int, on_step: StepCallback | None, captured: list[Any] | None,
+        self, done: int, total: int, on_step: StepCallback | None, captured: list[torch.Tensor | None] | None,
         previews: Sequence[DiTRequest] = (),
-    ) -> dict[str, Any]:
+    ) -> dict[str, object]:
         """Wire progress, latent capture and previews to whichever callback API the pipeline has
         (PixArt and StableAudio only have the legacy one)."""
 
-        def step(i: int, latents: Any) -> None:
+        def step(i: int, latents: torch.Tensor | None) -> None:
             if captured is not None and latents is not None:
                 captured[0] = latents.detach().clone()
             if on_step is not None:
@@ -545,20 +560,20 @@ class DiTEngine:
 
         if "callback_on_step_end" in self._params:
 
-            def on_end(pipe: Any, i: int, t: Any, callback_kwargs: dict[str, Any]) -> dict[str, Any]:
+            def on_end(pipe: object, i: int, t: object, callback_kwargs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 step(i, callback_kwargs.get("latents"))
                 return callback_kwargs
 
             return {"callback_on_step_end": on_end}
         if "callback" in self._params:
 
-            def legacy(step_idx: int, t: Any, latents: Any) -> None:
+            def legacy(step_idx: int, t: object, latents: torch.Tensor) -> None:
                 step(step_idx, latents)
 
             return {"callback": legacy, "callback_steps": 1}
         return {}
 
-    def _hand_previews(self, batch: Sequence[DiTRequest], step: int, latents: Any) -> None:
+    def _hand_previews(self, batch: Sequence[DiTRequest], step: int, latents: torch.Tensor) -> None:
         """A CPU copy of each wanting member's latents (one frame) to its ``on_preview``; nothing more
         here: the projection and the encoding happen on the receiver's thread."""
         wanting = [(j, r) for j, r in enumerate(batch) if r.previews_at(step)]

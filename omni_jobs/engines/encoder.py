@@ -11,10 +11,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from omni_jobs import telemetry
 from omni_jobs.engines.ar import build_llm
+from omni_jobs.json_types import JsonValue
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +42,7 @@ class AREncoder:
         self,
         model: str,
         *,
-        engine_args: Mapping[str, Any] | None = None,
+        engine_args: Mapping[str, JsonValue] | None = None,
         kv_cache_bytes: int = 256 * 2**20,
         max_model_len: int = 512,
     ) -> None:

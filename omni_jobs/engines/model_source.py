@@ -19,13 +19,14 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from omni_jobs.json_types import JsonValue
 
 _PREFIX = re.compile(r"^([a-z][a-z0-9_-]*:)(?!//)")
 """``name:`` at the start of a model id (not a URL scheme, not a Windows drive letter: those fail the pattern or have ``//``)."""
 
 
-def _no_facts(name: str) -> Mapping[str, Any]:
+def _no_facts(name: str) -> Mapping[str, JsonValue]:
     return {}
 
 
@@ -35,7 +36,7 @@ class ModelSource:
     """The id prefix this source owns, with its colon (``"tiny:"``)."""
     resolve: Callable[[str, Path], str]
     """(name after the prefix, models directory) -> a local path, building the model if needed."""
-    facts: Callable[[str], Mapping[str, Any]] = field(default=_no_facts)
+    facts: Callable[[str], Mapping[str, JsonValue]] = field(default=_no_facts)
     """name -> what is known before building: ``hidden_size``, ``prompt_embed_dim``, ``embed_key``,
     ``text_encoder`` (pipeline validation checks that sizes agree across a wire)."""
 
@@ -84,7 +85,7 @@ def resolve_model(model: str, models_dir: Path) -> str:
     return source.resolve(name, Path(models_dir))
 
 
-def source_facts(model: str) -> Mapping[str, Any] | None:
+def source_facts(model: str) -> Mapping[str, JsonValue] | None:
     """What a registered source knows about ``model`` without building it; None for a path or hub id."""
     found = _source_for(model)
     if found is None:

@@ -13,16 +13,18 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from omni_jobs import telemetry
 from omni_jobs.engines.ar import AREngine
 from omni_jobs.engines.dit import DiTEngine
 from omni_jobs.engines.encoder import AREncoder
 from omni_jobs.engines.model_source import resolve_model
+from omni_jobs.json_types import JsonValue
+from omni_jobs.pipelines.spec import DiTEngineArgs
 
-E = TypeVar("E")
-_DIT_CTOR_KEYS = ("pipeline_class", "torch_dtype", "call_args", "cache")
+Engine = AREngine | DiTEngine | AREncoder
+E = TypeVar("E", AREngine, DiTEngine, AREncoder)
 
 
 class EnginePool:
@@ -33,11 +35,11 @@ class EnginePool:
         self.kv_cache_bytes = kv_cache_bytes
         self.max_model_len = max_model_len
         self.device = device
-        self._engines: dict[tuple[str, str, str], Any] = {}
+        self._engines: dict[tuple[str, str, str], Engine] = {}
         self._lock = threading.Lock()  # guards the two dicts, never held during a load
         self._loading: dict[tuple[str, str, str], threading.Lock] = {}
 
-    def ar(self, model: str, engine_args: Mapping[str, Any]) -> AREngine:
+    def ar(self, model: str, engine_args: Mapping[str, JsonValue]) -> AREngine:
         """The AR engine for ``model``; ``engine_args`` go to vLLM and override the defaults."""
         args = dict(engine_args)
 
@@ -46,21 +48,23 @@ class EnginePool:
                 resolved, engine_args=args, kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len
             )
 
-        return self._get("ar", model, args, load)
+        return self._get("ar", model, args, AREngine, load)
 
-    def dit(self, model: str, engine_args: Mapping[str, Any]) -> DiTEngine:
-        """The DiT engine for ``model``: ``pipeline_class``, ``torch_dtype``, ``call_args`` configure
-        the engine; every other key goes to ``from_pretrained``."""
+    def dit(self, model: str, engine_args: Mapping[str, JsonValue]) -> DiTEngine:
+        """The DiT engine for ``model``: ``pipeline_class``, ``torch_dtype``, ``call_args`` and ``cache``
+        configure the engine (DiTEngineArgs); every other key goes to ``from_pretrained``."""
         args = dict(engine_args)
-        ctor = {k: args[k] for k in _DIT_CTOR_KEYS if k in args}
-        load_args = {k: v for k, v in args.items() if k not in _DIT_CTOR_KEYS}
 
         def load(resolved: str) -> DiTEngine:
-            return DiTEngine(resolved, device=self.device, load_args=load_args, **ctor)
+            ctor = DiTEngineArgs.model_validate(args)
+            return DiTEngine(resolved, device=self.device, pipeline_class=ctor.pipeline_class,
+                             torch_dtype=ctor.torch_dtype, call_args=ctor.call_args,
+                             cache=ctor.cache.model_dump() if ctor.cache is not None else None,
+                             load_args=ctor.model_extra)
 
-        return self._get("dit", model, args, load)
+        return self._get("dit", model, args, DiTEngine, load)
 
-    def encoder(self, model: str, engine_args: Mapping[str, Any]) -> AREncoder:
+    def encoder(self, model: str, engine_args: Mapping[str, JsonValue]) -> AREncoder:
         """The AR encoder (vLLM pooling runner) for ``model``: a separate engine from ``ar()``'s."""
         args = dict(engine_args)
 
@@ -69,27 +73,29 @@ class EnginePool:
                 resolved, engine_args=args, kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len
             )
 
-        return self._get("ar-encode", model, args, load)
+        return self._get("ar-encode", model, args, AREncoder, load)
 
     def loaded(self) -> list[tuple[str, str, str]]:
         """Keys of the engines loaded so far (for health and metrics)."""
         with self._lock:
             return list(self._engines)
 
-    def _get(self, kind: str, model: str, args: dict[str, Any], load: Callable[[str], E]) -> E:
-        """Load each key once; a slow load blocks only callers of the same key."""
+    def _get(self, kind: str, model: str, args: dict[str, JsonValue], cls: type[E], load: Callable[[str], E]) -> E:
+        """Load each key once; a slow load blocks only callers of the same key (``cls``: what ``kind`` loads)."""
         resolved = resolve_model(model, self.models_dir)  # a source's build (tiny:) is itself race-safe
         key = (kind, resolved, json.dumps(args, sort_keys=True, default=str))
         with self._lock:
-            if key in self._engines:
+            found = self._engines.get(key)
+            if isinstance(found, cls):
                 telemetry.cache_lookup("engine", hit=True)
-                return self._engines[key]  # type: ignore[no-any-return]
+                return found
             key_lock = self._loading.setdefault(key, threading.Lock())
         with key_lock:
             with self._lock:
-                if key in self._engines:
+                found = self._engines.get(key)
+                if isinstance(found, cls):
                     telemetry.cache_lookup("engine", hit=True)
-                    return self._engines[key]  # type: ignore[no-any-return]
+                    return found
             telemetry.cache_lookup("engine", hit=False)
             started = time.perf_counter()
             engine = load(resolved)

@@ -9,12 +9,13 @@ encoder fed text) is refused the same way at worker start and at run time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
+from omni_jobs.engines.ar import AREngine
 from omni_jobs.engines.batching import BatchPolicy, dit_batcher
 from omni_jobs.engines.dit import DiTEngine, DiTRequest, PreviewCallback
-from omni_jobs.engines.encoder import EncodeRequest
+from omni_jobs.engines.encoder import AREncoder, EncodeRequest
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.payloads import AudioClip, VideoClip
 from omni_jobs.pipelines.params import (
@@ -27,22 +28,33 @@ from omni_jobs.pipelines.params import (
 )
 from omni_jobs.pipelines.spec import StageSpec
 
+if TYPE_CHECKING:
+    import PIL.Image
+    import torch
+
 ProgressFn = Callable[[int, int], None]
+StageValues = dict[str, object]
+"""A stage's values by port: what its engine is handed (text, a tensor, a PIL image...) or made
+(an AudioClip, a VideoClip...); omni_jobs.payloads encodes and decodes them."""
 
 
-def load_stage_engine(engines: EnginePool, stage: StageSpec) -> Any:
+def load_stage_engine(engines: EnginePool, stage: StageSpec) -> AREngine | AREncoder | DiTEngine:
     """The (cached) engine this stage runs on, checked against the stage's task."""
     if stage.engine == "ar":
         if stage.task_name == "encode":
             return engines.encoder(stage.model, stage.engine_args)
         return engines.ar(stage.model, stage.engine_args)
+    return _dit_engine(engines, stage)
+
+
+def _dit_engine(engines: EnginePool, stage: StageSpec) -> DiTEngine:
     engine = engines.dit(stage.model, stage.engine_args)
     engine.check_task(stage.task_name, conditioned_on_embeds=stage.conditioned_on_embeds)
     return engine
 
 
-def execute_encode(engines: EnginePool, stage: StageSpec, params: StageParams, inputs: dict[str, Any],
-                   request_id: str, progress: ProgressFn) -> dict[str, Any]:
+def execute_encode(engines: EnginePool, stage: StageSpec, params: StageParams, inputs: Mapping[str, object],
+                   request_id: str, progress: ProgressFn) -> StageValues:
     """AR encode: the prompt's per-token hidden states, [tokens, hidden], from vLLM's pooling runner."""
     assert isinstance(params, AREncodeParams)
     encoder = engines.encoder(stage.model, stage.engine_args)
@@ -52,8 +64,26 @@ def execute_encode(engines: EnginePool, stage: StageSpec, params: StageParams, i
     return {"hidden_states": output.hidden_states}
 
 
-def _embeds(value: Any) -> Any:
+def _prompt(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"a prompt is text, got {type(value).__name__}")
+    return value
+
+
+def _image(value: object) -> PIL.Image.Image:
+    from PIL import Image
+
+    if not isinstance(value, Image.Image):
+        raise TypeError(f"an image input is a PIL image, got {type(value).__name__}")
+    return value
+
+
+def _embeds(value: object) -> torch.Tensor:
     """[tokens, dim] from a handed-over tensor ([1, tokens, dim] is accepted too)."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"prompt embeddings must be a tensor, got {type(value).__name__}")
     if value.ndim == 3 and value.shape[0] == 1:
         value = value[0]
     if value.ndim != 2:
@@ -61,46 +91,45 @@ def _embeds(value: Any) -> Any:
     return value
 
 
-def execute_dit(engines: EnginePool, stage: StageSpec, params: StageParams, inputs: dict[str, Any],
+def execute_dit(engines: EnginePool, stage: StageSpec, params: StageParams, inputs: Mapping[str, object],
                 request_id: str, progress: ProgressFn, *, policy: BatchPolicy | None = None,
-                preview: PreviewCallback | None = None) -> dict[str, Any]:
+                preview: PreviewCallback | None = None) -> StageValues:
     """Any DiT task: text-to-image (text or prompt embeddings), image-to-image, text-to-audio,
     text-to-video.
 
     With a ``policy`` the request goes through the engine's batcher (stage workers: concurrent jobs
     share pipeline calls); without one it is a call of its own (the in-process Omni). ``preview``
     receives the latents every ``preview_every`` steps when the parameters ask for previews."""
-    engine: DiTEngine = load_stage_engine(engines, stage)
+    if not isinstance(params, DiTParams | DiTAudioParams | DiTVideoParams):
+        raise TypeError(f"a DiT stage's parameters are DiT parameters, got {type(params).__name__}")
+    engine = _dit_engine(engines, stage)
     produced = stage.outputs
-    conditioning: dict[str, Any] = (
-        {"prompt_embeds": _embeds(inputs["prompt_embeds"])} if "prompt_embeds" in inputs else {"prompt": inputs["prompt"]}
-    )
-    common: dict[str, Any] = {
-        "request_id": request_id,
-        "seed": params.seed,  # type: ignore[attr-defined]
-        "num_inference_steps": params.num_inference_steps,  # type: ignore[attr-defined]
-        "guidance_scale": params.guidance_scale,  # type: ignore[attr-defined]
-        "negative_prompt": params.negative_prompt,  # type: ignore[attr-defined]
-        "want_latents": "latents" in produced,
-        "preview_every": getattr(params, "preview_every", 0),
-        "on_preview": preview,
-        **conditioning,
-    }
+    prompt_embeds = _embeds(inputs["prompt_embeds"]) if "prompt_embeds" in inputs else None
+    height = width = num_frames = None
+    duration_s = strength = None
+    image = None
     if isinstance(params, DiTAudioParams):
-        request = DiTRequest(duration_s=params.duration_s, **common)
+        duration_s = params.duration_s
     elif isinstance(params, DiTImageToImageParams):
-        image = inputs["image"].convert("RGB")
-        request = DiTRequest(height=params.height, width=params.width, image=image, strength=params.strength, **common)
+        height, width, strength = params.height, params.width, params.strength
+        image = _image(inputs["image"]).convert("RGB")
     elif isinstance(params, DiTVideoParams):
-        request = DiTRequest(height=params.height, width=params.width, num_frames=params.num_frames, **common)
+        height, width, num_frames = params.height, params.width, params.num_frames
     else:
-        assert isinstance(params, DiTParams)
-        request = DiTRequest(height=params.height, width=params.width, **common)
+        height, width = params.height, params.width
+    request = DiTRequest(
+        request_id=request_id, prompt=_prompt(inputs["prompt"]) if prompt_embeds is None else None,
+        prompt_embeds=prompt_embeds, seed=params.seed, num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale, negative_prompt=params.negative_prompt,
+        want_latents="latents" in produced, on_preview=preview,
+        preview_every=0 if isinstance(params, DiTAudioParams) else params.preview_every,
+        height=height, width=width, num_frames=num_frames, duration_s=duration_s, image=image, strength=strength,
+    )
     if policy is not None:
         output = dit_batcher(engine, policy).submit(request, progress)
     else:
         (output,) = engine.generate([request], on_step=progress)
-    values: dict[str, Any] = {}
+    values: StageValues = {}
     if "image" in produced:
         values["image"] = output.image
     if "audio" in produced:

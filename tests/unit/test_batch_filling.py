@@ -12,7 +12,7 @@ from typing import Any
 from omni_jobs.engines.batching import Arrivals, Batcher, BatchPolicy, Member
 
 
-def square(batch: Sequence[Member[Any]]) -> list[Any]:
+def square(batch: Sequence[Member[Any, Any]]) -> list[Any]:
     return [m.request * m.request for m in batch]
 
 

@@ -21,7 +21,7 @@ class Recorder:
         self.delay_s = delay_s
         self.lock = threading.Lock()
 
-    def __call__(self, batch: Sequence[Member[Any]]) -> list[Any]:
+    def __call__(self, batch: Sequence[Member[Any, Any]]) -> list[Any]:
         requests = [m.request for m in batch]
         with self.lock:
             self.calls.append(requests)
