@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import yaml
 from pydantic import ValidationError
@@ -21,7 +20,7 @@ BUILTIN_PACKAGE = "omni_jobs.pipelines"
 BUILTIN_DIR = "catalogue"
 
 
-def _describe_loc(loc: tuple[int | str, ...], data: Any) -> str:
+def _describe_loc(loc: tuple[int | str, ...], data: object) -> str:
     parts: list[str] = []
     node = data
     for item in loc:
@@ -38,8 +37,8 @@ def _describe_loc(loc: tuple[int | str, ...], data: Any) -> str:
     return "".join(parts) or "(top level)"
 
 
-def parse_pipeline(data: Any, *, source: str) -> PipelineSpec:
-    """Validate already-parsed YAML; ``source`` names where it came from in errors."""
+def parse_pipeline(data: object, *, source: str) -> PipelineSpec:
+    """Validate already-parsed YAML (whatever it holds); ``source`` names where it came from in errors."""
     if not isinstance(data, dict):
         raise PipelineSpecError(source, ["(top level): expected a mapping with name, inputs, stages, outputs"])
     try:

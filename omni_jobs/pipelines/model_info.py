@@ -13,9 +13,9 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 from omni_jobs.engines.model_source import source_facts
+from omni_jobs.json_types import JsonObject
 from omni_jobs.pipelines.modalities import EngineKind
 
 DIT_EMBED_KEYS = ("caption_channels", "joint_attention_dim", "cross_attention_dim")
@@ -36,7 +36,7 @@ class ModelFacts:
     """DiT models: whether the pipeline has a text encoder of its own."""
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def _read_json(path: Path) -> JsonObject | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -59,8 +59,9 @@ def _local_facts(engine: EngineKind, directory: str) -> ModelFacts:
         has_encoder = isinstance(entry, list) and entry[:1] != [None]
     transformer = _read_json(root / "transformer" / "config.json") or {}
     for key in DIT_EMBED_KEYS:
-        if isinstance(transformer.get(key), int):
-            return ModelFacts(prompt_embed_dim=transformer[key], embed_dim_source=key, text_encoder=has_encoder)
+        dim = transformer.get(key)
+        if isinstance(dim, int):
+            return ModelFacts(prompt_embed_dim=dim, embed_dim_source=key, text_encoder=has_encoder)
     return ModelFacts(text_encoder=has_encoder)
 
 

@@ -11,10 +11,12 @@ stage is derived from this object; nothing about a pipeline is hard-coded elsewh
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from omni_jobs.json_types import JsonObject, JsonScalar, JsonValue
 from omni_jobs.pipelines.modalities import (
     DEFAULT_TASK,
     ENGINE_TASKS,
@@ -56,7 +58,7 @@ class InputField(Strict):
     description: str = ""
     max_length: int | None = Field(None, gt=0, description="For text: the longest value accepted.")
     max_bytes: int | None = Field(None, gt=0, description=f"For images: the largest upload (default {DEFAULT_MAX_IMAGE_BYTES}).")
-    default: Any = None
+    default: JsonScalar = None
 
     @model_validator(mode="after")
     def _check_kind_options(self) -> InputField:
@@ -108,7 +110,7 @@ class DiTEngineArgs(BaseModel):
         None, pattern=_PY_IDENTIFIER, description="diffusers class, e.g. PixArtSigmaPipeline; default: the model's own."
     )
     torch_dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    call_args: dict[str, Any] = Field(default_factory=dict, description="Extra keyword arguments of every call.")
+    call_args: JsonObject = Field(default_factory=dict, description="Extra keyword arguments of every call.")
     cache: DenoiseCacheSpec | None = Field(
         None, description="A diffusers denoising cache on the transformer: {type: first_block|faster|pab, ...}."
     )
@@ -153,7 +155,8 @@ class StageSpec(Strict):
     produces: tuple[str, ...] | None = Field(
         None, alias="outputs", description="Which of the task's outputs to produce and hand on; default: the task's."
     )
-    engine_args: dict[str, Any] = Field(default_factory=dict)
+    engine_args: JsonObject = Field(default_factory=dict)
+    # JSON scalars; typed Any until openai_compat.py (its n > 1 seeds) narrows what it reads from here.
     defaults: dict[str, Any] = Field(default_factory=dict, description="Stage parameters; jobs may override.")
     soft_time_limit_s: float | None = Field(None, gt=0, description="Default: OMNI_STAGE_SOFT_TIME_LIMIT_S.")
     time_limit_s: float | None = Field(None, gt=0, description="Hard limit; default: OMNI_STAGE_TIME_LIMIT_S.")
@@ -163,7 +166,7 @@ class StageSpec(Strict):
 
     @field_validator("inputs", mode="before")
     @classmethod
-    def _parse_bindings(cls, value: Any) -> Any:
+    def _parse_bindings(cls, value: object) -> object:
         if isinstance(value, dict):
             return {k: Binding.parse(v) if isinstance(v, str) else v for k, v in value.items()}
         return value
@@ -238,7 +241,7 @@ class StageSpec(Strict):
         """The parameter model this stage's defaults and a job's overrides are validated against."""
         return params_model(self.engine, self.task_name, conditioned_on_embeds=self.conditioned_on_embeds)
 
-    def params(self, values: dict[str, Any]) -> StageParams:
+    def params(self, values: Mapping[str, JsonValue]) -> StageParams:
         """Validated parameters from a job's recorded values for this stage."""
         return self.params_model.model_validate(values)
 
@@ -257,7 +260,7 @@ class OutputSpec(Strict):
 
     @field_validator("sources", mode="before")
     @classmethod
-    def _parse(cls, value: Any) -> Any:
+    def _parse(cls, value: object) -> object:
         if isinstance(value, str):
             value = [value]
         if isinstance(value, list | tuple):
