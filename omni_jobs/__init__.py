@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
-_LAZY = ("Omni", "AsyncOmni", "OmniResult", "OmniOutput", "OmniJobFailed")
+if TYPE_CHECKING:  # what type checkers see; at run time __getattr__ imports them on first use
+    from omni_jobs.omni import AsyncOmni, Omni, OmniJobFailed, OmniOutput, OmniResult
+
+__all__ = ["AsyncOmni", "Omni", "OmniJobFailed", "OmniOutput", "OmniResult"]
+_LAZY = frozenset(__all__)
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     """``omni_jobs.Omni`` without importing the runner (and its dependencies) for every submodule."""
     if name in _LAZY:
         from omni_jobs import omni
@@ -15,5 +19,3 @@ def __getattr__(name: str) -> Any:
         return getattr(omni, name)
     raise AttributeError(f"module 'omni_jobs' has no attribute {name!r}")
 
-
-__all__ = list(_LAZY)

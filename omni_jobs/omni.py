@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from omni_jobs.artifacts import ArtifactStore, artifact_store_from_settings, codecs
 from omni_jobs.engines.model_source import load_model_sources
@@ -36,6 +36,7 @@ from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import Job, JobError, JobEvent, JobOutput, JobStatus, now
 from omni_jobs.jobs.store import JobStore
+from omni_jobs.json_types import JsonValue
 from omni_jobs.payloads import AudioClip, VideoClip, decode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue, load_pipeline_file
 from omni_jobs.pipelines.spec import PipelineSpec
@@ -82,13 +83,19 @@ class OmniOutput:
     def text(self) -> str | None:
         return self.entry.text
 
-    def json(self) -> Any:
-        return codecs.decode_json(self.data)
+    def json(self) -> JsonValue:
+        document: JsonValue = codecs.decode_json(self.data)
+        return document
 
     def image(self) -> PIL.Image.Image:
         """The image of an image output, or of a text+image bundle."""
         if self.type == "text+image":
-            return codecs.decode_png(base64.b64decode(self.json()["image"]["data"]))
+            document = self.json()
+            image = document.get("image") if isinstance(document, dict) else None
+            data = image.get("data") if isinstance(image, dict) else None
+            if not isinstance(data, str):
+                raise codecs.CodecError(f"output '{self.name}' holds no base64 image data")
+            return codecs.decode_png(base64.b64decode(data))
         return codecs.decode_png(self.data)
 
     def audio(self) -> AudioClip:
@@ -114,11 +121,13 @@ class OmniResult:
         return self.outputs[name]
 
 
-def _image_value(value: Any) -> Any:
+def _image_value(value: object) -> object:
     """In-process callers may also pass a PIL image or a file path; the API's forms pass through."""
+    from PIL import Image
+
     if isinstance(value, Path):
         return value.read_bytes()
-    if hasattr(value, "save") and hasattr(value, "mode"):  # a PIL image
+    if isinstance(value, Image.Image):
         buffer = io.BytesIO()
         (value if value.mode in ("RGB", "RGBA", "L") else value.convert("RGB")).save(buffer, format="PNG")
         return buffer.getvalue()
@@ -169,7 +178,7 @@ class Omni:
             load_stage_engine(self.engines, stage)
         return self
 
-    def generate(self, inputs: Mapping[str, Any], params: Mapping[str, Mapping[str, Any]] | None = None, *,
+    def generate(self, inputs: Mapping[str, object], params: Mapping[str, Mapping[str, JsonValue]] | None = None, *,
                  on_event: EventCallback | None = None) -> OmniResult:
         """Run one job to the end; OmniJobFailed if it fails, InvalidRequest if the request is bad.
 
@@ -231,19 +240,22 @@ class Omni:
 class AsyncOmni:
     """Omni for asyncio callers: jobs run in worker threads, so the event loop stays free."""
 
-    def __init__(self, pipeline: str | Path | PipelineSpec, **kwargs: Any) -> None:
-        self.omni = Omni(pipeline, **kwargs)
+    def __init__(self, pipeline: str | Path | PipelineSpec, *, settings: Settings | None = None,
+                 engines: EnginePool | None = None, store: JobStore | None = None,
+                 artifacts: ArtifactStore | None = None, worker: str | None = None) -> None:
+        """As ``Omni``."""
+        self.omni = Omni(pipeline, settings=settings, engines=engines, store=store, artifacts=artifacts, worker=worker)
 
     async def load(self) -> AsyncOmni:
         await asyncio.to_thread(self.omni.load)
         return self
 
-    async def generate(self, inputs: Mapping[str, Any], params: Mapping[str, Mapping[str, Any]] | None = None, *,
+    async def generate(self, inputs: Mapping[str, object], params: Mapping[str, Mapping[str, JsonValue]] | None = None, *,
                        on_event: EventCallback | None = None) -> OmniResult:
         return await asyncio.to_thread(self.omni.generate, inputs, params, on_event=on_event)
 
-    async def stream(self, inputs: Mapping[str, Any],
-                     params: Mapping[str, Mapping[str, Any]] | None = None) -> AsyncIterator[JobEvent | OmniResult]:
+    async def stream(self, inputs: Mapping[str, object],
+                     params: Mapping[str, Mapping[str, JsonValue]] | None = None) -> AsyncIterator[JobEvent | OmniResult]:
         """The job's events as they happen; the last item is the OmniResult (errors are raised)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[JobEvent] = asyncio.Queue()

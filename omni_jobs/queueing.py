@@ -9,7 +9,8 @@ for Flower. The broker's visibility timeout is only a last resort: leases decide
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 from omni_jobs.settings import Settings
 from omni_jobs.steps import (
@@ -25,7 +26,7 @@ from omni_jobs.steps import (
 )
 
 
-def celery_config(settings: Settings) -> dict[str, Any]:
+def celery_config(settings: Settings) -> dict[str, object]:
     return {
         "broker_url": settings.effective_broker_url,
         "result_backend": None,
@@ -59,7 +60,16 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
-def publish_steps(app: Any, steps: Sequence[Step], ids: Sequence[str]) -> None:
+class TaskPublisher(Protocol):
+    """What publishing needs of a Celery app (the core does not import Celery)."""
+
+    def producer_or_acquire(self) -> AbstractContextManager[object]: ...
+
+    def send_task(self, name: str, *, args: Sequence[object], queue: str, task_id: str, shadow: str,
+                  producer: object) -> object: ...
+
+
+def publish_steps(app: TaskPublisher, steps: Sequence[Step], ids: Sequence[str]) -> None:
     """Publish steps as tasks through a Celery app (given by the shell), over one producer connection.
 
     The task id is the outbox entry id, so a re-published duplicate shows under the same id in

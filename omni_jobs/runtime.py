@@ -11,7 +11,6 @@ import os
 import socket
 from collections.abc import Iterable
 from functools import cached_property
-from typing import Any
 
 from redis import Redis
 
@@ -23,7 +22,7 @@ from omni_jobs.executor import StepExecutor
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job
 from omni_jobs.jobs.store import RedisJobStore
-from omni_jobs.jobs.view import present_job
+from omni_jobs.jobs.view import JobJSON, present_job
 from omni_jobs.leases import LeaseKeeper, Reaper, lease_owner
 from omni_jobs.limits import Limits
 from omni_jobs.net_guard import NetGuard
@@ -183,7 +182,7 @@ class Runtime:
                             webhooks_enabled=s.webhook_secret is not None, artifacts=self.artifacts,
                             net_guard=self.net_guard, limits=Limits.from_settings(s))
 
-    def present(self, job: Job, *, queue_position: int | None = None) -> dict[str, Any]:
+    def present(self, job: Job, *, queue_position: int | None = None) -> JobJSON:
         """The public job object (the one shape of GET, SSE and webhooks)."""
         s = self.settings
         return present_job(job, public_url=s.public_url, artifacts=self.artifacts,
