@@ -16,12 +16,12 @@ import hmac
 import re
 import secrets
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import redis
 
 from omni_jobs import keys
+from omni_jobs.redis_replies import members, text_hash
 
 KEY_PREFIX = "ok_"
 ID_HEX = 16
@@ -58,14 +58,6 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _decode(raw: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
-    return {_text(k): _text(v) for k, v in raw.items()}
-
-
 class ApiKeys:
     """Create, verify, revoke and list API keys in Redis."""
 
@@ -90,7 +82,7 @@ class ApiKeys:
 
     def _record(self, key_id: str) -> dict[str, str] | None:
         raw = self.redis.hgetall(keys.api_key(key_id))
-        return _decode(raw) if raw else None
+        return text_hash(raw) if raw else None
 
     @staticmethod
     def _info(key_id: str, record: dict[str, str]) -> ApiKeyInfo:
@@ -122,8 +114,7 @@ class ApiKeys:
     def list(self) -> list[ApiKeyInfo]:
         """Every key, oldest first (revoked ones included, marked)."""
         found: list[ApiKeyInfo] = []
-        ids = [_text(m) for m in self.redis.zrange(keys.API_KEYS_INDEX, 0, -1) if isinstance(m, bytes | str)]
-        for key_id in ids:
+        for key_id in members(self.redis.zrange(keys.API_KEYS_INDEX, 0, -1)):
             record = self._record(key_id)
             if record is not None:
                 found.append(self._info(key_id, record))

@@ -297,15 +297,14 @@ class QueueCollector(Collector):
     def _scheduler(self, queues: set[str]) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
         """Per queue and tenant: first attempts waiting for the scheduler; per queue: released, not started."""
         from omni_jobs import keys
+        from omni_jobs.redis_replies import members
 
         ready = GaugeMetricFamily("omni_jobs_queue_ready", "Stages waiting for the scheduler to release them "
                                   "to a queue, per tenant (README \"Scheduling\").", labels=["queue", "tenant"])
         released = GaugeMetricFamily("omni_jobs_queue_released", "Stages released to a queue's broker list and "
                                      "not started yet.", labels=["queue"])
         for queue in sorted(queues):
-            members = self.state.zrange(keys.queue_tenants(queue), 0, -1)
-            tenants = [t.decode() if isinstance(t, bytes) else str(t) for t in members]
-            for tenant in tenants:
+            for tenant in members(self.state.zrange(keys.queue_tenants(queue), 0, -1)):
                 ready.add_metric([queue, tenant], self.state.zcard(keys.queue_ready(queue, tenant)))
             released.add_metric([queue], self.state.zcard(keys.queue_released(queue)))
         return ready, released

@@ -29,6 +29,7 @@ from omni_jobs.net_guard import NetGuard
 from omni_jobs.outbox import OutboxRelay, Publish
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
 from omni_jobs.queue_depth import queue_depth
+from omni_jobs.redis_replies import text_hash
 from omni_jobs.results import ResultsAssembler
 from omni_jobs.run_journal import RunJournal
 from omni_jobs.scheduling import QuotaDefaults, Quotas, Scheduler
@@ -154,8 +155,7 @@ class Runtime:
         s = self.settings
 
         def read(key: str) -> dict[str, str]:
-            raw: dict[bytes, bytes] = self.redis.hgetall(key)  # type: ignore[assignment]
-            return {k.decode(): v.decode() for k, v in raw.items()}
+            return text_hash(self.redis.hgetall(key))
 
         return Quotas(read, QuotaDefaults(max_active=s.tenant_max_active, per_minute=s.tenant_jobs_per_minute))
 

@@ -23,14 +23,11 @@ from redis.typing import EncodableT
 
 from omni_jobs import keys, telemetry
 from omni_jobs.json_types import JsonValue
+from omni_jobs.redis_replies import members, text
 
 Eviction = Literal["fifo", "lru"]
 _MEDIA = "__media__"
 METRIC_NAME = "stage"
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 @dataclass(frozen=True)
@@ -71,7 +68,7 @@ class StageOutputCache:
 
     def get(self, scope: str, digest: str) -> CachedOutputs | None:
         """The cached outputs, or None; a hit refreshes the entry's place under lru."""
-        raw = {_text(k): v for k, v in self.redis.hgetall(keys.stage_cache_entry(scope, digest)).items()}
+        raw = {text(k): v for k, v in self.redis.hgetall(keys.stage_cache_entry(scope, digest)).items()}
         if not raw or _MEDIA not in raw:
             self.misses += 1
             telemetry.cache_lookup(METRIC_NAME, hit=False)
@@ -97,14 +94,14 @@ class StageOutputCache:
         excess = int(self.redis.zcard(index)) - self.max_entries
         if excess > 0:
             for entry in self.redis.zpopmin(index, excess):
-                name = _text(entry[0] if isinstance(entry, tuple | list) else entry)  # (member, score)
+                name = text(entry[0] if isinstance(entry, tuple | list) else entry)  # (member, score)
                 self.redis.delete(keys.stage_cache_entry(scope, name))
                 evicted.append(name)
         return evicted
 
     def digests(self, scope: str) -> list[str]:
         """The scope's digests, next to be evicted first."""
-        return [_text(m) for m in self.redis.zrange(keys.stage_cache_index(scope), 0, -1) if isinstance(m, bytes | str)]
+        return members(self.redis.zrange(keys.stage_cache_index(scope), 0, -1))
 
     def stats(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses}

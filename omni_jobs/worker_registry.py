@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import redis
 
 from omni_jobs import keys
+from omni_jobs.redis_replies import text_hash
 
 HEARTBEAT_TTL_S = 30
 HEARTBEAT_EVERY_S = 10
@@ -64,11 +65,10 @@ def workers(client: redis.Redis) -> list[WorkerInfo]:
     now = time.time()
     live: list[WorkerInfo] = []
     expired: list[str] = []
-    raw: dict[bytes, bytes] = client.hgetall(keys.WORKERS)  # type: ignore[assignment]
-    for name, payload in raw.items():
+    for name, payload in text_hash(client.hgetall(keys.WORKERS)).items():
         info = json.loads(payload)
         if float(info.get("expires_at", 0)) < now:
-            expired.append(name.decode())
+            expired.append(name)
             continue
         live.append(WorkerInfo(info["name"], tuple(info["queues"]), int(info.get("concurrency", 1)),
                                int(info.get("pid", 0)), float(info["expires_at"])))

@@ -22,13 +22,14 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
-from redis.typing import XReadResponse, ZSetRangeResponse
+from redis.typing import XReadResponse
 
 from omni_jobs import keys
 from omni_jobs.errors import NotDurable
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.change import Change, Conflict, Guard, OutboxEntry
 from omni_jobs.jobs.models import Job, JobEvent, JobStatus, StageRecord, StageStatus
+from omni_jobs.redis_replies import members, text, text_hash
 from omni_jobs.steps import RESULTS_QUEUE, WEBHOOKS_QUEUE, from_json, results_slot, stage_slot, webhook_slot
 
 
@@ -273,15 +274,6 @@ ScriptReply: TypeAlias = list[int | bytes | None]
 Pipeline: TypeAlias = redis.client.Pipeline | redis.asyncio.client.Pipeline
 
 
-def _text(value: bytes | str | int) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _members(reply: ZSetRangeResponse) -> list[str]:
-    """The members a sorted-set range read answers (read without scores: each is a string)."""
-    return [_text(m) for m in reply if isinstance(m, bytes | str)]
-
-
 def _int(value: int | bytes | None) -> int:
     """A number of a script's reply, where the script never answers nil."""
     if value is None:
@@ -339,7 +331,7 @@ class RedisJobStore:
         position = int(cursor) if cursor and cursor.isdigit() else 0
         found: list[Job] = []
         while len(found) < limit:
-            ids = _members(self.redis.zrevrange(index, position, position + limit - len(found) - 1))
+            ids = members(self.redis.zrevrange(index, position, position + limit - len(found) - 1))
             if not ids:
                 return JobPage(found, None)
             for job_id, job in zip(ids, self.get_many(ids), strict=True):
@@ -361,10 +353,10 @@ class RedisJobStore:
 
     def webhook_slots(self, job_id: str) -> dict[str, WebhookSlot]:
         raw = self.redis.hgetall(keys.job_webhooks(job_id))
-        return decode_webhook_slots({_text(k): _text(v) for k, v in raw.items()})
+        return decode_webhook_slots(text_hash(raw))
 
     def idempotency(self, tenant: str, key: str) -> IdempotencyRecord | None:
-        raw = {_text(k): _text(v) for k, v in self.redis.hgetall(keys.idempotency(tenant, key)).items()}
+        raw = text_hash(self.redis.hgetall(keys.idempotency(tenant, key)))
         return IdempotencyRecord(raw["job_id"], raw["fingerprint"]) if "job_id" in raw else None
 
     # --- writing ---
@@ -392,7 +384,7 @@ class RedisJobStore:
         if outcome == 2:
             return Conflict(None, str(_int(found)), cap=change.caps[_int(reply[1]) - 1])
         guard: Guard = change.guards[_int(reply[1]) - 1]
-        return Conflict(guard, _text(found) if found is not None else None)
+        return Conflict(guard, text(found) if found is not None else None)
 
     # --- async (the API's event loop) ---
     def use_async_client(self, make: Callable[[], aioredis.Redis]) -> None:
@@ -456,7 +448,7 @@ class RedisJobStore:
 
     async def aidempotency(self, tenant: str, key: str) -> IdempotencyRecord | None:
         client, _ = self._aclient()
-        raw = {_text(k): _text(v) for k, v in (await client.hgetall(keys.idempotency(tenant, key))).items()}
+        raw = text_hash(await client.hgetall(keys.idempotency(tenant, key)))
         return IdempotencyRecord(raw["job_id"], raw["fingerprint"]) if "job_id" in raw else None
 
     async def aqueue_position(self, job: Job) -> int | None:
@@ -496,7 +488,7 @@ class RedisJobStore:
         window of a queue's steps are released or running, move its next ready step to the outbox,
         taking the tenants in turn (the one served longest ago first) and each tenant's steps in
         order. Returns (entry id, tenant) released."""
-        args: list[Any] = [repr(now), limit]
+        args: list[str | int] = [repr(now), limit]
         for queue, window in windows.items():
             if window > 0:
                 args += [keys.queue_tenants(queue), keys.queue_released(queue), keys.queue_running(queue),
@@ -504,10 +496,10 @@ class RedisJobStore:
         if len(args) == 2:
             return []
         reply = self._release(keys=[keys.OUTBOX, keys.OUTBOX_ITEMS], args=args)
-        return [(_text(reply[i]), _text(reply[i + 1])) for i in range(0, len(reply), 2)]
+        return [(text(reply[i]), text(reply[i + 1])) for i in range(0, len(reply), 2)]
 
     def scheduled_queues(self) -> list[str]:
-        return sorted(_text(q) for q in self.redis.smembers(keys.SCHEDULED_QUEUES))
+        return sorted(members(self.redis.smembers(keys.SCHEDULED_QUEUES)))
 
     def oldest(self, key: str, *, since: float) -> float | None:
         first = self.redis.zrangebyscore(key, since, "+inf", start=0, num=1, withscores=True)
@@ -528,14 +520,14 @@ class RedisJobStore:
 
     # --- leases and queues ---
     def expired_leases(self, *, now: float, limit: int) -> list[str]:
-        return _members(self.redis.zrangebyscore(keys.LEASES, "-inf", now, start=0, num=limit))
+        return members(self.redis.zrangebyscore(keys.LEASES, "-inf", now, start=0, num=limit))
 
     def leased_slots(self) -> list[str]:
-        return _members(self.redis.zrange(keys.LEASES, 0, -1))
+        return members(self.redis.zrange(keys.LEASES, 0, -1))
 
     def released(self, queue: str, *, before: float, limit: int) -> list[str]:
-        members = self.redis.zrangebyscore(keys.queue_released(queue), "-inf", before, start=0, num=limit)
-        return _members(members)
+        found = self.redis.zrangebyscore(keys.queue_released(queue), "-inf", before, start=0, num=limit)
+        return members(found)
 
     def queue_counts(self, queue: str) -> tuple[int, int]:
         with self.redis.pipeline(transaction=False) as pipe:
@@ -567,10 +559,10 @@ class RedisJobStore:
     # --- retention ---
     def job_ids_created(self, *, after: float | None, until: float) -> list[str]:
         low = "-inf" if after is None else f"({after!r}"
-        return _members(self.redis.zrangebyscore(keys.JOBS_INDEX, low, until))
+        return members(self.redis.zrangebyscore(keys.JOBS_INDEX, low, until))
 
     def overdue(self, *, now: float, limit: int) -> list[str]:
-        return _members(self.redis.zrangebyscore(keys.DEADLINES, "-inf", now, start=0, num=limit))
+        return members(self.redis.zrangebyscore(keys.DEADLINES, "-inf", now, start=0, num=limit))
 
     def delete(self, job_id: str) -> None:
         """The job and everything indexed under it: an expired job must not stay counted on a queue,
@@ -579,8 +571,8 @@ class RedisJobStore:
             pipe.hgetall(keys.job(job_id))
             pipe.hgetall(keys.job_webhooks(job_id))
             raw, hooks = pipe.execute()
-        fields = {_text(k): _text(v) for k, v in raw.items()}
-        pending = job_pending_steps(job_id, fields, {_text(k): _text(v) for k, v in hooks.items()})
+        fields = text_hash(raw)
+        pending = job_pending_steps(job_id, fields, text_hash(hooks))
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(keys.job(job_id), keys.job_events(job_id), keys.job_progress(job_id),
                         keys.job_webhooks(job_id), keys.job_deliveries(job_id))
@@ -601,7 +593,7 @@ class RedisJobStore:
 
     def get_mark(self, name: str) -> str | None:
         raw = self.redis.get(name)
-        return _text(raw) if raw is not None else None
+        return text(raw) if raw is not None else None
 
     def set_mark(self, name: str, value: str) -> None:
         self.redis.set(name, value)
@@ -706,6 +698,6 @@ def parse_stream(reply: XReadResponse | None) -> list[JobEvent]:
     for _stream, entries in reply or []:
         for entry_id, fields in entries:
             event = JobEvent.model_validate_json(fields[b"event"] if b"event" in fields else fields["event"])
-            event.id = _text(entry_id)
+            event.id = text(entry_id)
             events.append(event)
     return events

@@ -58,5 +58,6 @@ def test_the_core_is_configured_strict_and_only_the_tooling_is_let_off() -> None
 
 def test_mypy_passes() -> None:
     pytest.importorskip("mypy")
-    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=540)
+    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=540,
+                            check=False)
     assert result.returncode == 0, f"mypy failed:\n{result.stdout}{result.stderr}"

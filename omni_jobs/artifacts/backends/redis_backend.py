@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import redis
 import redis.exceptions as rex
@@ -18,6 +18,7 @@ from omni_jobs.artifacts.backends.base import (
     validate_prefix,
 )
 from omni_jobs.artifacts.refs import BackendName
+from omni_jobs.redis_replies import members
 
 T = TypeVar("T")
 
@@ -100,7 +101,9 @@ class RedisBackend:
         value = self._call("get", key, lambda: self._r.get(keys.artifact(key)))
         if value is None:
             raise ArtifactNotFound(key, "redis", "missing or expired (intermediates have a TTL)")
-        return cast(bytes, value)  # decode_responses=False is checked in __init__
+        if not isinstance(value, bytes):  # decode_responses=False is checked in __init__
+            raise TypeError(f"a decoding Redis client answered {type(value).__name__} for artifact {key!r}")
+        return value
 
     def exists(self, key: str) -> bool:
         validate_key(key)
@@ -141,8 +144,7 @@ class RedisBackend:
     def _delete_job_keys(self, job_id: str, prefix: str) -> int:
         index = keys.job_artifacts(job_id)
         with self._guard("delete_prefix", prefix):
-            members = [m.decode() for m in self._r.smembers(index)]  # type: ignore[union-attr]
-            doomed = [m for m in members if m.startswith(prefix)]
+            doomed = [m for m in members(self._r.smembers(index)) if m.startswith(prefix)]
             if not doomed:
                 return 0
             with self._r.pipeline(transaction=True) as pipe:
