@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal, TypeAlias, overload
 import numpy as np
 
 from omni_jobs.artifacts import codecs, mp4
+from omni_jobs.json_types import JsonValue
 from omni_jobs.pipelines.modalities import TENSOR_MODALITIES, Modality
 
 if TYPE_CHECKING:
@@ -119,7 +120,10 @@ def decode_payload(modality: Modality, data: bytes) -> Payload: ...
 
 def decode_payload(modality: Modality, data: bytes) -> Payload:
     if modality == "text":
-        return str(codecs.decode_json(data)["text"])
+        document: JsonValue = codecs.decode_json(data)
+        if not isinstance(document, dict) or "text" not in document:
+            raise codecs.CodecError(f"a text payload is a JSON object with 'text', got {type(document).__name__}")
+        return str(document["text"])
     if modality in TENSOR_MODALITIES:
         return codecs.decode_tensors(data)[modality]
     if modality == "image":
