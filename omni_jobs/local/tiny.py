@@ -316,7 +316,7 @@ def build_tiny_chroma(path: Path, *, seed: int = 0) -> Path:
             sample_size=32,
             use_quant_conv=False,
             use_post_quant_conv=False,
-            shift_factor=0.0609,  # Chroma's VAE needs one (FACTS.md)
+            shift_factor=0.0609,  # ChromaPipeline adds vae.config.shift_factor when it decodes: it must be a number
             scaling_factor=1.5035,
         )
     pipe: Any = ChromaPipeline(
@@ -336,7 +336,7 @@ def build_tiny_stable_audio(path: Path, *, seed: int = 0) -> Path:
 
     path = Path(path)
     conditioning_dim = 16
-    # StableAudio pads prompts to tokenizer.model_max_length, so it must be set (FACTS.md).
+    # StableAudio pads prompts to max_length=tokenizer.model_max_length, so it must be a real length.
     tokenizer = T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=64)
     with _seeded(seed):
         text_encoder = _tiny_t5_encoder(len(tokenizer), 32)
