@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -27,6 +26,7 @@ from omni_jobs.client import (
 from omni_jobs.client.errors import api_error, parse_retry_after
 from omni_jobs.errors import Overloaded, QuotaExceeded
 from omni_jobs.openai_compat import OpenAIError
+from tests.own_loop import run_in_own_loop
 
 URL = "http://api.test/v1/jobs"
 
@@ -63,7 +63,7 @@ def test_an_openai_400_is_an_invalid_request_naming_its_param() -> None:
 
 def test_a_missing_key_is_unauthorized_with_the_servers_message() -> None:
     refusal = HTTPException(401, UNAUTHORIZED, headers={"WWW-Authenticate": "Bearer"})  # as api/auth.py raises it
-    error = from_response(asyncio.run(http_exception_handler(Request({"type": "http"}), refusal)), method="GET")
+    error = from_response(run_in_own_loop(http_exception_handler(Request({"type": "http"}), refusal)), method="GET")
     assert isinstance(error, UnauthorizedError) and error.message == UNAUTHORIZED
     assert error.headers["www-authenticate"] == "Bearer"
 

@@ -3,7 +3,6 @@ then both clients following a stream that drops mid-way (httpx's MockTransport p
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -14,6 +13,7 @@ import pytest
 from omni_jobs.client import AsyncClient, Client, JobEventView
 from omni_jobs.client.protocol import DEFAULT_RETRY_S, EventStream
 from omni_jobs.client.sse import SseMessage, SseParser
+from tests.own_loop import run_in_own_loop
 
 
 def feed_all(parser: SseParser, lines: list[str]) -> list[SseMessage]:
@@ -138,6 +138,6 @@ def test_both_clients_reconnect_with_last_event_id_and_hand_out_each_event_once(
         async with AsyncClient("http://api.test", api_key="ok_1", transport=transport) as omni:
             return [e async for e in omni.events("job_1")]
 
-    async_ids = [e.id for e in asyncio.run(follow())]
+    async_ids = [e.id for e in run_in_own_loop(follow())]
     assert sync_ids == async_ids == ["1-0", "2-0", "3-0", "4-0"]
     assert sync_script.seen == async_script.seen == [None, "2-0"]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.net_guard import NetGuard
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.submission import JobSubmitter
+from tests.own_loop import run_in_own_loop
 
 SLOW_DNS_S = 0.6
 
@@ -49,10 +49,7 @@ def test_a_slow_webhook_host_lookup_does_not_stall_other_requests() -> None:
         assert plain.created
         return longest_gap, plain_s, done.job.webhook.url if done.job.webhook else None
 
-    # A loop of its own in a thread of its own: in a full run the browser tests' Playwright keeps an
-    # event loop running in this thread, and asyncio.run refuses to start under it.
-    with ThreadPoolExecutor(1) as thread:
-        longest_gap, plain_s, hook_url = thread.submit(asyncio.run, main()).result()
+    longest_gap, plain_s, hook_url = run_in_own_loop(main())
     assert hook_url == "https://hooks.example.com/done"
     assert plain_s < SLOW_DNS_S / 2, f"a submit without a webhook waited {plain_s:.2f}s behind the lookup"
     assert longest_gap < SLOW_DNS_S / 2, f"the event loop stalled {longest_gap:.2f}s"
