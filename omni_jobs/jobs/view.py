@@ -30,6 +30,7 @@ from omni_jobs.jobs.models import (
     StageStatus,
     WebhookDelivery,
 )
+from omni_jobs.json_types import JsonObject
 
 if TYPE_CHECKING:
     from omni_jobs.artifacts.store import ArtifactStore
@@ -129,8 +130,8 @@ class JobView(_View):
     id: str = Field(examples=["job_5f0c2a9e1b7d4c3a8e6f0b1d"])
     pipeline: str
     status: JobStatus
-    input: dict[str, Any]
-    params: dict[str, dict[str, Any]] = Field(description="Per-stage parameters in force.")
+    input: JsonObject
+    params: dict[str, JsonObject] = Field(description="Per-stage parameters in force.")
     stage: str | None = Field(description="The stage running now.")
     progress: ProgressView | None
     stages: list[StageView]
@@ -182,7 +183,7 @@ class JobEventView(_View):
         return self.type in FINAL_EVENTS
 
 
-JobJSON = dict[str, Any]
+JobJSON = JsonObject
 """A job as JSON: what :func:`present_job` returns, and what :class:`JobView` describes."""
 
 
