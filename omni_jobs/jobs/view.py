@@ -15,7 +15,7 @@ never imported at run time), so the HTTP client can use them without the storage
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -174,7 +174,7 @@ class JobEventView(_View):
     job_id: str
     type: str = Field(description="job.queued, stage.started, stage.progress, output.delta, job.succeeded, ...")
     at: float
-    data: dict[str, Any] = Field(default_factory=dict)
+    data: JsonObject = Field(default_factory=dict)
     job: JobView | None = Field(None, description="On the final event only: the job as it ended.")
 
     @property
