@@ -22,7 +22,7 @@ from omni_jobs.jobs.ledger import JobLedger, Lease, Refused
 from omni_jobs.jobs.models import Job, JobOutput
 from omni_jobs.jobs.patience import while_store_down
 from omni_jobs.leases import LeaseKeeper
-from omni_jobs.payloads import FORMATS, SAFETENSORS, PayloadFormat
+from omni_jobs.payloads import FORMATS, SAFETENSORS, PayloadFormat, decode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.modalities import OUTPUT_TYPES, TENSOR_MODALITIES, Modality
 from omni_jobs.stages import TRANSIENT_ERRORS, job_error
@@ -45,7 +45,7 @@ def _entry(name: str, type_: str, ref: ArtifactRef, **fields: object) -> JobOutp
 
 def text_output(store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes]) -> JobOutput:
     """``{"text": ...}`` as JSON; the manifest carries the text too."""
-    text = str(codecs.decode_json(parts[0])["text"])
+    text = decode_payload("text", parts[0])
     ref = _write(store, job_id, name, FORMATS["text"], codecs.encode_json({"text": text}))
     return _entry(name, "text", ref, text=text)
 
@@ -85,7 +85,7 @@ def tensor_output(modality: Modality) -> OutputHandler:
 
 def text_and_image_output(store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes]) -> JobOutput:
     """One self-contained JSON document: the text and the PNG (base64) that belong together."""
-    text = str(codecs.decode_json(parts[0])["text"])
+    text = decode_payload("text", parts[0])
     png = parts[1]
     info = codecs.png_info(png)
     document = {

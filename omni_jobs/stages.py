@@ -17,23 +17,24 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeAlias, TypeVar
 
 import redis
 
 from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, ArtifactStoreUnavailable
-from omni_jobs.engines.ar import ARRequest, SamplingOptions, TextSoFar
+from omni_jobs.engines.ar import AROutput, ARRequest, SamplingOptions, TextSoFar
 from omni_jobs.engines.batching import BatchDefaults, BatchPolicy, ar_batcher
 from omni_jobs.engines.pool import EnginePool
-from omni_jobs.engines.stage_exec import execute_dit, execute_encode
+from omni_jobs.engines.stage_exec import StageValues, execute_dit, execute_encode
 from omni_jobs.errors import JobAlreadyFinished, JobNotFound, StageError, TransientStageError
 from omni_jobs.input_files import load_input_image
 from omni_jobs.jobs.ledger import JobLedger, Lease, Refused
 from omni_jobs.jobs.models import EventType, Job, JobError, StageStatus, now
 from omni_jobs.jobs.patience import STORE_DOWN, while_store_down
+from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.leases import LeaseKeeper
-from omni_jobs.payloads import FORMATS, decode_payload, encode_payload
+from omni_jobs.payloads import FORMATS, Payload, decode_payload, encode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.params import ARParams
 from omni_jobs.pipelines.spec import INPUT_SOURCE, PipelineSpec, StageSpec
@@ -53,6 +54,9 @@ AssembleHeld = Callable[[Job, Lease], StepOutcome]
 """(job, its results lease, held by this process) -> the results step's outcome (ResultsAssembler.run_held)."""
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ArtifactStoreUnavailable, TransientStageError, *STORE_DOWN)
 """Errors that may pass (a store or the broker unreachable): the next attempt backs off and retries."""
+StageInputs: TypeAlias = "dict[str, Payload | JsonValue]"
+"""A stage's inputs by port, as its engine is handed them: a job input (JSON; an image input loaded
+as a PIL image) or an upstream stage's output, decoded."""
 
 
 class JobCanceled(Exception):
@@ -89,11 +93,10 @@ class StageLimits:
         return (stage.soft_time_limit_s or self.soft_time_limit_s, stage.time_limit_s or self.time_limit_s)
 
 
-def _execute_ar(engines: EnginePool, stage: StageSpec, params: ARParams, inputs: dict[str, Any], request_id: str,
+def _execute_ar(engines: EnginePool, stage: StageSpec, params: ARParams, inputs: StageInputs, request_id: str,
                 progress: ProgressFn, *, policy: BatchPolicy | None = None,
-                on_text: TextSoFar | None = None) -> dict[str, Any]:
-    """AR generate. The text output carries what the engine reported beside the text: why it stopped
-    (vLLM's finish_reason, 'stop' or 'length') and the token usage (OpenAI's ``usage``)."""
+                on_text: TextSoFar | None = None) -> AROutput:
+    """AR generate: the engine's output for this stage's one request."""
     engine = engines.ar(stage.model, stage.engine_args)
     sampling = SamplingOptions(
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, seed=params.seed
@@ -104,8 +107,14 @@ def _execute_ar(engines: EnginePool, stage: StageSpec, params: ARParams, inputs:
         output = ar_batcher(engine, policy).submit(request, progress)
     else:
         (output,) = engine.generate([request], on_progress=lambda _rid, done, total: progress(done, total))
-    usage = {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": len(output.token_ids)}
-    text = {"text": output.text, "finish_reason": output.finish_reason, "usage": usage}
+    return output
+
+
+def _ar_values(output: AROutput) -> StageValues:
+    """An AR generate stage's values. The text output carries what the engine reported beside the
+    text: why it stopped (vLLM's finish_reason, 'stop' or 'length') and the token usage (OpenAI's ``usage``)."""
+    usage: JsonObject = {"prompt_tokens": len(output.prompt_token_ids), "completion_tokens": len(output.token_ids)}
+    text: JsonObject = {"text": output.text, "finish_reason": output.finish_reason, "usage": usage}
     return {"text": text, "token_ids": output.token_ids}
 
 
@@ -270,8 +279,8 @@ class StageRunner:
             pass
 
     # --- steps of run() ---
-    def _load_inputs(self, spec: PipelineSpec, stage: StageSpec, job: Job) -> dict[str, Any]:
-        inputs: dict[str, Any] = {}
+    def _load_inputs(self, spec: PipelineSpec, stage: StageSpec, job: Job) -> StageInputs:
+        inputs: StageInputs = {}
         for port, binding in stage.inputs.items():
             if binding.source == INPUT_SOURCE:
                 value = job.input[binding.port]
@@ -320,15 +329,15 @@ class StageRunner:
                 self._in_flight[key] = threading.BoundedSemaphore(self.batching.in_flight(stage))
             return self._in_flight[key]
 
-    def _execute(self, stage: StageSpec, job: Job, inputs: dict[str, Any], lease: Lease,
-                 pipeline: str = "") -> dict[str, Any]:
+    def _execute(self, stage: StageSpec, job: Job, inputs: StageInputs, lease: Lease,
+                 pipeline: str = "") -> StageValues:
         if self.batching is None:
             return self._execute_now(stage, job, inputs, lease, None)
         with self._in_flight_slot(pipeline or job.pipeline, stage):
             return self._execute_now(stage, job, inputs, lease, self.batching.policy(stage))
 
-    def _execute_now(self, stage: StageSpec, job: Job, inputs: dict[str, Any], lease: Lease,
-                     policy: BatchPolicy | None) -> dict[str, Any]:
+    def _execute_now(self, stage: StageSpec, job: Job, inputs: StageInputs, lease: Lease,
+                     policy: BatchPolicy | None) -> StageValues:
         params = job.params.get(stage.id, {})
         progress = self._progress_reporter(job, stage, lease)
         try:
@@ -345,21 +354,21 @@ class StageRunner:
             # Engine-level errors (bad model path, bad shape, too long a prompt) do not pass on retry.
             raise StageError(f"{type(exc).__name__}: {exc}") from exc
 
-    def _execute_streamed_ar(self, stage: StageSpec, job: Job, params: ARParams, inputs: dict[str, Any],
-                             lease: Lease, progress: ProgressFn, policy: BatchPolicy | None) -> dict[str, Any]:
+    def _execute_streamed_ar(self, stage: StageSpec, job: Job, params: ARParams, inputs: StageInputs,
+                             lease: Lease, progress: ProgressFn, policy: BatchPolicy | None) -> StageValues:
         """AR generate whose text goes to the job's stream as it comes (``output.delta`` events);
         the rest is published before the stage records its result."""
         deltas = self._open_text(stage, job, lease) if "text" in stage.outputs else None
         try:
-            values = _execute_ar(self.engines, stage, params, inputs, f"{job.id}:{stage.id}", progress,
+            output = _execute_ar(self.engines, stage, params, inputs, f"{job.id}:{stage.id}", progress,
                                  policy=policy, on_text=deltas.update if deltas is not None else None)
             if deltas is not None:
-                why = self.text_streams.close(deltas, values["text"]["text"])
+                why = self.text_streams.close(deltas, output.text)
                 if why == "lost":
                     raise LeaseLost(job.id)
                 if why != "ok":
                     raise JobCanceled(job.id)
-            return values
+            return _ar_values(output)
         finally:
             if deltas is not None:
                 self.text_streams.discard(deltas)
@@ -371,7 +380,7 @@ class StageRunner:
             self.text_streams.close(self._open_text(stage, job, lease), decode_payload("text", hit.data["text"]))
 
     def _open_text(self, stage: StageSpec, job: Job, lease: Lease) -> TextDeltas:
-        def publish(data: dict[str, Any]) -> str:
+        def publish(data: JsonObject) -> str:
             return self.ledger.publish(lease, job, EventType.output_delta, data)
 
         return self.text_streams.open(stage.id, "text", publish, attempt=lease.attempt,
@@ -422,7 +431,7 @@ class StageRunner:
         return publish
 
     @staticmethod
-    def _encode_outputs(stage: StageSpec, values: dict[str, Any]) -> CachedOutputs:
+    def _encode_outputs(stage: StageSpec, values: StageValues) -> CachedOutputs:
         """Each output port's bytes in its format (what is stored, and what the stage-output cache keeps)."""
         data = {port: encode_payload(modality, values[port]) for port, modality in stage.outputs.items()}
         media = {port: FORMATS[modality].media_type for port, modality in stage.outputs.items()}

@@ -17,7 +17,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import SupportsIndex, SupportsInt
 
 RUN_STAGE_TASK = "omni.run_stage"
 ASSEMBLE_RESULTS_TASK = "omni.assemble_results"
@@ -146,8 +146,8 @@ def step_id(step: Step) -> str:
 
 # --- the wire: JSON for the outbox, task name + positional arguments for Celery ---
 def to_json(step: Step) -> str:
-    fields: dict[str, Any] = {"kind": step.kind.value, "job_id": step.job_id, "attempt": step.attempt,
-                              "queue": step.queue}
+    fields: dict[str, str | int] = {"kind": step.kind.value, "job_id": step.job_id, "attempt": step.attempt,
+                                    "queue": step.queue}
     if isinstance(step, RunStage):
         fields["stage_id"] = step.stage_id
     elif isinstance(step, DeliverWebhook):
@@ -166,7 +166,7 @@ def from_json(raw: str | bytes) -> Step:
     return DeliverWebhook(**fields)
 
 
-def task_args(step: Step) -> list[Any]:
+def task_args(step: Step) -> list[str | int]:
     """Positional task arguments: readable in Flower (job id first), enough to rebuild the step."""
     if isinstance(step, RunStage):
         return [step.job_id, step.stage_id, step.attempt]
@@ -175,32 +175,40 @@ def task_args(step: Step) -> list[Any]:
     return [step.job_id, step.message_id, step.event, step.attempt]
 
 
-def from_task(name: str, args: Sequence[Any], queue: str) -> Step:
+def _attempt(arg: object) -> int:
+    """A task message's attempt argument as an int (``int()`` of it, as it came off the wire)."""
+    if isinstance(arg, (str, bytes, SupportsInt, SupportsIndex)):
+        return int(arg)
+    raise TypeError(f"a task's attempt is a number, got {type(arg).__name__}")
+
+
+def from_task(name: str, args: Sequence[object], queue: str) -> Step:
     """The step a task message carries (the inverse of TASK_OF + task_args)."""
     if name == RUN_STAGE_TASK:
-        return RunStage(str(args[0]), str(args[1]), int(args[2]), queue)
+        return RunStage(str(args[0]), str(args[1]), _attempt(args[2]), queue)
     if name == ASSEMBLE_RESULTS_TASK:
-        return AssembleResults(str(args[0]), int(args[1]), queue)
+        return AssembleResults(str(args[0]), _attempt(args[1]), queue)
     if name == DELIVER_WEBHOOK_TASK:
-        return DeliverWebhook(str(args[0]), str(args[1]), str(args[2]), int(args[3]), queue)
+        return DeliverWebhook(str(args[0]), str(args[1]), str(args[2]), _attempt(args[3]), queue)
     raise ValueError(f"not a step task: {name}")
 
 
-def task_subject(name: str, args: Sequence[Any]) -> tuple[str | None, str | None]:
+def task_subject(name: str, args: Sequence[object]) -> tuple[str | None, str | None]:
     """(job id, stage) a task works on, for log context: the results step is the stage ``results``,
     a webhook delivery ``webhook:<event>``."""
-    if not args or not isinstance(args[0], str) or not args[0].startswith("job_"):
+    job_id = args[0] if args else None
+    if not isinstance(job_id, str) or not job_id.startswith("job_"):
         return None, None
     if name == RUN_STAGE_TASK and len(args) > 1:
-        return args[0], str(args[1])
+        return job_id, str(args[1])
     if name == ASSEMBLE_RESULTS_TASK:
-        return args[0], RESULTS_QUEUE
+        return job_id, RESULTS_QUEUE
     if name == DELIVER_WEBHOOK_TASK and len(args) > 2:
-        return args[0], f"webhook:{args[2]}"
-    return args[0], None
+        return job_id, f"webhook:{args[2]}"
+    return job_id, None
 
 
-def display_name(name: str, args: Sequence[Any]) -> str:
+def display_name(name: str, args: Sequence[object]) -> str:
     """The name Flower and worker logs show: ``omni.run_stage[job_.../dit#2]``, so a job id finds its tasks."""
     job_id, stage = task_subject(name, args)
     if job_id is None:

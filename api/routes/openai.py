@@ -185,10 +185,14 @@ async def _text_meta(ctx: ApiContext, spec: PipelineSpec, job: Job) -> tuple[str
     if ref is None:
         return "stop", None
     document = codecs.decode_json(await run_in_threadpool(ctx.runtime.artifacts.get, ref))
-    usage = document.get("usage")
-    if isinstance(usage, dict):
-        usage = {"prompt_tokens": int(usage["prompt_tokens"]), "completion_tokens": int(usage["completion_tokens"]),
-                 "total_tokens": int(usage["prompt_tokens"]) + int(usage["completion_tokens"])}
+    if not isinstance(document, dict):
+        raise codecs.CodecError(f"a text payload is a JSON object, got {type(document).__name__}")
+    usage: dict[str, int] | None = None
+    reported = document.get("usage")
+    if isinstance(reported, dict):
+        prompt, completion = reported["prompt_tokens"], reported["completion_tokens"]
+        if isinstance(prompt, int) and isinstance(completion, int):
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     finish = document.get("finish_reason")
     if isinstance(finish, str):
         return finish, usage

@@ -36,8 +36,8 @@ from omni_jobs.errors import (
     Overloaded,
     UnknownPipeline,
 )
-from omni_jobs.jobs.models import JobStatus
-from omni_jobs.jobs.watch import FINAL_EVENTS, STREAM_ID
+from omni_jobs.jobs.models import FINAL_EVENTS, JobStatus
+from omni_jobs.jobs.watch import STREAM_ID
 
 log = logging.getLogger(__name__)
 

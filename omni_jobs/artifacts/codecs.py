@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import json
 import wave
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -18,6 +18,8 @@ from PIL import Image
 
 if TYPE_CHECKING:
     import torch
+
+    from omni_jobs.json_types import JsonValue
 
 MEDIA_SAFETENSORS = "application/vnd.safetensors"
 MEDIA_PNG = "image/png"
@@ -134,15 +136,13 @@ def encode_json(obj: object) -> bytes:
     return text.encode("utf-8")
 
 
-def decode_json(data: bytes) -> Any:
-    """The value encoded in UTF-8 JSON bytes.
-
-    Typed Any, not JsonValue, until its readers in results.py and api/routes/openai.py narrow what
-    they read (they index the document as an object)."""
+def decode_json(data: bytes) -> JsonValue:
+    """The value encoded in UTF-8 JSON bytes: its reader narrows it (an object, its fields)."""
     try:
-        return json.loads(bytes(data).decode("utf-8"))
+        value: JsonValue = json.loads(bytes(data).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CodecError(f"not UTF-8 JSON ({len(data)} bytes): {exc}") from exc
+    return value
 
 
 # --- audio ---

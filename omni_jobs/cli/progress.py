@@ -11,6 +11,14 @@ import sys
 from typing import TextIO
 
 from omni_jobs.client import JobEventView, JobView
+from omni_jobs.json_types import JsonValue
+
+
+def _count(value: JsonValue) -> int:
+    """A number an event's data carries (an attempt, a step), as int() reads it."""
+    if isinstance(value, (int, float, str)):
+        return int(value)
+    raise TypeError(f"an event's count is a number, got {type(value).__name__}")
 
 
 def bar(step: int, total: int, width: int = 24) -> str:
@@ -44,11 +52,11 @@ class ProgressDisplay:
         data = event.data
         stage = str(data.get("stage", ""))
         if event.type == "stage.started":
-            attempt = int(data.get("attempt", 1))
+            attempt = _count(data.get("attempt", 1))
             self._draw(stage, f"{bar(0, 1, self.width)} started on {data.get('worker', '?')}"
                               + (f" (attempt {attempt})" if attempt > 1 else ""), final=not self.tty)
         elif event.type == "stage.progress":
-            step, total, unit = int(data.get("step", 0)), int(data.get("total", 0)), str(data.get("unit", "steps"))
+            step, total, unit = _count(data.get("step", 0)), _count(data.get("total", 0)), str(data.get("unit", "steps"))
             text = f"{bar(step, total, self.width)} {step}/{total} {unit}"
             if self.tty:
                 self._draw(stage, text, final=False)
@@ -66,6 +74,8 @@ class ProgressDisplay:
             detail = ""
             if event.type == "job.failed":
                 error = data.get("error") or {}
+                if not isinstance(error, dict):
+                    raise TypeError(f"a job.failed event's error is an object, got {type(error).__name__}")
                 detail = f": {error.get('stage') or ''} {error.get('type', '')}: {error.get('message', '')}"
             elif event.type == "job.canceled":
                 detail = f": {data.get('reason', '')}"

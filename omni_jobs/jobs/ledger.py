@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from omni_jobs import keys
 from omni_jobs.artifacts.refs import ArtifactRef
@@ -47,6 +47,7 @@ from omni_jobs.jobs.models import (
     now,
 )
 from omni_jobs.jobs.store import IdempotencyRecord, JobPage, JobStore, webhook_field
+from omni_jobs.json_types import JsonObject
 from omni_jobs.steps import (
     RESULTS_QUEUE,
     WEBHOOKS_QUEUE,
@@ -579,7 +580,7 @@ class JobLedger:
         events = state.stage_progress(after, stage_id, step, total, unit, now())
         return self._while_running(lease, snapshot.model_copy(update={"progress": None}), after, events)
 
-    def publish(self, lease: Lease, snapshot: Job, event_type: EventType, data: dict[str, Any]) -> str:
+    def publish(self, lease: Lease, snapshot: Job, event_type: EventType, data: JsonObject) -> str:
         """Append a running stage's partial output (a text delta, a preview) to its job's event stream,
         while the lease still holds: 'ok', or 'canceled' / 'lost' (stop working on it).
 

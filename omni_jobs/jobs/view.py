@@ -15,7 +15,7 @@ never imported at run time), so the HTTP client can use them without the storage
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -30,6 +30,7 @@ from omni_jobs.jobs.models import (
     StageStatus,
     WebhookDelivery,
 )
+from omni_jobs.json_types import JsonObject
 
 if TYPE_CHECKING:
     from omni_jobs.artifacts.store import ArtifactStore
@@ -129,8 +130,8 @@ class JobView(_View):
     id: str = Field(examples=["job_5f0c2a9e1b7d4c3a8e6f0b1d"])
     pipeline: str
     status: JobStatus
-    input: dict[str, Any]
-    params: dict[str, dict[str, Any]] = Field(description="Per-stage parameters in force.")
+    input: JsonObject
+    params: dict[str, JsonObject] = Field(description="Per-stage parameters in force.")
     stage: str | None = Field(description="The stage running now.")
     progress: ProgressView | None
     stages: list[StageView]
@@ -173,7 +174,7 @@ class JobEventView(_View):
     job_id: str
     type: str = Field(description="job.queued, stage.started, stage.progress, output.delta, job.succeeded, ...")
     at: float
-    data: dict[str, Any] = Field(default_factory=dict)
+    data: JsonObject = Field(default_factory=dict)
     job: JobView | None = Field(None, description="On the final event only: the job as it ended.")
 
     @property
@@ -182,7 +183,7 @@ class JobEventView(_View):
         return self.type in FINAL_EVENTS
 
 
-JobJSON = dict[str, Any]
+JobJSON = JsonObject
 """A job as JSON: what :func:`present_job` returns, and what :class:`JobView` describes."""
 
 

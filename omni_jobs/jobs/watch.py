@@ -18,7 +18,7 @@ from omni_jobs.jobs import codec
 from omni_jobs.jobs.models import FINAL_EVENTS, Job, JobEvent
 from omni_jobs.jobs.store import async_client_from_url, parse_stream
 
-__all__ = ["FINAL_EVENTS", "MAX_BLOCK_S", "STREAM_ID", "JobWatcher"]  # FINAL_EVENTS: api/ui/routes.py imports it from here
+__all__ = ["MAX_BLOCK_S", "STREAM_ID", "JobWatcher"]
 
 MAX_BLOCK_S = 15.0
 """Longest blocking read; callers' heartbeats and waits are cut into pieces no longer than this."""
