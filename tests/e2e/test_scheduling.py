@@ -44,9 +44,12 @@ def test_a_high_job_overtakes_a_queue_of_normal_ones(system: EmbeddedSystem) -> 
         assert high["priority"] == "high" and high["queue_position"] is not None
         done = finish_all(api, [*normal, high])
     high_done = done[-1]["completed_at"]
-    before = sum(d["completed_at"] < high_done for d in done[:-1])
+    # Normal jobs that ended before the high one was even posted (a slow machine posts slowly) say
+    # nothing about priority; of the others, only those already released may finish first.
+    settled = sum(d["completed_at"] <= high["created_at"] for d in done[:-1])
+    before = sum(high["created_at"] < d["completed_at"] < high_done for d in done[:-1])
     assert before <= WINDOW + 1, f"{before} normal jobs finished before the high one"  # those already released
-    assert len(done) - 1 - before >= 12 - WINDOW - 1
+    assert len(done) - 1 - settled - before >= 12 - settled - WINDOW - 1
 
 
 def test_one_tenants_backlog_does_not_hold_another_back(system: EmbeddedSystem) -> None:
