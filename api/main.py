@@ -14,11 +14,13 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from api import body_limit, docs
+from api import body_limit, docs, uploads
 from api.deps import ApiContext
 from api.observability import ObservabilityMiddleware
 from api.routes import events, health, jobs, metrics, openai, pipelines
+from api.schemas import job_request_schemas
 from api.ui import router as ui_router
+from omni_jobs import openai_compat
 from omni_jobs.artifacts import ArtifactStoreUnavailable
 from omni_jobs.engines.model_source import load_model_sources
 from omni_jobs.errors import (
@@ -31,10 +33,11 @@ from omni_jobs.errors import (
     QuotaExceeded,
     UnknownPipeline,
 )
+from omni_jobs.limits import Limits
 from omni_jobs.logs import configure_logging
 from omni_jobs.metrics import QUOTA_REFUSALS
 from omni_jobs.metrics import install as install_metrics
-from omni_jobs.pipelines.catalogue import load_catalogue
+from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
 from omni_jobs.runtime import Runtime
 from omni_jobs.settings import Settings, get_settings
 
@@ -97,24 +100,33 @@ def _not_nullable(parameter: dict[str, Any]) -> None:
         parameter["schema"] = {**rest, **kept[0]} if len(kept) == 1 else {**rest, "anyOf": kept}
 
 
-def _pipeline_enums(schema: dict[str, Any], names: list[str]) -> None:
-    """The pipeline names where the spec takes one: the catalogue is loaded once per process, so the
-    names are fixed for the life of this spec (an unknown one in a body is a 422, in a path a 404)."""
-    components = schema.get("components", {}).get("schemas", {})
-    pipeline = components.get("JobRequest", {}).get("properties", {}).get("pipeline")
-    if pipeline is not None:
-        pipeline["enum"] = names
-    for path, item in schema.get("paths", {}).items():
+def _not_nullable_parameters(schema: dict[str, Any]) -> None:
+    for item in schema.get("paths", {}).values():
         for operation in item.values():
             for parameter in operation.get("parameters", []):
                 if parameter.get("in") in ("query", "header"):
                     _not_nullable(parameter)
-                if path == "/v1/pipelines/{name}" and parameter.get("name") == "name":
-                    parameter["schema"]["enum"] = names
-            form = operation.get("requestBody", {}).get("content", {}).get("multipart/form-data", {})
-            field = form.get("schema", {}).get("properties", {}).get("pipeline")
-            if field is not None:
-                form["schema"]["properties"]["pipeline"] = {**field, "enum": names}
+
+
+def _describe_pipelines(schema: dict[str, Any], catalogue: PipelineCatalogue, settings: Settings) -> None:
+    """What each pipeline takes, where the spec takes a pipeline: POST /v1/jobs's body is a oneOf on
+    ``pipeline`` (api.schemas.job_request_schemas), the multipart form too (api.uploads.request_body),
+    and a pipeline name in a path is one of the catalogue's (else 404). Built from the catalogue the
+    app runs with (built-in and OMNI_PIPELINES_PATH pipelines, loaded once per process) and the
+    settings that limit a request, so the spec holds for the life of the process."""
+    limits, webhooks = Limits.from_settings(settings), settings.webhook_secret is not None
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    bodies = job_request_schemas(components["JobRequest"], catalogue, limits, webhooks=webhooks)
+    components.update(bodies)
+    branches = {name.removeprefix("JobRequest."): body for name, body in bodies.items() if name != "JobRequest"}
+    paths = schema.get("paths", {})
+    paths["/v1/jobs/multipart"]["post"]["requestBody"] = uploads.request_body(branches, catalogue, limits,
+                                                                               webhooks=webhooks)
+    for parameter in paths["/v1/pipelines/{name}"]["get"].get("parameters", []):
+        if parameter.get("name") == "name":
+            parameter["schema"]["enum"] = catalogue.names()
+    for name in openai_compat.ENDPOINTS:  # the OpenAI bodies: one route per pipeline they can run
+        components[name] = openai_compat.request_schema(name, components[name], catalogue, limits)
 
 
 def _setting_limits(schema: dict[str, Any], settings: Settings) -> None:
@@ -122,6 +134,10 @@ def _setting_limits(schema: dict[str, Any], settings: Settings) -> None:
     n = schema.get("components", {}).get("schemas", {}).get("ImageGenerationRequest", {}).get("properties", {}).get("n")
     if n is not None:
         n["maximum"] = min(n.get("maximum", settings.max_outputs), settings.max_outputs)
+    for path in ("/v1/jobs", "/v1/jobs/multipart"):
+        for parameter in schema["paths"][path]["post"]["parameters"]:
+            if parameter["name"] == "cancel-after":
+                parameter["schema"]["pattern"] = jobs.cancel_after_pattern(settings.max_cancel_after_s)
 
 
 def install_openapi(app: FastAPI, settings: Settings) -> None:
@@ -132,8 +148,11 @@ def install_openapi(app: FastAPI, settings: Settings) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = generate()
-            _pipeline_enums(schema, load_catalogue(settings.pipelines_path).names())
+            ctx = getattr(app.state, "ctx", None)  # the running app's catalogue; without lifespan, the same files
+            catalogue = ctx.runtime.catalogue if ctx is not None else load_catalogue(settings.pipelines_path)
+            _not_nullable_parameters(schema)
             _setting_limits(schema, settings)
+            _describe_pipelines(schema, catalogue, settings)
         assert app.openapi_schema is not None
         return app.openapi_schema
 

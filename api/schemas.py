@@ -7,6 +7,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from omni_jobs.jobs.view import JobView
+from omni_jobs.limits import Limits
+from omni_jobs.pipelines.catalogue import PipelineCatalogue
+from omni_jobs.pipelines.spec import PipelineSpec
+from omni_jobs.submission import input_schema, params_schema
 
 WEBHOOK_URL = r"^[Hh][Tt][Tt][Pp][Ss]?://([^/?#@\s]*@)?[^/?#@:\[\]\s]+(:[0-9]*)?([/?#]\S*)?$"
 """What omni_jobs.webhooks.validate_webhook takes: an http(s) URL with a host (checked there, not by
@@ -14,8 +18,9 @@ pydantic). A bracketed IPv6 literal is not in the pattern (it is accepted where 
 
 
 class JobRequest(BaseModel):
-    """POST /v1/jobs. ``input`` and ``params`` are checked against the pipeline (GET /v1/pipelines/{name}
-    describes its inputs and each stage's parameters): 422 names each wrong field."""
+    """POST /v1/jobs. ``input`` and ``params`` are checked against the pipeline: 422 names each wrong
+    field. The spec says what each pipeline takes: one schema per pipeline (JobRequest.<name>), chosen
+    by ``pipeline``, built by job_request_schemas from the checks themselves."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={
         # a filter without a webhook is refused (422 at webhook_events_filter)
@@ -45,6 +50,56 @@ class JobRequest(BaseModel):
         "adds 'preview': {stage, step, total, media_type, width, height, data}). Default: start, progress, "
         "completed.",
     )
+
+
+NO_WEBHOOKS = ("This server has no webhook signing secret (OMNI_WEBHOOK_SECRET), so it sends no webhooks: a "
+               "job that asks for one is refused (422).")
+
+
+def webhook_properties(base: dict[str, Any], *, webhooks: bool) -> dict[str, Any]:
+    """``webhook`` and ``webhook_events_filter`` as this server takes them: as the model says, or, with
+    no signing secret (a setting, fixed for the life of the process), null only."""
+    if webhooks:
+        return {name: base[name] for name in ("webhook", "webhook_events_filter")}
+    return {name: {"type": "null", "title": base[name].get("title", name), "description": NO_WEBHOOKS}
+            for name in ("webhook", "webhook_events_filter")}
+
+
+def job_request_branch(base: dict[str, Any], spec: PipelineSpec, limits: Limits, *, webhooks: bool) -> dict[str, Any]:
+    """The JobRequest of one pipeline: ``base`` (the model's schema) with that pipeline's name, its
+    ``input`` and each stage's ``params``, built from the rules the submitter checks them with. A
+    stage default above this server's cap makes ``params`` required (it must lower it)."""
+    fields = base["properties"]
+    params = {**params_schema(spec, limits), "description": fields["params"].get("description", "")}
+    must_lower = bool(params.get("required"))
+    properties = {
+        **fields,
+        "pipeline": {"type": "string", "const": spec.name, "title": "Pipeline"},
+        "input": input_schema(spec, limits),
+        "params": params if must_lower else {"anyOf": [params, {"type": "null"}], "default": None},
+        **webhook_properties(fields, webhooks=webhooks),
+    }
+    branch = {key: value for key, value in base.items() if key not in ("if", "then") or webhooks}
+    branch.update(title=f"JobRequest.{spec.name}", properties=properties,
+                  description=f"POST /v1/jobs with pipeline '{spec.name}': {spec.description.strip()}",
+                  required=sorted({*base.get("required", []), *(["params"] if must_lower else [])}))
+    return branch
+
+
+def job_request_schemas(base: dict[str, Any], catalogue: PipelineCatalogue, limits: Limits, *,
+                        webhooks: bool) -> dict[str, dict[str, Any]]:
+    """OpenAPI components for POST /v1/jobs: JobRequest, a oneOf on ``pipeline``, and its branches
+    ``JobRequest.<pipeline>``, one per pipeline of the catalogue (built-in and OMNI_PIPELINES_PATH's,
+    loaded once per process, so the spec holds for its life)."""
+    components = {f"JobRequest.{spec.name}": job_request_branch(base, spec, limits, webhooks=webhooks)
+                  for spec in catalogue}
+    refs = {name.removeprefix("JobRequest."): f"#/components/schemas/{name}" for name in components}
+    components["JobRequest"] = {
+        "title": "JobRequest", "description": base.get("description", ""),
+        "oneOf": [{"$ref": ref} for ref in refs.values()],
+        "discriminator": {"propertyName": "pipeline", "mapping": refs},
+    }
+    return components
 
 
 class JobList(BaseModel):

@@ -17,36 +17,84 @@ from starlette.requests import Request
 
 from api.schemas import JobRequest
 from omni_jobs.errors import FieldError, InvalidRequest
+from omni_jobs.limits import Limits
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
-from omni_jobs.pipelines.spec import DEFAULT_MAX_IMAGE_BYTES
+from omni_jobs.pipelines.spec import DEFAULT_MAX_IMAGE_BYTES, PipelineSpec
+from omni_jobs.submission import input_schema
 
 JSON_FIELDS = ("input", "params", "webhook_events_filter")
 TEXT_FIELDS = ("pipeline", "webhook")
 
-OPENAPI: dict[str, Any] = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "multipart/form-data": {
-                "schema": {
-                    "type": "object",
-                    "required": ["pipeline"],
-                    "properties": {
-                        "pipeline": {"type": "string", "examples": ["image-to-image"]},
-                        "input": {"type": "string", "description": 'JSON object of the other inputs, e.g. {"prompt": "..."}'},
-                        "params": {"type": "string", "description": "JSON object of per-stage overrides"},
-                        "webhook": {"type": "string"},
-                        "webhook_events_filter": {"type": "string", "description": 'JSON list, e.g. ["completed"]'},
-                        "input.image": {"type": "string", "format": "binary",
-                                        "description": "A file input; name each file part input.<field>"},
-                    },
-                    "patternProperties": {r"^input\..+$": {"type": "string", "format": "binary"}},
-                    "additionalProperties": False,
-                }
-            }
-        },
+_JSON_TEXT = {"contentType": "application/json"}
+OPENAPI: dict[str, Any] = {"requestBody": {"required": True, "content": {"multipart/form-data": {
+    "schema": {"type": "object", "required": ["pipeline"], "properties": {
+        "pipeline": {"type": "string", "examples": ["image-to-image"]},
+        "input": {"type": "object", "description": 'JSON object of the other inputs, e.g. {"prompt": "..."}'},
+        "params": {"type": "object", "description": "JSON object of per-stage overrides"},
+        "webhook": {"type": "string"},
+        "webhook_events_filter": {"type": "array", "items": {"type": "string"}, "description": 'e.g. ["completed"]'},
+    }},
+    "encoding": {name: _JSON_TEXT for name in JSON_FIELDS},
+}}}}
+"""The form as the route declares it; api.main replaces its schema with request_body's, per pipeline."""
+
+_FILE = {"type": "string", "format": "binary", "description": "A file input: a part named input.<field>."}
+
+
+def _branch(spec: PipelineSpec, limits: Limits, file_parts: set[str], json_body: dict[str, Any]) -> dict[str, Any]:
+    """The form of one pipeline: its input object (each image in it, or as a part input.<name>, not
+    both), its params as in JSON (``json_body``: its JobRequest.<name>), and no file part that is not
+    one of its images."""
+    images = set(spec.file_inputs())
+    inputs = input_schema(spec, limits)
+    inputs["required"] = [name for name in inputs["required"] if name not in images]
+    properties: dict[str, Any] = {"pipeline": {"const": spec.name}, "input": inputs,
+                                  "params": json_body["properties"]["params"],
+                                  **{part: _FILE if part.removeprefix("input.") in images else False
+                                     for part in sorted(file_parts)}}
+    rules: list[dict[str, Any]] = []
+    # As a file part, or in the input JSON (if at all), not both. No "not" (schemathesis 4.32 judges
+    # those on the file's bytes, which it cannot), and every schema typed (it puts its constants
+    # where a schema has no type, and cannot check the whole form then).
+    for name in sorted(images):
+        as_file = {"required": [f"input.{name}"], "properties": {"input": {"type": "object", "properties": {name: False}}}}
+        in_json: dict[str, Any] = {"properties": {f"input.{name}": False}}
+        if spec.inputs[name].required and spec.inputs[name].default is None:
+            in_json = {"required": ["input"],
+                       "properties": {f"input.{name}": False, "input": {"type": "object", "required": [name]}}}
+        rules.append({"anyOf": [as_file, in_json]})
+    required = ["pipeline", *(["input"] if inputs["required"] else []),
+                *(["params"] if "params" in json_body["required"] else [])]
+    branch: dict[str, Any] = {"title": f"{spec.name} (form)", "properties": properties, "required": required}
+    if rules:
+        branch["allOf"] = rules
+    return branch
+
+
+def request_body(json_bodies: dict[str, dict[str, Any]], catalogue: PipelineCatalogue, limits: Limits, *,
+                 webhooks: bool) -> dict[str, Any]:
+    """The form's OpenAPI requestBody: the fields of POST /v1/jobs (``json_bodies``: its JobRequest.<name>
+    schemas) as parts, input, params and webhook_events_filter as JSON text, and one oneOf branch per
+    pipeline. Every field is listed at the top too, so a client knows which parts are files."""
+    file_parts = {f"input.{name}" for spec in catalogue for name in spec.file_inputs()}
+    any_body = next(iter(json_bodies.values()))["properties"]
+    properties: dict[str, Any] = {
+        "pipeline": {"type": "string", "enum": catalogue.names(), "examples": ["image-to-image"]},
+        "input": {"type": "object", "description": 'JSON text of the inputs, e.g. {"prompt": "..."}; image inputs '
+                  "may come as parts named input.<field> instead", "examples": [{"prompt": "make it blue"}]},
+        "params": {"anyOf": [{"type": "object"}, {"type": "null"}], "description": "JSON text of per-stage overrides"},
+        **({"webhook": any_body["webhook"]} if webhooks else {}),
+        "webhook_events_filter": any_body["webhook_events_filter"],
+        **{part: _FILE for part in sorted(file_parts)},
     }
-}
+    schema = {"type": "object", "required": ["pipeline"], "properties": properties, "additionalProperties": False,
+              "oneOf": [_branch(spec, limits, file_parts, json_bodies[spec.name]) for spec in catalogue]}
+    if webhooks:  # a filter without a webhook is refused
+        schema.update({key: rule for key, rule in next(iter(json_bodies.values())).items() if key in ("if", "then")})
+    example = {"pipeline": "text-to-image", "input": {"prompt": "a red fox in the snow"}}
+    return {"required": True, "content": {"multipart/form-data": {
+        "schema": schema, "encoding": {name: _JSON_TEXT for name in JSON_FIELDS},
+        **({"example": example} if example["pipeline"] in catalogue else {})}}}
 
 
 def _json(name: str, text: str) -> Any:

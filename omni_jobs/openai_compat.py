@@ -10,26 +10,34 @@ Which pipeline runs: ``model`` when it names a pipeline; otherwise (``gpt-4o``, 
 is a text prompt, preferring the conventional ``text-to-<modality>`` name, then the fewest other
 outputs, built-in before user pipelines, the fewest stages, then the name.
 
+Which stage parameter each OpenAI field sets is a table (CHAT_FIELDS, IMAGE_FIELDS, SPEECH_FIELDS).
 The request models carry, in their JSON schema, what the checks here accept (a pattern, the one
-allowed value), so that the OpenAPI spec says it; the checks answer 400 with their own message.
+allowed value); request_schema adds, from the same tables and the same pipeline choice, one
+schema per pipeline a request can run with what its stages take, so that the OpenAPI spec says
+it. The checks answer 400 with their own message.
 """
 
 from __future__ import annotations
 
 import base64
+import itertools
 import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
 from omni_jobs.checks import is_builtin
 from omni_jobs.errors import InvalidRequest
 from omni_jobs.jobs.models import Job, JobOutput, JobStatus
+from omni_jobs.limits import Limits
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
+from omni_jobs.pipelines.modalities import EngineKind
+from omni_jobs.pipelines.params import SEED_MAX, whole_numbers
 from omni_jobs.pipelines.spec import PipelineSpec, StageSpec
+from omni_jobs.submission import NOT_BLANK, input_field_schema, params_schema, stage_params_schema
 
 OutputModality = Literal["text", "image", "audio"]
 
@@ -67,7 +75,15 @@ class OpenAIError(Exception):
 
 # --- request bodies (extra fields are allowed: OpenAI's extra_body lands at the top level) ---
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """Strict: a value is taken as its schema types it (no "7" or true for an integer, no "0.5" for a
+    number; 7.0 is an integer, as in JSON Schema). OpenAI's clients send JSON numbers: not refused."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _whole_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        return whole_numbers(cls, value, info.field_name)
 
     params: dict[str, dict[str, Any]] | None = Field(
         None, description="Per-stage overrides, as in POST /v1/jobs (applied last), e.g. {'dit': {'seed': 7}}."
@@ -78,7 +94,7 @@ class _Body(BaseModel):
     negative_prompt: str | None = None
 
 
-SIZE_PATTERN = r"^(?:auto|([0-9]{1,9})[xX]([0-9]{1,9}))$"
+SIZE_PATTERN = r"^(?:auto|([1-9][0-9]{0,8})[xX]([1-9][0-9]{0,8}))$"
 _SIZE = re.compile(SIZE_PATTERN)
 Size = Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "string", "pattern": SIZE_PATTERN}, {"type": "null"}]})]
 """Checked by parse_size (400 with its own message); the stage then checks the numbers (e.g. multiple of 8)."""
@@ -90,7 +106,7 @@ def only(value: Any) -> WithJsonSchema:
     return WithJsonSchema({"anyOf": [{"enum": [value]}, {"type": "null"}]})
 
 
-_TEXT = {"type": "string", "pattern": r"\S"}  # some text, not only whitespace
+_TEXT = {"type": "string", "pattern": NOT_BLANK}  # some text, not only whitespace
 MESSAGE_CONTENT: dict[str, Any] = {"anyOf": [
     _TEXT,
     {"type": "array", "minItems": 1, "items": {
@@ -101,7 +117,7 @@ MESSAGE_CONTENT: dict[str, Any] = {"anyOf": [
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
     content: Annotated[str | list[dict[str, Any]], WithJsonSchema(MESSAGE_CONTENT)] = Field(
@@ -214,30 +230,50 @@ Origin = dict[tuple[str, str], str]
 
 
 def _param_fields(stage: StageSpec) -> set[str]:
-    model = getattr(stage, "params_model", None)
-    if model is None:
-        from omni_jobs.pipelines.params import params_model
-
-        model = params_model(stage.engine)
-    return set(model.model_fields)
+    return set(stage.params_model.model_fields)
 
 
-def build_params(spec: PipelineSpec, ar: dict[str, tuple[Any, str]], dit: dict[str, tuple[Any, str]],
-                 explicit: dict[str, dict[str, Any]] | None) -> tuple[dict[str, dict[str, Any]], Origin]:
-    """Per-stage params from OpenAI fields: sampling to AR stages, generation to DiT stages, each only
-    where the stage takes it. A field given but taken by no stage is an error naming it."""
+Target = tuple[EngineKind, str]
+"""A stage parameter an OpenAI field sets: on the stages of that engine kind that take it."""
+CHAT_FIELDS: dict[str, tuple[Target, ...]] = {
+    "max_completion_tokens": (("ar", "max_tokens"),), "max_tokens": (("ar", "max_tokens"),),
+    "temperature": (("ar", "temperature"),), "top_p": (("ar", "top_p"),), "seed": (("ar", "seed"), ("dit", "seed")),
+    "num_inference_steps": (("dit", "num_inference_steps"),), "guidance_scale": (("dit", "guidance_scale"),),
+    "negative_prompt": (("dit", "negative_prompt"),), "width": (("dit", "width"),), "height": (("dit", "height"),),
+}
+IMAGE_FIELDS: dict[str, tuple[Target, ...]] = {
+    "seed": (("dit", "seed"),), "num_inference_steps": (("dit", "num_inference_steps"),),
+    "guidance_scale": (("dit", "guidance_scale"),), "negative_prompt": (("dit", "negative_prompt"),),
+}
+SPEECH_FIELDS: dict[str, tuple[Target, ...]] = {**IMAGE_FIELDS, "seed": (("ar", "seed"), ("dit", "seed"))}
+SIZE_TARGETS: tuple[Target, Target] = (("dit", "width"), ("dit", "height"))
+"""``size`` (chat, images): its width and its height."""
+
+
+def _takes(stage: StageSpec, target: Target) -> bool:
+    return stage.engine == target[0] and target[1] in _param_fields(stage)
+
+
+def build_params(spec: PipelineSpec, fields: dict[str, tuple[Target, ...]], given: dict[str, Any],
+                 explicit: dict[str, dict[str, Any]] | None,
+                 size: tuple[int | None, int | None] = (None, None)) -> tuple[dict[str, dict[str, Any]], Origin]:
+    """Per-stage params from the OpenAI fields ``given`` (``fields`` says which stage parameters each
+    sets; ``size``: the width and height of ``size``), each only where a stage takes it. A field given
+    but taken by no stage is an error naming it. ``explicit`` (the body's ``params``) is applied last."""
+    sources = [(name, targets, (given.get(name),) * len(targets)) for name, targets in fields.items()]
+    sources.append(("size", SIZE_TARGETS, size))
     params: dict[str, dict[str, Any]] = {}
     origin: Origin = {}
     used: set[str] = set()
     for stage in spec.stages:
-        fields = _param_fields(stage)
-        for key, (value, source) in (ar if stage.engine == "ar" else dit).items():
-            if value is not None and key in fields:
-                params.setdefault(stage.id, {})[key] = value
-                origin[(stage.id, key)] = source
-                used.add(source)
-    given = {source for value, source in [*ar.values(), *dit.values()] if value is not None}
-    unused = sorted(given - used)
+        for name, targets, values in sources:
+            for target, value in zip(targets, values, strict=True):
+                if value is not None and _takes(stage, target):
+                    params.setdefault(stage.id, {})[target[1]] = value
+                    origin[(stage.id, target[1])] = name
+                    used.add(name)
+    unused = sorted(name for name, _targets, values in sources if any(v is not None for v in values)
+                    and name not in used)
     if unused:
         raise OpenAIError(400, f"pipeline '{spec.name}' has no stage that takes '{unused[0]}'", param=unused[0],
                           code="unsupported_parameter")
@@ -252,7 +288,8 @@ def parse_size(size: str | None, *, param: str = "size") -> tuple[int | None, in
         return None, None
     match = _SIZE.match(size)
     if match is None:
-        raise OpenAIError(400, f"size must be 'WIDTHxHEIGHT' (e.g. '64x64') or 'auto', got {size!r}", param=param)
+        raise OpenAIError(400, f"size must be 'WIDTHxHEIGHT' (e.g. '64x64', no leading zeros) or 'auto', got "
+                          f"{size!r}", param=param)
     return int(match[1]), int(match[2])
 
 
@@ -315,6 +352,10 @@ class Plan:
     """Chat: the modalities asked for, one choice each, in order."""
 
 
+def _values(body: BaseModel, fields: dict[str, tuple[Target, ...]]) -> dict[str, Any]:
+    return {name: getattr(body, name) for name in fields}
+
+
 def _prompt_input(spec: PipelineSpec, prompt: str) -> dict[str, Any]:
     name = text_input(spec)
     assert name is not None  # choose_pipeline only picks pipelines that take a text prompt
@@ -337,17 +378,12 @@ def plan_chat(catalogue: PipelineCatalogue, body: ChatCompletionRequest) -> Plan
         raise OpenAIError(400, f"pipeline '{spec.name}' has no text output to stream", param="stream",
                           code="unsupported_modality")
     prompt = prompt_from_messages(body.messages)
-    width, height = parse_size(body.size)
-    ar = {"max_tokens": (body.max_completion_tokens or body.max_tokens,
-                         "max_completion_tokens" if body.max_completion_tokens else "max_tokens"),
-          "temperature": (body.temperature, "temperature"), "top_p": (body.top_p, "top_p"),
-          "seed": (body.seed, "seed")}
-    dit = {"seed": (body.seed, "seed"), "num_inference_steps": (body.num_inference_steps, "num_inference_steps"),
-           "guidance_scale": (body.guidance_scale, "guidance_scale"),
-           "negative_prompt": (body.negative_prompt, "negative_prompt"),
-           "width": (body.width or width, "width" if body.width else "size"),
-           "height": (body.height or height, "height" if body.height else "size")}
-    params, origin = build_params(spec, ar, dit, body.params)
+    if body.max_completion_tokens is not None and body.max_tokens is not None:
+        raise OpenAIError(400, "give max_completion_tokens or max_tokens, not both", param="max_tokens")
+    size = parse_size(body.size)
+    if size != (None, None) and (body.width, body.height) != (None, None):
+        raise OpenAIError(400, "give size or width and height, not both", param="size")
+    params, origin = build_params(spec, CHAT_FIELDS, _values(body, CHAT_FIELDS), body.params, size)
     return Plan(spec, _prompt_input(spec, prompt), [params], origin, prompt_param="messages", wanted=wanted)
 
 
@@ -361,20 +397,15 @@ def plan_images(catalogue: PipelineCatalogue, body: ImageGenerationRequest, *, m
         raise OpenAIError(400, f"n is {body.n}; this server makes at most {max_outputs} "
                           "images per call (OMNI_MAX_OUTPUTS)", param="n")
     spec = choose_pipeline(catalogue, body.model, {"image"}, param="model")
-    width, height = parse_size(body.size)
-    dit = {"num_inference_steps": (body.num_inference_steps, "num_inference_steps"),
-           "guidance_scale": (body.guidance_scale, "guidance_scale"),
-           "negative_prompt": (body.negative_prompt, "negative_prompt"),
-           "width": (width, "size"), "height": (height, "size"), "seed": (body.seed, "seed")}
-    params, origin = build_params(spec, {}, dit, body.params)
+    params, origin = build_params(spec, IMAGE_FIELDS, _values(body, IMAGE_FIELDS), body.params, parse_size(body.size))
     per_job: list[dict[str, dict[str, Any]]] = []
     for i in range(body.n):
         job_params = {k: dict(v) for k, v in params.items()}
         if body.n > 1:
             for stage in spec.stages:
-                if stage.engine == "dit" and "seed" in _param_fields(stage):
-                    base = job_params.get(stage.id, {}).get("seed", stage.defaults.get("seed", 0))
-                    job_params.setdefault(stage.id, {})["seed"] = int(base) + i
+                base = job_params.get(stage.id, {}).get("seed", stage.defaults.get("seed", 0))
+                if _takes(stage, ("dit", "seed")) and isinstance(base, int) and not isinstance(base, bool):
+                    job_params.setdefault(stage.id, {})["seed"] = (base + i) % (SEED_MAX + 1)  # wraps, as seeds may
         per_job.append(job_params)
     return Plan(spec, _prompt_input(spec, body.prompt), per_job, origin, prompt_param="prompt")
 
@@ -388,11 +419,164 @@ def plan_speech(catalogue: PipelineCatalogue, body: SpeechRequest) -> Plan:
     if body.speed not in (None, 1.0):
         raise OpenAIError(400, "speed must be 1.0", param="speed")
     spec = choose_pipeline(catalogue, body.model, {"audio"}, param="model")
-    dit = {"seed": (body.seed, "seed"), "num_inference_steps": (body.num_inference_steps, "num_inference_steps"),
-           "guidance_scale": (body.guidance_scale, "guidance_scale"),
-           "negative_prompt": (body.negative_prompt, "negative_prompt")}
-    params, origin = build_params(spec, {"seed": (body.seed, "seed")}, dit, body.params)
+    params, origin = build_params(spec, SPEECH_FIELDS, _values(body, SPEECH_FIELDS), body.params)
     return Plan(spec, _prompt_input(spec, body.input), [params], origin, prompt_param="input")
+
+
+# --- the request bodies as the spec says them (api.main puts them in the OpenAPI spec) ---
+@dataclass(frozen=True)
+class Endpoint:
+    """What a route maps, for its schema: its fields, whether it takes ``size``, the modality it
+    answers with (None: chat's ``modalities``), and the field its prompt comes from."""
+
+    fields: dict[str, tuple[Target, ...]]
+    size: bool
+    modality: str | None
+    prompt: str
+
+
+ENDPOINTS = {"ChatCompletionRequest": Endpoint(CHAT_FIELDS, True, None, "messages"),
+             "ImageGenerationRequest": Endpoint(IMAGE_FIELDS, True, "image", "prompt"),
+             "SpeechRequest": Endpoint(SPEECH_FIELDS, False, "audio", "input")}
+"""The component name of each route's body (FastAPI's, from the model) and what it maps."""
+_MODALITIES = ("text", "image", "audio")
+_NUMBER = "[1-9][0-9]{0,8}"
+
+
+def _allowed_ints(prop: dict[str, Any]) -> set[int] | None:
+    """The integers a parameter's schema allows (None: unbounded)."""
+    branch = next((b for b in prop.get("anyOf", [prop]) if b.get("type") == "integer"), None)
+    if branch is None or "minimum" not in branch or "maximum" not in branch:
+        return None
+    step = int(branch.get("multipleOf", 1))
+    return {v for v in range(int(branch["minimum"]), int(branch["maximum"]) + 1) if v % step == 0 and v > 0}
+
+
+def _size_schema(stages: list[dict[str, Any]]) -> dict[str, Any]:
+    """``size`` for these DiT stages' params schemas: 'auto', or the widths and heights they all take."""
+    parts = []
+    for key in ("width", "height"):
+        sets = [_allowed_ints(stage["properties"][key]) for stage in stages if key in stage["properties"]]
+        if not sets:
+            return {"anyOf": [{"const": "auto"}, {"type": "null"}], "description": "Only 'auto': no stage takes a size."}
+        bounded = [found for found in sets if found is not None]
+        allowed = set.intersection(*bounded) if bounded else None
+        parts.append(_NUMBER if allowed is None else "(?:" + "|".join(str(v) for v in sorted(allowed)) + ")")
+    return {"anyOf": [{"type": "string", "pattern": f"^(?:auto|{parts[0]}[xX]{parts[1]})$"}, {"type": "null"}],
+            "description": "'WIDTHxHEIGHT' (each a value every image stage takes) or 'auto' (the pipeline's default)."}
+
+
+def _field_schema(name: str, pieces: list[dict[str, Any]], spec: PipelineSpec) -> dict[str, Any]:
+    """An OpenAI field: what every stage it sets takes, or null when no stage takes it."""
+    if not pieces:
+        return {"type": "null", "description": f"Not taken by pipeline '{spec.name}' (400 if given)."}
+    clean = [{k: v for k, v in piece.items() if k not in ("default", "title")} for piece in pieces]
+    taken = clean[0] if len(clean) == 1 else {"allOf": clean}
+    return {"anyOf": [taken, {"type": "null"}], "description": pieces[0].get("description", name)}
+
+
+def _route(base: dict[str, Any], spec: PipelineSpec, endpoint: Endpoint, limits: Limits,
+           model: dict[str, Any], modalities: dict[str, Any] | None) -> dict[str, Any]:
+    """The body when ``spec`` runs: each field as that pipeline's stages take it, the prompt as its
+    text input takes it, and ``params`` for what no field sets."""
+    schemas = {stage.id: stage_params_schema(stage, limits) for stage in spec.stages}
+    properties = dict(base["properties"], model=model)
+    if modalities is not None:
+        properties["modalities"] = modalities
+    set_by_fields: set[tuple[str, str]] = set()
+    for name, targets in endpoint.fields.items():
+        pieces = [schemas[stage.id]["properties"][target[1]] for stage in spec.stages for target in targets
+                  if _takes(stage, target)]
+        set_by_fields |= {(stage.id, t[1]) for stage in spec.stages for t in targets if _takes(stage, t)}
+        properties[name] = _field_schema(name, pieces, spec)
+    if endpoint.size:
+        properties["size"] = _size_schema([schemas[s.id] for s in spec.stages if s.engine == "dit"])
+        set_by_fields |= {(s.id, t[1]) for s in spec.stages for t in SIZE_TARGETS if _takes(s, t)}
+    overrides = params_schema(spec, limits)
+    for stage_id, stage_schema in overrides["properties"].items():
+        stage_schema["properties"] = {k: v for k, v in stage_schema["properties"].items()
+                                      if (stage_id, k) not in set_by_fields}
+    overrides["description"] = ("Per-stage overrides, as in POST /v1/jobs (applied last), of what no field of this "
+                                "request sets (a field's parameter is set with that field).")
+    properties["params"] = overrides if overrides.get("required") else {"anyOf": [overrides, {"type": "null"}]}
+    text = text_input(spec)
+    assert text is not None  # choose_pipeline and the named routes only take pipelines with a text prompt
+    prompt = input_field_schema(spec.inputs[text], max_text_chars=limits.max_prompt_chars)
+    if endpoint.prompt == "messages":  # each text: the whole prompt when it is the only one
+        content = {"anyOf": [prompt, {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["type", "text"],
+            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": prompt}}}]}
+        message = {"type": "object", "required": ["role", "content"],
+                   "properties": {"role": {"type": "string"}, "content": content}}
+        properties["messages"] = {**base["properties"]["messages"], "items": message}
+    else:
+        field = base["properties"][endpoint.prompt]
+        longest = [n for n in (field.get("maxLength"), prompt.get("maxLength")) if n is not None]
+        properties[endpoint.prompt] = {**field, **prompt, **({"maxLength": min(longest)} if longest else {})}
+    route = {k: v for k, v in base.items() if k not in ("properties", "title", "description")}
+    route.update(title=f"{spec.name}", properties=properties)
+    if overrides.get("required"):  # params must lower a default above this server's cap
+        route["required"] = sorted({*route.get("required", []), "params"})
+    if endpoint.fields is CHAT_FIELDS:  # one of two ways to say the same thing (400 naming it otherwise)
+        route["allOf"] = [
+            {"anyOf": [{"properties": {"max_completion_tokens": {"type": "null"}}},
+                       {"properties": {"max_tokens": {"type": "null"}}}]},
+            {"anyOf": [{"properties": {"size": {"anyOf": [{"const": "auto"}, {"type": "null"}]}}},
+                       {"properties": {"width": {"type": "null"}, "height": {"type": "null"}}}]},
+        ]
+    return route
+
+
+def _modalities_within(offered: set[str]) -> dict[str, Any]:
+    """Chat's ``modalities`` when ``model`` names a pipeline: some of those it outputs."""
+    within: dict[str, Any] = {"type": "array", "items": {"enum": sorted(offered)}}
+    return {"anyOf": [within, {"type": "null"}]} if "text" in offered else {**within, "minItems": 1}
+
+
+def _modalities_exactly(wanted: set[str]) -> dict[str, Any]:
+    """Chat's ``modalities`` when they are these (in any order, repeated or not; ['text'] by default)."""
+    if wanted == {"text"}:
+        return {"anyOf": [{"type": "array", "items": {"const": "text"}}, {"type": "null"}]}
+    return {"type": "array", "items": {"enum": sorted(wanted)}, "allOf": [{"contains": {"const": m}} for m in sorted(wanted)]}
+
+
+def request_schema(name: str, base: dict[str, Any], catalogue: PipelineCatalogue, limits: Limits) -> dict[str, Any]:
+    """The body of an OpenAI route as the spec says it: ``base`` (the model's schema) once per pipeline
+    the request can run, with what that pipeline takes. ``model`` naming a pipeline picks it (if it
+    gives the modality and takes a text prompt); any other name picks one by the modalities asked
+    (choose_pipeline), so there is a route per set of modalities too. A pipeline that cannot serve
+    the request is in no route (400)."""
+    endpoint = ENDPOINTS[name]
+    names = catalogue.names()
+    other: dict[str, Any] = {"type": "string", "not": {"enum": names}, "description": "Any other name: the pipeline is "
+                             "chosen by the modalities asked (GET /v1/models)."}
+    if "model" not in base.get("required", []):
+        other = {"anyOf": [other, {"type": "null"}], "description": other["description"]}
+    routes = []
+    for spec in catalogue:
+        offered = output_modalities(spec) & set(_MODALITIES)
+        if text_input(spec) is None or not offered or (endpoint.modality and endpoint.modality not in offered):
+            continue
+        modalities = None if endpoint.modality else _modalities_within(offered)
+        route = _route(base, spec, endpoint, limits, {"const": spec.name}, modalities)
+        if modalities is not None and "text" not in offered:  # the default, ['text'], is not one
+            route["required"] = sorted({*route.get("required", []), "modalities"})
+        routes.append(route)
+    choices = [{endpoint.modality}] if endpoint.modality else [
+        set(c) for n in range(1, len(_MODALITIES) + 1) for c in itertools.combinations(_MODALITIES, n)]
+    for wanted in choices:
+        try:
+            spec = choose_pipeline(catalogue, None, wanted, param="modalities")
+        except OpenAIError:
+            continue  # no pipeline gives them: 400
+        route = _route(base, spec, endpoint, limits, other, None if endpoint.modality else _modalities_exactly(wanted))
+        route["title"] = f"any other model, {'+'.join(sorted(wanted))}: {spec.name}"
+        if endpoint.modality is None and wanted != {"text"}:
+            route["required"] = sorted({*route.get("required", []), "modalities"})
+        routes.append(route)
+    return {"title": base.get("title", name), "description": base.get("description", "") + " One schema per "
+            "pipeline the request can run (by `model`, else by the modalities asked), with what it takes.",
+            **({"anyOf": routes} if routes else {"not": {}})}
 
 
 # --- finished jobs -> the answer ---

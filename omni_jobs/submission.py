@@ -21,15 +21,16 @@ from pydantic import ValidationError
 from omni_jobs.artifacts import ArtifactStore
 from omni_jobs.auth import DEFAULT_TENANT
 from omni_jobs.errors import FieldError, IdempotencyConflict, InvalidRequest, Overloaded
-from omni_jobs.input_files import InputFiles, PreparedImage, parse_image_value
+from omni_jobs.input_files import FORMS, InputFiles, PreparedImage, parse_image_value
 from omni_jobs.jobs.change import Guard
 from omni_jobs.jobs.ledger import JobLedger, QueueLimit, Quota, Submitted
 from omni_jobs.jobs.models import Job, JobWebhook, Priority, StageRecord, new_job_id
 from omni_jobs.jobs.store import JobStore
-from omni_jobs.limits import Limits
+from omni_jobs.limits import PARAM_CAPS, Limits
 from omni_jobs.net_guard import NetGuard, UnsafeWebhookUrl
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
-from omni_jobs.pipelines.spec import InputField, PipelineSpec
+from omni_jobs.pipelines.params import whole_number
+from omni_jobs.pipelines.spec import InputField, PipelineSpec, StageSpec
 from omni_jobs.scheduling import Quotas
 from omni_jobs.webhooks import validate_webhook
 
@@ -77,13 +78,116 @@ def validate_input(spec: PipelineSpec, raw: Any) -> dict[str, Any]:
             elif field.default is not None:
                 clean[name] = field.default
             continue
-        problems = _check_input_value(name, field, raw[name])
+        value = whole_number(raw[name]) if field.type == "integer" else raw[name]  # 7.0 is an integer
+        problems = _check_input_value(name, field, value)
         errors.extend(problems)
         if not problems:
-            clean[name] = raw[name]
+            clean[name] = value
     if errors:
         raise InvalidRequest(errors)
     return clean
+
+
+# --- the same rules as JSON schemas, for the OpenAPI spec (api.main builds it from the catalogue) ---
+NOT_BLANK = "[^" + "".join(f"\\u{c:04x}" for c in range(0x3001) if chr(c).isspace()) + "]"
+"""A pattern for "some text that is not only whitespace", with str.strip's whitespace spelled out
+(there is none above U+3000): regex engines do not agree on what \\s is (U+001C, U+0085, U+FEFF)."""
+IMAGE_SCHEMA: dict[str, Any] = {
+    "description": "An image: " + FORMS + ". It must decode as an image (PNG, JPEG, WebP...), which a schema "
+                   "cannot say: a value that does not is a 422 (invalid_image).",
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        *({"type": "object", "properties": {key: {"type": "string"} for key in keys}, "required": list(keys),
+           "additionalProperties": False} for keys in (("data",), ("url",), ("job_id", "output"))),
+        {"type": "object", "properties": {"artifact": {"type": "object"}}, "required": ["artifact"],
+         "additionalProperties": False},
+    ],
+    "examples": ["data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAAAAAA6fptVAAAACklEQVR4nGNgAAAAAgABSK+kcQAAAABJRU5ErkJggg=="],
+}
+"""What parse_image_value takes (its shapes; whether the bytes are an image is found when they are decoded)."""
+
+
+def input_field_schema(field: InputField, *, max_text_chars: int | None = None) -> dict[str, Any]:
+    """The JSON schema of the values _check_input_value accepts for ``field`` (``max_text_chars``:
+    this server's cap on text, Limits.check_input)."""
+    if field.type == "image":
+        return {**IMAGE_SCHEMA}
+    if field.type != "text":
+        return {"type": field.type}
+    schema: dict[str, Any] = {"type": "string"}
+    caps = [n for n in (field.max_length, max_text_chars) if n is not None]
+    if caps:
+        schema["maxLength"] = min(caps)
+    if field.required:
+        schema["pattern"] = NOT_BLANK
+    return schema
+
+
+def input_schema(spec: PipelineSpec, limits: Limits | None = None) -> dict[str, Any]:
+    """The JSON schema of a job's ``input`` for ``spec``: what validate_input (and the limits) accept.
+    A field that is optional or has a default may be null (it then takes its default)."""
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for name, field in spec.inputs.items():
+        schema = input_field_schema(field, max_text_chars=limits.max_prompt_chars if limits else None)
+        if field.required and field.default is None:
+            required.append(name)
+        else:
+            schema = {"anyOf": [schema, {"type": "null"}]}
+            if field.default is not None:
+                schema["default"] = field.default
+        if field.description:
+            schema["description"] = field.description.strip()
+        properties[name] = schema
+    return {"type": "object", "title": f"{spec.name} input", "properties": properties, "required": required,
+            "additionalProperties": False}
+
+
+def _cap(schema: dict[str, Any], cap: int) -> dict[str, Any]:
+    """``schema`` with its maximum lowered to ``cap`` (in each branch of an anyOf)."""
+    if "anyOf" in schema:
+        return {**schema, "anyOf": [_cap(branch, cap) for branch in schema["anyOf"]]}
+    if schema.get("type") not in ("integer", "number"):
+        return schema
+    return {**schema, "maximum": min(schema.get("maximum", cap), cap)}
+
+
+def stage_params_schema(stage: StageSpec, limits: Limits | None = None) -> dict[str, Any]:
+    """The JSON schema of a job's overrides for ``stage``: its parameter model's (the one resolve_params
+    validates with), with the stage's own defaults and this server's caps (Limits.check_params). A
+    default above a cap is required: the job must lower it. Rules across fields stay in the
+    description (e.g. image-to-image: strength x num_inference_steps >= 1)."""
+    model = stage.params_model.model_json_schema()
+    assert "$defs" not in model, f"{stage.params_model.__name__}: nested models are not inlined here"
+    properties: dict[str, Any] = {}
+    required: list[str] = []
+    for name, prop in model["properties"].items():
+        default = stage.defaults.get(name, prop.get("default"))
+        cap_of = PARAM_CAPS.get(name)
+        if cap_of is not None and limits is not None:
+            cap: int = getattr(limits, cap_of[0])
+            prop = _cap(prop, cap)
+            if isinstance(default, int | float) and default > cap:
+                required.append(name)
+        properties[name] = {**prop, "default": default} if "default" in prop or name in stage.defaults else prop
+    schema: dict[str, Any] = {"type": "object", "title": f"{stage.id} ({stage.params_model.__name__})",
+                              "properties": properties, "additionalProperties": False}
+    if model.get("description"):
+        schema["description"] = model["description"]
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def params_schema(spec: PipelineSpec, limits: Limits | None = None) -> dict[str, Any]:
+    """The JSON schema of a job's ``params`` for ``spec``: overrides keyed by stage id."""
+    stages = {stage.id: stage_params_schema(stage, limits) for stage in spec.stages}
+    schema: dict[str, Any] = {"type": "object", "title": f"{spec.name} params", "properties": stages,
+                              "additionalProperties": False}
+    required = [sid for sid, stage in stages.items() if stage.get("required")]
+    if required:
+        schema["required"] = required
+    return schema
 
 
 def resolve_params(spec: PipelineSpec, raw: Any) -> dict[str, dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -61,11 +62,34 @@ class SubmitHeaders:
 
 _SUBMIT_HEADERS: dict[bytes, tuple[str, int, str]] = {
     b"idempotency-key": ("idempotency_key", 255, "Same key + same body returns the same job; a different body: 409."),
-    b"cancel-after": ("cancel_after", 32,
-                      "Cancel the job if it has not finished after this long (90s, 5m, 1h; at most OMNI_MAX_CANCEL_AFTER_S)."),
+    b"cancel-after": ("cancel_after", 32, (
+        "Cancel the job if it has not finished after this long (90s, 5m, 1h30m), at most OMNI_MAX_CANCEL_AFTER_S: "
+        "the pattern lists durations always within it; a longer one is checked against it (422 above it).")),
 }
-_PATTERNS = {  # what parse_cancel_after takes: some non-zero number of h, m, s (the upper bound is a setting)
-    "cancel_after": r"^\s*(?=\d)(?=[0-9.hms]*[1-9])(?:\d+(?:\.\d+)?h)?(?:\d+(?:\.\d+)?m)?(?:\d+(?:\.\d+)?s?)?\s*$"}
+_UNITS = {"h": 3600, "m": 60, "s": 1}
+
+
+def cancel_after_pattern(max_s: float | None = None) -> str:
+    """What parse_cancel_after takes, some non-zero number of h, m and s, as a pattern; with ``max_s``
+    (OMNI_MAX_CANCEL_AFTER_S) only durations that are always within it: each unit gets as many
+    digits as keeps their sum under ``max_s`` (99h, 999m, 99999s for a week). A pattern cannot add,
+    so a longer duration that is still within it (168h) is accepted though the spec leaves it out."""
+    digits: dict[str, int | None] = dict.fromkeys(_UNITS)  # None: any number
+    if max_s is not None:
+        bounded = {unit: max(0, math.floor(math.log10(max_s / size))) for unit, size in _UNITS.items()}
+        while sum(10 ** d * _UNITS[u] for u, d in bounded.items() if d) > max_s:
+            largest = max((u for u, d in bounded.items() if d), key=lambda u: 10 ** bounded[u] * _UNITS[u])
+            bounded[largest] -= 1
+        digits = dict(bounded)
+    groups = []
+    for unit, count in digits.items():
+        if count != 0:
+            repeat = "+" if count is None else f"{{1,{count}}}"
+            groups.append(f"(?:[0-9]{repeat}(?:\\.[0-9]+)?{unit}{'?' if unit == 's' else ''})?")
+    return rf"^(?=[0-9])(?=[0-9.hms]*[1-9]){''.join(groups)}$"
+
+
+_PATTERNS = {"cancel_after": cancel_after_pattern()}  # api.main bounds it by the setting
 SUBMIT_HEADERS_OPENAPI: dict[str, Any] = {"parameters": [
     {"name": name.decode(), "in": "header", "required": False, "description": doc,
      "schema": {"type": "string", "maxLength": limit, "title": field.title(),

@@ -43,6 +43,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 
 from api.auth import api_key_id, authenticate
 from api.deps import ApiContext, get_context
@@ -129,9 +130,22 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
                                       param=param))
 
 
+def _allowed_methods(request: Request) -> str:
+    """The methods of the path the request names, as the spec lists them: Starlette's 405 names those
+    of one route, and GET /v1/jobs and POST /v1/jobs are two. The first route that matches picks the
+    path: POST /v1/jobs/multipart, not GET /v1/jobs/{job_id} with the id 'multipart'."""
+    matching = [route for route in request.app.router.routes
+                if isinstance(route, Route) and route.methods and route.matches(request.scope)[0] is not Match.NONE]
+    methods = {method for route in matching if route.path == matching[0].path for method in route.methods or ()}
+    return ", ".join(sorted(methods))  # empty: no route matched (405 from elsewhere), Allow stays as it is
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
-    """A body that cannot be parsed (400) on the OpenAI paths answers in OpenAI's shape too."""
+    """A body that cannot be parsed (400) on the OpenAI paths answers in OpenAI's shape too; a 405
+    lists every method of the path in Allow. This is the app's handler of every HTTPException."""
     assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 405 and (allowed := _allowed_methods(request)):
+        exc.headers = {**(exc.headers or {}), "Allow": allowed}
     if exc.status_code == 400 and request.url.path.startswith(OPENAI_PATHS):
         return error_response(OpenAIError(400, str(exc.detail)))
     return await http_exception_handler(request, exc)
@@ -265,8 +279,10 @@ async def _chat_chunks(ctx: ApiContext, spec: PipelineSpec, job: Job, *, include
         return _sse({"error": {"message": message, "type": status, "param": None, "code": code}})
 
     yield chunk({"role": "assistant", "content": ""})
-    deadline = time.monotonic() + ctx.runtime.settings.openai_wait_s
-    async for event in ctx.watcher.follow(job.id, heartbeat_s=5.0):
+    wait_s = ctx.runtime.settings.openai_wait_s
+    deadline = time.monotonic() + wait_s
+    # a keep-alive at least every 5 s, and one at the deadline: the timeout is sent when it is due
+    async for event in ctx.watcher.follow(job.id, heartbeat_s=min(5.0, wait_s)):
         if time.monotonic() > deadline:
             yield error("timeout", f"job {job.id} still running after {ctx.runtime.settings.openai_wait_s:g}s "
                         f"(OMNI_OPENAI_WAIT_S); follow it at GET /v1/jobs/{job.id}", "job_timeout")

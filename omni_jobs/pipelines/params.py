@@ -7,28 +7,58 @@ the merged, validated values are recorded on the job.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+import re
+from typing import Any, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from omni_jobs.pipelines.modalities import DEFAULT_TASK, EngineKind
 
-SEED = Field(0, ge=0, le=2**63 - 1, description="Seed of the initial noise; same seed, same output.")
+SEED_MAX = 2**63 - 1
+SEED = Field(0, ge=0, le=SEED_MAX, description="Seed of the initial noise; same seed, same output.")
 PREVIEW_EVERY = Field(
     0, ge=0, le=1000, description="Publish an output.preview event (a JPEG of the latents) every that many "
     "denoising steps, not at the last; 0: no previews."
 )
 
 
+def whole_number(value: Any) -> Any:
+    """JSON Schema's integer is a number without a fraction: 7.0 is one (it is taken as 7)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def whole_numbers(model: type[BaseModel], value: Any, field: str | None) -> Any:
+    """``value`` for ``model``'s ``field``: an integer field takes 7.0 as 7 (a strict model would refuse it)."""
+    annotation = model.model_fields[field].annotation if field in model.model_fields else None
+    return whole_number(value) if annotation is int or int in get_args(annotation) else value
+
+
 class StageParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Strict: a value is taken as its JSON schema types it (no "7" or true for an integer, no "0.5"
+    for a number), so that the OpenAPI spec, built from these models, says what is accepted."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _whole_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        return whole_numbers(cls, value, info.field_name)
+
+
+_LITERAL = r"(?:[^{}]|\{\{|\}\})"
+TEMPLATE_PATTERN = rf"^{_LITERAL}*\{{prompt\}}(?:{_LITERAL}|\{{prompt\}})*$"
+"""A prompt template: text with at least one ``{prompt}`` placeholder; other braces doubled ({{ }})."""
+_TEMPLATE = re.compile(TEMPLATE_PATTERN.removeprefix("^").removesuffix("$"))
+_WELL_FORMED = re.compile(rf"(?:{_LITERAL}|\{{prompt\}})*")
 
 
 def _check_template(value: str) -> str:
-    if "{prompt}" not in value:
+    """What TEMPLATE_PATTERN says (the spec carries the pattern), with a message for each way to miss it."""
+    if _WELL_FORMED.fullmatch(value) is None:
+        raise ValueError("prompt_template is not a valid template: its one placeholder is {prompt}; "
+                         "escape other braces as {{ }}")
+    if _TEMPLATE.fullmatch(value) is None:
         raise ValueError("prompt_template must contain the placeholder {prompt}")
-    try:
-        value.format(prompt="")
-    except (KeyError, IndexError, ValueError) as exc:
-        raise ValueError(f"prompt_template is not a valid format string: {exc}; escape braces as {{{{ }}}}") from exc
     return value
 
 
@@ -38,9 +68,10 @@ class ARParams(StageParams):
     max_tokens: int = Field(32, ge=1, le=4096, description="Tokens to generate.")
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy decoding.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Sampling seed (None: engine default).")
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description="Sampling seed (None: engine default).")
     prompt_template: str = Field(
-        "{prompt}", max_length=4000, description="How the stage's prompt input is wrapped; must contain {prompt}."
+        "{prompt}", max_length=4000, json_schema_extra={"pattern": TEMPLATE_PATTERN},
+        description="How the stage's prompt input is wrapped; must contain {prompt}.",
     )
 
     @field_validator("prompt_template")
@@ -53,7 +84,8 @@ class AREncodeParams(StageParams):
     """Parameters of an AR encode stage (vLLM pooling runner: per-token hidden states, no sampling)."""
 
     prompt_template: str = Field(
-        "{prompt}", max_length=4000, description="How the stage's prompt input is wrapped; must contain {prompt}."
+        "{prompt}", max_length=4000, json_schema_extra={"pattern": TEMPLATE_PATTERN},
+        description="How the stage's prompt input is wrapped; must contain {prompt}.",
     )
 
     @field_validator("prompt_template")
@@ -74,8 +106,16 @@ class DiTParams(StageParams):
     preview_every: int = PREVIEW_EVERY
 
 
+def _no_negative_prompt_schema(schema: dict[str, Any]) -> None:
+    schema["properties"]["negative_prompt"] = {
+        "type": "null", "default": None, "title": "Negative Prompt",
+        "description": "Not taken: this stage has no text encoder of its own (it is conditioned on prompt_embeds)."}
+
+
 class DiTEmbedsParams(DiTParams):
     """A text-to-image stage conditioned on upstream prompt embeddings: it has no text to negate."""
+
+    model_config = ConfigDict(json_schema_extra=_no_negative_prompt_schema)
 
     @model_validator(mode="after")
     def _no_negative_prompt(self) -> DiTEmbedsParams:
@@ -97,7 +137,8 @@ class DiTImageToImageParams(DiTParams):
         None, ge=16, le=2048, multiple_of=8, description="Output width (multiple of 8); None: the input's, rounded."
     )
     strength: float = Field(
-        0.6, gt=0.0, le=1.0, description="How much to change the image: 1 ignores it, small values keep it."
+        0.6, gt=0.0, le=1.0, description="How much to change the image: 1 ignores it, small values keep it. "
+        "strength x num_inference_steps must be at least 1 (a denoising step)."
     )
 
     @model_validator(mode="after")

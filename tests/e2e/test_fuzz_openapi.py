@@ -2,6 +2,7 @@
 --checks all`` runs: no input makes the API answer 5xx, every status and body it answers is in the
 spec, schema-valid requests are accepted and invalid ones refused, and an unknown resource is a
 404. Authenticated, so the routes behind the key are reached; positive and negative cases both.
+What is excused, and why, is tests/e2e/fuzz_hooks.py, which the CLI run loads too (README, API).
 
 The app runs in-process over real Redis (its own DB) with no workers: fuzzed jobs are accepted
 and wait on their queues instead of loading the e2e system's workers with random work.
@@ -12,7 +13,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis
@@ -27,6 +27,7 @@ from api.main import create_app
 from omni_jobs.auth import ApiKeys
 from omni_jobs.local.devservices import RunningService
 from omni_jobs.settings import Settings
+from tests.e2e import fuzz_hooks  # noqa: F401 - registers the filter_failure hook
 
 FUZZ_DB = 9
 MAX_EXAMPLES = 10  # per operation and mode: about 25 operations x 2 modes stays well under two minutes
@@ -48,69 +49,12 @@ def fuzz_schema(redis_service: RunningService, tmp_path_factory: pytest.TempPath
     client.close()
 
 
-def by_design(case: schemathesis.Case, status: int, body: str) -> bool:
-    """The 5xx answers that mean what they say with no workers running: not ready, job not done in time."""
-    if case.path == "/readyz":
-        return status == 503 and '"missing"' in body
-    return status == 504 and "job_timeout" in body  # OpenAI routes: the job did not end within OMNI_OPENAI_WAIT_S
-
-
-def not_a_server_error(ctx: object, response: schemathesis.Response, case: schemathesis.Case) -> bool:
-    """schemathesis' own check, less the 5xx answers :func:`by_design` explains."""
-    assert response.status_code < 500 or by_design(case, response.status_code, response.text), (
-        f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:500]}")
-    return True
-
-
-SUBMIT_PATHS = ("/v1/jobs", "/v1/jobs/multipart")
-SETTING_DEPENDENT = {"unsafe_url", "webhooks_disabled"}  # the webhook host's addresses (DNS), the signing secret
-CHOSEN_PIPELINE_CODES = {"unsupported_parameter", "unsupported_modality", "unsupported_pipeline"}
-
-
-def depends_on_the_pipeline(case: schemathesis.Case, response: schemathesis.Response) -> bool:
-    """A schema-valid request refused for what the chosen pipeline takes: a job's ``input`` and
-    ``params`` are checked against the pipeline's inputs and stages' parameter models (GET
-    /v1/pipelines/{name} describes them; the spec does not, it has one JobRequest for all), and the
-    OpenAI routes map their fields onto the stages of the pipeline they pick (400 with a ``code``:
-    unsupported_* or the stage parameter's own error type). And Cancel-After above the
-    OMNI_MAX_CANCEL_AFTER_S setting, which a pattern cannot say; a webhook host that resolves to a
-    private address (DNS at submit time); the multipart form's JSON text fields (input, params,
-    webhook_events_filter: OpenAPI types them as strings) and its input.<field> parts sent as text,
-    not as files (OpenAPI cannot tell the two apart). Everything else must be accepted."""
-    if case.path in SUBMIT_PATHS and response.status_code == 422:
-        errors = response.json()["detail"]
-        return all(list(e["loc"][:2]) in (["body", "input"], ["body", "params"])
-                   or (e["loc"] == ["header", "Cancel-After"] and "must be between" in e["msg"])
-                   or e["type"] in SETTING_DEPENDENT
-                   or (case.path.endswith("/multipart") and (e["type"] in ("json_invalid", "type_error") or (
-                       e["type"] == "extra" and str(e["loc"][-1]).startswith("input."))))
-                   for e in errors)
-    if case.path.startswith("/v1/") and response.status_code == 400:
-        error = response.json().get("error") or {}
-        code, param = error.get("code"), error.get("param") or ""
-        return code in CHOSEN_PIPELINE_CODES or (code is not None and code != "unsupported_content") or (
-            param.startswith("params"))
-    return False
-
-
-def positive_data_acceptance(ctx: object, response: schemathesis.Response, case: schemathesis.Case) -> bool | None:
-    """schemathesis' check, less the refusals :func:`depends_on_the_pipeline` explains."""
-    if depends_on_the_pipeline(case, response):
-        return True
-    return BUILTIN["positive_data_acceptance"](ctx, response, case)  # type: ignore[no-any-return]
-
-
-BUILTIN: dict[str, Any] = {}
-
-
 def all_checks() -> list[object]:
-    """What ``--checks all`` runs: object_level_authorization needs a second identity's resources
-    (tests/e2e/test_tenancy.py covers that); two are narrowed by the functions above."""
+    """What ``--checks all`` runs, but object_level_authorization: it needs a second identity's
+    resources (tests/e2e/test_tenancy.py covers that). Their failures pass fuzz_hooks.filter_failure
+    (registered when this module imported it), as in ``schemathesis run`` with that hooks module."""
     load_all_checks()
-    BUILTIN.update({c.__name__: c for c in CHECKS.get_all()})
-    replaced = {"not_a_server_error": not_a_server_error, "positive_data_acceptance": positive_data_acceptance}
-    kept = [c for name, c in BUILTIN.items() if name not in replaced and name != "object_level_authorization"]
-    return kept + list(replaced.values())
+    return [check for check in CHECKS.get_all() if check.__name__ != "object_level_authorization"]
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE])

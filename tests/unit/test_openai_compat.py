@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import jsonschema_rs
 import pytest
+from pydantic import ValidationError
 
+from omni_jobs.errors import InvalidRequest
 from omni_jobs.jobs.models import Job, JobError, JobOutput, JobStatus
+from omni_jobs.limits import Limits
 from omni_jobs.openai_compat import (
     ChatCompletionRequest,
     ImageGenerationRequest,
@@ -20,8 +24,11 @@ from omni_jobs.openai_compat import (
     plan_images,
     plan_speech,
     prompt_from_messages,
+    request_schema,
 )
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
+from omni_jobs.pipelines.params import SEED_MAX
+from omni_jobs.submission import resolve_params
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +63,10 @@ def test_chat_image_modality_picks_an_image_pipeline_with_the_size(catalogue: Pi
     ({"size": "big", "modalities": ["image"]}, "size"),
     ({"model": "text-to-text", "modalities": ["audio"]}, "modalities"),
     ({"audio": {"format": "mp3"}}, "audio.format"),
+    ({"max_tokens": 5, "max_completion_tokens": 6}, "max_tokens"),  # one of two names: not both
+    ({"size": "64x64", "width": 32, "modalities": ["image"]}, "size"),
+    ({"size": "064x64", "modalities": ["image"]}, "size"),  # the spec's sizes have no leading zero
+    ({"num_inference_steps": 4}, "num_inference_steps"),  # text-to-text has no stage that takes it
 ])
 def test_chat_refusals_name_the_parameter(catalogue: PipelineCatalogue, fields: dict[str, Any], param: str) -> None:
     with pytest.raises(OpenAIError) as err:
@@ -88,6 +99,51 @@ def test_images_run_n_jobs_with_consecutive_seeds(catalogue: PipelineCatalogue) 
     assert [p[dit]["seed"] for p in plan.params] == [10, 11, 12]
     with pytest.raises(OpenAIError, match="OMNI_MAX_OUTPUTS"):
         plan_images(catalogue, body, max_outputs=2)
+
+
+def test_seeds_of_n_images_wrap_past_the_largest(catalogue: PipelineCatalogue) -> None:
+    plan = plan_images(catalogue, ImageGenerationRequest.model_validate({"prompt": "a fox", "n": 2, "seed": SEED_MAX}),
+                       max_outputs=10)
+    dit = next(s.id for s in plan.spec.stages if s.engine == "dit")
+    assert [p[dit]["seed"] for p in plan.params] == [SEED_MAX, 0]
+
+
+def test_numbers_are_taken_as_their_schema_types_them() -> None:
+    assert chat(max_tokens=7.0, temperature=1).max_tokens == 7  # 7.0 is an integer in JSON Schema
+    for bad in ({"max_tokens": "7"}, {"max_tokens": 7.5}, {"width": True}, {"temperature": "0.5"}):
+        with pytest.raises(ValidationError):
+            chat(**bad)
+
+
+@pytest.mark.parametrize(("fields", "accepted"), [
+    ({}, True),
+    ({"max_tokens": 4096}, True),
+    ({"max_tokens": 4097}, False),
+    ({"model": "text-to-image", "modalities": ["image"], "size": "64x48", "seed": 3}, True),
+    ({"model": "text-to-image", "modalities": ["image"], "size": "60x48"}, False),
+    ({"model": "text-to-image"}, True),  # text-to-image also answers its AR stage's text
+    ({"model": "text-to-video"}, False),
+    ({"modalities": ["image", "audio"]}, False),
+    ({"modalities": ["audio"], "negative_prompt": "rain"}, True),
+    ({"guidance_scale": 2.0}, False),
+    ({"model": "llm-conditioned-image", "modalities": ["image"], "negative_prompt": "x"}, False),
+    ({"params": {"ar": {"prompt_template": "Q: {prompt}"}}}, True),
+])
+def test_the_chat_schema_and_the_mapping_agree(catalogue: PipelineCatalogue, fields: dict[str, Any],
+                                               accepted: bool) -> None:
+    base = ChatCompletionRequest.model_json_schema(ref_template="#/$defs/{model}")
+    schema = {**request_schema("ChatCompletionRequest", base, catalogue, Limits()), "$defs": base.get("$defs", {})}
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "a fox"}], **fields}
+    assert jsonschema_rs.validator_for(schema).is_valid(body) == accepted
+    try:
+        plan = plan_chat(catalogue, ChatCompletionRequest.model_validate(body))
+        resolve_params(plan.spec, plan.params[0])
+    except OpenAIError:
+        assert not accepted
+    except InvalidRequest:
+        assert not accepted
+    else:
+        assert accepted
 
 
 def test_speech_takes_wav_only(catalogue: PipelineCatalogue) -> None:
