@@ -299,7 +299,7 @@ class StageRunner:
         if not stage.cache.enabled or self.cache_redis is None:
             return None, None
         params = job.params.get(stage.id, {})
-        resolved = (ARParams(**params) if stage.engine == "ar" and stage.task_name == "generate"
+        resolved = (ARParams.model_validate(params) if stage.engine == "ar" and stage.task_name == "generate"
                     else stage.params(params)).model_dump(mode="json", exclude={"preview_every"})  # no output change
         if resolved.get("temperature", 0) and resolved.get("seed") is None:
             return None, None  # sampled without a seed: a repeat must not return the same text
@@ -343,7 +343,7 @@ class StageRunner:
         try:
             request_id = f"{job.id}:{stage.id}"
             if stage.engine == "ar" and stage.task_name == "generate":
-                return self._execute_streamed_ar(stage, job, ARParams(**params), inputs, lease, progress, policy)
+                return self._execute_streamed_ar(stage, job, ARParams.model_validate(params), inputs, lease, progress, policy)
             if stage.engine == "ar":
                 return execute_encode(self.engines, stage, stage.params(params), inputs, request_id, progress)
             return execute_dit(self.engines, stage, stage.params(params), inputs, request_id, progress, policy=policy,
