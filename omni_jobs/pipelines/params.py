@@ -8,10 +8,11 @@ the merged, validated values are recorded on the job.
 from __future__ import annotations
 
 import re
-from typing import Any, get_args
+from typing import get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from omni_jobs.json_types import JsonObject
 from omni_jobs.pipelines.modalities import DEFAULT_TASK, EngineKind
 
 SEED_MAX = 2**63 - 1
@@ -22,12 +23,12 @@ PREVIEW_EVERY = Field(
 )
 
 
-def whole_number(value: Any) -> Any:
+def whole_number(value: object) -> object:
     """JSON Schema's integer is a number without a fraction: 7.0 is one (it is taken as 7)."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def whole_numbers(model: type[BaseModel], value: Any, field: str | None) -> Any:
+def whole_numbers(model: type[BaseModel], value: object, field: str | None) -> object:
     """``value`` for ``model``'s ``field``: an integer field takes 7.0 as 7 (a strict model would refuse it)."""
     annotation = model.model_fields[field].annotation if field in model.model_fields else None
     return whole_number(value) if annotation is int or int in get_args(annotation) else value
@@ -41,7 +42,7 @@ class StageParams(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _whole_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+    def _whole_numbers(cls, value: object, info: ValidationInfo) -> object:
         return whole_numbers(cls, value, info.field_name)
 
 
@@ -106,8 +107,10 @@ class DiTParams(StageParams):
     preview_every: int = PREVIEW_EVERY
 
 
-def _no_negative_prompt_schema(schema: dict[str, Any]) -> None:
-    schema["properties"]["negative_prompt"] = {
+def _no_negative_prompt_schema(schema: JsonObject) -> None:
+    properties = schema["properties"]
+    assert isinstance(properties, dict), "pydantic's schema of a model has its properties"
+    properties["negative_prompt"] = {
         "type": "null", "default": None, "title": "Negative Prompt",
         "description": "Not taken: this stage has no text encoder of its own (it is conditioned on prompt_embeds)."}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -156,8 +156,7 @@ class StageSpec(Strict):
         None, alias="outputs", description="Which of the task's outputs to produce and hand on; default: the task's."
     )
     engine_args: JsonObject = Field(default_factory=dict)
-    # JSON scalars; typed Any until openai_compat.py (its n > 1 seeds) narrows what it reads from here.
-    defaults: dict[str, Any] = Field(default_factory=dict, description="Stage parameters; jobs may override.")
+    defaults: dict[str, JsonScalar] = Field(default_factory=dict, description="Stage parameters; jobs may override.")
     soft_time_limit_s: float | None = Field(None, gt=0, description="Default: OMNI_STAGE_SOFT_TIME_LIMIT_S.")
     time_limit_s: float | None = Field(None, gt=0, description="Hard limit; default: OMNI_STAGE_TIME_LIMIT_S.")
     batching: BatchingSpec = Field(default_factory=BatchingSpec, description="Batch size, wait window, in-flight.")
