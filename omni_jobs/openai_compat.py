@@ -25,21 +25,24 @@ import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal, TypeAlias
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
 from omni_jobs.checks import is_builtin
 from omni_jobs.errors import InvalidRequest
 from omni_jobs.jobs.models import Job, JobOutput, JobStatus
+from omni_jobs.json_types import JsonObject, JsonScalar, JsonValue
 from omni_jobs.limits import Limits
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.modalities import EngineKind
 from omni_jobs.pipelines.params import SEED_MAX, whole_numbers
 from omni_jobs.pipelines.spec import PipelineSpec, StageSpec
-from omni_jobs.submission import NOT_BLANK, input_field_schema, params_schema, stage_params_schema
+from omni_jobs.submission import NOT_BLANK, input_field_schema, json_object, params_schema, stage_params_schema
 
 OutputModality = Literal["text", "image", "audio"]
+StageOverrides: TypeAlias = dict[str, dict[str, JsonValue]]
+"""Per-stage parameter overrides, as a request gives them (the submitter validates them)."""
 
 
 class OpenAIError(Exception):
@@ -58,7 +61,7 @@ class OpenAIError(Exception):
         self.job_ids = list(job_ids)
         self.retry = retry
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> JsonObject:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def headers(self) -> dict[str, str]:
@@ -82,10 +85,10 @@ class _Body(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _whole_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+    def _whole_numbers(cls, value: object, info: ValidationInfo) -> object:
         return whole_numbers(cls, value, info.field_name)
 
-    params: dict[str, dict[str, Any]] | None = Field(
+    params: StageOverrides | None = Field(
         None, description="Per-stage overrides, as in POST /v1/jobs (applied last), e.g. {'dit': {'seed': 7}}."
     )
     seed: int | None = Field(None, description="Seed of every stage that takes one (the image's seed).")
@@ -100,14 +103,14 @@ Size = Annotated[str | None, WithJsonSchema({"anyOf": [{"type": "string", "patte
 """Checked by parse_size (400 with its own message); the stage then checks the numbers (e.g. multiple of 8)."""
 
 
-def only(value: Any) -> WithJsonSchema:
+def only(value: JsonScalar) -> WithJsonSchema:
     """The one value the route accepts besides null: the spec says so; the route answers 400 for
     another, with its own message (a field validator would answer pydantic's)."""
     return WithJsonSchema({"anyOf": [{"enum": [value]}, {"type": "null"}]})
 
 
-_TEXT = {"type": "string", "pattern": NOT_BLANK}  # some text, not only whitespace
-MESSAGE_CONTENT: dict[str, Any] = {"anyOf": [
+_TEXT: JsonObject = {"type": "string", "pattern": NOT_BLANK}  # some text, not only whitespace
+MESSAGE_CONTENT: JsonObject = {"anyOf": [
     _TEXT,
     {"type": "array", "minItems": 1, "items": {
         "type": "object", "required": ["type", "text"],
@@ -120,7 +123,7 @@ class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     role: str
-    content: Annotated[str | list[dict[str, Any]], WithJsonSchema(MESSAGE_CONTENT)] = Field(
+    content: Annotated[str | list[JsonObject], WithJsonSchema(MESSAGE_CONTENT)] = Field(
         description="The message's text, or its parts: these endpoints take text parts only.")
 
 
@@ -139,9 +142,9 @@ class ChatCompletionRequest(_Body):
     top_p: float | None = None
     n: int | None = Field(None, ge=1, le=1, description="One choice per modality: n is 1.")
     stream: bool | None = None
-    stream_options: dict[str, Any] | None = Field(None, description="{'include_usage': true}: a last chunk "
+    stream_options: JsonObject | None = Field(None, description="{'include_usage': true}: a last chunk "
                                                   "with the usage (stream=true only).")
-    audio: Annotated[dict[str, Any] | None, WithJsonSchema(
+    audio: Annotated[JsonObject | None, WithJsonSchema(
         {"anyOf": [{"type": "object", "properties": {"format": {"enum": ["wav", None]}}}, {"type": "null"}]})] = Field(
         None, description="{'format': 'wav'}: the only audio format produced.")
     size: Size = Field(None, description="Image size 'WIDTHxHEIGHT' when an image is asked for.")
@@ -162,7 +165,7 @@ class ImageGenerationRequest(_Body):
 class SpeechRequest(_Body):
     model: str
     input: str = Field(min_length=1, max_length=4096)
-    voice: str | dict[str, Any] | None = None
+    voice: str | JsonObject | None = None
     instructions: str | None = None
     response_format: Annotated[str | None, only("wav")] = None
     speed: Annotated[float | None, only(1.0)] = None
@@ -254,15 +257,16 @@ def _takes(stage: StageSpec, target: Target) -> bool:
     return stage.engine == target[0] and target[1] in _param_fields(stage)
 
 
-def build_params(spec: PipelineSpec, fields: dict[str, tuple[Target, ...]], given: dict[str, Any],
-                 explicit: dict[str, dict[str, Any]] | None,
-                 size: tuple[int | None, int | None] = (None, None)) -> tuple[dict[str, dict[str, Any]], Origin]:
+def build_params(spec: PipelineSpec, fields: dict[str, tuple[Target, ...]], given: dict[str, JsonScalar],
+                 explicit: StageOverrides | None,
+                 size: tuple[int | None, int | None] = (None, None)) -> tuple[StageOverrides, Origin]:
     """Per-stage params from the OpenAI fields ``given`` (``fields`` says which stage parameters each
     sets; ``size``: the width and height of ``size``), each only where a stage takes it. A field given
     but taken by no stage is an error naming it. ``explicit`` (the body's ``params``) is applied last."""
-    sources = [(name, targets, (given.get(name),) * len(targets)) for name, targets in fields.items()]
+    sources: list[tuple[str, tuple[Target, ...], tuple[JsonScalar, ...]]] = [
+        (name, targets, (given.get(name),) * len(targets)) for name, targets in fields.items()]
     sources.append(("size", SIZE_TARGETS, size))
-    params: dict[str, dict[str, Any]] = {}
+    params: StageOverrides = {}
     origin: Origin = {}
     used: set[str] = set()
     for stage in spec.stages:
@@ -343,8 +347,8 @@ class Plan:
     """The job(s) an OpenAI request runs: one per entry of ``params`` (images: ``n``), each with ``input``."""
 
     spec: PipelineSpec
-    input: dict[str, Any]
-    params: list[dict[str, dict[str, Any]]]
+    input: JsonObject
+    params: list[StageOverrides]
     origin: Origin = field(default_factory=dict)
     prompt_param: str = "prompt"
     """The OpenAI field the prompt came from, named when the pipeline refuses the input."""
@@ -352,11 +356,13 @@ class Plan:
     """Chat: the modalities asked for, one choice each, in order."""
 
 
-def _values(body: BaseModel, fields: dict[str, tuple[Target, ...]]) -> dict[str, Any]:
-    return {name: getattr(body, name) for name in fields}
+def _values(body: BaseModel, fields: dict[str, tuple[Target, ...]]) -> dict[str, JsonScalar]:
+    """The body's values of ``fields`` (each a scalar field of the model, validated)."""
+    values: dict[str, JsonScalar] = {name: getattr(body, name) for name in fields}  # getattr is untyped
+    return values
 
 
-def _prompt_input(spec: PipelineSpec, prompt: str) -> dict[str, Any]:
+def _prompt_input(spec: PipelineSpec, prompt: str) -> JsonObject:
     name = text_input(spec)
     assert name is not None  # choose_pipeline only picks pipelines that take a text prompt
     return {name: prompt}
@@ -398,7 +404,7 @@ def plan_images(catalogue: PipelineCatalogue, body: ImageGenerationRequest, *, m
                           "images per call (OMNI_MAX_OUTPUTS)", param="n")
     spec = choose_pipeline(catalogue, body.model, {"image"}, param="model")
     params, origin = build_params(spec, IMAGE_FIELDS, _values(body, IMAGE_FIELDS), body.params, parse_size(body.size))
-    per_job: list[dict[str, dict[str, Any]]] = []
+    per_job: list[StageOverrides] = []
     for i in range(body.n):
         job_params = {k: dict(v) for k, v in params.items()}
         if body.n > 1:
@@ -443,20 +449,46 @@ _MODALITIES = ("text", "image", "audio")
 _NUMBER = "[1-9][0-9]{0,8}"
 
 
-def _allowed_ints(prop: dict[str, Any]) -> set[int] | None:
+def _number(value: JsonValue, what: str) -> int | float:
+    """A schema's number (a bound, a step), narrowed: TypeError if it is not one."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise TypeError(f"{what} is not a number: {value!r}")
+    return value
+
+
+def _properties(schema: JsonObject) -> JsonObject:
+    """An object schema's ``properties``."""
+    return json_object(schema["properties"], "properties")
+
+
+def _with_required(schema: JsonObject, name: str) -> None:
+    """Add ``name`` to ``schema``'s required fields (kept sorted)."""
+    required = schema.get("required", [])
+    names = [r for r in required if isinstance(r, str)] if isinstance(required, list) else []
+    if names != required:
+        raise TypeError(f"required is not a list of names: {required!r}")
+    schema["required"] = [*sorted({*names, name})]
+
+
+def _allowed_ints(prop: JsonObject) -> set[int] | None:
     """The integers a parameter's schema allows (None: unbounded)."""
-    branch = next((b for b in prop.get("anyOf", [prop]) if b.get("type") == "integer"), None)
+    branches = prop.get("anyOf", [prop])
+    if not isinstance(branches, list):
+        raise TypeError(f"anyOf is not a list: {branches!r}")
+    branch = next((b for b in map(json_object, branches) if b.get("type") == "integer"), None)
     if branch is None or "minimum" not in branch or "maximum" not in branch:
         return None
-    step = int(branch.get("multipleOf", 1))
-    return {v for v in range(int(branch["minimum"]), int(branch["maximum"]) + 1) if v % step == 0 and v > 0}
+    step = int(_number(branch.get("multipleOf", 1), "multipleOf"))
+    low, high = int(_number(branch["minimum"], "minimum")), int(_number(branch["maximum"], "maximum"))
+    return {v for v in range(low, high + 1) if v % step == 0 and v > 0}
 
 
-def _size_schema(stages: list[dict[str, Any]]) -> dict[str, Any]:
+def _size_schema(stages: list[JsonObject]) -> JsonObject:
     """``size`` for these DiT stages' params schemas: 'auto', or the widths and heights they all take."""
-    parts = []
+    parts: list[str] = []
     for key in ("width", "height"):
-        sets = [_allowed_ints(stage["properties"][key]) for stage in stages if key in stage["properties"]]
+        sets = [_allowed_ints(json_object(_properties(stage)[key], key)) for stage in stages
+                if key in _properties(stage)]
         if not sets:
             return {"anyOf": [{"const": "auto"}, {"type": "null"}], "description": "Only 'auto': no stage takes a size."}
         bounded = [found for found in sets if found is not None]
@@ -466,35 +498,37 @@ def _size_schema(stages: list[dict[str, Any]]) -> dict[str, Any]:
             "description": "'WIDTHxHEIGHT' (each a value every image stage takes) or 'auto' (the pipeline's default)."}
 
 
-def _field_schema(name: str, pieces: list[dict[str, Any]], spec: PipelineSpec) -> dict[str, Any]:
+def _field_schema(name: str, pieces: list[JsonObject], spec: PipelineSpec) -> JsonObject:
     """An OpenAI field: what every stage it sets takes, or null when no stage takes it."""
     if not pieces:
         return {"type": "null", "description": f"Not taken by pipeline '{spec.name}' (400 if given)."}
-    clean = [{k: v for k, v in piece.items() if k not in ("default", "title")} for piece in pieces]
-    taken = clean[0] if len(clean) == 1 else {"allOf": clean}
+    clean: list[JsonObject] = [{k: v for k, v in piece.items() if k not in ("default", "title")} for piece in pieces]
+    taken: JsonObject = clean[0] if len(clean) == 1 else {"allOf": [*clean]}
     return {"anyOf": [taken, {"type": "null"}], "description": pieces[0].get("description", name)}
 
 
-def _route(base: dict[str, Any], spec: PipelineSpec, endpoint: Endpoint, limits: Limits,
-           model: dict[str, Any], modalities: dict[str, Any] | None) -> dict[str, Any]:
+def _route(base: JsonObject, spec: PipelineSpec, endpoint: Endpoint, limits: Limits,
+           model: JsonObject, modalities: JsonObject | None) -> JsonObject:
     """The body when ``spec`` runs: each field as that pipeline's stages take it, the prompt as its
     text input takes it, and ``params`` for what no field sets."""
     schemas = {stage.id: stage_params_schema(stage, limits) for stage in spec.stages}
-    properties = dict(base["properties"], model=model)
+    base_properties = _properties(base)
+    properties: JsonObject = {**base_properties, "model": model}
     if modalities is not None:
         properties["modalities"] = modalities
     set_by_fields: set[tuple[str, str]] = set()
     for name, targets in endpoint.fields.items():
-        pieces = [schemas[stage.id]["properties"][target[1]] for stage in spec.stages for target in targets
-                  if _takes(stage, target)]
+        pieces = [json_object(_properties(schemas[stage.id])[target[1]], target[1]) for stage in spec.stages
+                  for target in targets if _takes(stage, target)]
         set_by_fields |= {(stage.id, t[1]) for stage in spec.stages for t in targets if _takes(stage, t)}
         properties[name] = _field_schema(name, pieces, spec)
     if endpoint.size:
         properties["size"] = _size_schema([schemas[s.id] for s in spec.stages if s.engine == "dit"])
         set_by_fields |= {(s.id, t[1]) for s in spec.stages for t in SIZE_TARGETS if _takes(s, t)}
     overrides = params_schema(spec, limits)
-    for stage_id, stage_schema in overrides["properties"].items():
-        stage_schema["properties"] = {k: v for k, v in stage_schema["properties"].items()
+    for stage_id, value in _properties(overrides).items():
+        stage_schema = json_object(value, stage_id)
+        stage_schema["properties"] = {k: v for k, v in _properties(stage_schema).items()
                                       if (stage_id, k) not in set_by_fields}
     overrides["description"] = ("Per-stage overrides, as in POST /v1/jobs (applied last), of what no field of this "
                                 "request sets (a field's parameter is set with that field).")
@@ -503,20 +537,21 @@ def _route(base: dict[str, Any], spec: PipelineSpec, endpoint: Endpoint, limits:
     assert text is not None  # choose_pipeline and the named routes only take pipelines with a text prompt
     prompt = input_field_schema(spec.inputs[text], max_text_chars=limits.max_prompt_chars)
     if endpoint.prompt == "messages":  # each text: the whole prompt when it is the only one
-        content = {"anyOf": [prompt, {"type": "array", "minItems": 1, "items": {
+        content: JsonObject = {"anyOf": [prompt, {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["type", "text"],
             "properties": {"type": {"type": "string", "enum": ["text"]}, "text": prompt}}}]}
-        message = {"type": "object", "required": ["role", "content"],
-                   "properties": {"role": {"type": "string"}, "content": content}}
-        properties["messages"] = {**base["properties"]["messages"], "items": message}
+        message: JsonObject = {"type": "object", "required": ["role", "content"],
+                               "properties": {"role": {"type": "string"}, "content": content}}
+        properties["messages"] = {**json_object(base_properties["messages"], "messages"), "items": message}
     else:
-        field = base["properties"][endpoint.prompt]
-        longest = [n for n in (field.get("maxLength"), prompt.get("maxLength")) if n is not None]
+        field = json_object(base_properties[endpoint.prompt], endpoint.prompt)
+        longest = [int(_number(n, "maxLength")) for n in (field.get("maxLength"), prompt.get("maxLength"))
+                   if n is not None]
         properties[endpoint.prompt] = {**field, **prompt, **({"maxLength": min(longest)} if longest else {})}
-    route = {k: v for k, v in base.items() if k not in ("properties", "title", "description")}
+    route: JsonObject = {k: v for k, v in base.items() if k not in ("properties", "title", "description")}
     route.update(title=f"{spec.name}", properties=properties)
     if overrides.get("required"):  # params must lower a default above this server's cap
-        route["required"] = sorted({*route.get("required", []), "params"})
+        _with_required(route, "params")
     if endpoint.fields is CHAT_FIELDS:  # one of two ways to say the same thing (400 naming it otherwise)
         route["allOf"] = [
             {"anyOf": [{"properties": {"max_completion_tokens": {"type": "null"}}},
@@ -527,20 +562,21 @@ def _route(base: dict[str, Any], spec: PipelineSpec, endpoint: Endpoint, limits:
     return route
 
 
-def _modalities_within(offered: set[str]) -> dict[str, Any]:
+def _modalities_within(offered: set[str]) -> JsonObject:
     """Chat's ``modalities`` when ``model`` names a pipeline: some of those it outputs."""
-    within: dict[str, Any] = {"type": "array", "items": {"enum": sorted(offered)}}
+    within: JsonObject = {"type": "array", "items": {"enum": [*sorted(offered)]}}
     return {"anyOf": [within, {"type": "null"}]} if "text" in offered else {**within, "minItems": 1}
 
 
-def _modalities_exactly(wanted: set[str]) -> dict[str, Any]:
+def _modalities_exactly(wanted: set[str]) -> JsonObject:
     """Chat's ``modalities`` when they are these (in any order, repeated or not; ['text'] by default)."""
     if wanted == {"text"}:
         return {"anyOf": [{"type": "array", "items": {"const": "text"}}, {"type": "null"}]}
-    return {"type": "array", "items": {"enum": sorted(wanted)}, "allOf": [{"contains": {"const": m}} for m in sorted(wanted)]}
+    return {"type": "array", "items": {"enum": [*sorted(wanted)]},
+            "allOf": [{"contains": {"const": m}} for m in sorted(wanted)]}
 
 
-def request_schema(name: str, base: dict[str, Any], catalogue: PipelineCatalogue, limits: Limits) -> dict[str, Any]:
+def request_schema(name: str, base: JsonObject, catalogue: PipelineCatalogue, limits: Limits) -> JsonObject:
     """The body of an OpenAI route as the spec says it: ``base`` (the model's schema) once per pipeline
     the request can run, with what that pipeline takes. ``model`` naming a pipeline picks it (if it
     gives the modality and takes a text prompt); any other name picks one by the modalities asked
@@ -548,11 +584,12 @@ def request_schema(name: str, base: dict[str, Any], catalogue: PipelineCatalogue
     the request is in no route (400)."""
     endpoint = ENDPOINTS[name]
     names = catalogue.names()
-    other: dict[str, Any] = {"type": "string", "not": {"enum": names}, "description": "Any other name: the pipeline is "
+    other: JsonObject = {"type": "string", "not": {"enum": [*names]}, "description": "Any other name: the pipeline is "
                              "chosen by the modalities asked (GET /v1/models)."}
-    if "model" not in base.get("required", []):
+    required = base.get("required", [])
+    if not isinstance(required, list) or "model" not in required:
         other = {"anyOf": [other, {"type": "null"}], "description": other["description"]}
-    routes = []
+    routes: list[JsonValue] = []
     for spec in catalogue:
         offered = output_modalities(spec) & set(_MODALITIES)
         if text_input(spec) is None or not offered or (endpoint.modality and endpoint.modality not in offered):
@@ -560,7 +597,7 @@ def request_schema(name: str, base: dict[str, Any], catalogue: PipelineCatalogue
         modalities = None if endpoint.modality else _modalities_within(offered)
         route = _route(base, spec, endpoint, limits, {"const": spec.name}, modalities)
         if modalities is not None and "text" not in offered:  # the default, ['text'], is not one
-            route["required"] = sorted({*route.get("required", []), "modalities"})
+            _with_required(route, "modalities")
         routes.append(route)
     choices = [{endpoint.modality}] if endpoint.modality else [
         set(c) for n in range(1, len(_MODALITIES) + 1) for c in itertools.combinations(_MODALITIES, n)]
@@ -572,11 +609,18 @@ def request_schema(name: str, base: dict[str, Any], catalogue: PipelineCatalogue
         route = _route(base, spec, endpoint, limits, other, None if endpoint.modality else _modalities_exactly(wanted))
         route["title"] = f"any other model, {'+'.join(sorted(wanted))}: {spec.name}"
         if endpoint.modality is None and wanted != {"text"}:
-            route["required"] = sorted({*route.get("required", []), "modalities"})
+            _with_required(route, "modalities")
         routes.append(route)
-    return {"title": base.get("title", name), "description": base.get("description", "") + " One schema per "
-            "pipeline the request can run (by `model`, else by the modalities asked), with what it takes.",
-            **({"anyOf": routes} if routes else {"not": {}})}
+    description = base.get("description", "")
+    if not isinstance(description, str):
+        raise TypeError(f"description is not text: {description!r}")
+    schema: JsonObject = {"title": base.get("title", name), "description": description + " One schema per "
+                          "pipeline the request can run (by `model`, else by the modalities asked), with what it takes."}
+    if routes:
+        schema["anyOf"] = routes
+    else:
+        schema["not"] = {}
+    return schema
 
 
 # --- finished jobs -> the answer ---
@@ -631,12 +675,12 @@ def needed_outputs(job: Job, wanted: list[str]) -> list[JobOutput]:
 
 
 def chat_completion(plan: Plan, job: Job, *, finish: str, usage: dict[str, int] | None,
-                    data: Mapping[str, bytes], output_ttl_s: int) -> dict[str, Any]:
+                    data: Mapping[str, bytes], output_ttl_s: int) -> JsonObject:
     """The chat.completion body: one choice per asked modality. ``data``: output name -> its bytes."""
     text = text_of(job)
-    choices: list[dict[str, Any]] = []
+    choices: list[JsonValue] = []
     for index, modality in enumerate(plan.wanted):
-        message: dict[str, Any] = {"role": "assistant", "content": None}
+        message: JsonObject = {"role": "assistant", "content": None}
         if modality == "text":
             message["content"] = text or ""
         elif modality == "image":
@@ -655,16 +699,17 @@ def chat_completion(plan: Plan, job: Job, *, finish: str, usage: dict[str, int] 
         choices.append({"index": index, "message": message, "finish_reason": finish if modality == "text" else "stop",
                         "logprobs": None})
     return {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": int(job.created_at),
-            "model": plan.spec.name, "choices": choices, "usage": usage, "system_fingerprint": None}
+            "model": plan.spec.name, "choices": choices, "usage": {**usage} if usage is not None else None,
+            "system_fingerprint": None}
 
 
 def image_items(job: Job, response_format: str | None, *, data: Mapping[str, bytes] | None = None,
-                urls: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+                urls: Mapping[str, str] | None = None) -> list[JsonObject]:
     """The ``data`` entries of one job's images: ``b64_json`` from ``data`` or ``url`` from ``urls``."""
     revised = text_of(job)
-    items: list[dict[str, Any]] = []
+    items: list[JsonObject] = []
     for out in outputs_of(job, "image"):
-        item: dict[str, Any] = {}
+        item: JsonObject = {}
         if response_format == "url":
             assert urls is not None
             item["url"] = urls[out.name]
@@ -677,14 +722,14 @@ def image_items(job: Job, response_format: str | None, *, data: Mapping[str, byt
     return items
 
 
-def images_response(jobs: list[Job], items: list[dict[str, Any]]) -> dict[str, Any]:
+def images_response(jobs: list[Job], items: list[JsonObject]) -> JsonObject:
     first = outputs_of(jobs[0], "image")
     size = f"{first[0].width}x{first[0].height}" if first and first[0].width else None
-    return {"created": int(jobs[0].created_at), "data": items, "output_format": "png", "size": size}
+    return {"created": int(jobs[0].created_at), "data": [*items], "output_format": "png", "size": size}
 
 
-def model_card(spec: PipelineSpec, created: int) -> dict[str, Any]:
+def model_card(spec: PipelineSpec, created: int) -> JsonObject:
     """A pipeline as an OpenAI model (GET /v1/models)."""
     return {"id": spec.name, "object": "model", "created": created, "owned_by": "omni-jobs",
-            "description": spec.description.strip(), "output_modalities": sorted(output_modalities(spec)),
-            "stages": [s.id for s in spec.stages]}
+            "description": spec.description.strip(), "output_modalities": [*sorted(output_modalities(spec))],
+            "stages": [*(s.id for s in spec.stages)]}

@@ -12,9 +12,9 @@ import asyncio
 import functools
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Literal, TypedDict, cast
 
 from pydantic import ValidationError
 
@@ -26,6 +26,7 @@ from omni_jobs.jobs.change import Guard
 from omni_jobs.jobs.ledger import JobLedger, QueueLimit, Quota, Submitted
 from omni_jobs.jobs.models import Job, JobWebhook, Priority, StageRecord, new_job_id
 from omni_jobs.jobs.store import JobStore
+from omni_jobs.json_types import JsonObject, JsonScalar, JsonValue
 from omni_jobs.limits import PARAM_CAPS, Limits
 from omni_jobs.net_guard import NetGuard, UnsafeWebhookUrl
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
@@ -33,6 +34,17 @@ from omni_jobs.pipelines.params import whole_number
 from omni_jobs.pipelines.spec import InputField, PipelineSpec, StageSpec
 from omni_jobs.scheduling import Quotas
 from omni_jobs.webhooks import validate_webhook
+
+StageParamValues = dict[str, dict[str, JsonScalar]]
+"""A job's parameters: each stage's values, validated (what Job.params records)."""
+
+
+def json_object(value: JsonValue, what: str = "value") -> JsonObject:
+    """``value`` narrowed to a JSON object (a schema's part, from pydantic or built here): TypeError if it is not."""
+    if not isinstance(value, dict):
+        raise TypeError(f"{what} is not a JSON object: {type(value).__name__}")
+    return value
+
 
 _PY_TYPES: dict[str, tuple[type, ...]] = {
     "text": (str,),
@@ -42,7 +54,7 @@ _PY_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
-def _check_input_value(name: str, field: InputField, value: Any) -> list[FieldError]:
+def _check_input_value(name: str, field: InputField, value: object) -> list[FieldError]:
     loc: tuple[str | int, ...] = ("input", name)
     if field.type == "image":  # its form and size here; whether it decodes when the job is prepared
         try:
@@ -62,11 +74,11 @@ def _check_input_value(name: str, field: InputField, value: Any) -> list[FieldEr
     return []
 
 
-def validate_input(spec: PipelineSpec, raw: Any) -> dict[str, Any]:
+def validate_input(spec: PipelineSpec, raw: object) -> JsonObject:
     if not isinstance(raw, dict):
         raise InvalidRequest([FieldError(("input",), "must be an object", "type_error")])
     errors: list[FieldError] = []
-    clean: dict[str, Any] = {}
+    clean: JsonObject = {}
     for name in sorted(set(raw) - set(spec.inputs)):
         errors.append(
             FieldError(("input", name), f"unknown field; pipeline '{spec.name}' takes {sorted(spec.inputs)}", "extra")
@@ -81,8 +93,8 @@ def validate_input(spec: PipelineSpec, raw: Any) -> dict[str, Any]:
         value = whole_number(raw[name]) if field.type == "integer" else raw[name]  # 7.0 is an integer
         problems = _check_input_value(name, field, value)
         errors.extend(problems)
-        if not problems:
-            clean[name] = value
+        if not problems:  # checked: a str, int, float or bool, or an image's value (bytes until it is stored)
+            clean[name] = cast(JsonValue, value)
     if errors:
         raise InvalidRequest(errors)
     return clean
@@ -92,13 +104,18 @@ def validate_input(spec: PipelineSpec, raw: Any) -> dict[str, Any]:
 NOT_BLANK = "[^" + "".join(f"\\u{c:04x}" for c in range(0x3001) if chr(c).isspace()) + "]"
 """A pattern for "some text that is not only whitespace", with str.strip's whitespace spelled out
 (there is none above U+3000): regex engines do not agree on what \\s is (U+001C, U+0085, U+FEFF)."""
-IMAGE_SCHEMA: dict[str, Any] = {
+def _image_object(keys: tuple[str, ...]) -> JsonObject:
+    """An image given as an object with exactly the string fields ``keys``."""
+    return {"type": "object", "properties": {key: {"type": "string"} for key in keys}, "required": [*keys],
+            "additionalProperties": False}
+
+
+IMAGE_SCHEMA: JsonObject = {
     "description": "An image: " + FORMS + ". It must decode as an image (PNG, JPEG, WebP...), which a schema "
                    "cannot say: a value that does not is a 422 (invalid_image).",
     "anyOf": [
         {"type": "string", "minLength": 1},
-        *({"type": "object", "properties": {key: {"type": "string"} for key in keys}, "required": list(keys),
-           "additionalProperties": False} for keys in (("data",), ("url",), ("job_id", "output"))),
+        *(_image_object(keys) for keys in (("data",), ("url",), ("job_id", "output"))),
         {"type": "object", "properties": {"artifact": {"type": "object"}}, "required": ["artifact"],
          "additionalProperties": False},
     ],
@@ -107,14 +124,14 @@ IMAGE_SCHEMA: dict[str, Any] = {
 """What parse_image_value takes (its shapes; whether the bytes are an image is found when they are decoded)."""
 
 
-def input_field_schema(field: InputField, *, max_text_chars: int | None = None) -> dict[str, Any]:
+def input_field_schema(field: InputField, *, max_text_chars: int | None = None) -> JsonObject:
     """The JSON schema of the values _check_input_value accepts for ``field`` (``max_text_chars``:
     this server's cap on text, Limits.check_input)."""
     if field.type == "image":
         return {**IMAGE_SCHEMA}
     if field.type != "text":
         return {"type": field.type}
-    schema: dict[str, Any] = {"type": "string"}
+    schema: JsonObject = {"type": "string"}
     caps = [n for n in (field.max_length, max_text_chars) if n is not None]
     if caps:
         schema["maxLength"] = min(caps)
@@ -123,10 +140,20 @@ def input_field_schema(field: InputField, *, max_text_chars: int | None = None) 
     return schema
 
 
-def input_schema(spec: PipelineSpec, limits: Limits | None = None) -> dict[str, Any]:
+class InputSchema(TypedDict):
+    """The JSON schema of a job's ``input`` (input_schema): an object whose required fields are listed."""
+
+    type: Literal["object"]
+    title: str
+    properties: JsonObject
+    required: list[str]
+    additionalProperties: bool
+
+
+def input_schema(spec: PipelineSpec, limits: Limits | None = None) -> InputSchema:
     """The JSON schema of a job's ``input`` for ``spec``: what validate_input (and the limits) accept.
     A field that is optional or has a default may be null (it then takes its default)."""
-    properties: dict[str, Any] = {}
+    properties: JsonObject = {}
     required: list[str] = []
     for name, field in spec.inputs.items():
         schema = input_field_schema(field, max_text_chars=limits.max_prompt_chars if limits else None)
@@ -143,25 +170,32 @@ def input_schema(spec: PipelineSpec, limits: Limits | None = None) -> dict[str, 
             "additionalProperties": False}
 
 
-def _cap(schema: dict[str, Any], cap: int) -> dict[str, Any]:
+def _cap(schema: JsonObject, cap: int) -> JsonObject:
     """``schema`` with its maximum lowered to ``cap`` (in each branch of an anyOf)."""
     if "anyOf" in schema:
-        return {**schema, "anyOf": [_cap(branch, cap) for branch in schema["anyOf"]]}
+        branches = schema["anyOf"]
+        if not isinstance(branches, list):
+            raise TypeError(f"anyOf is not a list: {type(branches).__name__}")
+        return {**schema, "anyOf": [_cap(json_object(branch, "an anyOf branch"), cap) for branch in branches]}
     if schema.get("type") not in ("integer", "number"):
         return schema
-    return {**schema, "maximum": min(schema.get("maximum", cap), cap)}
+    maximum = schema.get("maximum", cap)
+    if not isinstance(maximum, int | float) or isinstance(maximum, bool):
+        raise TypeError(f"maximum is not a number: {maximum!r}")
+    return {**schema, "maximum": min(maximum, cap)}
 
 
-def stage_params_schema(stage: StageSpec, limits: Limits | None = None) -> dict[str, Any]:
+def stage_params_schema(stage: StageSpec, limits: Limits | None = None) -> JsonObject:
     """The JSON schema of a job's overrides for ``stage``: its parameter model's (the one resolve_params
     validates with), with the stage's own defaults and this server's caps (Limits.check_params). A
     default above a cap is required: the job must lower it. Rules across fields stay in the
     description (e.g. image-to-image: strength x num_inference_steps >= 1)."""
-    model = stage.params_model.model_json_schema()
+    model: JsonObject = stage.params_model.model_json_schema()  # pydantic types it dict[str, Any]
     assert "$defs" not in model, f"{stage.params_model.__name__}: nested models are not inlined here"
-    properties: dict[str, Any] = {}
-    required: list[str] = []
-    for name, prop in model["properties"].items():
+    properties: JsonObject = {}
+    required: list[JsonValue] = []
+    for name, value in json_object(model["properties"], "properties").items():
+        prop = json_object(value, name)
         default = stage.defaults.get(name, prop.get("default"))
         cap_of = PARAM_CAPS.get(name)
         if cap_of is not None and limits is not None:
@@ -170,7 +204,7 @@ def stage_params_schema(stage: StageSpec, limits: Limits | None = None) -> dict[
             if isinstance(default, int | float) and default > cap:
                 required.append(name)
         properties[name] = {**prop, "default": default} if "default" in prop or name in stage.defaults else prop
-    schema: dict[str, Any] = {"type": "object", "title": f"{stage.id} ({stage.params_model.__name__})",
+    schema: JsonObject = {"type": "object", "title": f"{stage.id} ({stage.params_model.__name__})",
                               "properties": properties, "additionalProperties": False}
     if model.get("description"):
         schema["description"] = model["description"]
@@ -179,18 +213,18 @@ def stage_params_schema(stage: StageSpec, limits: Limits | None = None) -> dict[
     return schema
 
 
-def params_schema(spec: PipelineSpec, limits: Limits | None = None) -> dict[str, Any]:
+def params_schema(spec: PipelineSpec, limits: Limits | None = None) -> JsonObject:
     """The JSON schema of a job's ``params`` for ``spec``: overrides keyed by stage id."""
     stages = {stage.id: stage_params_schema(stage, limits) for stage in spec.stages}
-    schema: dict[str, Any] = {"type": "object", "title": f"{spec.name} params", "properties": stages,
-                              "additionalProperties": False}
-    required = [sid for sid, stage in stages.items() if stage.get("required")]
+    schema: JsonObject = {"type": "object", "title": f"{spec.name} params", "properties": {**stages},
+                          "additionalProperties": False}
+    required: list[JsonValue] = [sid for sid, stage in stages.items() if stage.get("required")]
     if required:
         schema["required"] = required
     return schema
 
 
-def resolve_params(spec: PipelineSpec, raw: Any) -> dict[str, dict[str, Any]]:
+def resolve_params(spec: PipelineSpec, raw: object) -> StageParamValues:
     """Each stage's defaults overlaid by the job's overrides, validated; the result is recorded on the job."""
     raw = raw or {}
     if not isinstance(raw, dict):
@@ -199,14 +233,14 @@ def resolve_params(spec: PipelineSpec, raw: Any) -> dict[str, dict[str, Any]]:
     stage_ids = [s.id for s in spec.stages]
     for sid in sorted(set(raw) - set(stage_ids)):
         errors.append(FieldError(("params", sid), f"pipeline '{spec.name}' has no stage '{sid}'; stages: {stage_ids}", "extra"))
-    resolved: dict[str, dict[str, Any]] = {}
+    resolved: StageParamValues = {}
     for stage in spec.stages:
         overrides = raw.get(stage.id) or {}
         if not isinstance(overrides, dict):
             errors.append(FieldError(("params", stage.id), "must be an object", "type_error"))
             continue
         try:
-            resolved[stage.id] = stage.params({**stage.defaults, **overrides}).model_dump()
+            resolved[stage.id] = stage.params({**stage.defaults, **overrides}).model_dump()  # flat: JSON scalars
         except ValidationError as exc:
             for err in exc.errors():
                 loc = ("params", stage.id, *(str(p) for p in err["loc"]))
@@ -216,7 +250,7 @@ def resolve_params(spec: PipelineSpec, raw: Any) -> dict[str, dict[str, Any]]:
     return resolved
 
 
-def build_job(spec: PipelineSpec, input_: dict[str, Any], params: dict[str, dict[str, Any]]) -> Job:
+def build_job(spec: PipelineSpec, input_: JsonObject, params: StageParamValues) -> Job:
     return Job(
         id=new_job_id(),
         pipeline=spec.name,
@@ -268,10 +302,10 @@ def _entries(spec: PipelineSpec) -> tuple[list[str], tuple[str, ...], frozenset[
     return found[1], found[2], found[3]
 
 
-def request_fingerprint(pipeline: str, input_: Any, params: Any, webhook: Any = None,
-                        webhook_events_filter: Any = None, priority: str = "normal") -> str:
+def request_fingerprint(pipeline: str, input_: object, params: object, webhook: object = None,
+                        webhook_events_filter: object = None, priority: str = "normal") -> str:
     """What makes two submissions "the same request" for Idempotency-Key purposes (the whole body)."""
-    fields = {"pipeline": pipeline, "input": input_, "params": params or {}, "webhook": webhook,
+    fields: dict[str, object] = {"pipeline": pipeline, "input": input_, "params": params or {}, "webhook": webhook,
               "webhook_events_filter": webhook_events_filter}
     if priority != "normal":  # so that the fingerprints of requests before priorities existed hold
         fields["priority"] = priority
@@ -311,11 +345,11 @@ class JobSubmitter:
         self.max_cancel_after_s = max_cancel_after_s
         self.webhooks_enabled = webhooks_enabled
 
-    def validate(self, pipeline: str, input_: Any, params: Any) -> tuple[PipelineSpec, dict[str, Any], dict[str, dict[str, Any]]]:
+    def validate(self, pipeline: str, input_: object, params: object) -> tuple[PipelineSpec, JsonObject, StageParamValues]:
         spec = self.catalogue.get(pipeline)
         errors: list[FieldError] = []
-        clean_input: dict[str, Any] = {}
-        clean_params: dict[str, dict[str, Any]] = {}
+        clean_input: JsonObject = {}
+        clean_params: StageParamValues = {}
         try:
             clean_input = validate_input(spec, input_)
         except InvalidRequest as exc:
@@ -331,7 +365,7 @@ class JobSubmitter:
             raise InvalidRequest(errors)
         return spec, clean_input, clean_params
 
-    def validate_webhook(self, url: Any, events: Any) -> JobWebhook | None:
+    def validate_webhook(self, url: object, events: object) -> JobWebhook | None:
         """The job's webhook settings; refused when this server has no secret to sign with."""
         hook = validate_webhook(url, events)
         if hook is not None and not self.webhooks_enabled:
@@ -344,18 +378,18 @@ class JobSubmitter:
                 raise InvalidRequest([FieldError(("webhook",), str(exc), "unsafe_url")]) from None
         return hook
 
-    def submit(self, pipeline: str, input_: Any, params: Any = None, *, cancel_after_s: float | None = None,
-               idempotency_key: str | None = None, webhook: Any = None, webhook_events_filter: Any = None,
-               tenant: str = DEFAULT_TENANT, priority: Any = None, api_key_id: str | None = None) -> Job:
+    def submit(self, pipeline: str, input_: object, params: object = None, *, cancel_after_s: float | None = None,
+               idempotency_key: str | None = None, webhook: object = None, webhook_events_filter: object = None,
+               tenant: str = DEFAULT_TENANT, priority: object = None, api_key_id: str | None = None) -> Job:
         return self.submit_idempotent(pipeline, input_, params, cancel_after_s=cancel_after_s,
                                       idempotency_key=idempotency_key, webhook=webhook,
                                       webhook_events_filter=webhook_events_filter, tenant=tenant, priority=priority,
                                       api_key_id=api_key_id)[0]
 
-    def submit_idempotent(self, pipeline: str, input_: Any, params: Any = None, *,
+    def submit_idempotent(self, pipeline: str, input_: object, params: object = None, *,
                           cancel_after_s: float | None = None,
-                          idempotency_key: str | None = None, webhook: Any = None,
-                          webhook_events_filter: Any = None, tenant: str = DEFAULT_TENANT, priority: Any = None,
+                          idempotency_key: str | None = None, webhook: object = None,
+                          webhook_events_filter: object = None, tenant: str = DEFAULT_TENANT, priority: object = None,
                           api_key_id: str | None = None) -> tuple[Job, bool]:
         """(job, created): with a key seen before and the same body, the earlier job and False.
 
@@ -382,10 +416,10 @@ class JobSubmitter:
                                   idempotency_ttl_s=self.idempotency_ttl_s, quota=self._quota(tenant, api_key_id),
                                   queue_limits=self._queue_limits(new.spec))
 
-    async def asubmit_idempotent(self, pipeline: str, input_: Any, params: Any = None, *,
+    async def asubmit_idempotent(self, pipeline: str, input_: object, params: object = None, *,
                                  cancel_after_s: float | None = None, idempotency_key: str | None = None,
-                                 webhook: Any = None, webhook_events_filter: Any = None, tenant: str = DEFAULT_TENANT,
-                                 priority: Any = None, api_key_id: str | None = None,
+                                 webhook: object = None, webhook_events_filter: object = None, tenant: str = DEFAULT_TENANT,
+                                 priority: object = None, api_key_id: str | None = None,
                                  requires: Sequence[Guard] = ()) -> Submitted:
         """``submit_idempotent`` for an event loop (the API): the same checks and the same one write,
         through the store's async client. A job without file inputs costs one Redis round trip (two
@@ -418,9 +452,9 @@ class JobSubmitter:
                                          quota=self._quota(tenant, api_key_id), queue_limits=self._queue_limits(new.spec),
                                          requires=requires)
 
-    def _accept(self, pipeline: str, input_: Any, params: Any, *, cancel_after_s: float | None,
-                idempotency_key: str | None, webhook: Any, webhook_events_filter: Any, tenant: str,
-                priority: Any) -> _NewJob:
+    def _accept(self, pipeline: str, input_: object, params: object, *, cancel_after_s: float | None,
+                idempotency_key: str | None, webhook: object, webhook_events_filter: object, tenant: str,
+                priority: object) -> _NewJob:
         """Everything a submit decides before any I/O: every bad field at once (InvalidRequest), else
         the job to store, its entry stages and its Idempotency-Key claim."""
         hook_errors: list[FieldError] = []
@@ -430,6 +464,8 @@ class JobSubmitter:
         except InvalidRequest as exc:
             hook_errors = exc.errors
         try:
+            if priority is not None and not isinstance(priority, str):
+                raise ValueError(priority)
             chosen_priority = Priority(priority if priority is not None else Priority.normal.value)
         except ValueError:
             hook_errors.append(FieldError(("priority",), f"must be one of {[p.value for p in Priority]}, got "
@@ -464,11 +500,11 @@ class JobSubmitter:
         return self.admission.limits(spec) if self.admission is not None else []
 
     @staticmethod
-    def _has_files(spec: PipelineSpec, input_: dict[str, Any]) -> bool:
+    def _has_files(spec: PipelineSpec, input_: Mapping[str, object]) -> bool:
         files = _entries(spec)[2]
         return bool(files) and any(name in input_ for name in files)
 
-    def _prepare_files(self, spec: PipelineSpec, input_: dict[str, Any], tenant: str) -> dict[str, PreparedImage]:
+    def _prepare_files(self, spec: PipelineSpec, input_: Mapping[str, object], tenant: str) -> dict[str, PreparedImage]:
         """Image inputs resolved and normalized before anything is claimed or stored."""
         if not self._has_files(spec, input_):
             return {}
