@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, TypedDict
 
 from fastapi import APIRouter, Depends, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
@@ -21,17 +21,24 @@ from omni_jobs.cancellation import cancel_job
 from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound
 from omni_jobs.jobs.ledger import RequirementFailed
 from omni_jobs.jobs.models import Job, JobStatus
-from omni_jobs.jobs.view import JobView, present_job
+from omni_jobs.jobs.view import JobJSON, JobView, present_job
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"],  # every route takes the caller's tenant: authenticated
                    responses=errors(401, 503))
 # The routes build the job JSON as a dict (omni_jobs.jobs.view.present_job) and FastAPI checks it
 # against JobView; exclude_unset keeps it as built (an output's inapplicable fields stay absent).
-JOB: dict[str, Any] = {"response_model": JobView, "response_model_exclude_unset": True}
+class _JobResponse(TypedDict):
+    """The route decorator's keyword arguments for a route that answers a job."""
+
+    response_model: type[JobView]
+    response_model_exclude_unset: bool
+
+
+JOB: _JobResponse = {"response_model": JobView, "response_model_exclude_unset": True}
 Ctx = Annotated[ApiContext, Depends(context)]
 
 
-def _present(ctx: ApiContext, job: Job, *, queue_position: bool = False, position: int | None = None) -> Any:
+def _present(ctx: ApiContext, job: Job, *, queue_position: bool = False, position: int | None = None) -> JobJSON:
     """The job object; ``queue_position``: read its place (a Redis read), or pass it as ``position``."""
     settings = ctx.runtime.settings
     if queue_position:
