@@ -42,7 +42,7 @@ from omni_jobs.previews import LatentPreview
 from omni_jobs.progress_writer import ProgressWriter
 from omni_jobs.run_journal import RunJournal
 from omni_jobs.stage_cache import CachedOutputs, Eviction, StageOutputCache, cache_key, text_digest
-from omni_jobs.steps import AssembleResults, RunStage, StepOutcome, stage_slot
+from omni_jobs.steps import AssembleResults, RunStage, StepOutcome
 from omni_jobs.text_stream import TextDeltas, TextStreams
 from omni_jobs.watchdog import hard_time_limit
 
@@ -152,7 +152,6 @@ class StageRunner:
         self._caches: dict[tuple[int, str], StageOutputCache] = {}
         self._in_flight: dict[tuple[str, str], threading.BoundedSemaphore] = {}
         self._guard = threading.Lock()
-        self._running: dict[str, Lease] = {}
         # Batched engines report for many jobs from one thread: write from another, never inline.
         self.progress = ProgressWriter(ledger, background=batching is not None)
         self.text_streams = TextStreams(background=batching is not None)
@@ -171,10 +170,8 @@ class StageRunner:
             return StepOutcome("skipped", taken.reason)
         job, lease = taken.job, taken.lease
         self.progress.begin(lease)
-        with self._guard:
-            self._running[lease.slot] = lease
         try:
-            with self._hard_limit(job, step):
+            with self._hard_limit(job, lease, step):
                 if self.keeper is None:
                     outcome, ended = self._attempt(job, lease, step, where, worker)
                 else:
@@ -182,8 +179,6 @@ class StageRunner:
                         outcome, ended = self._attempt(job, lease, step, where, worker)
         finally:
             self.progress.finish(lease)
-            with self._guard:
-                self._running.pop(lease.slot, None)
         if ended is not None and self.assemble_results is not None:
             results = self.assemble_results(ended, Lease(AssembleResults(ended.id, ended.results.attempts), lease.owner))
             log.info("%s: results assembled inline: %s", where, results.status)
@@ -249,17 +244,9 @@ class StageRunner:
         """Exponential backoff with jitter before the next attempt after a transient error."""
         return float(self.retry_backoff_s * (2 ** (attempt - 1)) * random.uniform(0.5, 1.5))
 
-    def fail_running(self, job_id: str, stage_id: str, exc: BaseException) -> bool:
-        """Fail the job because of this process's running attempt of the stage (the hard time limit);
-        nothing happens when this process holds no such attempt (it was taken back meanwhile)."""
-        with self._guard:
-            lease = self._running.get(stage_slot(job_id, stage_id))
-        if lease is None:
-            return False
-        return self.ledger.fail(job_id, job_error(stage_id, exc), lease=lease)
-
-    def _hard_limit(self, job: Job, step: RunStage) -> AbstractContextManager[None]:
-        """The attempt's hard time limit (``hard_limits``): past it, the job fails and the process ends."""
+    def _hard_limit(self, job: Job, lease: Lease, step: RunStage) -> AbstractContextManager[None]:
+        """The attempt's hard time limit (``hard_limits``): past it, the job fails (while this attempt's
+        lease holds) and the process ends."""
         if not self.hard_limits or job.pipeline not in self.catalogue:
             return nullcontext()
         _soft, hard = self.limits.for_stage(self.catalogue.get(job.pipeline).stage(step.stage_id))
@@ -267,7 +254,7 @@ class StageRunner:
                                "restarted (set time_limit_s on the stage or OMNI_STAGE_TIME_LIMIT_S)")
 
         def on_expire() -> None:
-            self.fail_running(job.id, step.stage_id, timeout)
+            self.ledger.fail(job.id, job_error(step.stage_id, timeout), lease=lease)
 
         return hard_time_limit(hard, on_expire)
 
