@@ -25,6 +25,7 @@ from omni_jobs.pipelines.spec import DiTEngineArgs
 
 Engine = AREngine | DiTEngine | AREncoder
 E = TypeVar("E", AREngine, DiTEngine, AREncoder)
+V = TypeVar("V", AREngine, AREncoder)
 
 
 class EnginePool:
@@ -41,14 +42,7 @@ class EnginePool:
 
     def ar(self, model: str, engine_args: Mapping[str, JsonValue]) -> AREngine:
         """The AR engine for ``model``; ``engine_args`` go to vLLM and override the defaults."""
-        args = dict(engine_args)
-
-        def load(resolved: str) -> AREngine:
-            return AREngine(
-                resolved, engine_args=args, kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len
-            )
-
-        return self._get("ar", model, args, AREngine, load)
+        return self._vllm("ar", AREngine, model, engine_args)
 
     def dit(self, model: str, engine_args: Mapping[str, JsonValue]) -> DiTEngine:
         """The DiT engine for ``model``: ``pipeline_class``, ``torch_dtype``, ``call_args`` and ``cache``
@@ -66,14 +60,16 @@ class EnginePool:
 
     def encoder(self, model: str, engine_args: Mapping[str, JsonValue]) -> AREncoder:
         """The AR encoder (vLLM pooling runner) for ``model``: a separate engine from ``ar()``'s."""
+        return self._vllm("ar-encode", AREncoder, model, engine_args)
+
+    def _vllm(self, kind: str, cls: type[V], model: str, engine_args: Mapping[str, JsonValue]) -> V:
+        """A vLLM engine of ``cls`` (generate or pooling), with this pool's KV cache and length bounds."""
         args = dict(engine_args)
 
-        def load(resolved: str) -> AREncoder:
-            return AREncoder(
-                resolved, engine_args=args, kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len
-            )
+        def load(resolved: str) -> V:
+            return cls(resolved, engine_args=args, kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len)
 
-        return self._get("ar-encode", model, args, AREncoder, load)
+        return self._get(kind, model, args, cls, load)
 
     def loaded(self) -> list[tuple[str, str, str]]:
         """Keys of the engines loaded so far (for health and metrics)."""
