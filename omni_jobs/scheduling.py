@@ -43,28 +43,23 @@ class Scheduler:
         self._cached: tuple[float, dict[str, int]] = (0.0, {})
         self._lock = threading.Lock()
 
-    def _capacity(self) -> dict[str, int]:
+    def _capacity(self, read: Capacity) -> dict[str, int]:
+        """The live workers' concurrency per queue, read at most every ``refresh_s``."""
         with self._lock:
             at, capacity = self._cached
             if time.monotonic() - at > self.refresh_s:
-                assert self.capacity is not None
-                capacity = self.capacity()
+                capacity = read()
                 self._cached = (time.monotonic(), capacity)
         return capacity
 
-    def window(self, queue: str) -> int:
-        """How many of the queue's steps may be released or running at once."""
-        if self.capacity is None:
-            return UNLIMITED
-        capacity = self._capacity().get(queue, 0)
-        return capacity + self.slack if capacity else 0
-
     def release_all(self) -> int:
-        """One pass over every queue with live workers (one script); returns how many steps it released."""
+        """One pass over every queue with live workers (one script); returns how many steps it released.
+        A queue's window, the steps it may have released or running at once, is its live workers'
+        concurrency plus ``slack``."""
         if self.capacity is None:
             windows = dict.fromkeys(self.store.scheduled_queues(), UNLIMITED)
         else:
-            windows = {queue: n + self.slack for queue, n in self._capacity().items() if n > 0}
+            windows = {queue: n + self.slack for queue, n in self._capacity(self.capacity).items() if n > 0}
         return len(self.store.release(windows, now=now())) if windows else 0
 
 
