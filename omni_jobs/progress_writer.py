@@ -115,8 +115,7 @@ class ProgressWriter:
                 previews, self._previews = self._previews, {}
                 self._writing = True
             try:
-                for report in batch.values():
-                    self._write(report)
+                self._write_all(list(batch.values()))
                 for preview in previews.values():
                     self._write_preview(preview)
             finally:
@@ -127,6 +126,19 @@ class ProgressWriter:
     def _write(self, report: Report) -> None:
         lease, job, step, total, unit = report
         self._settle(lease, "write progress", lambda: self.ledger.progress(lease, job, step, total, unit))
+
+    def _write_all(self, reports: list[Report]) -> None:
+        """Every running stage's newest report in one round trip (a batch reports for all its members)."""
+        if not reports:
+            return
+        try:
+            outcomes = self.ledger.progress_many(reports)
+        except Exception:  # logged and dropped: the next reports carry on
+            log.warning("could not write the progress of %d stages", len(reports), exc_info=True)
+            return
+        for (lease, *_rest), outcome in zip(reports, outcomes, strict=True):
+            if outcome != "ok":
+                self.stop(lease, outcome)
 
     def _settle(self, lease: Lease, what: str, write: Callable[[], str]) -> None:
         """Run one lease-guarded write; a refusal ('canceled', 'lost') stops the stage. In the background

@@ -548,7 +548,7 @@ class JobLedger:
 
     def renew(self, leases: list[Lease]) -> list[Lease]:
         """Extend each lease; returns those this process no longer holds (job ended, or reaped)."""
-        lost: list[Lease] = []
+        changes: list[Change] = []
         for lease in leases:
             until = now() + self.lease_s
             change = Change()
@@ -567,18 +567,25 @@ class JobLedger:
                 change.expect(job_key, prefix + "lease_owner", lease.owner)
                 change.hset(job_key, {prefix + "lease_until": repr(until)})
             change.zadd(keys.LEASES, lease.slot, until)
-            if self.store.commit(change) is not None:
-                lost.append(lease)
-        return lost
+            changes.append(change)
+        conflicts = self.store.commit_each(changes)  # one round trip for all of them
+        return [lease for lease, conflict in zip(leases, conflicts, strict=True) if conflict is not None]
 
     # --- while a stage runs ---
     def progress(self, lease: Lease, snapshot: Job, step: int, total: int, unit: str) -> str:
         """Record a running stage's progress: 'ok', or 'canceled' / 'lost' (stop working on it)."""
-        assert isinstance(lease.step, RunStage)
-        stage_id = lease.step.stage_id
-        after = snapshot.model_copy(deep=True)
-        events = state.stage_progress(after, stage_id, step, total, unit, now())
-        return self._while_running(lease, snapshot.model_copy(update={"progress": None}), after, events)
+        return self.progress_many([(lease, snapshot, step, total, unit)])[0]
+
+    def progress_many(self, reports: Sequence[tuple[Lease, Job, int, int, str]]) -> list[str]:
+        """``progress`` of several running stages (lease, snapshot, step, total, unit), in one round
+        trip: a batched engine reports for every member at once."""
+        writes: list[tuple[Lease, Job, Job, list[JobEvent]]] = []
+        for lease, snapshot, step, total, unit in reports:
+            assert isinstance(lease.step, RunStage)
+            after = snapshot.model_copy(deep=True)
+            events = state.stage_progress(after, lease.step.stage_id, step, total, unit, now())
+            writes.append((lease, snapshot.model_copy(update={"progress": None}), after, events))
+        return self._while_running(writes)
 
     def publish(self, lease: Lease, snapshot: Job, event_type: EventType, data: JsonObject) -> str:
         """Append a running stage's partial output (a text delta, a preview) to its job's event stream,
@@ -587,20 +594,28 @@ class JobLedger:
         It changes no job field, so it never conflicts with progress; the guard only keeps an attempt
         that lost its lease (or a canceled job) from adding to the stream."""
         event = JobEvent(job_id=lease.job_id, type=event_type, at=now(), data=data)
-        return self._while_running(lease, snapshot, snapshot, [event])
+        return self._while_running([(lease, snapshot, snapshot, [event])])[0]
 
-    def _while_running(self, lease: Lease, before: Job, after: Job, events: list[JobEvent]) -> str:
-        """Write what a running stage reports, guarded by its lease: 'ok', 'canceled' or 'lost'."""
-        assert isinstance(lease.step, RunStage)
-        stage_id = lease.step.stage_id
-        decision = _Decision(None, after, events, (f"stage:{stage_id}:status", f"stage:{stage_id}:attempts",
-                                                   f"stage:{stage_id}:lease_owner"))
-        change = self._change(before, decision)
-        if self.store.commit(change) is None:
-            self._committed(after, change)
-            return "ok"
-        current = self.store.get(lease.job_id)
-        return "canceled" if current is None or current.status is JobStatus.canceled else "lost"
+    def _while_running(self, writes: Sequence[tuple[Lease, Job, Job, list[JobEvent]]]) -> list[str]:
+        """Write what running stages report (lease, before, after, events), each guarded by its own
+        lease, in one round trip: per write 'ok', 'canceled' or 'lost'."""
+        changes: list[Change] = []
+        for lease, before, after, events in writes:
+            assert isinstance(lease.step, RunStage)
+            stage_id = lease.step.stage_id
+            decision = _Decision(None, after, events, (f"stage:{stage_id}:status", f"stage:{stage_id}:attempts",
+                                                       f"stage:{stage_id}:lease_owner"))
+            changes.append(self._change(before, decision))
+        outcomes: list[str] = []
+        for (lease, _before, after, _events), change, conflict in zip(writes, changes,
+                                                                      self.store.commit_each(changes), strict=True):
+            if conflict is None:
+                self._committed(after, change)
+                outcomes.append("ok")
+                continue
+            current = self.store.get(lease.job_id)
+            outcomes.append("canceled" if current is None or current.status is JobStatus.canceled else "lost")
+        return outcomes
 
     # --- a step ends ---
     def complete_stage(self, lease: Lease, outputs: dict[str, ArtifactRef], metrics: dict[str, float], *,

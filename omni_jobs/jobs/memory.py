@@ -156,6 +156,9 @@ class MemoryJobStore:
                 self._changed.notify_all()
         return None
 
+    def commit_each(self, changes: Sequence[Change]) -> list[Conflict | None]:
+        return [self.commit(c) for c in changes]
+
     def _apply(self, op: Op) -> None:
         key = op[1]
         if op[0] != "del":

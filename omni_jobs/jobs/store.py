@@ -95,6 +95,11 @@ class JobStore(Protocol):
         """Apply ``change`` if all its guards hold (None), else write nothing and say which did not."""
         ...
 
+    def commit_each(self, changes: Sequence[Change]) -> list[Conflict | None]:
+        """``commit`` of each change on its own (one may be refused while the others apply), in one
+        round trip: what a process does for all its leases at once (renewals, progress)."""
+        ...
+
     # --- outbox, leases, queues ---
     def claim_outbox(self, *, now: float, limit: int, hold_s: float, job_id: str | None = None) -> list[OutboxEntry]:
         """Due entries, each held for ``hold_s`` (another claimer skips it meanwhile; after that it is due again)."""
@@ -373,6 +378,27 @@ class RedisJobStore:
         else:
             reply = self._commit(args=[change.wire()])
         return self._conflict(change, reply)
+
+    def commit_each(self, changes: Sequence[Change]) -> list[Conflict | None]:
+        if any(c.durable for c in changes) and self.wait_replicas > 0:
+            return [self.commit(c) for c in changes]  # each waits for its replicas
+        if not changes:
+            return []
+        sha = self._commit.sha
+        for attempt in range(2):
+            with self.redis.pipeline(transaction=False) as pipe:
+                for change in changes:
+                    pipe.evalsha(sha, 0, change.wire())
+                replies = pipe.execute(raise_on_error=False)
+            if not any(isinstance(r, NoScriptError) for r in replies):
+                break
+            if attempt:  # the server lost its scripts twice in a row: give up as commit would
+                raise next(r for r in replies if isinstance(r, NoScriptError))
+            self.redis.script_load(_COMMIT)  # a restarted server: nothing ran; once more with the script
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return [self._conflict(c, r) for c, r in zip(changes, replies, strict=True)]
 
     @staticmethod
     def _conflict(change: Change, reply: ScriptReply) -> Conflict | None:

@@ -435,3 +435,25 @@ def test_many_writers_on_one_job_lose_no_update(ledger: JobLedger, store: JobSto
     ledger.complete_stage(a.lease, {}, {})
     ledger.complete_stage(b.lease, {}, {})
     assert claim(store) == [RunStage(job.id, "c", 1, "dit")]
+
+
+def test_renewals_and_progress_of_many_leases_go_together_and_each_is_judged_on_its_own(
+        ledger: JobLedger, store: JobStore) -> None:
+    """A worker renews all its leases, and writes all its batch members' progress, in one round trip
+    (commit_each): a lost lease among them is reported alone, the others are extended/written."""
+    jobs = [ledger.submit(two_stage_job(), ["ar"])[0] for _ in range(3)]
+    taken = [start(ledger, step, f"w1#{i}") for i, step in enumerate(claim(store))]
+    assert len(taken) == 3
+    lost = taken[1]
+    _expire_now(store, ledger, lost.lease)
+    assert ledger.expire(lost.lease.slot) == "requeued"  # the reaper took it back
+    before = {t.lease.slot: store.get(t.lease.job_id).stage_record("ar").lease_until for t in taken}
+    time.sleep(0.01)
+    assert ledger.renew([t.lease for t in taken]) == [lost.lease]
+    for t in (taken[0], taken[2]):
+        assert store.get(t.lease.job_id).stage_record("ar").lease_until > before[t.lease.slot]
+    outcomes = ledger.progress_many([(t.lease, t.job, 5, 10, "steps") for t in taken])
+    assert outcomes == ["ok", "lost", "ok"]
+    steps = {j.id: [e.data["step"] for e in ledger.events(j.id) if e.type is EventType.stage_progress] for j in jobs}
+    assert [steps[t.lease.job_id] for t in taken] == [[5], [], [5]]
+    assert store.commit_each([]) == []
