@@ -22,7 +22,6 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 
 from bench.run import DIT_SMALL, ROOT
 from omni_jobs.engines.dit import DiTEngine, DiTRequest
@@ -70,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     models = (ROOT / "models").resolve()
     ensure_tiny_model(DIT_SMALL.removeprefix("tiny:"), models)
-    engine = DiTEngine(resolve_model(DIT_SMALL, Path(models)), pipeline_class="PixArtSigmaPipeline")
+    engine = DiTEngine(resolve_model(DIT_SMALL, models), pipeline_class="PixArtSigmaPipeline")
     run(engine, [32], args.steps)  # warm up at the batch size
     loads = {"quiet": 0.0, "5% of a core": 0.0005, "20% of a core": 0.002}
     times: dict[str, list[float]] = {k: [] for k in loads}

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         leases = [t.lease for t in taken]
         reports = [(t.lease, t.job, 3, 20, "steps") for t in taken]
         rows = []
-        for rnd in range(3):  # the arms take turns: both see the same machine
+        for _ in range(3):  # the arms take turns: both see the same machine
             one = median_ms(lambda: [ledger.renew([lease]) for lease in leases], args.reps)
             together = median_ms(lambda: ledger.renew(leases), args.reps)
             rows.append(("renew", one, together))
