@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from omni_jobs import compact_json
 from omni_jobs.jobs.models import (
     Job,
     JobError,
@@ -42,7 +43,7 @@ def results_field(name: str) -> str:
 
 
 def _json(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return compact_json.dumps(value, sort_keys=True)
 
 
 def _put(fields: Fields, name: str, value: float | str | None) -> None:
