@@ -7,8 +7,8 @@ ready stages to the broker only while fewer than the queue's *window* are releas
 live workers' concurrency plus ``slack`` (so a freed slot finds its next task waiting). Tenants
 take turns, the one served longest ago first, so one tenant's backlog cannot hold the others back:
 while the window is full, every other tenant with ready work is served before it gets another.
-Every relay runs a pass before it publishes (after its own commits, and every poll), one atomic
-script per queue. Retries and lost workers' requeues keep their place: they go out directly.
+Every relay runs a pass before it publishes (after its own commits, where a slot may be free, and
+every poll), one atomic script for all queues. Retries and lost workers' requeues keep their place: they go out directly.
 
 ``Quotas`` are checked in the submit's own atomic write (omni_jobs.jobs.ledger): jobs a tenant has
 queued or running at once, and jobs it submits per minute; per API key, else per tenant, else the
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from omni_jobs import keys
@@ -41,6 +41,7 @@ class Scheduler:
         self.slack = slack
         self.refresh_s = refresh_s
         self._cached: tuple[float, dict[str, int]] = (0.0, {})
+        self._full: frozenset[str] = frozenset()
         self._lock = threading.Lock()
 
     def _capacity(self, read: Capacity) -> dict[str, int]:
@@ -60,7 +61,24 @@ class Scheduler:
             windows = dict.fromkeys(self.store.scheduled_queues(), UNLIMITED)
         else:
             windows = {queue: n + self.slack for queue, n in self._capacity(self.capacity).items() if n > 0}
-        return len(self.store.release(windows, now=now())) if windows else 0
+        if not windows:
+            self._full = frozenset()
+            return 0
+        done = self.store.release(windows, now=now())
+        self._full = done.full
+        return len(done.released)
+
+    def may_release(self, queues: Collection[str]) -> bool:
+        """Whether a pass now could release a step that just became ready on one of ``queues``: not
+        when no live worker takes them (nothing could run it; a worker that starts runs a pass), nor
+        when this scheduler's last pass left their windows full (the process whose commit frees a
+        slot runs the next pass; every relay's poll runs one anyway). So a burst of submits to a busy
+        or idle queue does not run a pass each."""
+        read_at, capacity = self._cached
+        if self.capacity is None or read_at == 0.0:  # one process, or no pass yet: it may
+            return True
+        full = self._full
+        return any(capacity.get(queue, 0) > 0 and queue not in full for queue in queues)
 
 
 @dataclass(frozen=True)

@@ -186,8 +186,9 @@ class JobLedger:
         self.webhook_attempts = webhook_attempts or (lambda _event: 10)
         self.deliveries_kept = deliveries_kept
         self.listeners: list[Listener] = []
-        self.outbox_listeners: list[Callable[[], None]] = []
-        """Called after a commit that wrote outbox entries (the relay of this process wakes up)."""
+        self.outbox_listeners: list[Callable[[Change], None]] = []
+        """Called with a commit that wrote outbox entries or made steps ready (the relay of this
+        process wakes up)."""
 
     # --- reading ---
     def get(self, job_id: str) -> Job | None:
@@ -351,7 +352,7 @@ class JobLedger:
                     log.exception("job %s: listener %r failed", job.id, listener)
         if change.outbox or change.scheduled:
             for wake in self.outbox_listeners:
-                wake()
+                wake(change)
 
     def _commit_or_none(self, change: Change, job: Job | None = None) -> bool:
         if self.store.commit(change) is not None:
@@ -360,7 +361,7 @@ class JobLedger:
             self._committed(job, change)
         elif change.outbox or change.scheduled:
             for wake in self.outbox_listeners:
-                wake()
+                wake(change)
         return True
 
     # --- submit ---

@@ -23,6 +23,7 @@ from omni_jobs.jobs.models import Job, JobEvent, JobStatus
 from omni_jobs.jobs.store import (
     IdempotencyRecord,
     JobPage,
+    ReleasePass,
     WebhookSlot,
     decode_webhook_slots,
     estimate_position,
@@ -255,14 +256,19 @@ class MemoryJobStore:
             ordered = self._ordered(self._zset(keys.queue_released(queue)))
         return [m for m, s in ordered if s <= before][:limit]
 
-    def release(self, windows: Mapping[str, int], *, now: float, limit: int = 100) -> list[tuple[str, str]]:
+    def release(self, windows: Mapping[str, int], *, now: float, limit: int = 100) -> ReleasePass:
         """The same pass as RedisJobStore.release, under the lock."""
         out: list[tuple[str, str]] = []
+        full: set[str] = set()
         for queue, window in windows.items():
-            out += self._release_queue(queue, window, now, limit)
-        return out
+            released, left_full = self._release_queue(queue, window, now, limit)
+            out += released
+            if left_full:
+                full.add(queue)
+        return ReleasePass(out, frozenset(full))
 
-    def _release_queue(self, queue: str, window: int, now: float, limit: int) -> list[tuple[str, str]]:
+    def _release_queue(self, queue: str, window: int, now: float, limit: int) -> tuple[list[tuple[str, str]], bool]:
+        """(released, whether the window is left full)."""
         out: list[tuple[str, str]] = []
         with self._changed:
             tenants = self._zsets.setdefault(keys.queue_tenants(queue), {})
@@ -284,7 +290,7 @@ class MemoryJobStore:
                     tenants[tenant] = now
                 else:
                     del tenants[tenant]
-        return out
+        return out, in_service >= window
 
     def scheduled_queues(self) -> list[str]:
         with self._changed:

@@ -69,6 +69,15 @@ def decode_webhook_slots(raw: dict[str, str]) -> dict[str, WebhookSlot]:
 
 
 @dataclass(frozen=True)
+class ReleasePass:
+    """What one scheduler pass did: the steps it released, as (entry id, tenant) in release order,
+    and the queues whose window it left full (a step that becomes ready there waits for a slot)."""
+
+    released: list[tuple[str, str]]
+    full: frozenset[str]
+
+
+@dataclass(frozen=True)
 class IdempotencyRecord:
     job_id: str
     fingerprint: str
@@ -114,7 +123,7 @@ class JobStore(Protocol):
     def released(self, queue: str, *, before: float, limit: int) -> list[str]:
         """Step slots published (or due) on the queue before ``before`` that no worker started yet."""
         ...
-    def release(self, windows: Mapping[str, int], *, now: float, limit: int = 100) -> list[tuple[str, str]]:
+    def release(self, windows: Mapping[str, int], *, now: float, limit: int = 100) -> ReleasePass:
         """The scheduler's pass over the queues in ``windows`` (queue -> window; see RedisJobStore.release)."""
         ...
     def scheduled_queues(self) -> list[str]: ...
@@ -233,9 +242,10 @@ return out
 
 _RELEASE = """
 -- KEYS: outbox, items; ARGV: now, limit, then per queue: tenants key, released key, running key,
--- ready-list prefix, window. One pass over every queue given, in one round trip.
+-- ready-list prefix, window. One pass over every queue given, in one round trip. Answers the
+-- released (entry, tenant) pairs, flat, and the numbers (1, 2...) of the queues left full.
 local now, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
-local out = {}
+local out, full = {}, {}
 for q = 3, #ARGV, 5 do
   local tenants, released, running, prefix = ARGV[q], ARGV[q + 1], ARGV[q + 2], ARGV[q + 3]
   local window = tonumber(ARGV[q + 4])
@@ -268,8 +278,9 @@ for q = 3, #ARGV, 5 do
       end
     end
   end
+  if in_service >= window then full[#full + 1] = (q - 3) / 5 + 1 end
 end
-return out
+return {out, full}
 """
 
 
@@ -509,20 +520,22 @@ class RedisJobStore:
                 pipe.hdel(keys.OUTBOX_ITEMS, *ids)
                 pipe.execute()
 
-    def release(self, windows: Mapping[str, int], *, now: float, limit: int = 100) -> list[tuple[str, str]]:
+    def release(self, windows: Mapping[str, int], *, now: float, limit: int = 100) -> ReleasePass:
         """The scheduler's pass over the queues in ``windows``, in one script: while fewer than its
         window of a queue's steps are released or running, move its next ready step to the outbox,
         taking the tenants in turn (the one served longest ago first) and each tenant's steps in
-        order. Returns (entry id, tenant) released."""
+        order. A queue with a window of 0 is full."""
         args: list[str | int] = [repr(now), limit]
-        for queue, window in windows.items():
-            if window > 0:
-                args += [keys.queue_tenants(queue), keys.queue_released(queue), keys.queue_running(queue),
-                         keys.queue_ready(queue, ""), window]
-        if len(args) == 2:
-            return []
-        reply = self._release(keys=[keys.OUTBOX, keys.OUTBOX_ITEMS], args=args)
-        return [(text(reply[i]), text(reply[i + 1])) for i in range(0, len(reply), 2)]
+        given = [queue for queue, window in windows.items() if window > 0]
+        for queue in given:
+            args += [keys.queue_tenants(queue), keys.queue_released(queue), keys.queue_running(queue),
+                     keys.queue_ready(queue, ""), windows[queue]]
+        closed = frozenset(queue for queue, window in windows.items() if window <= 0)
+        if not given:
+            return ReleasePass([], closed)
+        pairs, full = self._release(keys=[keys.OUTBOX, keys.OUTBOX_ITEMS], args=args)
+        return ReleasePass([(text(pairs[i]), text(pairs[i + 1])) for i in range(0, len(pairs), 2)],
+                           closed | {given[int(n) - 1] for n in full})
 
     def scheduled_queues(self) -> list[str]:
         return sorted(members(self.redis.smembers(keys.SCHEDULED_QUEUES)))

@@ -10,7 +10,7 @@ import pytest
 from omni_jobs.errors import QuotaExceeded
 from omni_jobs.jobs.ledger import Acquired, JobLedger, Quota
 from omni_jobs.jobs.models import Job, Priority, StageRecord, new_job_id, now
-from omni_jobs.jobs.store import JobStore
+from omni_jobs.jobs.store import JobStore, ReleasePass
 from omni_jobs.steps import RunStage
 
 
@@ -21,7 +21,7 @@ def dit_job(tenant: str, priority: Priority = Priority.normal) -> Job:
 
 def releases(store: JobStore, window: int) -> list[str]:
     """One release pass on the dit queue; the job ids it released, in order."""
-    return [entry.split(":")[1] for entry, _tenant in store.release({"dit": window}, now=now())]
+    return [entry.split(":")[1] for entry, _tenant in store.release({"dit": window}, now=now()).released]
 
 
 def run_to_end(ledger: JobLedger, job_id: str) -> None:
@@ -46,10 +46,23 @@ def test_one_pass_releases_on_every_queue_each_within_its_window(ledger: JobLedg
     dit = [ledger.submit(dit_job("a"), ["dit"])[0].id for _ in range(3)]
     ar = [ledger.submit(Job(id=new_job_id(), pipeline="ar-only", input={}, tenant="a",
                             stages=[StageRecord(id="ar", engine="ar", queue="ar")]), ["ar"])[0].id for _ in range(3)]
-    released = store.release({"dit": 2, "ar": 1, "idle": 4}, now=now())
+    released = store.release({"dit": 2, "ar": 1, "idle": 4}, now=now()).released
     assert sorted(entry.split(":")[1] for entry, _ in released) == sorted(dit[:2] + ar[:1])
-    assert store.release({"dit": 2, "ar": 1}, now=now()) == []  # both windows full
-    assert store.release({}, now=now()) == []
+    assert store.release({"dit": 2, "ar": 1}, now=now()).released == []  # both windows full
+    assert store.release({}, now=now()) == ReleasePass([], frozenset())
+
+
+def test_a_pass_names_the_queues_it_left_full(ledger: JobLedger, store: JobStore) -> None:
+    dit = [ledger.submit(dit_job("a"), ["dit"])[0].id for _ in range(3)]
+    first = store.release({"dit": 2, "ar": 1, "idle": 4}, now=now())
+    assert [entry.split(":")[1] for entry, _ in first.released] == dit[:2]
+    assert first.full == {"dit"}  # two of two in service; ar and idle have room (nothing waits there)
+    run_to_end(ledger, dit[0])
+    second = store.release({"dit": 2, "ar": 0}, now=now())  # a window of 0: no worker takes the queue
+    assert [entry.split(":")[1] for entry, _ in second.released] == [dit[2]]
+    assert second.full == {"dit", "ar"}
+    run_to_end(ledger, dit[1])
+    assert store.release({"dit": 2}, now=now()) == ReleasePass([], frozenset())  # one in service, room for one
 
 
 def test_tenants_take_turns_whatever_their_backlog(ledger: JobLedger, store: JobStore) -> None:

@@ -50,6 +50,47 @@ def test_the_relay_publishes_a_commit_at_once_and_each_entry_once() -> None:
     relay.stop()
 
 
+def test_a_commit_that_only_makes_steps_ready_wakes_the_relay_only_where_a_pass_could_release_one() -> None:
+    store = MemoryJobStore()
+    ledger = JobLedger(store)
+    transport = Transport()
+    capacity = {"ar": 0}  # the live workers' concurrency per queue: none yet
+    scheduler = Scheduler(store, lambda: dict(capacity), slack=0, refresh_s=0.0)
+    passes = Counter[str]()
+
+    def release() -> int:
+        passes["release"] += 1
+        return scheduler.release_all()
+
+    relay = OutboxRelay(store, transport.publish, poll_s=5.0, release=release, needed=scheduler.may_release)
+    ledger.outbox_listeners.append(relay.wake)
+
+    def submit_and_settle(n: int) -> list[str]:
+        ids = [ledger.submit(job(), ["ar"])[0].id for _ in range(n)]
+        time.sleep(0.2)
+        return ids
+
+    submit_and_settle(1)  # starts the relay: its first pass reads the capacity
+    before = passes["release"]
+    submit_and_settle(5)
+    assert passes["release"] == before  # no worker takes "ar": no pass, nothing published
+    assert transport.published == []
+    capacity["ar"] = 2
+    relay.wake()  # what the poll does: a pass with the new capacity
+    time.sleep(0.2)
+    assert len(transport.published) == 2 and scheduler._full == {"ar"}
+    before = passes["release"]
+    submit_and_settle(5)
+    assert passes["release"] == before and len(transport.published) == 2  # the window is full: no passes
+    scheduler.slack = 10  # room again (as when a running step ends): the next ready step wakes it
+    relay.wake()
+    time.sleep(0.2)
+    assert scheduler._full == frozenset() and len(transport.published) == 11  # all the jobs
+    last = submit_and_settle(1)[0]
+    assert transport.published[-1] == f"stage:{last}:ar:1"  # woken by the commit itself, not the 5 s poll
+    relay.stop()
+
+
 def test_entries_wait_out_a_broker_outage_and_two_relays_never_both_publish_one() -> None:
     store = MemoryJobStore()
     ledger = JobLedger(store)
