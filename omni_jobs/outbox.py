@@ -3,7 +3,8 @@
 A transition never publishes: it writes its dispatches into the outbox in the same atomic write
 as the state change (omni_jobs.jobs.ledger). A relay in each process that writes (the API, every
 worker) wakes up at once after its own commits (one that only made steps ready, when the
-scheduler's pass could release one: ``needed``), and every ``poll_s`` anyway, claims the due
+scheduler's pass could release one), and every ``poll_s`` anyway, runs the scheduler's pass and
+claims the due
 entries (each claim holds an entry for ``hold_s``, so two relays do not publish it together),
 publishes them through the transport, and removes them. A relay that dies after claiming leaves
 its entries to the others once the hold runs out; one that dies after publishing but before
@@ -17,11 +18,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 from omni_jobs.jobs.change import Change, OutboxEntry
 from omni_jobs.jobs.models import now
 from omni_jobs.jobs.store import JobStore
+from omni_jobs.scheduling import Scheduler
 from omni_jobs.steps import Step
 
 log = logging.getLogger(__name__)
@@ -32,16 +34,14 @@ Publish = Callable[[list[Step], list[str]], None]
 
 class OutboxRelay:
     def __init__(self, store: JobStore, publish: Publish, *, hold_s: float = 5.0, poll_s: float = 0.5,
-                 batch: int = 200, release: Callable[[], int] | None = None,
-                 needed: Callable[[Collection[str]], bool] | None = None) -> None:
-        """``release``: the scheduler's pass (omni_jobs.scheduling), run first: it moves the stages
-        whose turn came from their queue's ready lists into the outbox. ``needed``: whether a pass
-        could release a step just made ready on these queues (Scheduler.may_release); a commit that
-        only made steps ready wakes the relay when it could."""
+                 batch: int = 200, scheduler: Scheduler | None = None) -> None:
+        """``scheduler``: its pass (omni_jobs.scheduling) runs first, in the same script as the
+        claim: it moves the stages whose turn came from their queue's ready lists into the outbox. A
+        commit that only made steps ready wakes the relay where it could release one
+        (Scheduler.may_release)."""
         self.store = store
         self.publish = publish
-        self.release = release
-        self.needed = needed
+        self.scheduler = scheduler
         self.hold_s = hold_s
         self.poll_s = poll_s
         self.batch = batch
@@ -54,9 +54,13 @@ class OutboxRelay:
 
     def run_once(self) -> int:
         """Publish what is due now; returns how many entries went out."""
-        if self.release is not None:
-            self.release()
-        entries: list[OutboxEntry] = self.store.claim_outbox(now=now(), limit=self.batch, hold_s=self.hold_s)
+        entries: list[OutboxEntry]
+        if self.scheduler is not None:
+            done, entries = self.store.release_and_claim(self.scheduler.windows(), now=now(), limit=self.batch,
+                                                         hold_s=self.hold_s)
+            self.scheduler.passed(done)
+        else:
+            entries = self.store.claim_outbox(now=now(), limit=self.batch, hold_s=self.hold_s)
         if not entries:
             return 0
         ids = [e.id for e in entries]
@@ -73,8 +77,8 @@ class OutboxRelay:
         thread = self._thread
         if thread is None or self._pid != os.getpid() or not thread.is_alive():
             self.start()
-        elif (change is not None and not change.outbox and self.needed is not None
-                and not self.needed({step.queue for step in change.scheduled})):
+        elif (change is not None and not change.outbox and self.scheduler is not None
+                and not self.scheduler.may_release({step.queue for step in change.scheduled})):
             return
         if not self._wake.is_set():
             self._wake.set()

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from omni_jobs import keys
 from omni_jobs.jobs.ledger import Quota
 from omni_jobs.jobs.models import now
-from omni_jobs.jobs.store import JobStore
+from omni_jobs.jobs.store import JobStore, ReleasePass
 
 Capacity = Callable[[], dict[str, int]]
 """queue -> how many tasks its live workers run at once (omni_jobs.worker_registry.queue_capacity)."""
@@ -53,19 +53,23 @@ class Scheduler:
                 self._cached = (time.monotonic(), capacity)
         return capacity
 
+    def windows(self) -> dict[str, int]:
+        """Queue -> its window, the steps it may have released or running at once: its live workers'
+        concurrency plus ``slack`` (every scheduled queue, unbounded, without ``capacity``)."""
+        if self.capacity is None:
+            return dict.fromkeys(self.store.scheduled_queues(), UNLIMITED)
+        return {queue: n + self.slack for queue, n in self._capacity(self.capacity).items() if n > 0}
+
+    def passed(self, done: ReleasePass) -> None:
+        """Note what a pass found (the queues it left full: may_release)."""
+        self._full = done.full
+
     def release_all(self) -> int:
         """One pass over every queue with live workers (one script); returns how many steps it released.
-        A queue's window, the steps it may have released or running at once, is its live workers'
-        concurrency plus ``slack``."""
-        if self.capacity is None:
-            windows = dict.fromkeys(self.store.scheduled_queues(), UNLIMITED)
-        else:
-            windows = {queue: n + self.slack for queue, n in self._capacity(self.capacity).items() if n > 0}
-        if not windows:
-            self._full = frozenset()
-            return 0
-        done = self.store.release(windows, now=now())
-        self._full = done.full
+        (The relay runs the same pass and its claim in one script: JobStore.release_and_claim.)"""
+        windows = self.windows()
+        done = self.store.release(windows, now=now()) if windows else ReleasePass([], frozenset())
+        self.passed(done)
         return len(done.released)
 
     def may_release(self, queues: Collection[str]) -> bool:

@@ -267,6 +267,12 @@ class MemoryJobStore:
                 full.add(queue)
         return ReleasePass(out, frozenset(full))
 
+    def release_and_claim(self, windows: Mapping[str, int], *, now: float, limit: int,
+                          hold_s: float) -> tuple[ReleasePass, list[OutboxEntry]]:
+        """``release``, then ``claim_outbox`` (one script on Redis; two steps under the lock here)."""
+        done = self.release(windows, now=now, limit=limit)
+        return done, self.claim_outbox(now=now, limit=limit, hold_s=hold_s)
+
     def _release_queue(self, queue: str, window: int, now: float, limit: int) -> tuple[list[tuple[str, str]], bool]:
         """(released, whether the window is left full)."""
         out: list[tuple[str, str]] = []

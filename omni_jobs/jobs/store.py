@@ -126,6 +126,10 @@ class JobStore(Protocol):
     def release(self, windows: Mapping[str, int], *, now: float, limit: int = 100) -> ReleasePass:
         """The scheduler's pass over the queues in ``windows`` (queue -> window; see RedisJobStore.release)."""
         ...
+    def release_and_claim(self, windows: Mapping[str, int], *, now: float, limit: int,
+                          hold_s: float) -> tuple[ReleasePass, list[OutboxEntry]]:
+        """``release``, then ``claim_outbox`` of everything due (what it released too), as one step."""
+        ...
     def scheduled_queues(self) -> list[str]: ...
     def oldest(self, key: str, *, since: float) -> float | None:
         """The lowest score at or after ``since`` in sorted set ``key`` (a rate window's oldest entry)."""
@@ -220,67 +224,89 @@ return {1, redis.call('ZRANK', p[1], p[2]), redis.call('ZCARD', p[1]), redis.cal
 """)
 """The commit script, answering the queue position of the job it wrote as well (a submit's answer)."""
 
-_CLAIM = """
-local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, tonumber(ARGV[3]) * 4)
-local out = {}
-for _, id in ipairs(due) do
-  if #out >= tonumber(ARGV[3]) * 2 then break end
-  if ARGV[4] == '' or string.find(id, ARGV[4], 1, true) then
-    local item = redis.call('HGET', KEYS[2], id)
-    if item then
-      redis.call('ZADD', KEYS[1], ARGV[2], id)
-      out[#out + 1] = id
-      out[#out + 1] = item
-    else
-      redis.call('ZREM', KEYS[1], id)
+_CLAIM_FUNCTION = """
+-- The due entries of the outbox, each held until hold_until (another claimer skips it meanwhile);
+-- answers (id, item) pairs, flat. An entry whose item is gone is dropped.
+local function claim(outbox, items, now, hold_until, limit, filter)
+  local due = redis.call('ZRANGEBYSCORE', outbox, '-inf', now, 'LIMIT', 0, limit * 4)
+  local out = {}
+  for _, id in ipairs(due) do
+    if #out >= limit * 2 then break end
+    if filter == '' or string.find(id, filter, 1, true) then
+      local item = redis.call('HGET', items, id)
+      if item then
+        redis.call('ZADD', outbox, hold_until, id)
+        out[#out + 1] = id
+        out[#out + 1] = item
+      else
+        redis.call('ZREM', outbox, id)
+      end
     end
   end
+  return out
 end
-return out
 """
 
-
-_RELEASE = """
--- KEYS: outbox, items; ARGV: now, limit, then per queue: tenants key, released key, running key,
--- ready-list prefix, window. One pass over every queue given, in one round trip. Answers the
--- released (entry, tenant) pairs, flat, and the numbers (1, 2...) of the queues left full.
-local now, limit = tonumber(ARGV[1]), tonumber(ARGV[2])
-local out, full = {}, {}
-for q = 3, #ARGV, 5 do
-  local tenants, released, running, prefix = ARGV[q], ARGV[q + 1], ARGV[q + 2], ARGV[q + 3]
-  local window = tonumber(ARGV[q + 4])
-  local in_service = redis.call('ZCARD', released) + redis.call('ZCARD', running)
-  local taken = 0
-  while in_service < window and taken < limit do
-    local first = redis.call('ZRANGE', tenants, 0, 0)
-    if #first == 0 then break end
-    local tenant = first[1]
-    local ready = prefix .. tenant
-    local head = redis.call('ZRANGE', ready, 0, 0)
-    if #head == 0 then
-      redis.call('ZREM', tenants, tenant)
-    else
-      local id = head[1]
-      redis.call('ZREM', ready, id)
-      if redis.call('HEXISTS', KEYS[2], id) == 1 then
-        redis.call('ZADD', KEYS[1], now, id)
-        local slot = string.match(id, '^(.*):%d+$')
-        redis.call('ZADD', released, now + taken * 0.0000005, slot)  -- release order, within one pass too
-        in_service = in_service + 1
-        taken = taken + 1
-        out[#out + 1] = id
-        out[#out + 1] = tenant
-      end
-      if redis.call('ZCARD', ready) == 0 then
+_RELEASE_FUNCTION = """
+-- The scheduler's pass over the queues given in args from first on, five values each: tenants key,
+-- released key, running key, ready-list prefix, window. Answers the released (entry, tenant)
+-- pairs, flat, and the numbers (1, 2...) of the queues it left full.
+local function release(outbox, items, now, limit, args, first)
+  local out, full = {}, {}
+  for q = first, #args, 5 do
+    local tenants, released, running, prefix = args[q], args[q + 1], args[q + 2], args[q + 3]
+    local window = tonumber(args[q + 4])
+    local in_service = redis.call('ZCARD', released) + redis.call('ZCARD', running)
+    local taken = 0
+    while in_service < window and taken < limit do
+      local head_tenant = redis.call('ZRANGE', tenants, 0, 0)
+      if #head_tenant == 0 then break end
+      local tenant = head_tenant[1]
+      local ready = prefix .. tenant
+      local head = redis.call('ZRANGE', ready, 0, 0)
+      if #head == 0 then
         redis.call('ZREM', tenants, tenant)
       else
-        redis.call('ZADD', tenants, now, tenant)
+        local id = head[1]
+        redis.call('ZREM', ready, id)
+        if redis.call('HEXISTS', items, id) == 1 then
+          redis.call('ZADD', outbox, now, id)
+          local slot = string.match(id, '^(.*):%d+$')
+          redis.call('ZADD', released, now + taken * 0.0000005, slot)  -- release order, within one pass too
+          in_service = in_service + 1
+          taken = taken + 1
+          out[#out + 1] = id
+          out[#out + 1] = tenant
+        end
+        if redis.call('ZCARD', ready) == 0 then
+          redis.call('ZREM', tenants, tenant)
+        else
+          redis.call('ZADD', tenants, now, tenant)
+        end
       end
     end
+    if in_service >= window then full[#full + 1] = (q - first) / 5 + 1 end
   end
-  if in_service >= window then full[#full + 1] = (q - 3) / 5 + 1 end
+  return out, full
 end
+"""
+
+_CLAIM = _CLAIM_FUNCTION + """
+-- KEYS: outbox, items; ARGV: now, hold until, limit, entry-id filter ('' for all)
+return claim(KEYS[1], KEYS[2], ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4])
+"""
+
+_RELEASE = _RELEASE_FUNCTION + """
+-- KEYS: outbox, items; ARGV: now, limit, then the queues (five values each)
+local out, full = release(KEYS[1], KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV, 3)
 return {out, full}
+"""
+
+_RELEASE_AND_CLAIM = _CLAIM_FUNCTION + _RELEASE_FUNCTION + """
+-- KEYS: outbox, items; ARGV: now, release limit, hold until, claim limit, then the queues. The
+-- relay's whole pass in one round trip: what the release makes due is claimed with the rest.
+local out, full = release(KEYS[1], KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV, 5)
+return {out, full, claim(KEYS[1], KEYS[2], ARGV[1], ARGV[3], tonumber(ARGV[4]), '')}
 """
 
 
@@ -317,6 +343,7 @@ class RedisJobStore:
         self._commit = client.register_script(_COMMIT)
         self._claim = client.register_script(_CLAIM)
         self._release = client.register_script(_RELEASE)
+        self._release_and_claim = client.register_script(_RELEASE_AND_CLAIM)
 
     # --- reading ---
     def _read(self, pipe: Pipeline, job_id: str) -> None:
@@ -525,15 +552,34 @@ class RedisJobStore:
         window of a queue's steps are released or running, move its next ready step to the outbox,
         taking the tenants in turn (the one served longest ago first) and each tenant's steps in
         order. A queue with a window of 0 is full."""
-        args: list[str | int] = [repr(now), limit]
+        given, args, closed = self._release_args(windows)
+        if not given:
+            return ReleasePass([], closed)
+        pairs, full = self._release(keys=[keys.OUTBOX, keys.OUTBOX_ITEMS], args=[repr(now), limit, *args])
+        return self._release_pass(given, closed, pairs, full)
+
+    def release_and_claim(self, windows: Mapping[str, int], *, now: float, limit: int,
+                          hold_s: float) -> tuple[ReleasePass, list[OutboxEntry]]:
+        """``release`` then ``claim_outbox`` (up to ``limit`` of each), in one script: the relay's pass."""
+        given, args, closed = self._release_args(windows)
+        pairs, full, claimed = self._release_and_claim(keys=[keys.OUTBOX, keys.OUTBOX_ITEMS],
+                                                       args=[repr(now), limit, repr(now + hold_s), limit, *args])
+        entries = [OutboxEntry(from_json(claimed[i + 1]), now) for i in range(0, len(claimed), 2)][:limit]
+        return self._release_pass(given, closed, pairs, full), entries
+
+    @staticmethod
+    def _release_args(windows: Mapping[str, int]) -> tuple[list[str], list[str | int], frozenset[str]]:
+        """(the queues with a window, the script's five values for each, the queues without)."""
         given = [queue for queue, window in windows.items() if window > 0]
+        args: list[str | int] = []
         for queue in given:
             args += [keys.queue_tenants(queue), keys.queue_released(queue), keys.queue_running(queue),
                      keys.queue_ready(queue, ""), windows[queue]]
-        closed = frozenset(queue for queue, window in windows.items() if window <= 0)
-        if not given:
-            return ReleasePass([], closed)
-        pairs, full = self._release(keys=[keys.OUTBOX, keys.OUTBOX_ITEMS], args=args)
+        return given, args, frozenset(queue for queue, window in windows.items() if window <= 0)
+
+    @staticmethod
+    def _release_pass(given: list[str], closed: frozenset[str], pairs: list[bytes],
+                      full: list[int]) -> ReleasePass:
         return ReleasePass([(text(pairs[i]), text(pairs[i + 1])) for i in range(0, len(pairs), 2)],
                            closed | {given[int(n) - 1] for n in full})
 

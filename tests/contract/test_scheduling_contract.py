@@ -129,3 +129,15 @@ def test_a_rate_quota_says_when_the_oldest_submission_leaves_the_minute(ledger: 
         ledger.submit(dit_job("r"), ["dit"], quota=quota)
     assert refused.value.limit == "jobs_per_minute"
     assert 55 < refused.value.retry_after_s <= 60
+
+
+def test_the_relays_pass_releases_and_claims_in_one_step(ledger: JobLedger, store: JobStore) -> None:
+    jobs = [ledger.submit(dit_job("a"), ["dit"])[0].id for _ in range(3)]
+    done, claimed = store.release_and_claim({"dit": 2}, now=now(), limit=10, hold_s=30)
+    assert [entry.split(":")[1] for entry, _ in done.released] == jobs[:2] and done.full == {"dit"}
+    assert sorted(e.step.job_id for e in claimed) == sorted(jobs[:2])  # what it released is claimed with it
+    again, held = store.release_and_claim({"dit": 2}, now=now(), limit=10, hold_s=30)
+    assert again == ReleasePass([], frozenset({"dit"})) and held == []  # held by the first claim
+    store.ack_outbox([e.id for e in claimed])
+    nothing, none = store.release_and_claim({}, now=now(), limit=10, hold_s=30)
+    assert nothing == ReleasePass([], frozenset()) and none == []

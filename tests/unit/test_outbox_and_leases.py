@@ -40,7 +40,7 @@ def test_the_relay_publishes_a_commit_at_once_and_each_entry_once() -> None:
     ledger = JobLedger(store)
     transport = Transport()
     relay = OutboxRelay(store, transport.publish, poll_s=5.0,  # a long poll: only the wake-up can be this fast
-                        release=Scheduler(store, None).release_all)
+                        scheduler=Scheduler(store, None))
     ledger.outbox_listeners.append(relay.wake)
     submitted = ledger.submit(job(), ["ar"])[0]
     deadline = time.monotonic() + 2
@@ -57,12 +57,14 @@ def test_a_commit_that_only_makes_steps_ready_wakes_the_relay_only_where_a_pass_
     capacity = {"ar": 0}  # the live workers' concurrency per queue: none yet
     scheduler = Scheduler(store, lambda: dict(capacity), slack=0, refresh_s=0.0)
     passes = Counter[str]()
+    windows = scheduler.windows
 
-    def release() -> int:
+    def counted_windows() -> dict[str, int]:  # once per pass
         passes["release"] += 1
-        return scheduler.release_all()
+        return windows()
 
-    relay = OutboxRelay(store, transport.publish, poll_s=5.0, release=release, needed=scheduler.may_release)
+    scheduler.windows = counted_windows  # type: ignore[method-assign]
+    relay = OutboxRelay(store, transport.publish, poll_s=5.0, scheduler=scheduler)
     ledger.outbox_listeners.append(relay.wake)
 
     def submit_and_settle(n: int) -> list[str]:
@@ -96,13 +98,13 @@ def test_entries_wait_out_a_broker_outage_and_two_relays_never_both_publish_one(
     ledger = JobLedger(store)
     transport = Transport()
     transport.down = True
-    release = Scheduler(store, None).release_all
-    first = OutboxRelay(store, transport.publish, hold_s=0.2, poll_s=0.05, release=release)
+    scheduler = Scheduler(store, None)
+    first = OutboxRelay(store, transport.publish, hold_s=0.2, poll_s=0.05, scheduler=scheduler)
     ids = [ledger.submit(job(), ["ar"])[0].id for _ in range(20)]
     first.start()
     time.sleep(0.3)
     assert transport.published == []  # nothing acknowledged while the broker is away: nothing lost
-    second = OutboxRelay(store, transport.publish, hold_s=0.2, poll_s=0.05, release=release).start()
+    second = OutboxRelay(store, transport.publish, hold_s=0.2, poll_s=0.05, scheduler=scheduler).start()
     transport.down = False
     for _ in range(50):
         ledger.submit(job(), ["ar"])
