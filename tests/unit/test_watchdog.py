@@ -8,7 +8,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from omni_jobs.watchdog import EXIT_CODE, hard_time_limit
+from omni_jobs.watchdog import EXIT_CODE, Deadlines, hard_time_limit
 
 
 def test_stuck_call_is_recorded_then_the_process_exits(tmp_path: Path) -> None:
@@ -36,3 +36,18 @@ def test_body_that_finishes_in_time_is_untouched() -> None:
         time.sleep(0.01)
     time.sleep(0.05)
     assert fired == []
+
+
+def test_one_thread_runs_each_due_call_in_order_and_none_that_was_cancelled() -> None:
+    deadlines = Deadlines()
+    ran: list[str] = []
+    late = deadlines.add(0.3, lambda: ran.append("late"))
+    deadlines.add(0.2, lambda: ran.append("second"))
+    deadlines.add(0.05, lambda: ran.append("first"))  # due before what the thread already waits for
+    cancelled = [deadlines.add(0.1, lambda: ran.append("cancelled")) for _ in range(200)]
+    for token in cancelled:
+        deadlines.cancel(token)
+    deadlines.cancel(late)
+    time.sleep(0.5)
+    assert ran == ["first", "second"]
+    assert len(deadlines._heap) == 0  # the cancelled ones were swept or skipped, not kept
