@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse
 from api import body_limit, docs, uploads
 from api.deps import ApiContext
 from api.observability import ObservabilityMiddleware
-from api.responses import CompactJSONResponse
 from api.routes import events, health, jobs, metrics, openai, pipelines
 from api.schemas import job_request_schemas
 from api.ui import router as ui_router
@@ -183,7 +182,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         description="Multi-stage multimodal generation (vLLM AR + diffusers DiT) as durable asynchronous jobs.",
         lifespan=lifespan,
-        default_response_class=CompactJSONResponse,
         docs_url=None,  # /docs and /redoc come from api.docs, with their assets served here (no CDN)
         redoc_url=None,
     )

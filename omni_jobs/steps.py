@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import SupportsIndex, SupportsInt
 
-from omni_jobs import compact_json
-
 RUN_STAGE_TASK = "omni.run_stage"
 ASSEMBLE_RESULTS_TASK = "omni.assemble_results"
 DELIVER_WEBHOOK_TASK = "omni.deliver_webhook"
@@ -155,7 +153,7 @@ def to_json(step: Step) -> str:
     elif isinstance(step, DeliverWebhook):
         fields["message_id"] = step.message_id
         fields["event"] = step.event
-    return compact_json.dumps(fields)
+    return json.dumps(fields, separators=(",", ":"))
 
 
 def from_json(raw: str | bytes) -> Step:

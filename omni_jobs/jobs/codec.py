@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from omni_jobs import compact_json
 from omni_jobs.jobs.models import (
     Job,
     JobError,
@@ -43,7 +42,7 @@ def results_field(name: str) -> str:
 
 
 def _json(value: object) -> str:
-    return compact_json.dumps(value, sort_keys=True)
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
 
 def _put(fields: Fields, name: str, value: float | str | None) -> None:
