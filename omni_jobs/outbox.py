@@ -69,15 +69,16 @@ class OutboxRelay:
         return len(entries)
 
     def wake(self, change: Change | None = None) -> None:
-        """A commit of this process (``change``) wrote outbox entries, or made steps ready: publish
-        now (starts the relay if needed). Called after every such commit (each submit): a commit
-        that only made steps ready where no pass could release them (Scheduler.may_release: no live
-        worker, or a full window) does not wake it, which under a burst of submits was about a fifth
-        of the API's CPU per submit (bench.submit)."""
+        """A commit of this process (``change``) wrote outbox entries, made steps ready or freed a
+        place in a queue's window: publish now (starts the relay if needed). Called after every such
+        commit (each submit): a commit that only made steps ready where no pass could release them
+        (Scheduler.may_release: no live worker, or a full window) does not wake it, which under a
+        burst of submits was about a fifth of the API's CPU per submit (bench.submit). A commit that
+        frees a place always does: the step waiting for it goes out now, not at the next poll."""
         thread = self._thread
         if thread is None or self._pid != os.getpid() or not thread.is_alive():
             self.start()
-        elif (change is not None and not change.outbox and self.scheduler is not None
+        elif (change is not None and not change.outbox and not change.freed and self.scheduler is not None
                 and not self.scheduler.may_release({step.queue for step in change.scheduled})):
             return
         if not self._wake.is_set():

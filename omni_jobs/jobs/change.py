@@ -95,6 +95,9 @@ class Change:
     outbox: list[OutboxEntry] = field(default_factory=list)
     scheduled: list[Step] = field(default_factory=list)
     """Steps handed to their queue's scheduler (they reach the outbox when it releases them)."""
+    freed: set[str] = field(default_factory=set)
+    """Queues where this change frees a place in the scheduler's window (a step ended): the next
+    pass may release a waiting step there."""
     durable: bool = False
     """Acknowledged only once it is as durable as the store is configured to make it (a submit: the
     202 promises the job survives a crash). Redis: WAIT for replicas when OMNI_REDIS_WAIT_REPLICAS > 0."""
@@ -190,6 +193,7 @@ class Change:
         self.events.extend(other.events)
         self.outbox.extend(other.outbox)
         self.scheduled.extend(other.scheduled)
+        self.freed |= other.freed
         return self
 
     def wire(self) -> str:

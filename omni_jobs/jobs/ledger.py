@@ -187,8 +187,8 @@ class JobLedger:
         self.deliveries_kept = deliveries_kept
         self.listeners: list[Listener] = []
         self.outbox_listeners: list[Callable[[Change], None]] = []
-        """Called with a commit that wrote outbox entries or made steps ready (the relay of this
-        process wakes up)."""
+        """Called with a commit that wrote outbox entries, made steps ready or freed a place in a
+        queue's window (the relay of this process wakes up)."""
 
     # --- reading ---
     def get(self, job_id: str) -> Job | None:
@@ -301,6 +301,8 @@ class JobLedger:
             change.zrem(keys.OUTBOX, entry).hdel(keys.OUTBOX_ITEMS, [entry])
             if job is not None:
                 change.zrem(keys.queue_ready(queue, job.tenant), entry)
+            if now_.status is not running:  # ended while released: its place is free
+                change.freed.add(queue)
         if now_.status is running:
             if was.status is not running:
                 change.zadd(keys.queue_running(queue), slot, now())
@@ -308,6 +310,7 @@ class JobLedger:
                 change.zadd(keys.LEASES, slot, now_.lease_until)
         if was.status is running and now_.status is not running:
             change.zrem(keys.queue_running(queue), slot).zrem(keys.LEASES, slot)
+            change.freed.add(queue)
 
     def order(self, job: Job, queued_at: float) -> float:
         """A waiting stage's place among its tenant's: its queued time, moved ahead (high) or back
@@ -350,7 +353,7 @@ class JobLedger:
                     listener(job, change.events)
                 except Exception:
                     log.exception("job %s: listener %r failed", job.id, listener)
-        if change.outbox or change.scheduled:
+        if change.outbox or change.scheduled or change.freed:
             for wake in self.outbox_listeners:
                 wake(change)
 
@@ -359,7 +362,7 @@ class JobLedger:
             return False
         if job is not None:
             self._committed(job, change)
-        elif change.outbox or change.scheduled:
+        elif change.outbox or change.scheduled or change.freed:
             for wake in self.outbox_listeners:
                 wake(change)
         return True

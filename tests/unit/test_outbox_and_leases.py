@@ -9,7 +9,7 @@ from collections import Counter
 
 from omni_jobs.jobs.ledger import Acquired, JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
-from omni_jobs.jobs.models import Job, JobStatus, StageRecord, StageStatus, new_job_id, now
+from omni_jobs.jobs.models import Job, JobError, JobStatus, StageRecord, StageStatus, new_job_id, now
 from omni_jobs.leases import LeaseKeeper, Reaper, lease_owner, node_of
 from omni_jobs.outbox import OutboxRelay
 from omni_jobs.scheduling import Scheduler
@@ -84,10 +84,18 @@ def test_a_commit_that_only_makes_steps_ready_wakes_the_relay_only_where_a_pass_
     before = passes["release"]
     submit_and_settle(5)
     assert passes["release"] == before and len(transport.published) == 2  # the window is full: no passes
-    scheduler.slack = 10  # room again (as when a running step ends): the next ready step wakes it
+    first = transport.published[0].split(":")[1]
+    taken = ledger.acquire(RunStage(first, "ar", 1, "ar"), worker="w", owner="w#1")
+    assert isinstance(taken, Acquired)
+    ledger.complete_stage(taken.lease, {}, {})  # a running step ends: its commit frees a place
+    time.sleep(0.2)
+    stages = [entry for entry in transport.published if entry.startswith("stage:")]
+    assert len(stages) == 3  # the next ready step went out at once, not at the 5 s poll
+    scheduler.slack = 10  # room for everything (more workers)
     relay.wake()
     time.sleep(0.2)
-    assert scheduler._full == frozenset() and len(transport.published) == 11  # all the jobs
+    assert scheduler._full == frozenset()
+    assert len([entry for entry in transport.published if entry.startswith("stage:")]) == 11  # all the jobs
     last = submit_and_settle(1)[0]
     assert transport.published[-1] == f"stage:{last}:ar:1"  # woken by the commit itself, not the 5 s poll
     relay.stop()
@@ -197,3 +205,17 @@ def test_a_restarted_worker_takes_back_its_predecessors_steps_at_once() -> None:
     assert report.requeued == 1
     assert ledger.require(old.job.id).stage_record("ar").status is StageStatus.queued
     assert ledger.require(other.job.id).status is JobStatus.running  # another node's step is left alone
+
+
+def test_a_commit_that_ends_a_running_step_frees_its_place_and_wakes_the_relay() -> None:
+    store = MemoryJobStore()
+    ledger = JobLedger(store)
+    woken: list[set[str]] = []
+    ledger.outbox_listeners.append(lambda change: woken.append(set(change.freed)))
+    submitted = ledger.submit(job(), ["ar"])[0]
+    Scheduler(store, None).release_all()
+    taken = ledger.acquire(RunStage(submitted.id, "ar", 1, "ar"), worker="w", owner="w#1")
+    assert isinstance(taken, Acquired)
+    woken.clear()
+    assert ledger.fail(submitted.id, JobError(type="EngineError", message="boom"), lease=taken.lease)
+    assert woken and woken[-1] == {"ar"}
