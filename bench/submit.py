@@ -22,7 +22,8 @@ Rows (each with a fresh redis-server that both arms write to):
   bench/durability.py and README "Reliability"), no workers.
 
 Prints jobs/s (median of the repetitions), p50/p99 latency (median of the repetitions' wrk
-percentiles), the server process's CPU time per request (median), and the ratios to bare. On a
+percentiles), the server process's and redis-server's CPU time per request (medians), and the
+ratios to bare. On a
 shared machine jobs/s swings with the neighbours' load; CPU per request barely does: compare that
 first. Needs ``wrk`` (apt-get install wrk).
 """
@@ -78,6 +79,8 @@ class Arm:
     cpu_ms: list[float] = field(default_factory=list)
     """CPU time of the server process per request (user + system): what a request costs, which a
     busy shared machine changes far less than it changes jobs/s."""
+    redis_cpu_ms: list[float] = field(default_factory=list)
+    """CPU time of redis-server per request: on a machine this small it competes with the server."""
     errors: int = 0
 
     def row(self) -> tuple[float, float, float, float]:
@@ -149,11 +152,11 @@ def measure_row(row: str, args: argparse.Namespace, home: Path) -> dict[str, Arm
         bare = start_uvicorn("bare", "bench.bare_submit_app:app", {"BARE_REDIS_URL": server.url}, home)
         stack.callback(bare.stop)
         urls = {"bare": bare.url, "system": system.url}
-        pids = {"bare": bare.pid, "system": system.pid}
+        pids = {"bare": _pid(bare), "system": _pid(system)}
         for name, source in args.compare.items():
             other = start_uvicorn(name, "api.main:app", env, home, source=source)
             stack.callback(other.stop)
-            urls[name], pids[name] = other.url, other.pid
+            urls[name], pids[name] = other.url, _pid(other)
         scripts = {name: home / f"{name}.lua" for name in urls}
         for name, script in scripts.items():
             auth = "" if name == "bare" else f'wrk.headers["Authorization"] = "Bearer {key}"'
@@ -170,19 +173,28 @@ def measure_row(row: str, args: argparse.Namespace, home: Path) -> dict[str, Arm
             wrk(url, scripts[name], connections=args.connections, duration_s=args.warmup)
         for _rep in range(args.reps):
             for name, url in urls.items():
-                cpu_before = cpu_s(pids[name])
+                cpu_before, redis_before = cpu_s(pids[name]), cpu_s(_pid(server))
                 rate, p50, p99, errors, requests = wrk(url, scripts[name], connections=args.connections,
                                                        duration_s=args.duration)
                 cpu_ms = 1000 * (cpu_s(pids[name]) - cpu_before) / max(1, requests)
+                redis_ms = 1000 * (cpu_s(_pid(server)) - redis_before) / max(1, requests)
                 arm = arms[name]
                 arm.rates.append(rate)
                 arm.p50_ms.append(p50)
                 arm.p99_ms.append(p99)
                 arm.cpu_ms.append(cpu_ms)
+                arm.redis_cpu_ms.append(redis_ms)
                 arm.errors += errors
                 print(f"  {row} {name}: {rate:,.0f} jobs/s, p50 {p50:.1f} ms, p99 {p99:.1f} ms, "
-                      f"{cpu_ms:.2f} CPU ms/request" + (f", {errors} errors" if errors else ""), flush=True)
+                      f"{cpu_ms:.2f} CPU ms/request, Redis {redis_ms:.2f}" + (f", {errors} errors" if errors else ""),
+                      flush=True)
     return arms
+
+
+def _pid(service: RunningService) -> int:
+    if service.pid is None:
+        raise RuntimeError(f"{service.name} is not running")
+    return service.pid
 
 
 def _wait_running(redis_url: str, timeout_s: float) -> None:
@@ -217,15 +229,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"measuring: {ROWS[row]} ...", flush=True)
             results[row] = measure_row(row, args, Path(tmp) / row)
     print(f"\nPOST /v1/jobs, {args.connections} connections, {args.reps} x {args.duration:g} s per arm, medians\n")
-    print("| row | arm | jobs/s | p50 ms | p99 ms | server CPU ms/job | jobs/s vs bare | CPU/job vs bare |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| row | arm | jobs/s | p50 ms | p99 ms | server CPU ms/job | Redis CPU ms/job | jobs/s vs bare "
+          "| CPU/job vs bare |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for row, arms in results.items():
         bare_rate, _, _, bare_cpu = arms["bare"].row()
         for name, arm in arms.items():
             rate, p50, p99, cpu = arm.row()
             ratios = f"{rate / bare_rate:.2f} | {cpu / bare_cpu:.1f}x" if name != "bare" else " | "
             errs = f" ({arm.errors} errors)" if arm.errors else ""
-            print(f"| {ROWS[row]} | {name}{errs} | {rate:,.0f} | {p50:.1f} | {p99:.1f} | {cpu:.2f} | {ratios} |")
+            redis_ms = statistics.median(arm.redis_cpu_ms)
+            print(f"| {ROWS[row]} | {name}{errs} | {rate:,.0f} | {p50:.1f} | {p99:.1f} | {cpu:.2f} | {redis_ms:.2f} "
+                  f"| {ratios} |")
     if args.json:
         args.json.write_text(json.dumps({row: {name: vars(arm) for name, arm in arms.items()}
                                          for row, arms in results.items()}, indent=2))
