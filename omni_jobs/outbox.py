@@ -55,18 +55,20 @@ class OutboxRelay:
     def run_once(self) -> int:
         """Publish what is due now; returns how many entries went out."""
         entries: list[OutboxEntry]
+        published = 0  # entries that carried their broker message: the script pushed them itself
         if self.scheduler is not None:
             done, entries = self.store.release_and_claim(self.scheduler.windows(), now=now(), limit=self.batch,
                                                          hold_s=self.hold_s)
             self.scheduler.passed(done)
+            published = done.published
         else:
             entries = self.store.claim_outbox(now=now(), limit=self.batch, hold_s=self.hold_s)
         if not entries:
-            return 0
+            return published
         ids = [e.id for e in entries]
         self.publish([e.step for e in entries], ids)
         self.store.ack_outbox(ids)
-        return len(entries)
+        return published + len(entries)
 
     def wake(self, change: Change | None = None) -> None:
         """A commit of this process (``change``) wrote outbox entries, made steps ready or freed a
@@ -76,6 +78,12 @@ class OutboxRelay:
         burst of submits was about a fifth of the API's CPU per submit (bench.submit). A commit that
         frees a place always does: the step waiting for it goes out now, not at the next poll."""
         thread = self._thread
+        if change is not None and change.passed is not None:
+            # The commit ran the pass for its queues and pushed its due steps onto the broker itself.
+            if self.scheduler is not None:
+                self.scheduler.passed_in_commit(change)
+            if thread is not None and thread.is_alive() and self._pid == os.getpid():
+                return
         if thread is None or self._pid != os.getpid() or not thread.is_alive():
             self.start()
         elif (change is not None and not change.outbox and not change.freed and self.scheduler is not None

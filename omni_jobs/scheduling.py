@@ -23,9 +23,10 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from omni_jobs import keys
+from omni_jobs.jobs.change import Change, ReleasePass
 from omni_jobs.jobs.ledger import Quota
 from omni_jobs.jobs.models import now
-from omni_jobs.jobs.store import JobStore, ReleasePass
+from omni_jobs.jobs.store import JobStore
 
 Capacity = Callable[[], dict[str, int]]
 """queue -> how many tasks its live workers run at once (omni_jobs.worker_registry.queue_capacity)."""
@@ -63,6 +64,26 @@ class Scheduler:
     def passed(self, done: ReleasePass) -> None:
         """Note what a pass found (the queues it left full: may_release)."""
         self._full = done.full
+
+    def windows_for(self, change: Change) -> dict[str, int] | None:
+        """The windows of the queues where ``change`` makes a step ready or frees a place, for the
+        pass a store runs in the commit itself (RedisJobStore.publish_in_commit), from the capacity
+        last read (no read here: a commit does not wait on the worker registry); None before the
+        first read (the relay's pass then does it). A queue with no live worker, or whose window the
+        last pass left full and this change frees nothing of, is left out: nothing could go out there."""
+        read_at, capacity = self._cached
+        if self.capacity is None or read_at == 0.0:
+            return None
+        full = self._full
+        queues = {step.queue for step in change.scheduled} | change.freed
+        return {queue: capacity[queue] + self.slack for queue in queues
+                if capacity.get(queue, 0) > 0 and (queue in change.freed or queue not in full)}
+
+    def passed_in_commit(self, change: Change) -> None:
+        """Note what the pass of a commit found (``change.passed``), for its queues only."""
+        if change.passed is not None:
+            queues = {step.queue for step in change.scheduled} | change.freed
+            self._full = (self._full - queues) | change.passed.full
 
     def release_all(self) -> int:
         """One pass over every queue with live workers (one script); returns how many steps it released.

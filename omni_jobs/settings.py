@@ -24,6 +24,10 @@ class Settings(BaseSettings):
     # --- Redis: job state, events, small artifacts, and (by default) the Celery broker ---
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for job state and small artifacts.")
     broker_url: str | None = Field(None, description="Celery broker URL; defaults to redis_url.")
+    direct_publish: bool = Field(
+        True, description="Where the broker is redis_url itself: the commit that makes a step runnable also "
+        "pushes its task message onto the Celery queue (one script, no relay hop). false: a relay publishes "
+        "through kombu after the commit, as it does for any other broker.")
     redis_wait_replicas: int = Field(
         0, ge=0, description="A submit is answered 202 only once this many Redis replicas have the job (WAIT); "
         "0 relies on the primary's AOF with appendfsync always (README \"Reliability\").")
@@ -223,6 +227,11 @@ class Settings(BaseSettings):
     @property
     def effective_broker_url(self) -> str:
         return self.broker_url or self.redis_url
+
+    @property
+    def publishes_in_commit(self) -> bool:
+        """Whether commits push task messages onto the broker themselves (``direct_publish``)."""
+        return self.direct_publish and self.effective_broker_url == self.redis_url
 
 
 @lru_cache(maxsize=1)

@@ -14,6 +14,7 @@ same semantics and the same contract tests hold for both.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
@@ -51,6 +52,17 @@ class Conflict:
     guard: Guard | None
     found: str | None
     cap: Cap | None = None
+
+
+@dataclass(frozen=True)
+class ReleasePass:
+    """What one scheduler pass did: the steps it released, as (entry id, tenant) in release order,
+    and the queues whose window it left full (a step that becomes ready there waits for a slot)."""
+
+    released: list[tuple[str, str]]
+    full: frozenset[str]
+    published: int = 0
+    """Outbox entries put straight onto their broker queue in the same step (a store that is the broker)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,9 @@ class Change:
     freed: set[str] = field(default_factory=set)
     """Queues where this change frees a place in the scheduler's window (a step ended): the next
     pass may release a waiting step there."""
+    passed: ReleasePass | None = None
+    """Set by a store that is also the broker once it ran, in the commit itself, the scheduler's pass for
+    this change's queues and pushed its due dispatches onto their queues: no relay needs to wake."""
     durable: bool = False
     """Acknowledged only once it is as durable as the store is configured to make it (a submit: the
     202 promises the job survives a crash). Redis: WAIT for replicas when OMNI_REDIS_WAIT_REPLICAS > 0."""
@@ -196,8 +211,18 @@ class Change:
         self.freed |= other.freed
         return self
 
-    def wire(self) -> str:
-        """The change as the Lua script reads it."""
+    def steps(self) -> dict[str, Step]:
+        """The steps this change writes to the outbox (dispatched or scheduled), by entry id."""
+        return {step_id(s): s for s in (*(e.step for e in self.outbox), *self.scheduled)}
+
+    def wire(self, message: Callable[[Step, str], str] | None = None) -> str:
+        """The change as the Lua script reads it; ``message``: each outbox item carries its step's
+        broker message too (omni_jobs.queueing.broker_message), for a store that is the broker."""
+        ops: list[Op] = self.ops
+        if message is not None and (self.outbox or self.scheduled):
+            steps = self.steps()
+            ops = [("hset", op[1], {i: to_json(steps[i], message(steps[i], i)) for i in op[2]})
+                   if op[0] == "hset" and op[1] == keys.OUTBOX_ITEMS else op for op in ops]
         return json.dumps({"g": [[g.key, g.field, list(g.allowed)] for g in self.guards],
                            "c": [[c.key, "-inf" if c.since is None else repr(c.since), c.below] for c in self.caps],
-                           "o": [list(op) for op in self.ops]}, separators=(",", ":"))
+                           "o": [list(op) for op in ops]}, separators=(",", ":"))

@@ -18,12 +18,11 @@ from typing import assert_never
 
 from omni_jobs import keys
 from omni_jobs.jobs import codec
-from omni_jobs.jobs.change import Change, Conflict, Op, OutboxEntry
+from omni_jobs.jobs.change import Change, Conflict, Op, OutboxEntry, ReleasePass
 from omni_jobs.jobs.models import Job, JobEvent, JobStatus
 from omni_jobs.jobs.store import (
     IdempotencyRecord,
     JobPage,
-    ReleasePass,
     WebhookSlot,
     decode_webhook_slots,
     estimate_position,

@@ -27,10 +27,18 @@ from redis.typing import XReadResponse
 from omni_jobs import keys
 from omni_jobs.errors import NotDurable
 from omni_jobs.jobs import codec
-from omni_jobs.jobs.change import Change, Conflict, Guard, OutboxEntry
-from omni_jobs.jobs.models import Job, JobEvent, JobStatus, StageRecord, StageStatus
+from omni_jobs.jobs.change import Change, Conflict, Guard, OutboxEntry, ReleasePass
+from omni_jobs.jobs.models import Job, JobEvent, JobStatus, StageRecord, StageStatus, now
 from omni_jobs.redis_replies import members, text, text_hash
-from omni_jobs.steps import RESULTS_QUEUE, WEBHOOKS_QUEUE, from_json, results_slot, stage_slot, webhook_slot
+from omni_jobs.steps import (
+    RESULTS_QUEUE,
+    WEBHOOKS_QUEUE,
+    Step,
+    from_json,
+    results_slot,
+    stage_slot,
+    webhook_slot,
+)
 
 
 @dataclass(frozen=True)
@@ -66,15 +74,6 @@ def decode_webhook_slots(raw: dict[str, str]) -> dict[str, WebhookSlot]:
         slots[mid] = WebhookSlot(mid, event, status, int(raw.get(webhook_field(mid, "attempts")) or 0),
                                  raw.get(webhook_field(mid, "lease_owner")), float(until) if until is not None else None)
     return slots
-
-
-@dataclass(frozen=True)
-class ReleasePass:
-    """What one scheduler pass did: the steps it released, as (entry id, tenant) in release order,
-    and the queues whose window it left full (a step that becomes ready there waits for a slot)."""
-
-    released: list[tuple[str, str]]
-    full: frozenset[str]
 
 
 @dataclass(frozen=True)
@@ -172,78 +171,43 @@ class JobStore(Protocol):
         ...
 
 
-_COMMIT = """
-local spec = cjson.decode(ARGV[1])
-for i, g in ipairs(spec.g) do
-  local v = redis.call('HGET', g[1], g[2])
-  local ok = false
-  for _, a in ipairs(g[3]) do
-    if (a == cjson.null and v == false) or (a ~= cjson.null and v == a) then ok = true break end
-  end
-  if not ok then
-    if v == false then return {0, i} end
-    return {0, i, v}
-  end
+_PUBLISH_FUNCTION = """
+-- Pushes an outbox entry onto its Celery queue's list, as kombu's Redis transport would, when its
+-- item carries the broker message (the broker is this Redis: omni_jobs.queueing.broker_message),
+-- and ends the entry. Answers whether it did.
+local function publish(outbox, items, id, item)
+  local step = cjson.decode(item)
+  if type(step.m) ~= 'string' then return false end
+  redis.call('LPUSH', step.queue, step.m)
+  redis.call('ZREM', outbox, id)
+  redis.call('HDEL', items, id)
+  return true
 end
-for i, c in ipairs(spec.c) do
-  local n = redis.call('ZCOUNT', c[1], c[2], '+inf')
-  if n >= c[3] then return {2, i, n} end
-end
-for _, op in ipairs(spec.o) do
-  local k = op[1]
-  if k == 'hset' then
-    local flat = {}
-    for f, v in pairs(op[3]) do flat[#flat + 1] = f; flat[#flat + 1] = v end
-    if #flat > 0 then redis.call('HSET', op[2], unpack(flat)) end
-  elseif k == 'hdel' then redis.call('HDEL', op[2], unpack(op[3]))
-  elseif k == 'del' then redis.call('DEL', op[2])
-  elseif k == 'set' then
-    if op[4] > 0 then redis.call('SET', op[2], op[3], 'EX', op[4]) else redis.call('SET', op[2], op[3]) end
-  elseif k == 'expire' then redis.call('EXPIRE', op[2], op[3])
-  elseif k == 'zadd' then redis.call('ZADD', op[2], op[4], op[3])
-  elseif k == 'zaddnx' then redis.call('ZADD', op[2], 'NX', op[4], op[3])
-  elseif k == 'zrem' then redis.call('ZREM', op[2], op[3])
-  elseif k == 'ztrim' then redis.call('ZREMRANGEBYSCORE', op[2], '-inf', op[3])
-  elseif k == 'sadd' then redis.call('SADD', op[2], op[3])
-  elseif k == 'xadd' then redis.call('XADD', op[2], 'MAXLEN', '~', op[3], '*', 'event', op[4])
-  elseif k == 'rpush' then
-    redis.call('RPUSH', op[2], op[3])
-    redis.call('LTRIM', op[2], -op[4], -1)
-  else return redis.error_reply('unknown op ' .. tostring(k)) end
-end
-return {1}
 """
-
-_COMMIT_PLACED = _COMMIT.replace("\nreturn {1}\n", """
--- then the queue position of the job just written (ARGV[2]: released key, slot, ready key, entry,
--- tenants key; or an empty list when none of its stages waits): see estimate_position
-local p = cjson.decode(ARGV[2])
-if #p == 0 then return {1} end
-return {1, redis.call('ZRANK', p[1], p[2]), redis.call('ZCARD', p[1]), redis.call('ZRANK', p[3], p[4]),
-        redis.call('ZCARD', p[5])}
-""")
-"""The commit script, answering the queue position of the job it wrote as well (a submit's answer)."""
 
 _CLAIM_FUNCTION = """
 -- The due entries of the outbox, each held until hold_until (another claimer skips it meanwhile);
--- answers (id, item) pairs, flat. An entry whose item is gone is dropped.
-local function claim(outbox, items, now, hold_until, limit, filter)
+-- answers (id, item) pairs, flat, and how many it published itself instead (``direct``: an entry
+-- whose item carries its broker message goes onto its queue). An entry whose item is gone is dropped.
+local function claim(outbox, items, now, hold_until, limit, filter, direct)
   local due = redis.call('ZRANGEBYSCORE', outbox, '-inf', now, 'LIMIT', 0, limit * 4)
-  local out = {}
+  local out, sent = {}, 0
   for _, id in ipairs(due) do
-    if #out >= limit * 2 then break end
+    if #out / 2 + sent >= limit then break end
     if filter == '' or string.find(id, filter, 1, true) then
       local item = redis.call('HGET', items, id)
-      if item then
+      if not item then
+        redis.call('ZREM', outbox, id)
+      elseif direct and publish(outbox, items, id, item) then
+        sent = sent + 1
+      else
         redis.call('ZADD', outbox, hold_until, id)
         out[#out + 1] = id
         out[#out + 1] = item
-      else
-        redis.call('ZREM', outbox, id)
       end
     end
   end
-  return out
+  return out, sent
 end
 """
 
@@ -291,9 +255,79 @@ local function release(outbox, items, now, limit, args, first)
 end
 """
 
-_CLAIM = _CLAIM_FUNCTION + """
+_COMMIT = _PUBLISH_FUNCTION + _RELEASE_FUNCTION + """
+local spec = cjson.decode(ARGV[1])
+for i, g in ipairs(spec.g) do
+  local v = redis.call('HGET', g[1], g[2])
+  local ok = false
+  for _, a in ipairs(g[3]) do
+    if (a == cjson.null and v == false) or (a ~= cjson.null and v == a) then ok = true break end
+  end
+  if not ok then
+    if v == false then return {0, i} end
+    return {0, i, v}
+  end
+end
+for i, c in ipairs(spec.c) do
+  local n = redis.call('ZCOUNT', c[1], c[2], '+inf')
+  if n >= c[3] then return {2, i, n} end
+end
+for _, op in ipairs(spec.o) do
+  local k = op[1]
+  if k == 'hset' then
+    local flat = {}
+    for f, v in pairs(op[3]) do flat[#flat + 1] = f; flat[#flat + 1] = v end
+    if #flat > 0 then redis.call('HSET', op[2], unpack(flat)) end
+  elseif k == 'hdel' then redis.call('HDEL', op[2], unpack(op[3]))
+  elseif k == 'del' then redis.call('DEL', op[2])
+  elseif k == 'set' then
+    if op[4] > 0 then redis.call('SET', op[2], op[3], 'EX', op[4]) else redis.call('SET', op[2], op[3]) end
+  elseif k == 'expire' then redis.call('EXPIRE', op[2], op[3])
+  elseif k == 'zadd' then redis.call('ZADD', op[2], op[4], op[3])
+  elseif k == 'zaddnx' then redis.call('ZADD', op[2], 'NX', op[4], op[3])
+  elseif k == 'zrem' then redis.call('ZREM', op[2], op[3])
+  elseif k == 'ztrim' then redis.call('ZREMRANGEBYSCORE', op[2], '-inf', op[3])
+  elseif k == 'sadd' then redis.call('SADD', op[2], op[3])
+  elseif k == 'xadd' then redis.call('XADD', op[2], 'MAXLEN', '~', op[3], '*', 'event', op[4])
+  elseif k == 'rpush' then
+    redis.call('RPUSH', op[2], op[3])
+    redis.call('LTRIM', op[2], -op[4], -1)
+  else return redis.error_reply('unknown op ' .. tostring(k)) end
+end
+-- Then, where the store is also the broker (ARGV[2], else absent or ''), in the same step: the
+-- scheduler's pass over the change's queues, and its due dispatches and what the pass released
+-- pushed onto their queues. ARGV[2]: {o: outbox, i: items, n: now, l: limit, q: the pass's queues
+-- (five values each, as release), d: the change's dispatch ids due now}.
+local released, full, sent = {}, {}, 0
+if ARGV[2] and ARGV[2] ~= '' then
+  local r = cjson.decode(ARGV[2])
+  local ids = r.d
+  if #r.q > 0 then
+    released, full = release(r.o, r.i, r.n, r.l, r.q, 1)
+    for i = 1, #released, 2 do ids[#ids + 1] = released[i] end
+  end
+  for _, id in ipairs(ids) do
+    local item = redis.call('HGET', r.i, id)
+    if item and redis.call('ZSCORE', r.o, id) and publish(r.o, r.i, id, item) then sent = sent + 1 end
+  end
+end
+return {1, released, full, sent}
+"""
+
+_COMMIT_PLACED = _COMMIT.replace("\nreturn {1, released, full, sent}\n", """
+-- then the queue position of the job just written (ARGV[3]: released key, slot, ready key, entry,
+-- tenants key; or an empty list when none of its stages waits): see estimate_position
+local p = cjson.decode(ARGV[3])
+if #p == 0 then return {1, released, full, sent} end
+return {1, released, full, sent, redis.call('ZRANK', p[1], p[2]), redis.call('ZCARD', p[1]),
+        redis.call('ZRANK', p[3], p[4]), redis.call('ZCARD', p[5])}
+""")
+"""The commit script, answering the queue position of the job it wrote as well (a submit's answer)."""
+
+_CLAIM = _PUBLISH_FUNCTION + _CLAIM_FUNCTION + """
 -- KEYS: outbox, items; ARGV: now, hold until, limit, entry-id filter ('' for all)
-return claim(KEYS[1], KEYS[2], ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4])
+local out = claim(KEYS[1], KEYS[2], ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], false)
+return out
 """
 
 _RELEASE = _RELEASE_FUNCTION + """
@@ -302,11 +336,13 @@ local out, full = release(KEYS[1], KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[2])
 return {out, full}
 """
 
-_RELEASE_AND_CLAIM = _CLAIM_FUNCTION + _RELEASE_FUNCTION + """
--- KEYS: outbox, items; ARGV: now, release limit, hold until, claim limit, then the queues. The
--- relay's whole pass in one round trip: what the release makes due is claimed with the rest.
-local out, full = release(KEYS[1], KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV, 5)
-return {out, full, claim(KEYS[1], KEYS[2], ARGV[1], ARGV[3], tonumber(ARGV[4]), '')}
+_RELEASE_AND_CLAIM = _PUBLISH_FUNCTION + _CLAIM_FUNCTION + _RELEASE_FUNCTION + """
+-- KEYS: outbox, items; ARGV: now, release limit, hold until, claim limit, direct ('1': push what
+-- carries its broker message), then the queues. The relay's whole pass in one round trip: what the
+-- release makes due is claimed (or published) with the rest.
+local out, full = release(KEYS[1], KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV, 6)
+local claimed, sent = claim(KEYS[1], KEYS[2], ARGV[1], ARGV[3], tonumber(ARGV[4]), '', ARGV[5] == '1')
+return {out, full, claimed, sent}
 """
 
 
@@ -327,12 +363,18 @@ class RedisJobStore:
     """Jobs as hashes, events as streams, the outbox and leases as sorted sets, in one Redis."""
 
     def __init__(self, client: redis.Redis, *, ttl_s: int, events_maxlen: int = 2000, wait_replicas: int = 0,
-                 wait_timeout_ms: int = 1000, async_client: Callable[[], aioredis.Redis] | None = None) -> None:
+                 wait_timeout_ms: int = 1000, async_client: Callable[[], aioredis.Redis] | None = None,
+                 broker_message: Callable[[Step, str], str] | None = None) -> None:
         """``wait_replicas``: a durable change (a submit) is acknowledged only once this many replicas
         have it (Redis WAIT); 0 relies on the primary's own AOF (``appendfsync always``).
         ``async_client``: makes the redis.asyncio client of the ``a*`` methods, one per event loop
-        (its connections belong to the loop that made them); default: the same server as ``client``."""
+        (its connections belong to the loop that made them); default: the same server as ``client``.
+        ``broker_message``: this Redis (this database) is also the Celery broker, and this renders a
+        step's task message (omni_jobs.queueing.broker_message): every outbox item carries it, and
+        the scripts that make an entry due push it onto its queue themselves (see ``publish_in_commit``)."""
         self.redis = client
+        self.broker_message = broker_message
+        self._windows: Callable[[Change], Mapping[str, int] | None] | None = None
         self._make_async = async_client or (lambda: same_server_async(client))
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[aioredis.Redis, AsyncScript]] = \
             weakref.WeakKeyDictionary()
@@ -403,10 +445,44 @@ class RedisJobStore:
         return IdempotencyRecord(raw["job_id"], raw["fingerprint"]) if "job_id" in raw else None
 
     # --- writing ---
+    def publish_in_commit(self, windows: Callable[[Change], Mapping[str, int] | None]) -> None:
+        """With ``broker_message``: a commit that dispatches, schedules or frees a place also runs the
+        scheduler's pass over its queues (``windows``: queue -> window for a change, None when the
+        scheduler cannot tell yet: Scheduler.windows_for) and pushes what is due onto the broker, in
+        its own script: a step reaches its worker with no relay between. ``Change.passed`` says so."""
+        self._windows = windows
+
+    def _pass_spec(self, change: Change) -> tuple[str, list[str], frozenset[str]]:
+        """The commit script's ARGV[2] for ``change`` ('' for none), its pass's queues and the closed ones."""
+        if self.broker_message is None or self._windows is None or not (change.outbox or change.scheduled
+                                                                         or change.freed):
+            return "", [], frozenset()
+        windows = self._windows(change)
+        if windows is None:
+            return "", [], frozenset()
+        given, args, closed = self._release_args(windows)
+        at = now()
+        spec = {"o": keys.OUTBOX, "i": keys.OUTBOX_ITEMS, "n": at, "l": 100, "q": args,
+                "d": [entry.id for entry in change.outbox if entry.due_at <= at]}
+        return json.dumps(spec, separators=(",", ":")), given, closed
+
+    def _wire(self, change: Change) -> str:
+        return change.wire(self.broker_message)
+
+    def _passed(self, change: Change, spec: tuple[str, list[str], frozenset[str]], reply: ScriptReply) -> None:
+        """Note on ``change`` what the commit's own pass did (a reply ``{1, released, full, sent, ...}``)."""
+        if spec[0] and _int(reply[0]) == 1:
+            pairs, full, sent = reply[1], reply[2], reply[3]
+            assert isinstance(pairs, list) and isinstance(full, list)
+            done = self._release_pass(spec[1], spec[2], pairs, full)
+            change.passed = ReleasePass(done.released, done.full, published=_int(sent))
+
     def commit(self, change: Change) -> Conflict | None:
+        spec = self._pass_spec(change)
+        args = [self._wire(change), spec[0]]
         if change.durable and self.wait_replicas > 0:
             with self.redis.pipeline(transaction=False) as pipe:
-                self._commit(args=[change.wire()], client=pipe)
+                self._commit(args=args, client=pipe)
                 pipe.wait(self.wait_replicas, self.wait_timeout_ms)
                 replies = pipe.execute()
             reply: ScriptReply = replies[0]
@@ -414,7 +490,8 @@ class RedisJobStore:
             if _int(reply[0]) == 1 and acked < self.wait_replicas:
                 raise NotDurable(acked, self.wait_replicas, self.wait_timeout_ms)
         else:
-            reply = self._commit(args=[change.wire()])
+            reply = self._commit(args=args)
+        self._passed(change, spec, reply)
         return self._conflict(change, reply)
 
     def commit_each(self, changes: Sequence[Change]) -> list[Conflict | None]:
@@ -426,7 +503,7 @@ class RedisJobStore:
         for attempt in range(2):
             with self.redis.pipeline(transaction=False) as pipe:
                 for change in changes:
-                    pipe.evalsha(sha, 0, change.wire())
+                    pipe.evalsha(sha, 0, self._wire(change))
                 replies = pipe.execute(raise_on_error=False)
             if not any(isinstance(r, NoScriptError) for r in replies):
                 break
@@ -479,29 +556,30 @@ class RedisJobStore:
         record = waiting_stage(job) if job is not None else None
         place = json.dumps(position_keys(job, record) if job is not None and record is not None else [])
         wait = change.durable and self.wait_replicas > 0
-        wire = change.wire()
+        wire, spec = self._wire(change), self._pass_spec(change)
         reply: ScriptReply = []
         for attempt in range(2):
             try:
                 if wait:
                     async with client.pipeline(transaction=False) as pipe:
-                        pipe.evalsha(script.sha, 0, wire, place)
+                        pipe.evalsha(script.sha, 0, wire, spec[0], place)
                         pipe.wait(self.wait_replicas, self.wait_timeout_ms)
                         replies = await pipe.execute()
                     reply, acked = replies[0], int(replies[1])
                     if _int(reply[0]) == 1 and acked < self.wait_replicas:
                         raise NotDurable(acked, self.wait_replicas, self.wait_timeout_ms)
                 else:
-                    reply = await client.evalsha(script.sha, 0, wire, place)
+                    reply = await client.evalsha(script.sha, 0, wire, spec[0], place)
                 break
             except NoScriptError:
                 if attempt:
                     raise
                 await client.script_load(_COMMIT_PLACED)
+        self._passed(change, spec, reply)
         conflict = self._conflict(change, reply)
-        if conflict is not None or len(reply) != 5:
+        if conflict is not None or len(reply) != 8:
             return conflict, None
-        return None, estimate_position(reply[1:])
+        return None, estimate_position(reply[4:])
 
     async def aget(self, job_id: str) -> Job | None:
         client, _ = self._aclient()
@@ -562,10 +640,12 @@ class RedisJobStore:
                           hold_s: float) -> tuple[ReleasePass, list[OutboxEntry]]:
         """``release`` then ``claim_outbox`` (up to ``limit`` of each), in one script: the relay's pass."""
         given, args, closed = self._release_args(windows)
-        pairs, full, claimed = self._release_and_claim(keys=[keys.OUTBOX, keys.OUTBOX_ITEMS],
-                                                       args=[repr(now), limit, repr(now + hold_s), limit, *args])
+        direct = "1" if self.broker_message is not None else "0"
+        pairs, full, claimed, sent = self._release_and_claim(
+            keys=[keys.OUTBOX, keys.OUTBOX_ITEMS], args=[repr(now), limit, repr(now + hold_s), limit, direct, *args])
         entries = [OutboxEntry(from_json(claimed[i + 1]), now) for i in range(0, len(claimed), 2)][:limit]
-        return self._release_pass(given, closed, pairs, full), entries
+        done = self._release_pass(given, closed, pairs, full)
+        return ReleasePass(done.released, done.full, published=int(sent)), entries
 
     @staticmethod
     def _release_args(windows: Mapping[str, int]) -> tuple[list[str], list[str | int], frozenset[str]]:

@@ -8,9 +8,10 @@ import time
 import pytest
 
 from omni_jobs.errors import QuotaExceeded
+from omni_jobs.jobs.change import ReleasePass
 from omni_jobs.jobs.ledger import Acquired, JobLedger, Quota
 from omni_jobs.jobs.models import Job, Priority, StageRecord, new_job_id, now
-from omni_jobs.jobs.store import JobStore, ReleasePass
+from omni_jobs.jobs.store import JobStore
 from omni_jobs.steps import RunStage
 
 

@@ -1,0 +1,112 @@
+"""Where the job store's Redis is also the broker, a commit publishes its own steps: it runs the
+scheduler's pass for its queues and pushes the task messages onto the Celery queues in the same
+script (RedisJobStore.publish_in_commit). Real Redis; what a worker would take is read back with
+kombu's Redis transport itself."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+from kombu import Connection
+
+from omni_jobs import keys
+from omni_jobs.jobs.ledger import Acquired, JobLedger
+from omni_jobs.jobs.models import Job, StageRecord, new_job_id
+from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.outbox import OutboxRelay
+from omni_jobs.queueing import broker_message
+from omni_jobs.scheduling import Scheduler
+from omni_jobs.steps import RUN_STAGE_TASK, RunStage, Step
+
+pytestmark = pytest.mark.integration
+
+
+def two_stage_job() -> Job:
+    return Job(id=new_job_id(), pipeline="p", input={}, tenant="t",
+               stages=[StageRecord(id="ar", engine="ar", queue="ar"),
+                       StageRecord(id="dit", engine="dit", queue="dit", needs=["ar"])])
+
+
+def system(client: redis.Redis, capacity: dict[str, int]) -> tuple[RedisJobStore, JobLedger, Scheduler]:
+    """A store that is the broker, with a scheduler that has read the workers' ``capacity`` once."""
+    store = RedisJobStore(client, ttl_s=3600, broker_message=broker_message)
+    scheduler = Scheduler(store, lambda: dict(capacity), slack=0)
+    store.publish_in_commit(scheduler.windows_for)
+    scheduler.windows()  # the relay's first pass reads the capacity; commits use what it read
+    return store, JobLedger(store, lease_s=30.0), scheduler
+
+
+def queued_tasks(client: redis.Redis, queue: str) -> list[str]:
+    """Task ids on a Celery queue, oldest first (kombu pushes left, pops right)."""
+    return [json.loads(raw)["headers"]["id"] for raw in reversed(client.lrange(queue, 0, -1))]
+
+
+def finish(ledger: JobLedger, step: RunStage) -> None:
+    taken = ledger.acquire(step, worker="w", owner="w#1")
+    assert isinstance(taken, Acquired), taken
+    ledger.complete_stage(taken.lease, {}, {})
+
+
+def test_a_submit_puts_its_first_stage_on_the_queue_in_its_own_commit(redis_client: redis.Redis) -> None:
+    store, ledger, _ = system(redis_client, {"ar": 2, "dit": 1})
+    jobs = [ledger.submit(two_stage_job(), ["ar"])[0].id for _ in range(3)]
+    # The window of ar is 2: two went out with their submits, the third waits for a place.
+    assert queued_tasks(redis_client, "ar") == [f"stage:{j}:ar:1" for j in jobs[:2]]
+    assert redis_client.zcard(keys.OUTBOX) == 0  # nothing left for a relay
+    assert redis_client.hkeys(keys.OUTBOX_ITEMS) == [f"stage:{jobs[2]}:ar:1".encode()]
+    assert store.queue_counts("ar") == (3, 0)
+
+    # The end of a stage frees its place and readies the next stage: both go out in that commit.
+    finish(ledger, RunStage(jobs[0], "ar", 1, "ar"))
+    assert queued_tasks(redis_client, "ar")[-1] == f"stage:{jobs[2]}:ar:1"
+    assert queued_tasks(redis_client, "dit") == [f"stage:{jobs[0]}:dit:1"]
+    assert redis_client.hlen(keys.OUTBOX_ITEMS) == 0
+
+
+def test_a_worker_takes_the_pushed_message_as_celery_sent_it(redis_client: redis.Redis, redis_url: str) -> None:
+    _, ledger, _ = system(redis_client, {"ar": 1})
+    job_id = ledger.submit(two_stage_job(), ["ar"])[0].id
+    with Connection(redis_url) as conn:  # kombu's Redis transport: what a Celery worker consumes with
+        message = conn.default_channel.basic_get("ar")
+        assert message is not None
+        args, kwargs, _ = message.decode()
+        assert message.headers["task"] == RUN_STAGE_TASK and message.headers["id"] == f"stage:{job_id}:ar:1"
+        assert (args, kwargs) == ([job_id, "ar", 1], {})
+        assert message.headers["shadow"] == f"{RUN_STAGE_TASK}[{job_id}/ar#1]"  # Flower's name for it
+        message.ack()
+
+
+def test_without_a_live_worker_or_a_first_pass_the_relay_publishes(redis_client: redis.Redis) -> None:
+    store = RedisJobStore(redis_client, ttl_s=3600, broker_message=broker_message)
+    capacity: dict[str, int] = {}
+    scheduler = Scheduler(store, lambda: dict(capacity), slack=0, refresh_s=0.0)
+    store.publish_in_commit(scheduler.windows_for)
+    ledger = JobLedger(store, lease_s=30.0)
+    published: list[str] = []
+
+    def kombu_publish(steps: list[Step], ids: list[str]) -> None:
+        published.extend(ids)
+
+    relay = OutboxRelay(store, kombu_publish, scheduler=scheduler)
+    job_id = ledger.submit(two_stage_job(), ["ar"])[0].id  # no pass read the capacity yet: the relay's turn
+    assert redis_client.llen("ar") == 0
+    capacity["ar"] = 1  # a worker came up
+    assert relay.run_once() == 1
+    # The relay's script pushed it too (it carries its message), rather than handing it to kombu.
+    assert queued_tasks(redis_client, "ar") == [f"stage:{job_id}:ar:1"] and published == []
+
+
+def test_a_store_that_is_not_the_broker_leaves_publishing_to_the_relay(redis_client: redis.Redis) -> None:
+    store = RedisJobStore(redis_client, ttl_s=3600)  # the broker is elsewhere (OMNI_BROKER_URL)
+    scheduler = Scheduler(store, lambda: {"ar": 1}, slack=0)
+    store.publish_in_commit(scheduler.windows_for)
+    scheduler.windows()
+    ledger = JobLedger(store, lease_s=30.0)
+    job_id = ledger.submit(two_stage_job(), ["ar"])[0].id
+    assert redis_client.llen("ar") == 0
+    published: list[str] = []
+    relay = OutboxRelay(store, lambda steps, ids: published.extend(ids), scheduler=scheduler)
+    assert relay.run_once() == 1 and published == [f"stage:{job_id}:ar:1"]
+    assert b'"m"' not in b"".join(redis_client.hvals(keys.OUTBOX_ITEMS))
