@@ -21,6 +21,9 @@ from omni_jobs.steps import (
     RESULTS_QUEUE,
     TASK_OF,
     WEBHOOKS_QUEUE,
+    AssembleResults,
+    DeliverWebhook,
+    RunStage,
     Step,
     display_name,
     task_args,
@@ -89,12 +92,11 @@ _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 def broker_message(step: Step, task_id: str) -> str:
     """The task message of ``step`` as kombu's Redis transport keeps it on the queue's list: Celery's
     message protocol 2, JSON, what ``publish_steps`` would write (minus the base64 body encoding,
-    which kombu reads as optional). A store whose Redis is also the broker writes it beside the
-    outbox entry and pushes it onto the list in the same script that releases the step
-    (RedisJobStore, ``broker_message``): no publisher process, no round trip, no kombu per step.
+    which kombu reads as optional). ``task_id`` is the outbox entry id: the task id, and the
+    delivery tag kombu's unacked set keys by (one message per entry: each is published once).
 
-    ``task_id`` is the outbox entry id: the task id, and the delivery tag kombu's unacked set keys
-    by (one message per entry, as each entry is published once)."""
+    A store whose Redis is also the broker renders the same message inside its scripts, from
+    ``broker_message_templates``, when it pushes a step onto its queue (RedisJobStore)."""
     name, args = TASK_OF[step.kind], task_args(step)
     headers: dict[str, object] = {
         "lang": "py", "task": name, "id": task_id, "shadow": display_name(name, args), "eta": None, "expires": None,
@@ -109,3 +111,18 @@ def broker_message(step: Step, task_id: str) -> str:
     body = json.dumps([args, {}, _EMBED], separators=(",", ":"))
     return json.dumps({"body": body, "content-encoding": "utf-8", "content-type": "application/json",
                        "headers": headers, "properties": properties}, separators=(",", ":"))
+
+
+_ATTEMPT, _JOB = 7070707, "job_SAMPLE"  # stand for a step's attempt (a number) and job id while templates render
+
+
+def broker_message_templates() -> dict[str, str]:
+    """Step kind -> ``broker_message`` with ``@@NAME@@`` where each step's values go: ID (the entry
+    id), JOB, ATTEMPT, QUEUE, STAGE (run_stage), MSG and EVENT (deliver_webhook). A script fills
+    them in with plain text, so only values of letters, digits and ``_.:#/-`` may go in (ids,
+    stage and queue names, event names are): anything else is published by the relay through kombu."""
+    samples: list[Step] = [RunStage(_JOB, "@@STAGE@@", _ATTEMPT, "@@QUEUE@@"),
+                           AssembleResults(_JOB, _ATTEMPT, "@@QUEUE@@"),
+                           DeliverWebhook(_JOB, "@@MSG@@", "@@EVENT@@", _ATTEMPT, "@@QUEUE@@")]
+    return {step.kind.value: broker_message(step, "@@ID@@").replace(str(_ATTEMPT), "@@ATTEMPT@@")
+            .replace(_JOB, "@@JOB@@") for step in samples}

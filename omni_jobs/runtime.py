@@ -29,7 +29,7 @@ from omni_jobs.net_guard import NetGuard
 from omni_jobs.outbox import OutboxRelay, Publish
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
 from omni_jobs.queue_depth import queue_depth
-from omni_jobs.queueing import broker_message
+from omni_jobs.queueing import broker_message_templates
 from omni_jobs.redis_replies import text_hash
 from omni_jobs.results import ResultsAssembler
 from omni_jobs.run_journal import RunJournal
@@ -74,7 +74,7 @@ class Runtime:
         # its keys expire a day later by themselves, should no cleanup run.
         store = RedisJobStore(self.redis, ttl_s=s.output_ttl_s + 24 * 3600, wait_replicas=s.redis_wait_replicas,
                               wait_timeout_ms=s.redis_wait_timeout_ms,
-                              broker_message=broker_message if s.publishes_in_commit else None)
+                              broker_templates=broker_message_templates() if s.publishes_in_commit else None)
         if s.publishes_in_commit:  # the broker is this Redis: a commit runs the scheduler's pass and publishes
             store.publish_in_commit(lambda change: self.scheduler.windows_for(change))
         return store

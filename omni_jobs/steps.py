@@ -145,9 +145,7 @@ def step_id(step: Step) -> str:
 
 
 # --- the wire: JSON for the outbox, task name + positional arguments for Celery ---
-def to_json(step: Step, message: str | None = None) -> str:
-    """The outbox item of ``step``; ``message``: its broker message, for a store that pushes it onto
-    the queue itself (omni_jobs.queueing.broker_message)."""
+def to_json(step: Step) -> str:
     fields: dict[str, str | int] = {"kind": step.kind.value, "job_id": step.job_id, "attempt": step.attempt,
                                     "queue": step.queue}
     if isinstance(step, RunStage):
@@ -155,14 +153,11 @@ def to_json(step: Step, message: str | None = None) -> str:
     elif isinstance(step, DeliverWebhook):
         fields["message_id"] = step.message_id
         fields["event"] = step.event
-    if message is not None:
-        fields["m"] = message
     return json.dumps(fields, separators=(",", ":"))
 
 
 def from_json(raw: str | bytes) -> Step:
     fields = json.loads(raw)
-    fields.pop("m", None)
     kind = StepKind(fields.pop("kind"))
     if kind is StepKind.run_stage:
         return RunStage(**fields)

@@ -14,7 +14,6 @@ same semantics and the same contract tests hold for both.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
@@ -211,18 +210,8 @@ class Change:
         self.freed |= other.freed
         return self
 
-    def steps(self) -> dict[str, Step]:
-        """The steps this change writes to the outbox (dispatched or scheduled), by entry id."""
-        return {step_id(s): s for s in (*(e.step for e in self.outbox), *self.scheduled)}
-
-    def wire(self, message: Callable[[Step, str], str] | None = None) -> str:
-        """The change as the Lua script reads it; ``message``: each outbox item carries its step's
-        broker message too (omni_jobs.queueing.broker_message), for a store that is the broker."""
-        ops: list[Op] = self.ops
-        if message is not None and (self.outbox or self.scheduled):
-            steps = self.steps()
-            ops = [("hset", op[1], {i: to_json(steps[i], message(steps[i], i)) for i in op[2]})
-                   if op[0] == "hset" and op[1] == keys.OUTBOX_ITEMS else op for op in ops]
+    def wire(self) -> str:
+        """The change as the Lua script reads it."""
         return json.dumps({"g": [[g.key, g.field, list(g.allowed)] for g in self.guards],
                            "c": [[c.key, "-inf" if c.since is None else repr(c.since), c.below] for c in self.caps],
-                           "o": [list(op) for op in ops]}, separators=(",", ":"))
+                           "o": [list(op) for op in self.ops]}, separators=(",", ":"))

@@ -33,7 +33,6 @@ from omni_jobs.redis_replies import members, text, text_hash
 from omni_jobs.steps import (
     RESULTS_QUEUE,
     WEBHOOKS_QUEUE,
-    Step,
     from_json,
     results_slot,
     stage_slot,
@@ -171,14 +170,25 @@ class JobStore(Protocol):
         ...
 
 
-_PUBLISH_FUNCTION = """
--- Pushes an outbox entry onto its Celery queue's list, as kombu's Redis transport would, when its
--- item carries the broker message (the broker is this Redis: omni_jobs.queueing.broker_message),
--- and ends the entry. Answers whether it did.
+_NO_TEMPLATES = "local TEMPLATES = {}\n"
+
+_PUBLISH_FUNCTION = _NO_TEMPLATES + """
+-- Pushes an outbox entry onto its Celery queue's list, as kombu's Redis transport would, where this
+-- Redis is the broker: TEMPLATES holds each step kind's task message with @@NAME@@ where the step's
+-- values go (omni_jobs.queueing.broker_message_templates; a store that is not the broker has none).
+-- Ends the entry. Answers whether it did: not without a template, nor for a value that is not plain
+-- text (the relay publishes those through kombu).
 local function publish(outbox, items, id, item)
   local step = cjson.decode(item)
-  if type(step.m) ~= 'string' then return false end
-  redis.call('LPUSH', step.queue, step.m)
+  local template = TEMPLATES[step.kind]
+  if template == nil then return false end
+  local values = {ID = id, JOB = step.job_id, ATTEMPT = tostring(step.attempt), QUEUE = step.queue,
+                  STAGE = step.stage_id or '', MSG = step.message_id or '', EVENT = step.event or ''}
+  for _, value in pairs(values) do
+    if type(value) ~= 'string' or not string.find(value, '^[%w_.:#/%-]*$') then return false end
+  end
+  local message = string.gsub(template, '@@(%u+)@@', values)
+  redis.call('LPUSH', step.queue, message)
   redis.call('ZREM', outbox, id)
   redis.call('HDEL', items, id)
   return true
@@ -187,8 +197,8 @@ end
 
 _CLAIM_FUNCTION = """
 -- The due entries of the outbox, each held until hold_until (another claimer skips it meanwhile);
--- answers (id, item) pairs, flat, and how many it published itself instead (``direct``: an entry
--- whose item carries its broker message goes onto its queue). An entry whose item is gone is dropped.
+-- answers (id, item) pairs, flat, and how many it published itself instead (``direct``: pushed onto
+-- its queue where it can be, see publish). An entry whose item is gone is dropped.
 local function claim(outbox, items, now, hold_until, limit, filter, direct)
   local due = redis.call('ZRANGEBYSCORE', outbox, '-inf', now, 'LIMIT', 0, limit * 4)
   local out, sent = {}, 0
@@ -337,13 +347,23 @@ return {out, full}
 """
 
 _RELEASE_AND_CLAIM = _PUBLISH_FUNCTION + _CLAIM_FUNCTION + _RELEASE_FUNCTION + """
--- KEYS: outbox, items; ARGV: now, release limit, hold until, claim limit, direct ('1': push what
--- carries its broker message), then the queues. The relay's whole pass in one round trip: what the
+-- KEYS: outbox, items; ARGV: now, release limit, hold until, claim limit, direct ('1': push what it
+-- can onto the broker itself), then the queues. The relay's whole pass in one round trip: what the
 -- release makes due is claimed (or published) with the rest.
 local out, full = release(KEYS[1], KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV, 6)
 local claimed, sent = claim(KEYS[1], KEYS[2], ARGV[1], ARGV[3], tonumber(ARGV[4]), '', ARGV[5] == '1')
 return {out, full, claimed, sent}
 """
+
+
+def _lua_templates(templates: Mapping[str, str] | None) -> str:
+    """The scripts' TEMPLATES table (see publish): step kind -> its task message, as long strings."""
+    if not templates:
+        return _NO_TEMPLATES
+    for kind, template in templates.items():
+        if not kind.isidentifier() or "]===]" in template:
+            raise ValueError(f"a broker message template for {kind!r} cannot go into a script")
+    return "local TEMPLATES = {" + ", ".join(f"{kind} = [===[{t}]===]" for kind, t in sorted(templates.items())) + "}\n"
 
 
 ScriptReply: TypeAlias = list[int | bytes | None]
@@ -364,17 +384,20 @@ class RedisJobStore:
 
     def __init__(self, client: redis.Redis, *, ttl_s: int, events_maxlen: int = 2000, wait_replicas: int = 0,
                  wait_timeout_ms: int = 1000, async_client: Callable[[], aioredis.Redis] | None = None,
-                 broker_message: Callable[[Step, str], str] | None = None) -> None:
+                 broker_templates: Mapping[str, str] | None = None) -> None:
         """``wait_replicas``: a durable change (a submit) is acknowledged only once this many replicas
         have it (Redis WAIT); 0 relies on the primary's own AOF (``appendfsync always``).
         ``async_client``: makes the redis.asyncio client of the ``a*`` methods, one per event loop
         (its connections belong to the loop that made them); default: the same server as ``client``.
-        ``broker_message``: this Redis (this database) is also the Celery broker, and this renders a
-        step's task message (omni_jobs.queueing.broker_message): every outbox item carries it, and
-        the scripts that make an entry due push it onto its queue themselves (see ``publish_in_commit``)."""
+        ``broker_templates``: this Redis (this database) is also the Celery broker, and these are the
+        task messages of each step kind (omni_jobs.queueing.broker_message_templates): the scripts
+        that make an entry due push its message onto its queue themselves (see ``publish_in_commit``)."""
         self.redis = client
-        self.broker_message = broker_message
+        self.broker_templates = dict(broker_templates) if broker_templates else None
         self._windows: Callable[[Change], Mapping[str, int] | None] | None = None
+        prelude = _lua_templates(self.broker_templates)
+        self._commit_source = _COMMIT.replace(_NO_TEMPLATES, prelude, 1)
+        self._commit_placed_source = _COMMIT_PLACED.replace(_NO_TEMPLATES, prelude, 1)
         self._make_async = async_client or (lambda: same_server_async(client))
         self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[aioredis.Redis, AsyncScript]] = \
             weakref.WeakKeyDictionary()
@@ -382,10 +405,10 @@ class RedisJobStore:
         self.events_maxlen = events_maxlen
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
-        self._commit = client.register_script(_COMMIT)
+        self._commit = client.register_script(self._commit_source)
         self._claim = client.register_script(_CLAIM)
         self._release = client.register_script(_RELEASE)
-        self._release_and_claim = client.register_script(_RELEASE_AND_CLAIM)
+        self._release_and_claim = client.register_script(_RELEASE_AND_CLAIM.replace(_NO_TEMPLATES, prelude, 1))
 
     # --- reading ---
     def _read(self, pipe: Pipeline, job_id: str) -> None:
@@ -446,7 +469,7 @@ class RedisJobStore:
 
     # --- writing ---
     def publish_in_commit(self, windows: Callable[[Change], Mapping[str, int] | None]) -> None:
-        """With ``broker_message``: a commit that dispatches, schedules or frees a place also runs the
+        """With ``broker_templates``: a commit that dispatches, schedules or frees a place also runs the
         scheduler's pass over its queues (``windows``: queue -> window for a change, None when the
         scheduler cannot tell yet: Scheduler.windows_for) and pushes what is due onto the broker, in
         its own script: a step reaches its worker with no relay between. ``Change.passed`` says so."""
@@ -454,20 +477,19 @@ class RedisJobStore:
 
     def _pass_spec(self, change: Change) -> tuple[str, list[str], frozenset[str]]:
         """The commit script's ARGV[2] for ``change`` ('' for none), its pass's queues and the closed ones."""
-        if self.broker_message is None or self._windows is None or not (change.outbox or change.scheduled
-                                                                         or change.freed):
+        if self.broker_templates is None or self._windows is None or not (change.outbox or change.scheduled
+                                                                           or change.freed):
             return "", [], frozenset()
         windows = self._windows(change)
         if windows is None:
             return "", [], frozenset()
         given, args, closed = self._release_args(windows)
         at = now()
-        spec = {"o": keys.OUTBOX, "i": keys.OUTBOX_ITEMS, "n": at, "l": 100, "q": args,
-                "d": [entry.id for entry in change.outbox if entry.due_at <= at]}
+        due = [entry.id for entry in change.outbox if entry.due_at <= at]
+        if not args and not due:  # nothing could go out now (no room, no worker): as without a pass
+            return "", [], frozenset()
+        spec = {"o": keys.OUTBOX, "i": keys.OUTBOX_ITEMS, "n": at, "l": 100, "q": args, "d": due}
         return json.dumps(spec, separators=(",", ":")), given, closed
-
-    def _wire(self, change: Change) -> str:
-        return change.wire(self.broker_message)
 
     def _passed(self, change: Change, spec: tuple[str, list[str], frozenset[str]], reply: ScriptReply) -> None:
         """Note on ``change`` what the commit's own pass did (a reply ``{1, released, full, sent, ...}``)."""
@@ -479,7 +501,7 @@ class RedisJobStore:
 
     def commit(self, change: Change) -> Conflict | None:
         spec = self._pass_spec(change)
-        args = [self._wire(change), spec[0]]
+        args = [change.wire(), spec[0]]
         if change.durable and self.wait_replicas > 0:
             with self.redis.pipeline(transaction=False) as pipe:
                 self._commit(args=args, client=pipe)
@@ -503,13 +525,13 @@ class RedisJobStore:
         for attempt in range(2):
             with self.redis.pipeline(transaction=False) as pipe:
                 for change in changes:
-                    pipe.evalsha(sha, 0, self._wire(change))
+                    pipe.evalsha(sha, 0, change.wire())
                 replies = pipe.execute(raise_on_error=False)
             if not any(isinstance(r, NoScriptError) for r in replies):
                 break
             if attempt:  # the server lost its scripts twice in a row: give up as commit would
                 raise next(r for r in replies if isinstance(r, NoScriptError))
-            self.redis.script_load(_COMMIT)  # a restarted server: nothing ran; once more with the script
+            self.redis.script_load(self._commit_source)  # a restarted server: nothing ran; once more with the script
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
@@ -539,7 +561,7 @@ class RedisJobStore:
         found = self._async.get(loop)
         if found is None:
             client = self._make_async()
-            found = self._async[loop] = (client, client.register_script(_COMMIT_PLACED))
+            found = self._async[loop] = (client, client.register_script(self._commit_placed_source))
         return found
 
     async def acommit(self, change: Change) -> Conflict | None:
@@ -556,7 +578,7 @@ class RedisJobStore:
         record = waiting_stage(job) if job is not None else None
         place = json.dumps(position_keys(job, record) if job is not None and record is not None else [])
         wait = change.durable and self.wait_replicas > 0
-        wire, spec = self._wire(change), self._pass_spec(change)
+        wire, spec = change.wire(), self._pass_spec(change)
         reply: ScriptReply = []
         for attempt in range(2):
             try:
@@ -574,7 +596,7 @@ class RedisJobStore:
             except NoScriptError:
                 if attempt:
                     raise
-                await client.script_load(_COMMIT_PLACED)
+                await client.script_load(self._commit_placed_source)
         self._passed(change, spec, reply)
         conflict = self._conflict(change, reply)
         if conflict is not None or len(reply) != 8:
@@ -640,7 +662,7 @@ class RedisJobStore:
                           hold_s: float) -> tuple[ReleasePass, list[OutboxEntry]]:
         """``release`` then ``claim_outbox`` (up to ``limit`` of each), in one script: the relay's pass."""
         given, args, closed = self._release_args(windows)
-        direct = "1" if self.broker_message is not None else "0"
+        direct = "1" if self.broker_templates is not None else "0"
         pairs, full, claimed, sent = self._release_and_claim(
             keys=[keys.OUTBOX, keys.OUTBOX_ITEMS], args=[repr(now), limit, repr(now + hold_s), limit, direct, *args])
         entries = [OutboxEntry(from_json(claimed[i + 1]), now) for i in range(0, len(claimed), 2)][:limit]

@@ -12,13 +12,14 @@ import redis
 from kombu import Connection
 
 from omni_jobs import keys
+from omni_jobs.jobs.change import Change
 from omni_jobs.jobs.ledger import Acquired, JobLedger
-from omni_jobs.jobs.models import Job, StageRecord, new_job_id
+from omni_jobs.jobs.models import Job, StageRecord, new_job_id, now
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.outbox import OutboxRelay
-from omni_jobs.queueing import broker_message
+from omni_jobs.queueing import broker_message, broker_message_templates
 from omni_jobs.scheduling import Scheduler
-from omni_jobs.steps import RUN_STAGE_TASK, RunStage, Step
+from omni_jobs.steps import RUN_STAGE_TASK, AssembleResults, DeliverWebhook, RunStage, Step, step_id
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +32,7 @@ def two_stage_job() -> Job:
 
 def system(client: redis.Redis, capacity: dict[str, int]) -> tuple[RedisJobStore, JobLedger, Scheduler]:
     """A store that is the broker, with a scheduler that has read the workers' ``capacity`` once."""
-    store = RedisJobStore(client, ttl_s=3600, broker_message=broker_message)
+    store = RedisJobStore(client, ttl_s=3600, broker_templates=broker_message_templates())
     scheduler = Scheduler(store, lambda: dict(capacity), slack=0)
     store.publish_in_commit(scheduler.windows_for)
     scheduler.windows()  # the relay's first pass reads the capacity; commits use what it read
@@ -79,7 +80,7 @@ def test_a_worker_takes_the_pushed_message_as_celery_sent_it(redis_client: redis
 
 
 def test_without_a_live_worker_or_a_first_pass_the_relay_publishes(redis_client: redis.Redis) -> None:
-    store = RedisJobStore(redis_client, ttl_s=3600, broker_message=broker_message)
+    store = RedisJobStore(redis_client, ttl_s=3600, broker_templates=broker_message_templates())
     capacity: dict[str, int] = {}
     scheduler = Scheduler(store, lambda: dict(capacity), slack=0, refresh_s=0.0)
     store.publish_in_commit(scheduler.windows_for)
@@ -94,7 +95,7 @@ def test_without_a_live_worker_or_a_first_pass_the_relay_publishes(redis_client:
     assert redis_client.llen("ar") == 0
     capacity["ar"] = 1  # a worker came up
     assert relay.run_once() == 1
-    # The relay's script pushed it too (it carries its message), rather than handing it to kombu.
+    # The relay's script pushed it too, rather than handing it to kombu.
     assert queued_tasks(redis_client, "ar") == [f"stage:{job_id}:ar:1"] and published == []
 
 
@@ -109,4 +110,26 @@ def test_a_store_that_is_not_the_broker_leaves_publishing_to_the_relay(redis_cli
     published: list[str] = []
     relay = OutboxRelay(store, lambda steps, ids: published.extend(ids), scheduler=scheduler)
     assert relay.run_once() == 1 and published == [f"stage:{job_id}:ar:1"]
-    assert b'"m"' not in b"".join(redis_client.hvals(keys.OUTBOX_ITEMS))
+
+
+def test_the_script_writes_each_kinds_message_as_celery_would(redis_client: redis.Redis) -> None:
+    store, _, _ = system(redis_client, {})
+    job_id = new_job_id()
+    steps: list[Step] = [RunStage(job_id, "vocoder-2", 3, "audio.v2"), AssembleResults(job_id, 1),
+                         DeliverWebhook(job_id, "msg_5f3a", "job.succeeded", 2)]
+    change = Change()
+    for step in steps:
+        change.dispatch(step, now())
+    assert store.commit(change) is None and change.passed is not None and change.passed.published == 3
+    for step in steps:
+        (raw,) = redis_client.lrange(step.queue, 0, -1)
+        assert raw.decode() == broker_message(step, step_id(step))  # byte for byte
+
+
+def test_a_value_that_is_not_plain_text_is_left_to_the_relay(redis_client: redis.Redis) -> None:
+    store, _, _ = system(redis_client, {})
+    odd = DeliverWebhook(new_job_id(), "msg_1", 'job "done"', 1)  # a quote would need JSON escaping
+    change = Change().dispatch(odd, now())
+    assert store.commit(change) is None and change.passed is not None and change.passed.published == 0
+    assert redis_client.llen(odd.queue) == 0
+    assert [e.step for e in store.claim_outbox(now=now(), limit=10, hold_s=5)] == [odd]  # kombu's turn
