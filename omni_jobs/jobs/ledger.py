@@ -502,7 +502,7 @@ class JobLedger:
                 return _Decision(Acquired(job, lease))  # this worker took it already (a retried write)
             if slot.status is not StageStatus.queued or slot.attempts != step.attempt - 1:
                 return _Decision(Refused(_why_not(slot, step.attempt)))
-            after = job.model_copy(deep=True)
+            after = job.clone()
             if job.deadline_at is not None and at > job.deadline_at:
                 events = state.job_canceled(after, at, reason="deadline exceeded (cancel_after)")
                 return _Decision(Refused("the job passed its deadline (cancel_after): canceled"), after, events)
@@ -586,7 +586,7 @@ class JobLedger:
         writes: list[tuple[Lease, Job, Job, list[JobEvent]]] = []
         for lease, snapshot, step, total, unit in reports:
             assert isinstance(lease.step, RunStage)
-            after = snapshot.model_copy(deep=True)
+            after = snapshot.clone()
             events = state.stage_progress(after, lease.step.stage_id, step, total, unit, now())
             writes.append((lease, snapshot.model_copy(update={"progress": None}), after, events))
         return self._while_running(writes)
@@ -640,7 +640,7 @@ class JobLedger:
             if not _holds(job, record, lease):
                 return _Decision(Refused(f"stale attempt {step.attempt}: {_why_not(record, step.attempt)}"))
             at = now()
-            after = job.model_copy(deep=True)
+            after = job.clone()
             events = state.stage_succeeded(after, step.stage_id, outputs, metrics, at)
             done = {r.id for r in after.stages if r.status is StageStatus.succeeded}
             for rec in after.stages:
@@ -666,7 +666,7 @@ class JobLedger:
                 return _Decision(job)
             if not _holds(job, job.results, lease):
                 return _Decision(Refused(f"stale results attempt {lease.attempt}"))
-            after = job.model_copy(deep=True)
+            after = job.clone()
             after.outputs = list(outputs)
             events = state.job_succeeded(after, now())
             return _Decision(after, after, events, ("results:status", "results:attempts", "results:lease_owner"))
@@ -682,7 +682,7 @@ class JobLedger:
             if not _holds(job, slot, lease):
                 return _Decision("stale")
             at = now()
-            after = job.model_copy(deep=True)
+            after = job.clone()
             if slot.attempts >= self.max_attempts:
                 return _Decision("failed", after, state.job_failed(after, error, at))
             if isinstance(lease.step, RunStage):
@@ -704,7 +704,7 @@ class JobLedger:
                 return _Decision(False)
             if lease is not None and not _holds(job, _slot_of(job, lease.step), lease):
                 return _Decision(False)
-            after = job.model_copy(deep=True)
+            after = job.clone()
             guard = _slot_guard(lease.step) if lease is not None else ()
             return _Decision(True, after, state.job_failed(after, error, now()), guard)
 
@@ -714,7 +714,7 @@ class JobLedger:
         def decide(job: Job) -> _Decision[Job]:
             if job.status.is_final:
                 raise JobAlreadyFinished(job.id, job.status.value)
-            after = job.model_copy(deep=True)
+            after = job.clone()
             return _Decision(after, after, state.job_canceled(after, now(), reason))
 
         return self._transition(job_id, decide, missing=lambda: _raise(JobNotFound(job_id)))
@@ -760,7 +760,7 @@ class JobLedger:
                 return _Decision("cleaned", extra=cleanup)
             if not dead:
                 return _Decision("alive")
-            after = job.model_copy(deep=True)
+            after = job.clone()
             who = record.worker or "its worker"
             reason = (f"lease expired: {who} stopped renewing it (killed, or cut off from Redis)" if not dead_owner
                       else f"{who} restarted without finishing it")

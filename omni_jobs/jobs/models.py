@@ -215,6 +215,15 @@ class Job(Model):
     results: StepSlot = Field(default_factory=StepSlot, exclude=True)
     """The results step (internal: it is not a stage of the pipeline)."""
 
+    def clone(self) -> Job:
+        """The copy a transition changes (omni_jobs.jobs.state mutates it, the ledger diffs it with the
+        original): the job, its stage records and its results slot are copied; the values inside them
+        are shared, as the transitions replace them (outputs, metrics, progress, error), never change
+        them in place. ``model_copy(deep=True)``, which goes through copy.deepcopy field by field,
+        cost ~6x as much (66 vs 11 us for a two-stage job) at every start and end of a stage."""
+        return self.model_copy(update={"stages": [record.model_copy() for record in self.stages],
+                                       "results": self.results.model_copy()})
+
     def stage_record(self, stage_id: str) -> StageRecord:
         for record in self.stages:
             if record.id == stage_id:
