@@ -55,7 +55,7 @@ class OutboxRelay:
     def run_once(self) -> int:
         """Publish what is due now; returns how many entries went out."""
         entries: list[OutboxEntry]
-        published = 0  # entries that carried their broker message: the script pushed them itself
+        published = 0  # entries the script pushed onto the broker itself (a store that is the broker)
         if self.scheduler is not None:
             done, entries = self.store.release_and_claim(self.scheduler.windows(), now=now(), limit=self.batch,
                                                          hold_s=self.hold_s)

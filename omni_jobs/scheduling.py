@@ -82,8 +82,7 @@ class Scheduler:
     def passed_in_commit(self, change: Change) -> None:
         """Note what the pass of a commit found (``change.passed``), for its queues only."""
         if change.passed is not None:
-            queues = {step.queue for step in change.scheduled} | change.freed
-            self._full = (self._full - queues) | change.passed.full
+            self._full = (self._full - change.passed.queues) | change.passed.full
 
     def release_all(self) -> int:
         """One pass over every queue with live workers (one script); returns how many steps it released.

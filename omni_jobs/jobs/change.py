@@ -62,6 +62,8 @@ class ReleasePass:
     full: frozenset[str]
     published: int = 0
     """Outbox entries put straight onto their broker queue in the same step (a store that is the broker)."""
+    queues: frozenset[str] = field(default=frozenset(), compare=False)
+    """The queues the pass looked at (``full`` is among them): what a pass in a commit tells the scheduler about."""
 
 
 @dataclass(frozen=True)

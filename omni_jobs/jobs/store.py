@@ -496,8 +496,7 @@ class RedisJobStore:
         if spec[0] and _int(reply[0]) == 1:
             pairs, full, sent = reply[1], reply[2], reply[3]
             assert isinstance(pairs, list) and isinstance(full, list)
-            done = self._release_pass(spec[1], spec[2], pairs, full)
-            change.passed = ReleasePass(done.released, done.full, published=_int(sent))
+            change.passed = self._release_pass(spec[1], spec[2], pairs, full, _int(sent))
 
     def commit(self, change: Change) -> Conflict | None:
         spec = self._pass_spec(change)
@@ -666,8 +665,7 @@ class RedisJobStore:
         pairs, full, claimed, sent = self._release_and_claim(
             keys=[keys.OUTBOX, keys.OUTBOX_ITEMS], args=[repr(now), limit, repr(now + hold_s), limit, direct, *args])
         entries = [OutboxEntry(from_json(claimed[i + 1]), now) for i in range(0, len(claimed), 2)][:limit]
-        done = self._release_pass(given, closed, pairs, full)
-        return ReleasePass(done.released, done.full, published=int(sent)), entries
+        return self._release_pass(given, closed, pairs, full, int(sent)), entries
 
     @staticmethod
     def _release_args(windows: Mapping[str, int]) -> tuple[list[str], list[str | int], frozenset[str]]:
@@ -681,9 +679,10 @@ class RedisJobStore:
 
     @staticmethod
     def _release_pass(given: list[str], closed: frozenset[str], pairs: list[bytes],
-                      full: list[int]) -> ReleasePass:
+                      full: list[int], published: int = 0) -> ReleasePass:
         return ReleasePass([(text(pairs[i]), text(pairs[i + 1])) for i in range(0, len(pairs), 2)],
-                           closed | {given[int(n) - 1] for n in full})
+                           closed | {given[int(n) - 1] for n in full}, published=published,
+                           queues=frozenset(given) | closed)
 
     def scheduled_queues(self) -> list[str]:
         return sorted(members(self.redis.smembers(keys.SCHEDULED_QUEUES)))

@@ -12,7 +12,7 @@ import redis
 from kombu import Connection
 
 from omni_jobs import keys
-from omni_jobs.jobs.change import Change
+from omni_jobs.jobs.change import Change, ReleasePass
 from omni_jobs.jobs.ledger import Acquired, JobLedger
 from omni_jobs.jobs.models import Job, StageRecord, new_job_id, now
 from omni_jobs.jobs.store import RedisJobStore
@@ -133,3 +133,15 @@ def test_a_value_that_is_not_plain_text_is_left_to_the_relay(redis_client: redis
     assert store.commit(change) is None and change.passed is not None and change.passed.published == 0
     assert redis_client.llen(odd.queue) == 0
     assert [e.step for e in store.claim_outbox(now=now(), limit=10, hold_s=5)] == [odd]  # kombu's turn
+
+
+def test_a_commits_pass_tells_the_scheduler_only_about_the_queues_it_looked_at(redis_client: redis.Redis) -> None:
+    store, _, scheduler = system(redis_client, {"ar": 1, "dit": 1})
+    scheduler.passed(ReleasePass([], frozenset({"dit"})))  # the relay's last pass left dit full
+    step, waiting = RunStage(new_job_id(), "ar", 1, "ar"), RunStage(new_job_id(), "dit", 1, "dit")
+    change = Change().schedule(step, tenant="t", order=now()).schedule(waiting, tenant="t", order=now())
+    assert store.commit(change) is None and change.passed is not None
+    assert change.passed.queues == {"ar"} and change.passed.full == {"ar"}  # window 1: now full; dit not looked at
+    scheduler.passed_in_commit(change)
+    assert not scheduler.may_release({"ar"}) and not scheduler.may_release({"dit"})  # dit is still full
+    assert queued_tasks(redis_client, "ar") == [step_id(step)] and redis_client.llen("dit") == 0
