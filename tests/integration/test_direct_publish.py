@@ -6,9 +6,12 @@ kombu's Redis transport itself."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import partial
 
 import pytest
 import redis
+from celery import Celery
 from kombu import Connection
 
 from omni_jobs import keys
@@ -17,8 +20,9 @@ from omni_jobs.jobs.ledger import Acquired, JobLedger
 from omni_jobs.jobs.models import Job, StageRecord, new_job_id, now
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.outbox import OutboxRelay
-from omni_jobs.queueing import broker_message, broker_message_templates
+from omni_jobs.queueing import broker_message, broker_message_templates, celery_config, publish_steps
 from omni_jobs.scheduling import Scheduler
+from omni_jobs.settings import Settings
 from omni_jobs.steps import RUN_STAGE_TASK, AssembleResults, DeliverWebhook, RunStage, Step, step_id
 
 pytestmark = pytest.mark.integration
@@ -79,37 +83,46 @@ def test_a_worker_takes_the_pushed_message_as_celery_sent_it(redis_client: redis
         message.ack()
 
 
-def test_without_a_live_worker_or_a_first_pass_the_relay_publishes(redis_client: redis.Redis) -> None:
+def celery_publisher(redis_url: str) -> Callable[[list[Step], list[str]], None]:
+    """The relay's kombu path, as the API and workers use it: a real Celery app on this Redis."""
+    app = Celery("direct-publish-test")
+    app.conf.update(celery_config(Settings(redis_url=redis_url)))
+    return partial(publish_steps, app)
+
+
+def test_without_a_live_worker_or_a_first_pass_the_relay_publishes(redis_client: redis.Redis,
+                                                                   redis_url: str) -> None:
     store = RedisJobStore(redis_client, ttl_s=3600, broker_templates=broker_message_templates())
     capacity: dict[str, int] = {}
     scheduler = Scheduler(store, lambda: dict(capacity), slack=0, refresh_s=0.0)
     store.publish_in_commit(scheduler.windows_for)
     ledger = JobLedger(store, lease_s=30.0)
-    published: list[str] = []
-
-    def kombu_publish(steps: list[Step], ids: list[str]) -> None:
-        published.extend(ids)
-
-    relay = OutboxRelay(store, kombu_publish, scheduler=scheduler)
+    relay = OutboxRelay(store, celery_publisher(redis_url), scheduler=scheduler)
     job_id = ledger.submit(two_stage_job(), ["ar"])[0].id  # no pass read the capacity yet: the relay's turn
     assert redis_client.llen("ar") == 0
     capacity["ar"] = 1  # a worker came up
     assert relay.run_once() == 1
-    # The relay's script pushed it too, rather than handing it to kombu.
-    assert queued_tasks(redis_client, "ar") == [f"stage:{job_id}:ar:1"] and published == []
+    # The relay's script pushed it, with the script's own message (not kombu's), and only once.
+    (raw,) = redis_client.lrange("ar", 0, -1)
+    assert raw == broker_message(RunStage(job_id, "ar", 1, "ar"), f"stage:{job_id}:ar:1").encode()
+    assert relay.run_once() == 0 and redis_client.llen("ar") == 1
 
 
-def test_a_store_that_is_not_the_broker_leaves_publishing_to_the_relay(redis_client: redis.Redis) -> None:
-    store = RedisJobStore(redis_client, ttl_s=3600)  # the broker is elsewhere (OMNI_BROKER_URL)
+def test_a_store_that_is_not_the_broker_leaves_publishing_to_the_relay(redis_client: redis.Redis,
+                                                                       redis_url: str) -> None:
+    store = RedisJobStore(redis_client, ttl_s=3600)  # as with a broker elsewhere (OMNI_BROKER_URL)
     scheduler = Scheduler(store, lambda: {"ar": 1}, slack=0)
     store.publish_in_commit(scheduler.windows_for)
     scheduler.windows()
     ledger = JobLedger(store, lease_s=30.0)
     job_id = ledger.submit(two_stage_job(), ["ar"])[0].id
-    assert redis_client.llen("ar") == 0
-    published: list[str] = []
-    relay = OutboxRelay(store, lambda steps, ids: published.extend(ids), scheduler=scheduler)
-    assert relay.run_once() == 1 and published == [f"stage:{job_id}:ar:1"]
+    assert redis_client.llen("ar") == 0  # the commit published nothing
+    relay = OutboxRelay(store, celery_publisher(redis_url), scheduler=scheduler)
+    assert relay.run_once() == 1
+    (raw,) = redis_client.lrange("ar", 0, -1)  # kombu's message this time: base64 body, a random tag
+    message = json.loads(raw)
+    assert message["headers"]["id"] == f"stage:{job_id}:ar:1" and message["properties"]["body_encoding"] == "base64"
+    assert redis_client.zcard(keys.OUTBOX) == 0  # acknowledged after the publish
 
 
 def test_the_script_writes_each_kinds_message_as_celery_would(redis_client: redis.Redis) -> None:
@@ -123,7 +136,7 @@ def test_the_script_writes_each_kinds_message_as_celery_would(redis_client: redi
     assert store.commit(change) is None and change.passed is not None and change.passed.published == 3
     for step in steps:
         (raw,) = redis_client.lrange(step.queue, 0, -1)
-        assert raw.decode() == broker_message(step, step_id(step))  # byte for byte
+        assert raw == broker_message(step, step_id(step)).encode()  # byte for byte
 
 
 def test_a_value_that_is_not_plain_text_is_left_to_the_relay(redis_client: redis.Redis) -> None:
