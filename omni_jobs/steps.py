@@ -13,11 +13,12 @@ them runnable; a relay publishes them (omni_jobs.outbox).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import SupportsIndex, SupportsInt
+
+from omni_jobs import jsontext
 
 RUN_STAGE_TASK = "omni.run_stage"
 ASSEMBLE_RESULTS_TASK = "omni.assemble_results"
@@ -153,11 +154,11 @@ def to_json(step: Step) -> str:
     elif isinstance(step, DeliverWebhook):
         fields["message_id"] = step.message_id
         fields["event"] = step.event
-    return json.dumps(fields, separators=(",", ":"))
+    return jsontext.dumps(fields)
 
 
 def from_json(raw: str | bytes) -> Step:
-    fields = json.loads(raw)
+    fields = jsontext.loads(raw)
     kind = StepKind(fields.pop("kind"))
     if kind is StepKind.run_stage:
         return RunStage(**fields)

@@ -13,11 +13,10 @@ same semantics and the same contract tests hold for both.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
-from omni_jobs import keys
+from omni_jobs import jsontext, keys
 from omni_jobs.jobs.models import JobEvent
 from omni_jobs.steps import Step, step_id, to_json
 
@@ -214,6 +213,6 @@ class Change:
 
     def wire(self) -> str:
         """The change as the Lua script reads it."""
-        return json.dumps({"g": [[g.key, g.field, list(g.allowed)] for g in self.guards],
-                           "c": [[c.key, "-inf" if c.since is None else repr(c.since), c.below] for c in self.caps],
-                           "o": [list(op) for op in self.ops]}, separators=(",", ":"))
+        return jsontext.dumps({"g": [[g.key, g.field, list(g.allowed)] for g in self.guards],
+                               "c": [[c.key, "-inf" if c.since is None else repr(c.since), c.below] for c in self.caps],
+                               "o": [list(op) for op in self.ops]})

@@ -8,9 +8,9 @@ HGETALL. Progress and webhook deliveries live in keys of their own (written ofte
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 
+from omni_jobs import jsontext
 from omni_jobs.jobs.models import (
     Job,
     JobError,
@@ -42,7 +42,7 @@ def results_field(name: str) -> str:
 
 
 def _json(value: object) -> str:
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return jsontext.dumps(value, sort_keys=True)
 
 
 def _put(fields: Fields, name: str, value: float | str | None) -> None:
@@ -109,29 +109,29 @@ def decode(raw: RawFields, progress: bytes | str | None = None,
     if "id" not in f:
         return None
     stages: list[StageRecord] = []
-    for info in json.loads(f["stages"]):
+    for info in jsontext.loads(f["stages"]):
         sid = info["id"]
-        outputs = json.loads(f.get(stage_field(sid, "outputs"), "{}"))
+        outputs = jsontext.loads(f.get(stage_field(sid, "outputs"), "{}"))
         stages.append(StageRecord(
             id=sid, engine=info["engine"], queue=info["queue"], needs=info.get("needs", []),
             status=StageStatus(f[stage_field(sid, "status")]),
             attempts=int(f.get(stage_field(sid, "attempts"), "0")),
-            outputs=outputs, metrics=json.loads(f.get(stage_field(sid, "metrics"), "{}")),
+            outputs=outputs, metrics=jsontext.loads(f.get(stage_field(sid, "metrics"), "{}")),
             **{n: _float(f.get(stage_field(sid, n))) for n in _STAGE_FLOATS},
             **{n: f.get(stage_field(sid, n)) for n in _STAGE_STRINGS},
         ))
     webhook = None
     if "webhook" in f:
-        webhook = JobWebhook(**json.loads(f["webhook"]), deliveries=[
+        webhook = JobWebhook(**jsontext.loads(f["webhook"]), deliveries=[
             WebhookDelivery.model_validate_json(d) for d in (deliveries or [])])
     return Job(
         id=f["id"], pipeline=f["pipeline"], status=JobStatus(f["status"]), tenant=f["tenant"],
         priority=Priority(f.get("priority", Priority.normal.value)),
-        input=json.loads(f["input"]), params=json.loads(f["params"]), stage=f.get("stage"),
+        input=jsontext.loads(f["input"]), params=jsontext.loads(f["params"]), stage=f.get("stage"),
         progress=Progress.model_validate_json(progress) if progress else None,
         stages=stages,
-        outputs=[JobOutput(**o) for o in json.loads(f.get("outputs", "[]"))],
-        error=JobError(**json.loads(f["error"])) if "error" in f else None,
+        outputs=[JobOutput(**o) for o in jsontext.loads(f.get("outputs", "[]"))],
+        error=JobError(**jsontext.loads(f["error"])) if "error" in f else None,
         webhook=webhook,
         results=StepSlot(
             status=StageStatus(f.get(results_field("status"), StageStatus.pending.value)),

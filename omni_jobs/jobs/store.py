@@ -8,7 +8,6 @@ decisions (which transition is legal, what it dispatches) are made once, in the 
 from __future__ import annotations
 
 import asyncio
-import json
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 from redis.typing import XReadResponse
 
-from omni_jobs import keys
+from omni_jobs import jsontext, keys
 from omni_jobs.errors import NotDurable
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.change import Change, Conflict, Guard, OutboxEntry, ReleasePass
@@ -489,7 +488,7 @@ class RedisJobStore:
         if not args and not due:  # nothing could go out now (no room, no worker): as without a pass
             return "", [], frozenset()
         spec = {"o": keys.OUTBOX, "i": keys.OUTBOX_ITEMS, "n": at, "l": 100, "q": args, "d": due}
-        return json.dumps(spec, separators=(",", ":")), given, closed
+        return jsontext.dumps(spec), given, closed
 
     def _passed(self, change: Change, spec: tuple[str, list[str], frozenset[str]], reply: ScriptReply) -> None:
         """Note on ``change`` what the commit's own pass did (a reply ``{1, released, full, sent, ...}``)."""
@@ -575,7 +574,7 @@ class RedisJobStore:
         again after loading it."""
         client, script = self._aclient()
         record = waiting_stage(job) if job is not None else None
-        place = json.dumps(position_keys(job, record) if job is not None and record is not None else [])
+        place = jsontext.dumps(position_keys(job, record) if job is not None and record is not None else [])
         wait = change.durable and self.wait_replicas > 0
         wire, spec = change.wire(), self._pass_spec(change)
         reply: ScriptReply = []
@@ -860,10 +859,9 @@ def estimate_position(reads: Sequence[int | bytes | None]) -> int | None:
 def job_pending_steps(job_id: str, fields: dict[str, str], hooks: dict[str, str]) -> list[tuple[str, str, str]]:
     """(queue, slot, outbox id of its next attempt) of every step slot of a job (stages, results,
     webhook messages), from its hash fields: what deleting the job must also take off the indexes."""
-    import json
 
     found: list[tuple[str, str, str]] = []
-    for stage in json.loads(fields.get("stages", "[]")):
+    for stage in jsontext.loads(fields.get("stages", "[]")):
         slot = stage_slot(job_id, stage["id"])
         attempts = int(fields.get(f"stage:{stage['id']}:attempts", "0"))
         found.append((stage["queue"], slot, f"{slot}:{attempts + 1}"))
