@@ -20,7 +20,7 @@ from omni_jobs import keys
 from omni_jobs.auth import DEFAULT_TENANT, ID_HEX, KEY_PREFIX, ApiKeyInfo, ApiKeys, InvalidApiKey, hash_key
 from omni_jobs.jobs.change import Guard
 
-_bearer = HTTPBearer(auto_error=False, description="An API key: `omni-jobs keys create --tenant T` prints one.")
+bearer = HTTPBearer(auto_error=False, description="An API key: `omni-jobs keys create --tenant T` prints one.")
 
 UNAUTHORIZED = "missing or invalid API key: send 'Authorization: Bearer <key>' (create one with omni-jobs keys create)"
 
@@ -44,7 +44,7 @@ async def verify(request: Request, key: str) -> ApiKeyInfo:
 
 
 async def authenticate(request: Request,
-                       credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
+                       credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
     """The tenant of the request's API key."""
     ctx = get_context(request)
     if not ctx.runtime.settings.auth_enabled:
@@ -75,7 +75,7 @@ KEY_CACHE_MAX = 10_000
 
 
 async def authenticate_submit(request: Request,
-                              credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> str:
+                              credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> str:
     """``authenticate`` for a submit, without a Redis read per request: a key verified in the last
     KEY_CACHE_S seconds is taken from this process's cache (by the SHA-256 of the key), and the
     submit's own atomic write is guarded by the key's record (``key_guards``: not revoked, same
@@ -111,7 +111,7 @@ def key_guards(request: Request) -> tuple[Guard, ...]:
 async def recheck(request: Request) -> None:
     """Verify the request's key afresh (401 if it was revoked since it was cached)."""
     if key_guards(request):
-        await authenticate(request, await _bearer(request))
+        await authenticate(request, await bearer(request))
 
 
 def key_refused() -> HTTPException:

@@ -17,8 +17,9 @@ from fastapi.responses import JSONResponse
 from api import body_limit, docs, uploads
 from api.deps import ApiContext
 from api.observability import ObservabilityMiddleware
+from api.responses import JSONText
 from api.routes import events, health, jobs, metrics, openai, pipelines
-from api.schemas import job_request_schemas
+from api.schemas import JobRequest, job_request_schemas
 from api.ui import router as ui_router
 from omni_jobs import openai_compat
 from omni_jobs.artifacts import ArtifactStoreUnavailable
@@ -116,7 +117,9 @@ def _describe_pipelines(schema: dict[str, Any], catalogue: PipelineCatalogue, se
     settings that limit a request, so the spec holds for the life of the process."""
     limits, webhooks = Limits.from_settings(settings), settings.webhook_secret is not None
     components = schema.setdefault("components", {}).setdefault("schemas", {})
-    bodies = job_request_schemas(components["JobRequest"], catalogue, limits, webhooks=webhooks)
+    # POST /v1/jobs reads its own body (api.json_body), so FastAPI does not list its model
+    base = components.get("JobRequest") or JobRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    bodies = job_request_schemas(base, catalogue, limits, webhooks=webhooks)
     components.update(bodies)
     branches = {name.removeprefix("JobRequest."): body for name, body in bodies.items() if name != "JobRequest"}
     paths = schema.get("paths", {})
@@ -184,6 +187,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
         docs_url=None,  # /docs and /redoc come from api.docs, with their assets served here (no CDN)
         redoc_url=None,
+        default_response_class=JSONText,  # orjson (api.responses)
     )
     docs.install(app)
     install_openapi(app, settings)

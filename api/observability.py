@@ -8,8 +8,8 @@ context variables set here are the ones the route handlers see.
 from __future__ import annotations
 
 import logging
+import random
 import re
-import secrets
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
@@ -32,19 +32,27 @@ QUIET_PATHS = ("/healthz", "/readyz", "/metrics")
 
 
 class ObservabilityMiddleware:
+    """Runs around every request, so it reads raw bytes and keeps its metric children: a dict of
+    decoded headers and two ``labels()`` lookups per request were ~8% of a submit's CPU."""
+
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        self._counted: dict[tuple[str, str, int], Any] = {}
+        self._timed: dict[tuple[str, str], Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        given = headers.get("x-request-id", "")
-        request_id = given if REQUEST_ID.match(given) else secrets.token_hex(8)
+        given = ""
+        for name, value in scope.get("headers", ()):  # ASGI header names are lower-case bytes
+            if name == b"x-request-id":
+                given = value.decode("latin-1")
+                break
+        request_id = given if REQUEST_ID.match(given) else f"{random.getrandbits(64):016x}"  # an id, not a secret
         path = str(scope.get("path", ""))
-        match = JOB_IN_PATH.search(path)
+        match = JOB_IN_PATH.search(path) if "/v1/jobs/" in path else None
         reset = bind(request_id=request_id, job_id=match.group(1) if match else None)
         status = 500
         answered_job: list[str] = []
@@ -55,10 +63,10 @@ class ObservabilityMiddleware:
                 status = int(message["status"])
                 raw = list(message.get("headers", []))
                 for key, value in raw:
-                    name = key.decode("latin-1").lower()
-                    if name == "x-omni-job-id":
+                    name = key.lower()
+                    if name == b"x-omni-job-id":
                         answered_job.append(value.decode("latin-1"))
-                    elif name == "location" and b"/v1/jobs/" in value:
+                    elif name == b"location" and b"/v1/jobs/" in value:
                         answered_job.append(value.decode("latin-1").rsplit("/", 1)[-1])
                 raw.append((b"x-request-id", request_id.encode("latin-1")))
                 message["headers"] = raw
@@ -71,13 +79,29 @@ class ObservabilityMiddleware:
             template = str(getattr(route, "path", "")) or "unmatched"
             method = str(scope.get("method", ""))
             elapsed = time.perf_counter() - started
-            metrics.HTTP_REQUESTS.labels(method, template, str(status)).inc()
-            metrics.HTTP_DURATION.labels(method, template).observe(elapsed)
-            unbind_answer = bind(job_id=answered_job[0]) if job_id_var.get() is None and answered_job else None
+            self._count(method, template, status).inc()
+            self._time(method, template).observe(elapsed)
             level = logging.DEBUG if path in QUIET_PATHS and status < 500 else logging.INFO
-            log.log(level, "%s %s %d %.1fms", method, path, status, elapsed * 1000,
-                    extra={"method": method, "path": path, "route": template, "status": status,
-                           "duration_ms": round(elapsed * 1000, 2)})
-            if unbind_answer is not None:
-                unbind_answer()
+            if log.isEnabledFor(level):
+                unbind_answer = bind(job_id=answered_job[0]) if job_id_var.get() is None and answered_job else None
+                log.log(level, "%s %s %d %.1fms", method, path, status, elapsed * 1000,
+                        extra={"method": method, "path": path, "route": template, "status": status,
+                               "duration_ms": round(elapsed * 1000, 2)})
+                if unbind_answer is not None:
+                    unbind_answer()
             reset()
+
+    def _count(self, method: str, template: str, status: int) -> Any:
+        """The request counter's child for these labels (route templates and codes are few)."""
+        key = (method, template, status)
+        child = self._counted.get(key)
+        if child is None:
+            child = self._counted[key] = metrics.HTTP_REQUESTS.labels(method, template, str(status))
+        return child
+
+    def _time(self, method: str, template: str) -> Any:
+        key = (method, template)
+        child = self._timed.get(key)
+        if child is None:
+            child = self._timed[key] = metrics.HTTP_DURATION.labels(method, template)
+        return child

@@ -239,8 +239,9 @@ def resolve_params(spec: PipelineSpec, raw: object) -> StageParamValues:
         if not isinstance(overrides, dict):
             errors.append(FieldError(("params", stage.id), "must be an object", "type_error"))
             continue
-        try:
-            resolved[stage.id] = stage.params({**stage.defaults, **overrides}).model_dump()  # flat: JSON scalars
+        try:  # flat: JSON scalars
+            resolved[stage.id] = (stage.params({**stage.defaults, **overrides}).model_dump() if overrides
+                                  else dict(stage.default_params))
         except ValidationError as exc:
             for err in exc.errors():
                 loc = ("params", stage.id, *(str(p) for p in err["loc"]))

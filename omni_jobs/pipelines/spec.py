@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from functools import cached_property
+from types import MappingProxyType
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -243,6 +245,12 @@ class StageSpec(Strict):
     def params(self, values: Mapping[str, JsonValue]) -> StageParams:
         """Validated parameters from a job's recorded values for this stage."""
         return self.params_model.model_validate(values)
+
+    @cached_property
+    def default_params(self) -> Mapping[str, JsonScalar]:
+        """The stage's defaults, validated and flat: a job without overrides for this stage records
+        these (validated once, not per submit; the spec is frozen)."""
+        return MappingProxyType(self.params(self.defaults).model_dump())
 
     def upstream(self) -> set[str]:
         return {b.source for b in self.inputs.values() if b.source != INPUT_SOURCE}

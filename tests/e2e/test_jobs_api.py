@@ -127,6 +127,57 @@ def test_bad_input_is_422_naming_the_field(api: httpx.Client, body: dict[str, An
     assert any(d["loc"] == loc and fragment in d["msg"] for d in detail), detail
 
 
+JSON = {"content-type": "application/json"}
+TEXT_JOB = b'{"pipeline":"text-to-text","input":{"prompt":"raw body"}}'
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "status", "detail"),
+    [
+        (b'{"pipeline": ', JSON, 422, {"type": "json_invalid", "loc": ["body", 13], "msg": "JSON decode error",
+                                       "input": {}, "ctx": {"error": "Expecting value"}}),
+        (b"", JSON, 422, {"type": "missing", "loc": ["body"], "msg": "Field required", "input": None}),
+        (TEXT_JOB, {"content-type": "text/plain"}, 422, {"type": "model_attributes_type", "loc": ["body"]}),
+        (TEXT_JOB, {}, 422, {"type": "model_attributes_type", "loc": ["body"]}),  # no content type: not JSON
+        (b"[1, 2]", JSON, 422, {"type": "model_attributes_type", "loc": ["body"], "input": [1, 2]}),
+        (b"\xff\xfe{", JSON, 400, "There was an error parsing the body"),
+        (TEXT_JOB, {"content-type": "application/vnd.omni+json; charset=utf-8"}, 202, None),
+    ],
+)
+def test_submit_reads_its_body_as_fastapi_would(api: httpx.Client, content: bytes, headers: dict[str, str],
+                                                 status: int, detail: object) -> None:
+    """POST /v1/jobs reads its own body (api.json_body): the answers FastAPI gave for a body model."""
+    response = api.post("/v1/jobs", content=content, headers=headers)
+    assert response.status_code == status, response.text
+    if isinstance(detail, dict):
+        (error,) = response.json()["detail"]
+        assert {k: error.get(k) for k in detail} == detail
+    elif detail is not None:
+        assert response.json()["detail"] == detail
+
+
+def test_submit_checks_json_syntax_before_the_key_and_the_key_before_the_fields(api: httpx.Client) -> None:
+    """FastAPI's order, kept: a body that is not JSON is a 422 whoever sends it; then a bad key is a
+    401 whatever the fields say."""
+    no_key = {"authorization": "Bearer not-a-key", **JSON}
+    syntax = httpx.post(f"{api.base_url}/v1/jobs", content=b"{", headers=no_key)
+    assert syntax.status_code == 422 and syntax.json()["detail"][0]["type"] == "json_invalid"
+    fields = httpx.post(f"{api.base_url}/v1/jobs", content=b"{}", headers=no_key)
+    assert fields.status_code == 401 and fields.headers["www-authenticate"] == 'Bearer error="invalid_token"'
+    missing = httpx.post(f"{api.base_url}/v1/jobs", content=b"{}", headers=JSON)
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
+
+
+def test_a_lone_surrogate_in_a_prompt_is_answered(api: httpx.Client) -> None:
+    """JSON may escape half a UTF-16 pair; the job JSON then escapes it back (it was a 500 after the
+    job was stored)."""
+    response = api.post("/v1/jobs", content=b'{"pipeline":"text-to-text","input":{"prompt":"caf\\u00e9 \\ud83d"}}',
+                        headers=JSON)
+    assert response.status_code == 202, response.text
+    assert response.json()["input"]["prompt"] == "caf\u00e9 \ud83d"
+    assert api.get(response.headers["location"]).json()["input"]["prompt"] == "caf\u00e9 \ud83d"
+
+
 def test_engine_error_fails_the_job_with_stage_and_reason(api: httpx.Client) -> None:
     job = wait_for_job(api, submit(api, "broken-model", "hello")["id"])
     assert job["status"] == "failed"
