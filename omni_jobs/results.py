@@ -161,7 +161,7 @@ class ResultsAssembler:
             return StepOutcome("failed", str(exc))
         if lost.is_set():
             return StepOutcome("lost", "the lease was taken back while writing the outputs")
-        done = self._patiently(lambda: self.ledger.complete_results(lease, outputs), where)
+        done = self._patiently(lambda: self.ledger.complete_results(lease, outputs, snapshot=job), where)
         if isinstance(done, Refused):
             return StepOutcome("discarded", done.reason)
         log.info("job %s succeeded with outputs %s", job.id, [o.name for o in outputs])

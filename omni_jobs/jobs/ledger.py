@@ -658,8 +658,10 @@ class JobLedger:
 
         return self._transition(step.job_id, decide, missing=lambda: Refused("job is gone"), snapshot=snapshot)
 
-    def complete_results(self, lease: Lease, outputs: list[JobOutput]) -> Job | Refused:
-        """The job's final files are written: it ends succeeded."""
+    def complete_results(self, lease: Lease, outputs: list[JobOutput], *, snapshot: Job | None = None) -> Job | Refused:
+        """The job's final files are written: it ends succeeded. ``snapshot``: the job as the results
+        step took it, decided on without a read (the write's guards refuse it if it is stale, and
+        the decision is made again on the stored job)."""
 
         def decide(job: Job) -> _Decision[Job | Refused]:
             if job.status is JobStatus.succeeded and job.results.attempts == lease.attempt:
@@ -671,7 +673,7 @@ class JobLedger:
             events = state.job_succeeded(after, now())
             return _Decision(after, after, events, ("results:status", "results:attempts", "results:lease_owner"))
 
-        return self._transition(lease.job_id, decide, missing=lambda: Refused("job is gone"))
+        return self._transition(lease.job_id, decide, missing=lambda: Refused("job is gone"), snapshot=snapshot)
 
     def retry_later(self, lease: Lease, error: JobError, delay_s: float) -> str:
         """The attempt hit a transient error: queue the next one after ``delay_s``, or fail the job

@@ -145,6 +145,33 @@ def test_the_last_stage_can_take_the_results_step_in_the_same_write(ledger: JobL
     assert store.leased_slots() == [] and store.queue_counts("results") == (0, 0)
 
 
+def test_results_decided_on_the_taken_job_end_it_or_see_a_later_write(ledger: JobLedger, store: JobStore) -> None:
+    """complete_results with the job as the results step took it (no read): it ends the job, or, where
+    the job changed meanwhile (canceled), the guards refuse that write and the stored job decides."""
+    outputs = [JobOutput(name="image", type="image", media_type="image/png", size=1, artifact=ref("image"))]
+    ended: list[Job] = []
+    for cancel in (False, True):
+        job, _ = ledger.submit(two_stage_job(), ["ar"])
+        ledger.complete_stage(start(ledger, claim(store)[0]).lease, {"text": ref("text")}, {})
+        dit = start(ledger, claim(store)[0], "dit@h#1")
+        taken = ledger.complete_stage(dit.lease, {"image": ref("image")}, {}, results_worker="dit@h")
+        assert isinstance(taken, Job) and taken.results.status is StageStatus.running
+        if cancel:
+            ledger.cancel(job.id)
+        lease = Lease(AssembleResults(job.id, 1), "dit@h#1")
+        final = ledger.complete_results(lease, outputs, snapshot=taken)
+        if cancel:
+            assert isinstance(final, Refused) and ledger.require(job.id).status is JobStatus.canceled
+            assert ledger.require(job.id).outputs == []
+        else:
+            assert isinstance(final, Job) and final.status is JobStatus.succeeded and final.outputs == outputs
+            assert ledger.require(job.id) == final and store.leased_slots() == []
+            # the same write again, from the same stale snapshot (a retried call): the ended job, unchanged
+            assert ledger.complete_results(lease, outputs, snapshot=taken) == final
+            ended.append(final)
+    assert [e.type for e in ledger.events(ended[0].id)][-1] == "job.succeeded"
+
+
 def test_inline_results_of_a_dead_worker_go_to_the_results_queue(ledger: JobLedger, store: JobStore) -> None:
     job, _ = ledger.submit(two_stage_job(), ["ar"])
     ledger.complete_stage(start(ledger, claim(store)[0]).lease, {"text": ref("text")}, {})
