@@ -131,14 +131,18 @@ class ReapReport:
 class Reaper:
     def __init__(self, ledger: JobLedger, store: JobStore, *, owner: str, queues: Callable[[], Iterable[str]],
                  queue_depth: Callable[[str], int] | None = None, dispatch_timeout_s: float = 20.0,
-                 interval_s: float = 2.0, batch: int = 100) -> None:
-        """``queue_depth``: messages waiting in the broker for a queue (None: no dispatch watchdog)."""
+                 backlog_timeout_s: float = 3600.0, interval_s: float = 2.0, batch: int = 100) -> None:
+        """``queue_depth``: messages waiting in the broker for a queue (None: no dispatch watchdog).
+        A step sent and not started is sent again after ``dispatch_timeout_s`` once its queue is empty,
+        and after ``backlog_timeout_s`` even behind a backlog (the broker keeps no copy of a message a
+        worker took: see omni_jobs.queueing); a copy that was not lost after all is skipped."""
         self.ledger = ledger
         self.store = store
         self.owner = owner
         self.queues = queues
         self.queue_depth = queue_depth
         self.dispatch_timeout_s = dispatch_timeout_s
+        self.backlog_timeout_s = backlog_timeout_s
         self.interval_s = interval_s
         self.batch = batch
         self._thread: threading.Thread | None = None
@@ -161,14 +165,18 @@ class Reaper:
 
     def _watch_dispatches(self, queue: str, report: ReapReport) -> None:
         assert self.queue_depth is not None
-        stale = self.store.released(queue, before=now() - self.dispatch_timeout_s, limit=self.batch)
-        if not stale or self.queue_depth(queue) > 0:
-            return  # nothing old, or messages still wait in the broker: it may be a backlog
+        at = now()
+        stale = self.store.released(queue, before=at - self.dispatch_timeout_s, limit=self.batch)
+        if not stale:
+            return
+        why = f"queue '{queue}' was empty for {self.dispatch_timeout_s:g}s while it waited"
+        if self.queue_depth(queue) > 0:  # messages still wait in the broker: it may be a backlog
+            stale = self.store.released(queue, before=at - self.backlog_timeout_s, limit=self.batch)
+            why = f"not started {self.backlog_timeout_s:g}s after it was sent, behind a backlog"
         for slot in stale:
             if self.ledger.redispatch(slot):
                 report.redispatched += 1
-                report.details.append(f"{slot}: redispatched (queue '{queue}' was empty for "
-                                      f"{self.dispatch_timeout_s:g}s while it waited)")
+                report.details.append(f"{slot}: redispatched ({why})")
 
     def reclaim_node(self, node: str, current_owner: str) -> ReapReport:
         """At a worker's start: what earlier processes of the same node held is lost; take it back now."""

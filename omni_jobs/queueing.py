@@ -54,11 +54,13 @@ def celery_config(settings: Settings) -> dict[str, object]:
         },
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {
-            "visibility_timeout": settings.visibility_timeout_s,
-            # How often a consumer looks for unacknowledged messages older than the visibility
-            # timeout. A redelivered message is recognised and skipped (its attempt already ran or runs).
-            "unacked_restore_interval": max(1, min(10, settings.visibility_timeout_s // 4)),
-            "unacked_restore_throttle": 1,
+            # No copy of a taken message in Redis (kombu's unacked hash): the job store already knows
+            # every step that went out and not started, and the reaper publishes it again when its
+            # message was lost, or its worker died holding it (omni_jobs.leases.Reaper). kombu's copy
+            # came back only after the visibility timeout, an hour, and cost two writes per task (on
+            # taking and on acknowledging it), each fsynced with a durable Redis: ~1.8 ms of every hop
+            # (bench --hops). A warm shutdown still hands back what the worker held (in memory).
+            "ack_emulation": False,
         },
         "worker_hijack_root_logger": False,
     }

@@ -169,7 +169,8 @@ class Runtime:
         s = self.settings
         return Reaper(self.ledger, self.store, owner=self.worker, queues=self.queues,
                       queue_depth=lambda q: queue_depth(self.broker_redis, q),
-                      dispatch_timeout_s=s.dispatch_timeout_s, interval_s=s.reaper_interval_s)
+                      dispatch_timeout_s=s.dispatch_timeout_s,
+                      backlog_timeout_s=s.visibility_timeout_s, interval_s=s.reaper_interval_s)
 
     @cached_property
     def broker_redis(self) -> Redis:

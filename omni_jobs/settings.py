@@ -104,7 +104,8 @@ class Settings(BaseSettings):
 
     # --- Queues ---
     visibility_timeout_s: int = Field(
-        3600, gt=0, description="Broker redelivers an unacknowledged task after this; keep it above the longest stage."
+        3600, gt=0, description="A step sent to its queue and not started after this long is sent again even while "
+        "the queue has a backlog (its message was lost with a dead worker); with an empty queue, dispatch_timeout_s."
     )
     stage_soft_time_limit_s: float = Field(
         600, gt=0, description="A stage running longer fails its job at its next step/token (per-stage override)."
@@ -210,7 +211,7 @@ class Settings(BaseSettings):
     webhook_max_attempts: int = Field(10, ge=1, description="Attempts of a `completed` webhook before giving up.")
     webhook_retry_base_s: float = Field(5, gt=0, description="Delay before the 2nd attempt; doubles each retry.")
     webhook_retry_max_s: float = Field(
-        1800, gt=0, description="Longest delay between attempts (also caps Retry-After); keep below visibility_timeout_s."
+        1800, gt=0, description="Longest delay between attempts (also caps Retry-After)."
     )
     webhook_retry_jitter: float = Field(0.25, ge=0, le=1, description="Each delay is scaled by 1 +/- this, at random.")
     webhook_progress_interval_s: float = Field(

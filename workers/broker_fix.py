@@ -6,7 +6,7 @@ connection, and then kombu (restoring those messages, or a task thread acknowled
 the closed channel for its connection parameters: ``AttributeError`` on None, which Celery
 treats as unrecoverable, so the worker exits and its jobs wait for another worker. Raising the
 broker's own connection error instead lets Celery do what it does for any lost connection:
-reconnect; the messages stay in the unacked set and come back after the visibility timeout.
+reconnect; the steps of the messages it held are sent again by the reaper (omni_jobs.leases).
 """
 
 from __future__ import annotations

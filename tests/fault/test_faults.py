@@ -102,7 +102,7 @@ def test_sigkill_dit_worker_mid_stage_and_restart_it_at_once(faults: FaultSystem
 
     victim = wait_until(running_dit, what="a DiT stage in progress")
     worker = faults.process("worker-dit")
-    worker.kill()  # SIGKILL: no cleanup; its messages stay unacknowledged for the hour-long visibility timeout
+    worker.kill()  # SIGKILL: no cleanup; the messages it held are gone from the broker (no copy is kept)
     killed_at = time.time()
     worker.start()  # what `omni-jobs up` or compose does: the new process takes back its predecessor's steps
     done = [wait_for_job(api, j["id"], timeout_s=180) for j in jobs]
@@ -112,7 +112,7 @@ def test_sigkill_dit_worker_mid_stage_and_restart_it_at_once(faults: FaultSystem
     assert victim_dit["attempts"] == 2  # the lost attempt and the one that finished, no more
     requeued = [e for e in events_of(api, victim) if e["type"] == "stage.requeued"]
     assert len(requeued) == 1 and "restarted without finishing it" in requeued[0]["data"]["reason"]
-    assert victim_dit["started_at"] - killed_at < RECOVERY_BOUND_S  # not the broker's visibility timeout
+    assert victim_dit["started_at"] - killed_at < RECOVERY_BOUND_S  # the reaper, not a broker timeout
     # Same seed, clean run: the recovered job's image is the one a fault-free run makes.
     index = [j["id"] for j in jobs].index(victim)
     clean = wait_for_job(api, submit(api, "text-to-image", f"kill test {index}", image_params(seed=index))["id"])
@@ -212,7 +212,9 @@ def test_sigkill_mid_assembly(faults: FaultSystem, api: httpx.Client) -> None:
 
 
 def test_a_stage_longer_than_the_visibility_timeout_runs_once(faults: FaultSystem, api: httpx.Client) -> None:
-    env = {"OMNI_VISIBILITY_TIMEOUT_S": "2"}  # the broker gives the message to another worker after 2 s
+    """The broker keeps no copy of a taken message to hand out again (no ack emulation), and the reaper's
+    backlog bound (OMNI_VISIBILITY_TIMEOUT_S) only sends steps that have not started: one delivery."""
+    env = {"OMNI_VISIBILITY_TIMEOUT_S": "2"}
     workers = [faults.system.start_worker("dit-long", name=f"dit-long-{i}", env=env, pool="solo") for i in (1, 2)]
     try:
         faults.system.wait_for_workers({"dit-long"})
@@ -226,10 +228,10 @@ def test_a_stage_longer_than_the_visibility_timeout_runs_once(faults: FaultSyste
     assert job["status"] == "succeeded" and job["stages"][0]["attempts"] == 1
     task_id = f"stage:{job['id']}:dit:1"
     logs = "".join(w.log_path.read_text() for w in workers)
-    assert logs.count(f"[{task_id}] received") >= 2, f"the broker never redelivered (stage took {took:.1f}s)"
-    assert "attempt 1 is running on dit-long-" in logs  # the duplicate was recognised and skipped
+    assert took > 4, f"the stage took {took:.1f}s: not long enough to show anything"
+    assert logs.count(f"[{task_id}] received") == 1, "the message was delivered again"
     assert faults.engine_starts(job["id"]) == {(f"stage:{job['id']}:dit", 1): 1}
-    report("Stage past the visibility timeout (redelivered)", [job], 0, took)
+    report("Stage past the visibility timeout (one delivery)", [job], 0, took)
 
 
 # --- Redis and the broker ---

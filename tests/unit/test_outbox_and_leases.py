@@ -195,6 +195,24 @@ def test_the_watchdog_republishes_only_what_waits_on_an_empty_queue() -> None:
     assert [e.step for e in store.claim_outbox(now=now(), limit=10, hold_s=1)] == [RunStage(submitted.id, "ar", 1, "ar")]
 
 
+def test_behind_a_backlog_the_watchdog_waits_the_backlog_timeout() -> None:
+    """The broker keeps no copy of a message a worker took (no ack emulation): a step whose message
+    died with its worker while others still wait on the queue goes out again after backlog_timeout_s."""
+    store = MemoryJobStore()
+    ledger = JobLedger(store)
+    submitted = ledger.submit(job(), ["ar"])[0]
+    Scheduler(store, None).release_all()
+    store.ack_outbox([e.id for e in store.claim_outbox(now=now(), limit=10, hold_s=60)])  # taken, then lost
+    reaper = Reaper(ledger, store, owner="r", queues=lambda: ["ar"], queue_depth=lambda q: 5,
+                    dispatch_timeout_s=0.05, backlog_timeout_s=0.5, interval_s=0.01)
+    time.sleep(0.1)
+    assert reaper.run_once().redispatched == 0  # a backlog: it may still be on its way
+    time.sleep(0.5)
+    report = reaper.run_once()
+    assert report.redispatched == 1 and "behind a backlog" in report.details[0]
+    assert [e.step for e in store.claim_outbox(now=now(), limit=10, hold_s=1)] == [RunStage(submitted.id, "ar", 1, "ar")]
+
+
 def test_a_restarted_worker_takes_back_its_predecessors_steps_at_once() -> None:
     store = MemoryJobStore()
     ledger = JobLedger(store, lease_s=3600)  # the lease would hold for an hour
