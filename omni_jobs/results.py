@@ -10,10 +10,13 @@ video's frames, fps, duration, width and height; a tensor's shape). It runs once
 from __future__ import annotations
 
 import base64
+import contextvars
+import functools
 import logging
 import random
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from omni_jobs import keys
@@ -25,11 +28,18 @@ from omni_jobs.leases import LeaseKeeper
 from omni_jobs.payloads import FORMATS, SAFETENSORS, PayloadFormat, decode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.modalities import OUTPUT_TYPES, TENSOR_MODALITIES, Modality
+from omni_jobs.pipelines.spec import OutputSpec
 from omni_jobs.stages import TRANSIENT_ERRORS, job_error
 from omni_jobs.steps import AssembleResults, StepOutcome
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+@functools.cache
+def _writers() -> ThreadPoolExecutor:
+    """The threads that write a job's outputs side by side (one pool per process, made on first use)."""
+    return ThreadPoolExecutor(max_workers=8, thread_name_prefix="omni-outputs")
 
 OutputHandler = Callable[[ArtifactStore, str, str, Sequence[bytes]], JobOutput]
 """(store, job id, output name, the stage payloads it is made of) -> the manifest entry of the written file."""
@@ -168,10 +178,19 @@ class ResultsAssembler:
         return StepOutcome("succeeded")
 
     def write_outputs(self, job: Job) -> list[JobOutput]:
-        """Each declared output of the pipeline, written as its file, with its manifest entry."""
+        """Each declared output of the pipeline, written as its file, with its manifest entry.
+
+        Several outputs are written at once: each write waits for its storage (an fsync on local
+        disk, ~1.4 ms here; an upload to S3), and those waits overlap (bench --hops: a two-output
+        job's last stage -> results done). The first error is raised once all have ended."""
         spec = self.catalogue.get(job.pipeline)
-        outputs: list[JobOutput] = []
-        for out in spec.outputs:
+
+        def write(out: OutputSpec) -> JobOutput:
             parts = [self.artifacts.get(job.stage_record(s.source).outputs[s.port]) for s in out.sources]
-            outputs.append(OUTPUT_HANDLERS[spec.output_type(out)](self.artifacts, job.id, out.name, parts))
-        return outputs
+            return OUTPUT_HANDLERS[spec.output_type(out)](self.artifacts, job.id, out.name, parts)
+
+        if len(spec.outputs) == 1:
+            return [write(spec.outputs[0])]
+        running = [_writers().submit(contextvars.copy_context().run, write, out) for out in spec.outputs]
+        wait(running)  # all ended before an error is raised: no write outlives its attempt
+        return [f.result() for f in running]
