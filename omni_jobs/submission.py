@@ -71,6 +71,12 @@ def _check_input_value(name: str, field: InputField, value: object) -> list[Fiel
             return [FieldError(loc, "must not be empty", "missing")]
         if field.max_length is not None and len(value) > field.max_length:
             return [FieldError(loc, f"is {len(value)} characters; at most {field.max_length}", "too_long")]
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:  # JSON can escape half a UTF-16 pair (\ud83d); no engine reads it
+                return [FieldError(loc, f"is not valid Unicode text: half a surrogate pair at character {exc.start} "
+                                        "(send the whole character, or both halves of its \\u escape)", "invalid_text")]
     return []
 
 

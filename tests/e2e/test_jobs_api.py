@@ -168,14 +168,17 @@ def test_submit_checks_json_syntax_before_the_key_and_the_key_before_the_fields(
     assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
 
 
-def test_a_lone_surrogate_in_a_prompt_is_answered(api: httpx.Client) -> None:
-    """JSON may escape half a UTF-16 pair; the job JSON then escapes it back (it was a 500 after the
-    job was stored)."""
-    response = api.post("/v1/jobs", content=b'{"pipeline":"text-to-text","input":{"prompt":"caf\\u00e9 \\ud83d"}}',
-                        headers=JSON)
-    assert response.status_code == 202, response.text
-    assert response.json()["input"]["prompt"] == "caf\u00e9 \ud83d"
-    assert api.get(response.headers["location"]).json()["input"]["prompt"] == "caf\u00e9 \ud83d"
+def test_half_a_surrogate_pair_in_a_prompt_is_a_422_naming_it(api: httpx.Client) -> None:
+    """JSON may escape half a UTF-16 pair (valid JSON, not text any engine can read): refused before
+    anything is stored (it was stored and queued, and then the 202 was a 500); a whole pair is text."""
+    half = api.post("/v1/jobs", content=b'{"pipeline":"text-to-text","input":{"prompt":"caf\\u00e9 \\ud83d"}}',
+                    headers=JSON)
+    assert half.status_code == 422, half.text
+    (error,) = half.json()["detail"]
+    assert error["loc"] == ["body", "input", "prompt"] and "half a surrogate pair at character 5" in error["msg"]
+    whole = api.post("/v1/jobs", content=b'{"pipeline":"text-to-text","input":{"prompt":"caf\\u00e9 \\ud83d\\ude00"}}',
+                     headers=JSON)
+    assert whole.status_code == 202 and whole.json()["input"]["prompt"] == "caf\u00e9 \U0001f600"
 
 
 def test_engine_error_fails_the_job_with_stage_and_reason(api: httpx.Client) -> None:
