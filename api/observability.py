@@ -37,8 +37,7 @@ class ObservabilityMiddleware:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self._counted: dict[tuple[str, str, int], Any] = {}
-        self._timed: dict[tuple[str, str], Any] = {}
+        self._children: dict[tuple[object, ...], Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -79,8 +78,8 @@ class ObservabilityMiddleware:
             template = str(getattr(route, "path", "")) or "unmatched"
             method = str(scope.get("method", ""))
             elapsed = time.perf_counter() - started
-            self._count(method, template, status).inc()
-            self._time(method, template).observe(elapsed)
+            self._child(metrics.HTTP_REQUESTS, method, template, str(status)).inc()
+            self._child(metrics.HTTP_DURATION, method, template).observe(elapsed)
             level = logging.DEBUG if path in QUIET_PATHS and status < 500 else logging.INFO
             if log.isEnabledFor(level):
                 unbind_answer = bind(job_id=answered_job[0]) if job_id_var.get() is None and answered_job else None
@@ -91,17 +90,10 @@ class ObservabilityMiddleware:
                     unbind_answer()
             reset()
 
-    def _count(self, method: str, template: str, status: int) -> Any:
-        """The request counter's child for these labels (route templates and codes are few)."""
-        key = (method, template, status)
-        child = self._counted.get(key)
+    def _child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, kept (route templates, methods and codes are few)."""
+        key = (id(metric), *labels)
+        child = self._children.get(key)
         if child is None:
-            child = self._counted[key] = metrics.HTTP_REQUESTS.labels(method, template, str(status))
-        return child
-
-    def _time(self, method: str, template: str) -> Any:
-        key = (method, template)
-        child = self._timed.get(key)
-        if child is None:
-            child = self._timed[key] = metrics.HTTP_DURATION.labels(method, template)
+            child = self._children[key] = metric.labels(*labels)
         return child

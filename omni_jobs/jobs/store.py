@@ -859,7 +859,6 @@ def estimate_position(reads: Sequence[int | bytes | None]) -> int | None:
 def job_pending_steps(job_id: str, fields: dict[str, str], hooks: dict[str, str]) -> list[tuple[str, str, str]]:
     """(queue, slot, outbox id of its next attempt) of every step slot of a job (stages, results,
     webhook messages), from its hash fields: what deleting the job must also take off the indexes."""
-
     found: list[tuple[str, str, str]] = []
     for stage in jsontext.loads(fields.get("stages", "[]")):
         slot = stage_slot(job_id, stage["id"])
