@@ -16,7 +16,7 @@ import logging
 import random
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 from omni_jobs import keys
@@ -29,7 +29,7 @@ from omni_jobs.payloads import FORMATS, SAFETENSORS, PayloadFormat, decode_paylo
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.modalities import OUTPUT_TYPES, TENSOR_MODALITIES, Modality
 from omni_jobs.pipelines.spec import OutputSpec
-from omni_jobs.stages import TRANSIENT_ERRORS, job_error
+from omni_jobs.stages import TRANSIENT_ERRORS, EarlyOutputs, job_error
 from omni_jobs.steps import AssembleResults, StepOutcome
 
 log = logging.getLogger(__name__)
@@ -144,20 +144,23 @@ class ResultsAssembler:
             return StepOutcome("skipped", taken.reason)
         return self.run_held(taken.job, taken.lease)
 
-    def run_held(self, job: Job, lease: Lease) -> StepOutcome:
+    def run_held(self, job: Job, lease: Lease, early: EarlyOutputs | None = None) -> StepOutcome:
         """Write the outputs of a job whose results lease this process holds already: after
         ``acquire``, or inline in the worker whose stage completed the job (``complete_stage``'s
-        ``results_worker``)."""
+        ``results_worker``), which may have begun them (``early``)."""
         where = f"job {job.id} results attempt {lease.attempt}"
         lost = threading.Event()
         if self.keeper is None:
-            return self._assemble(job, lease, lost, where)
+            return self._assemble(job, lease, lost, where, early)
         with self.keeper.hold(lease, on_lost=lost.set):
-            return self._assemble(job, lease, lost, where)
+            return self._assemble(job, lease, lost, where, early)
 
-    def _assemble(self, job: Job, lease: Lease, lost: threading.Event, where: str) -> StepOutcome:
+    def _assemble(self, job: Job, lease: Lease, lost: threading.Event, where: str,
+                  early: EarlyOutputs | None) -> StepOutcome:
         try:
-            outputs = self.write_outputs(job)
+            outputs = self._early_outputs(job, early) if early is not None else None
+            if outputs is None:
+                outputs = self.write_outputs(job)
         except TRANSIENT_ERRORS as exc:
             delay = float(self.retry_backoff_s * (2 ** (lease.attempt - 1)) * random.uniform(0.5, 1.5))
             error = job_error("results", exc)
@@ -184,13 +187,27 @@ class ResultsAssembler:
         disk, ~1.4 ms here; an upload to S3), and those waits overlap (bench --hops: a two-output
         job's last stage -> results done). The first error is raised once all have ended."""
         spec = self.catalogue.get(job.pipeline)
-
-        def write(out: OutputSpec) -> JobOutput:
-            parts = [self.artifacts.get(job.stage_record(s.source).outputs[s.port]) for s in out.sources]
-            return OUTPUT_HANDLERS[spec.output_type(out)](self.artifacts, job.id, out.name, parts)
-
         if len(spec.outputs) == 1:
-            return [write(spec.outputs[0])]
-        running = [_writers().submit(contextvars.copy_context().run, write, out) for out in spec.outputs]
+            return [self._write_output(job, spec.outputs[0])]
+        running = self.start_outputs(job)
         wait(running)  # all ended before an error is raised: no write outlives its attempt
         return [f.result() for f in running]
+
+    def start_outputs(self, job: Job) -> list[Future[JobOutput]]:
+        """Begin writing each declared output of ``job`` on the writer threads, in the pipeline's order."""
+        spec = self.catalogue.get(job.pipeline)
+        return [_writers().submit(contextvars.copy_context().run, self._write_output, job, out) for out in spec.outputs]
+
+    def _write_output(self, job: Job, out: OutputSpec) -> JobOutput:
+        spec = self.catalogue.get(job.pipeline)
+        parts = [self.artifacts.get(job.stage_record(s.source).outputs[s.port]) for s in out.sources]
+        return OUTPUT_HANDLERS[spec.output_type(out)](self.artifacts, job.id, out.name, parts)
+
+    @staticmethod
+    def _early_outputs(job: Job, early: EarlyOutputs) -> list[JobOutput] | None:
+        """The outputs begun before the job's last stage was recorded, if they were made of the stage
+        outputs ``job`` has and were all written; else None (written again, errors handled as usual)."""
+        wait(early.writes)
+        if early.made_from != [r.outputs for r in job.stages] or any(f.exception() for f in early.writes):
+            return None
+        return [f.result() for f in early.writes]

@@ -125,7 +125,7 @@ class Runtime:
                            cache_defaults=(s.stage_cache_max_entries, s.stage_cache_eviction), keeper=self.keeper,
                            retry_backoff_s=s.stage_retry_backoff_s, store_wait_s=s.store_wait_s,
                            run_journal=RunJournal(s.run_journal) if s.run_journal else None,
-                           assemble_results=self.results.run_held if s.results_inline else None,
+                           assemble_results=self.results if s.results_inline else None,
                            hard_limits=self.hard_time_limits)
 
     @cached_property

@@ -15,9 +15,10 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TypeAlias, TypeVar
+from typing import Protocol, TypeAlias, TypeVar
 
 import redis
 
@@ -30,7 +31,7 @@ from omni_jobs.engines.stage_exec import StageValues, execute_dit, execute_encod
 from omni_jobs.errors import JobAlreadyFinished, JobNotFound, StageError, TransientStageError
 from omni_jobs.input_files import load_input_image
 from omni_jobs.jobs.ledger import JobLedger, Lease, Refused
-from omni_jobs.jobs.models import EventType, Job, JobError, StageStatus, now
+from omni_jobs.jobs.models import EventType, Job, JobError, JobOutput, StageStatus, now
 from omni_jobs.jobs.patience import STORE_DOWN, while_store_down
 from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.leases import LeaseKeeper
@@ -50,8 +51,30 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 ProgressFn = Callable[[int, int], None]
-AssembleHeld = Callable[[Job, Lease], StepOutcome]
-"""(job, its results lease, held by this process) -> the results step's outcome (ResultsAssembler.run_held)."""
+
+
+@dataclass(frozen=True)
+class EarlyOutputs:
+    """A job's final files, being written while the write that records its last stage commits
+    (results inline): the two wait on storage side by side (an fsync, an upload) instead of one
+    after the other. ``made_from``: each stage's outputs they were made of; they stand only if the
+    committed job has the same."""
+
+    made_from: list[dict[str, ArtifactRef]]
+    writes: list[Future[JobOutput]]
+
+
+class InlineResults(Protocol):
+    """The results step, run by the worker whose stage completed the job (ResultsAssembler)."""
+
+    def start_outputs(self, job: Job) -> list[Future[JobOutput]]:
+        """Begin writing each declared output of ``job``."""
+        ...
+
+    def run_held(self, job: Job, lease: Lease, early: EarlyOutputs | None = None) -> StepOutcome:
+        """The results step of a job whose results lease this process holds."""
+        ...
+
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ArtifactStoreUnavailable, TransientStageError, *STORE_DOWN)
 """Errors that may pass (a store or the broker unreachable): the next attempt backs off and retries."""
 StageInputs: TypeAlias = "dict[str, Payload | JsonValue]"
@@ -125,14 +148,15 @@ class StageRunner:
                  engines: EnginePool, limits: StageLimits | None = None, batching: BatchDefaults | None = None,
                  cache_redis: redis.Redis | None = None, cache_defaults: tuple[int, Eviction] = (1000, "lru"),
                  keeper: LeaseKeeper | None = None, retry_backoff_s: float = 1.0, store_wait_s: float = 600.0,
-                 run_journal: RunJournal | None = None, assemble_results: AssembleHeld | None = None,
+                 run_journal: RunJournal | None = None, assemble_results: InlineResults | None = None,
                  hard_limits: bool = False) -> None:
         """``batching``: engine calls go through the per-engine batcher (stage workers); None calls the
         engine per job. ``cache_redis``: where stages with ``cache.enabled`` keep their outputs.
         ``keeper``: renews the leases of running attempts (workers; None in one process).
         ``assemble_results``: results inline: the attempt that completes a job's last stage takes its
-        results step in the same write and writes the outputs here (ResultsAssembler.run_held), a hop
-        through the results queue saved; None leaves the results step to the results queue.
+        results step in the same write and writes the outputs here (ResultsAssembler), a hop through
+        the results queue saved; the files are begun before that write (``EarlyOutputs``). None
+        leaves the results step to the results queue.
         ``hard_limits``: a stage still running at its hard time limit fails its job and ends this
         process (omni_jobs.watchdog; worker processes only: the supervisor starts a fresh one)."""
         self.ledger = ledger
@@ -173,20 +197,24 @@ class StageRunner:
         try:
             with self._hard_limit(job, lease, step):
                 if self.keeper is None:
-                    outcome, ended = self._attempt(job, lease, step, where, worker)
+                    outcome, ended, early = self._attempt(job, lease, step, where, worker)
                 else:
                     with self.keeper.hold(lease, on_lost=lambda: self.progress.stop(lease, "lost")):
-                        outcome, ended = self._attempt(job, lease, step, where, worker)
+                        outcome, ended, early = self._attempt(job, lease, step, where, worker)
         finally:
             self.progress.finish(lease)
         if ended is not None and self.assemble_results is not None:
-            results = self.assemble_results(ended, Lease(AssembleResults(ended.id, ended.results.attempts), lease.owner))
+            held = Lease(AssembleResults(ended.id, ended.results.attempts), lease.owner)
+            results = self.assemble_results.run_held(ended, held, early)
             log.info("%s: results assembled inline: %s", where, results.status)
+        elif early is not None:
+            wait(early.writes)  # not this attempt's to finish: no write outlives it
         return outcome
 
     def _attempt(self, job: Job, lease: Lease, step: RunStage, where: str,
-                 worker: str) -> tuple[StepOutcome, Job | None]:
-        """The attempt's outcome, and the job when this attempt took its results step (results inline)."""
+                 worker: str) -> tuple[StepOutcome, Job | None, EarlyOutputs | None]:
+        """The attempt's outcome; the job when this attempt took its results step (results inline), and
+        the outputs it began writing for it."""
         spec = self.catalogue.get(job.pipeline)
         stage = spec.stage(step.stage_id)
         started = time.perf_counter()
@@ -213,32 +241,48 @@ class StageRunner:
             if isinstance(exc, DeadlineExceeded):
                 self._patiently(lambda: self.cancel_for_deadline(job.id), where)
             log.info("%s stopped: %s", where, "its lease was lost" if why == "lost" else "the job was canceled")
-            return StepOutcome(why, str(exc)), None
+            return StepOutcome(why, str(exc)), None, None
         except StageError as exc:
             error = job_error(stage.id, exc)
             self._patiently(lambda: self.ledger.fail(job.id, error, lease=lease), where)
             log.error("%s failed: %s", where, exc)
-            return StepOutcome("failed", str(exc)), None
+            return StepOutcome("failed", str(exc)), None, None
         except TRANSIENT_ERRORS as exc:
             delay, error = self.retry_delay(step.attempt), job_error(stage.id, exc)
             outcome = self._patiently(lambda: self.ledger.retry_later(lease, error, delay), where)
             log.warning("%s: transient error (%s: %s); %s", where, type(exc).__name__, exc,
                         f"attempt {step.attempt + 1} in {delay:.1f}s" if outcome == "retrying" else outcome)
-            return StepOutcome("retrying" if outcome == "retrying" else outcome, str(exc)), None
+            return StepOutcome("retrying" if outcome == "retrying" else outcome, str(exc)), None, None
         metrics = {"run_s": time.perf_counter() - started, "engine_s": engine_s}
         if cache is not None and digest:
             metrics["cache_hit"] = 1.0 if hit is not None else 0.0
         inline = worker if self.assemble_results is not None else None
-        done = self._patiently(lambda: self.ledger.complete_stage(lease, refs, metrics, snapshot=job,
-                                                                  results_worker=inline), where)
+        early = self._begin_outputs(job, step, refs)
+        try:
+            done = self._patiently(lambda: self.ledger.complete_stage(lease, refs, metrics, snapshot=job,
+                                                                      results_worker=inline), where)
+        except BaseException:
+            if early is not None:
+                wait(early.writes)
+            raise
         if isinstance(done, Refused):
             log.warning("%s: result discarded: %s", where, done.reason)
-            return StepOutcome("discarded", done.reason), None
+            return StepOutcome("discarded", done.reason), None, early
         if self.run_journal is not None:
             self.run_journal.record(lease, "engine.recorded")
         took_results = (inline is not None and done.results.status is StageStatus.running
                         and done.results.lease_owner == lease.owner)
-        return StepOutcome("succeeded", ""), done if took_results else None
+        return StepOutcome("succeeded", ""), done if took_results else None, early
+
+    def _begin_outputs(self, job: Job, step: RunStage, refs: dict[str, ArtifactRef]) -> EarlyOutputs | None:
+        """Results inline, and this is the job's last stage to finish: begin its final files now, from
+        this stage's outputs, so they are written while its completion commits."""
+        if self.assemble_results is None or any(
+                r.status is not StageStatus.succeeded for r in job.stages if r.id != step.stage_id):
+            return None
+        final = job.clone()
+        final.stage_record(step.stage_id).outputs = dict(refs)
+        return EarlyOutputs([dict(r.outputs) for r in final.stages], self.assemble_results.start_outputs(final))
 
     def retry_delay(self, attempt: int) -> float:
         """Exponential backoff with jitter before the next attempt after a transient error."""

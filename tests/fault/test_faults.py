@@ -194,6 +194,12 @@ def test_sigkill_mid_assembly(faults: FaultSystem, api: httpx.Client) -> None:
     job = response.json()
     faults.gate.hold(rf"PUT /{BUCKET}/jobs/{job['id']}/outputs/")
     assert faults.gate.wait_held(120), "the results step never wrote an output"
+    # The files are begun while the stage's completion commits (omni_jobs.stages.EarlyOutputs): kill
+    # once that write holds the results step, so it is the results step that must be taken back.
+    deadline = time.monotonic() + 30
+    while api.get(f"/v1/jobs/{job['id']}").json()["stages"][-1]["status"] != "succeeded":
+        assert time.monotonic() < deadline, "the last stage was never recorded"
+        time.sleep(0.05)
     worker = faults.process("worker-dit")  # the last stage's worker, assembling inline
     worker.kill()
     killed_at = time.time()

@@ -1,0 +1,134 @@
+"""Results inline: the worker whose stage ends a job writes its final files, begun while that stage's
+completion commits (omni_jobs.stages.EarlyOutputs). Real DiT engine, real Redis, files on disk."""
+
+from __future__ import annotations
+
+import io
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import yaml
+from PIL import Image
+
+from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
+from omni_jobs.jobs.ledger import JobLedger, Lease
+from omni_jobs.jobs.models import Job, JobStatus, StageStatus, now
+from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
+from omni_jobs.results import ResultsAssembler
+from omni_jobs.scheduling import Scheduler
+from omni_jobs.stages import StageLimits, StageRunner
+from omni_jobs.steps import RunStage
+from omni_jobs.submission import JobSubmitter
+
+PIPELINE = yaml.safe_load("""
+name: inline-image
+inputs: {prompt: {type: text}}
+stages:
+  - id: dit
+    engine: dit
+    model: tiny:pixart
+    inputs: {prompt: input.prompt}
+    engine_args: {pipeline_class: PixArtSigmaPipeline}
+    defaults: {height: 32, width: 32, num_inference_steps: 2, seed: 0}
+outputs: [{name: image, from: dit.image}]
+""")
+
+
+class RecordingDisk(LocalBackend):
+    """Notes when each final file's write begins and ends."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.begun = threading.Event()
+        self.started: list[str] = []
+        self.ended: list[str] = []
+
+    def put(self, key: str, data: bytes, **kwargs: Any) -> None:
+        if "/outputs/" in key:
+            self.started.append(key)
+            self.begun.set()
+        super().put(key, data, **kwargs)
+        if "/outputs/" in key:
+            self.ended.append(key)
+
+
+class CompletionWatch(JobLedger):
+    """The real ledger; its stage completion first waits (5 s at most) for a final file to have begun,
+    and may cancel the job just before it writes (a cancel that lands while the stage finishes)."""
+
+    disk: RecordingDisk
+    cancel_first = False
+    waited: bool | None = None
+
+    def complete_stage(self, lease: Lease, *args: Any, **kwargs: Any) -> Job | Any:
+        self.waited = self.disk.begun.wait(5)
+        if self.cancel_first:
+            self.cancel(lease.job_id)
+        return super().complete_stage(lease, *args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def engines() -> Any:
+    from omni_jobs.engines.pool import EnginePool
+    from tests.conftest import MODELS_DIR
+
+    return EnginePool(MODELS_DIR, kv_cache_bytes=64 * 2**20, max_model_len=256, device="cpu")
+
+
+@pytest.fixture
+def parts(redis_client: redis.Redis, tmp_path: Path, engines: Any) -> dict[str, Any]:
+    catalogue = PipelineCatalogue([parse_pipeline(PIPELINE, source="test")])
+    store = RedisJobStore(redis_client, ttl_s=600)
+    ledger = CompletionWatch(store, lease_s=30.0)
+    disk = ledger.disk = RecordingDisk(tmp_path)
+    artifacts = ArtifactStore(disk, RedisBackend(redis_client))
+    results = ResultsAssembler(ledger=ledger, catalogue=catalogue, artifacts=artifacts)
+    runner = StageRunner(ledger=ledger, catalogue=catalogue, artifacts=artifacts, engines=engines,
+                         limits=StageLimits(progress_interval_s=0), assemble_results=results)
+    return {"store": store, "ledger": ledger, "disk": disk, "runner": runner,
+            "submit": JobSubmitter(ledger, catalogue), "artifacts": artifacts}
+
+
+def first_step(parts: dict[str, Any], job: Job) -> RunStage:
+    store: RedisJobStore = parts["store"]
+    Scheduler(store, None).release_all()
+    entries = store.claim_outbox(now=now(), limit=10, hold_s=60.0, job_id=job.id)
+    store.ack_outbox([e.id for e in entries])
+    (step,) = [e.step for e in entries]
+    assert isinstance(step, RunStage)
+    return step
+
+
+def test_the_last_stage_begins_the_final_files_before_its_completion_commits(parts: dict[str, Any]) -> None:
+    ledger: CompletionWatch = parts["ledger"]
+    job = parts["submit"].submit("inline-image", {"prompt": "a lighthouse"})
+    outcome = parts["runner"].run(first_step(parts, job), worker="dit@h", owner="dit@h#1")
+    assert outcome.status == "succeeded"
+    assert ledger.waited is True, "no final file was begun before the stage's completion was written"
+    done = ledger.require(job.id)
+    assert done.status is JobStatus.succeeded and done.results.status is StageStatus.succeeded
+    assert done.results.attempts == 1 and parts["store"].leased_slots() == []
+    (image,) = done.outputs
+    assert (image.name, image.width, image.height) == ("image", 32, 32)
+    png = parts["artifacts"].get(image.artifact)
+    assert png == parts["artifacts"].get(done.stage_record("dit").outputs["image"])  # the stage's own PNG
+    assert Image.open(io.BytesIO(png)).size == (32, 32)
+    assert parts["disk"].started == parts["disk"].ended == [f"jobs/{job.id}/outputs/image.png"]  # written once
+
+
+def test_files_begun_for_a_completion_that_is_refused_end_with_the_attempt(parts: dict[str, Any]) -> None:
+    """Canceled while the stage finished: its completion is refused, the job keeps no outputs, and the
+    files begun early have finished before the attempt returns (none outlives it)."""
+    ledger: CompletionWatch = parts["ledger"]
+    ledger.cancel_first = True
+    job = parts["submit"].submit("inline-image", {"prompt": "a canceled lighthouse"})
+    outcome = parts["runner"].run(first_step(parts, job), worker="dit@h", owner="dit@h#1")
+    assert outcome.status == "discarded" and ledger.waited is True
+    final = ledger.require(job.id)
+    assert final.status is JobStatus.canceled and final.outputs == []
+    assert parts["disk"].ended == parts["disk"].started  # begun early, ended before run() returned
+    assert parts["store"].leased_slots() == []
