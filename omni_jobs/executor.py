@@ -10,6 +10,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
+from omni_jobs.jobs.models import Job
 from omni_jobs.results import ResultsAssembler
 from omni_jobs.stages import StageRunner
 from omni_jobs.steps import AssembleResults, DeliverWebhook, RunStage, Step, StepOutcome
@@ -22,15 +23,16 @@ class StepExecutor:
     results: ResultsAssembler
     webhooks: WebhookDeliverer | None = None
 
-    def execute(self, step: Step, *, worker: str, owner: str) -> StepOutcome:
-        """``worker``: the name shown on the job (e.g. ``dit@host``); ``owner``: this process's lease owner.
+    def execute(self, step: Step, *, worker: str, owner: str, snapshot: Job | None = None) -> StepOutcome:
+        """``worker``: the name shown on the job (e.g. ``dit@host``); ``owner``: this process's lease owner;
+        ``snapshot``: the job as a stage's task message carried it (StageRunner.run).
 
         Each execution holds its lease under its own token, so the same message delivered twice to
         one process (after a visibility timeout) is refused like any duplicate, while a retried
         write of this execution is recognised as its own."""
         owner = f"{owner}/{secrets.token_hex(4)}"
         if isinstance(step, RunStage):
-            return self.stages.run(step, worker=worker, owner=owner)
+            return self.stages.run(step, worker=worker, owner=owner, snapshot=snapshot)
         if isinstance(step, AssembleResults):
             return self.results.run(step, worker=worker, owner=owner)
         if isinstance(step, DeliverWebhook):

@@ -9,10 +9,13 @@ for Flower. The broker's visibility timeout is only a last resort: leases decide
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
+from omni_jobs.jobs import codec
+from omni_jobs.jobs.models import Job
 from omni_jobs.settings import Settings
 from omni_jobs.steps import (
     ASSEMBLE_RESULTS_TASK,
@@ -28,6 +31,8 @@ from omni_jobs.steps import (
     display_name,
     task_args,
 )
+
+log = logging.getLogger(__name__)
 
 
 def celery_config(settings: Settings) -> dict[str, object]:
@@ -91,7 +96,7 @@ def publish_steps(app: TaskPublisher, steps: Sequence[Step], ids: Sequence[str])
 _EMBED = {"callbacks": None, "errbacks": None, "chain": None, "chord": None}
 
 
-def broker_message(step: Step, task_id: str) -> str:
+def broker_message(step: Step, task_id: str, extra_headers: dict[str, object] | None = None) -> str:
     """The task message of ``step`` as kombu's Redis transport keeps it on the queue's list: Celery's
     message protocol 2, JSON, what ``publish_steps`` would write (minus the base64 body encoding,
     which kombu reads as optional). ``task_id`` is the outbox entry id: the task id, and the
@@ -104,7 +109,7 @@ def broker_message(step: Step, task_id: str) -> str:
         "lang": "py", "task": name, "id": task_id, "shadow": display_name(name, args), "eta": None, "expires": None,
         "group": None, "group_index": None, "retries": 0, "timelimit": [None, None], "root_id": task_id,
         "parent_id": None, "argsrepr": repr(args), "kwargsrepr": "{}", "origin": "omni-jobs", "ignore_result": None,
-        "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {},
+        "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {}, **(extra_headers or {}),
     }
     properties = {
         "correlation_id": task_id, "reply_to": "", "delivery_mode": 2,
@@ -116,15 +121,37 @@ def broker_message(step: Step, task_id: str) -> str:
 
 
 _ATTEMPT, _JOB = 7070707, "job_SAMPLE"  # stand for a step's attempt (a number) and job id while templates render
+SNAPSHOT_HEADER = "omni_job"
+"""The header of a run_stage message that carries its job as the store pushed it (``job_snapshot``)."""
 
 
 def broker_message_templates() -> dict[str, str]:
     """Step kind -> ``broker_message`` with ``@@NAME@@`` where each step's values go: ID (the entry
     id), JOB, ATTEMPT, QUEUE, STAGE (run_stage), MSG and EVENT (deliver_webhook). A script fills
     them in with plain text, so only values of letters, digits and ``_.:#/-`` may go in (ids,
-    stage and queue names, event names are): anything else is published by the relay through kombu."""
+    stage and queue names, event names are): anything else is published by the relay through kombu.
+
+    A run_stage message also has the ``SNAPSHOT_HEADER``, where the script puts the job as it is when
+    the message is pushed: the worker starts the stage from it without reading the job first."""
     samples: list[Step] = [RunStage(_JOB, "@@STAGE@@", _ATTEMPT, "@@QUEUE@@"),
                            AssembleResults(_JOB, _ATTEMPT, "@@QUEUE@@"),
                            DeliverWebhook(_JOB, "@@MSG@@", "@@EVENT@@", _ATTEMPT, "@@QUEUE@@")]
-    return {step.kind.value: broker_message(step, "@@ID@@").replace(str(_ATTEMPT), "@@ATTEMPT@@")
-            .replace(_JOB, "@@JOB@@") for step in samples}
+    snapshot: dict[str, object] = {SNAPSHOT_HEADER: "@@SNAPSHOT@@"}
+    return {step.kind.value: broker_message(step, "@@ID@@", snapshot if isinstance(step, RunStage) else None)
+            .replace(str(_ATTEMPT), "@@ATTEMPT@@").replace(_JOB, "@@JOB@@") for step in samples}
+
+
+def job_snapshot(header: object, job_id: str) -> Job | None:
+    """The job a run_stage message carries (``SNAPSHOT_HEADER``: [its hash's fields and values, flat;
+    its progress or '']), as the store's script pushed it; None where there is none, or it is not
+    ``job_id``'s or not readable (the worker then reads the job). It may be stale by the time the
+    stage starts: the start's write is guarded, and a refusal is checked against the stored job."""
+    if not isinstance(header, list) or len(header) != 2 or not isinstance(header[0], list):
+        return None
+    flat, progress = header
+    try:
+        job = codec.decode(dict(zip(flat[::2], flat[1::2], strict=True)), progress or None)
+    except (ValueError, TypeError, KeyError) as exc:
+        log.warning("job %s: the snapshot in its task message is unreadable (%s); reading the job", job_id, exc)
+        return None
+    return job if job is not None and job.id == job_id else None

@@ -183,13 +183,19 @@ class StageRunner:
     def _patiently(self, call: Callable[[], T], what: str) -> T:
         return while_store_down(call, wait_s=self.store_wait_s, what=what)
 
-    def run(self, step: RunStage, *, worker: str, owner: str) -> StepOutcome:
-        """One attempt: take the lease, run the engine, record the outputs (or the failure)."""
+    def run(self, step: RunStage, *, worker: str, owner: str, snapshot: Job | None = None) -> StepOutcome:
+        """One attempt: take the lease, run the engine, record the outputs (or the failure).
+
+        ``snapshot``: the job as its task message was pushed (omni_jobs.queueing.job_snapshot), so the
+        start needs no read first; a stale one is caught by the start's guarded write, and a refusal
+        decided on it is checked against the stored job."""
         where = f"job {step.job_id} stage {step.stage_id} attempt {step.attempt}"
-        job = self._patiently(lambda: self.ledger.get(step.job_id), where)
+        job = snapshot if snapshot is not None else self._patiently(lambda: self.ledger.get(step.job_id), where)
         if job is None:
             return StepOutcome("skipped", "job is gone (expired or deleted)")
         taken = self._patiently(lambda: self.ledger.acquire(step, worker=worker, owner=owner, snapshot=job), where)
+        if isinstance(taken, Refused) and snapshot is not None:
+            taken = self._patiently(lambda: self.ledger.acquire(step, worker=worker, owner=owner), where)
         if isinstance(taken, Refused):
             return StepOutcome("skipped", taken.reason)
         job, lease = taken.job, taken.lease

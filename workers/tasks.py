@@ -27,7 +27,7 @@ from omni_jobs.engines.model_source import load_model_sources
 from omni_jobs.engines.stage_exec import load_stage_engine
 from omni_jobs.errors import StoreUnavailable
 from omni_jobs.queue_depth import queue_depth
-from omni_jobs.queueing import publish_steps
+from omni_jobs.queueing import SNAPSHOT_HEADER, job_snapshot, publish_steps
 from omni_jobs.retention import cleanup
 from omni_jobs.runtime import Runtime
 from omni_jobs.settings import get_settings
@@ -65,8 +65,9 @@ def _execute(task: Task, name: str, args: Sequence[Any]) -> str:
     worker = str(task.request.hostname)
     if rt.worker != worker:
         rt.set_worker(worker)
+    snapshot = job_snapshot(getattr(task.request, SNAPSHOT_HEADER, None), step.job_id)
     try:
-        outcome = rt.executor.execute(step, worker=worker, owner=rt.owner)
+        outcome = rt.executor.execute(step, worker=worker, owner=rt.owner, snapshot=snapshot)
     except StoreUnavailable as exc:
         # Nothing was recorded (or the lease will expire and the reaper takes the step back): keep
         # the message for another try rather than acknowledge work that did not happen.

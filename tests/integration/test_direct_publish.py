@@ -12,6 +12,7 @@ from functools import partial
 import pytest
 import redis
 from celery import Celery
+from celery.app.task import Context
 from kombu import Connection
 
 from omni_jobs import keys
@@ -20,7 +21,14 @@ from omni_jobs.jobs.ledger import Acquired, JobLedger
 from omni_jobs.jobs.models import Job, StageRecord, new_job_id, now
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.outbox import OutboxRelay
-from omni_jobs.queueing import broker_message, broker_message_templates, celery_config, publish_steps
+from omni_jobs.queueing import (
+    SNAPSHOT_HEADER,
+    broker_message,
+    broker_message_templates,
+    celery_config,
+    job_snapshot,
+    publish_steps,
+)
 from omni_jobs.scheduling import Scheduler
 from omni_jobs.settings import Settings
 from omni_jobs.steps import RUN_STAGE_TASK, AssembleResults, DeliverWebhook, RunStage, Step, step_id
@@ -80,6 +88,9 @@ def test_a_worker_takes_the_pushed_message_as_celery_sent_it(redis_client: redis
         assert message.headers["task"] == RUN_STAGE_TASK and message.headers["id"] == f"stage:{job_id}:ar:1"
         assert (args, kwargs) == ([job_id, "ar", 1], {})
         assert message.headers["shadow"] == f"{RUN_STAGE_TASK}[{job_id}/ar#1]"  # Flower's name for it
+        # The job as the commit left it rides along: the worker starts the stage without reading it.
+        assert job_snapshot(message.headers[SNAPSHOT_HEADER], job_id) == ledger.require(job_id)
+        assert Context(message.headers).omni_job == message.headers[SNAPSHOT_HEADER]  # task.request.omni_job
         message.ack()
 
 
@@ -104,7 +115,10 @@ def test_without_a_live_worker_or_a_first_pass_the_relay_publishes(redis_client:
     assert relay.run_once() == 1
     # The relay's script pushed it, with the script's own message (not kombu's), and only once.
     (raw,) = redis_client.lrange("ar", 0, -1)
-    assert raw == broker_message(RunStage(job_id, "ar", 1, "ar"), f"stage:{job_id}:ar:1").encode()
+    message = json.loads(raw)
+    carried = job_snapshot(message["headers"].pop(SNAPSHOT_HEADER), job_id)
+    assert message == json.loads(broker_message(RunStage(job_id, "ar", 1, "ar"), f"stage:{job_id}:ar:1"))
+    assert carried == ledger.require(job_id)  # as it was when the relay's script pushed it
     assert relay.run_once() == 0 and redis_client.llen("ar") == 1
 
 
@@ -136,7 +150,8 @@ def test_the_script_writes_each_kinds_message_as_celery_would(redis_client: redi
     assert store.commit(change) is None and change.passed is not None and change.passed.published == 3
     for step in steps:
         (raw,) = redis_client.lrange(step.queue, 0, -1)
-        assert raw == broker_message(step, step_id(step)).encode()  # byte for byte
+        no_job = {SNAPSHOT_HEADER: None} if isinstance(step, RunStage) else None  # none stored: nothing to carry
+        assert raw == broker_message(step, step_id(step), no_job).encode()  # byte for byte
 
 
 def test_a_value_that_is_not_plain_text_is_left_to_the_relay(redis_client: redis.Redis) -> None:

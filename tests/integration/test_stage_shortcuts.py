@@ -1,5 +1,7 @@
-"""Results inline: the worker whose stage ends a job writes its final files, begun while that stage's
-completion commits (omni_jobs.stages.EarlyOutputs). Real DiT engine, real Redis, files on disk."""
+"""The stage runner's two shortcuts. It starts from the job its task message carried (no read first;
+a stale copy changes nothing). With results inline, the worker whose stage ends a job begins its
+final files while that stage's completion commits (omni_jobs.stages.EarlyOutputs). Real DiT engine,
+real Redis, files on disk."""
 
 from __future__ import annotations
 
@@ -58,11 +60,17 @@ class RecordingDisk(LocalBackend):
 
 class CompletionWatch(JobLedger):
     """The real ledger; its stage completion first waits (5 s at most) for a final file to have begun,
-    and may cancel the job just before it writes (a cancel that lands while the stage finishes)."""
+    and may cancel the job just before it writes (a cancel that lands while the stage finishes). It
+    counts its reads of a job."""
 
     disk: RecordingDisk
     cancel_first = False
     waited: bool | None = None
+    reads = 0
+
+    def get(self, job_id: str) -> Job | None:
+        self.reads += 1
+        return super().get(job_id)
 
     def complete_stage(self, lease: Lease, *args: Any, **kwargs: Any) -> Job | Any:
         self.waited = self.disk.begun.wait(5)
@@ -132,3 +140,36 @@ def test_files_begun_for_a_completion_that_is_refused_end_with_the_attempt(parts
     assert final.status is JobStatus.canceled and final.outputs == []
     assert parts["disk"].ended == parts["disk"].started  # begun early, ended before run() returned
     assert parts["store"].leased_slots() == []
+
+
+def test_a_stage_starts_from_the_job_its_message_carried(parts: dict[str, Any]) -> None:
+    ledger: CompletionWatch = parts["ledger"]
+    job = parts["submit"].submit("inline-image", {"prompt": "a harbour"})
+    step = first_step(parts, job)
+    carried = ledger.require(job.id)  # what the store's script puts in the message (test_direct_publish)
+    ledger.reads = 0
+    assert parts["runner"].run(step, worker="dit@h", owner="dit@h#1", snapshot=carried).status == "succeeded"
+    assert ledger.reads == 0, "the job was read although the message carried it"
+    done = ledger.require(job.id)
+    assert done.status is JobStatus.succeeded and done.stage_record("dit").attempts == 1
+
+
+def test_a_stale_carried_job_changes_nothing(parts: dict[str, Any]) -> None:
+    """Canceled after its message went out: the start is refused (the guarded write sees it). Carried
+    from before its stage was queued (an older copy than the message): checked against the stored
+    job, the stage starts."""
+    ledger: CompletionWatch = parts["ledger"]
+    job = parts["submit"].submit("inline-image", {"prompt": "a canceled harbour"})
+    step = first_step(parts, job)
+    carried = ledger.require(job.id)
+    ledger.cancel(job.id)
+    outcome = parts["runner"].run(step, worker="dit@h", owner="dit@h#1", snapshot=carried)
+    assert outcome.status == "skipped" and ledger.require(job.id).status is JobStatus.canceled
+    assert parts["disk"].started == []
+
+    job = parts["submit"].submit("inline-image", {"prompt": "an old copy"})
+    step = first_step(parts, job)
+    older = ledger.require(job.id).clone()
+    older.stage_record("dit").status = StageStatus.pending
+    outcome = parts["runner"].run(step, worker="dit@h", owner="dit@h#1", snapshot=older)
+    assert outcome.status == "succeeded" and ledger.require(job.id).status is JobStatus.succeeded
