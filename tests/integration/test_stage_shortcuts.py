@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import redis
-import yaml
 from PIL import Image
 
 from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
@@ -25,20 +24,11 @@ from omni_jobs.scheduling import Scheduler
 from omni_jobs.stages import StageLimits, StageRunner
 from omni_jobs.steps import RunStage
 from omni_jobs.submission import JobSubmitter
+from tests.integration.test_stage_runner import SLOW_DIT
 
-PIPELINE = yaml.safe_load("""
-name: inline-image
-inputs: {prompt: {type: text}}
-stages:
-  - id: dit
-    engine: dit
-    model: tiny:pixart
-    inputs: {prompt: input.prompt}
-    engine_args: {pipeline_class: PixArtSigmaPipeline}
-    defaults: {height: 32, width: 32, num_inference_steps: 2, seed: 0}
-outputs: [{name: image, from: dit.image}]
-""")
-
+PIPELINE = {**SLOW_DIT, "name": "inline-image", "stages": [
+    {**SLOW_DIT["stages"][0], "defaults": {"height": 32, "width": 32, "num_inference_steps": 2, "seed": 0}}]}
+"""One DiT stage, quick; its image is the job's one output."""
 
 class RecordingDisk(LocalBackend):
     """Notes when each final file's write begins and ends."""
