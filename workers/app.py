@@ -7,6 +7,14 @@ omni_jobs.results. Start a worker per queue, e.g.
 
 from __future__ import annotations
 
+import os
+
+# oneDNN (torch's CPU matmuls) keeps a compiled primitive per matmul shape, 1,024 of them by default,
+# and a CPU AR worker meets a new shape with almost every batch: it held 200-360 MB more after 2,000
+# to 6,000 jobs (python -m bench.soak: 1.16-1.26 of its RSS after job 200). 128 keeps it flat (1.03)
+# at the same speed (bench --ab). Set before torch loads; a value in the environment wins.
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
+
 from celery import Celery
 
 from omni_jobs.queueing import celery_config
