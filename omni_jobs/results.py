@@ -28,7 +28,7 @@ from omni_jobs.leases import LeaseKeeper
 from omni_jobs.payloads import FORMATS, SAFETENSORS, PayloadFormat, decode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.modalities import OUTPUT_TYPES, TENSOR_MODALITIES, Modality
-from omni_jobs.pipelines.spec import OutputSpec
+from omni_jobs.pipelines.spec import OutputSpec, PipelineSpec
 from omni_jobs.stages import TRANSIENT_ERRORS, EarlyOutputs, job_error
 from omni_jobs.steps import AssembleResults, StepOutcome
 
@@ -188,7 +188,7 @@ class ResultsAssembler:
         job's last stage -> results done). The first error is raised once all have ended."""
         spec = self.catalogue.get(job.pipeline)
         if len(spec.outputs) == 1:
-            return [self._write_output(job, spec.outputs[0])]
+            return [self._write_output(spec, job, spec.outputs[0])]
         running = self.start_outputs(job)
         wait(running)  # all ended before an error is raised: no write outlives its attempt
         return [f.result() for f in running]
@@ -196,10 +196,10 @@ class ResultsAssembler:
     def start_outputs(self, job: Job) -> list[Future[JobOutput]]:
         """Begin writing each declared output of ``job`` on the writer threads, in the pipeline's order."""
         spec = self.catalogue.get(job.pipeline)
-        return [_writers().submit(contextvars.copy_context().run, self._write_output, job, out) for out in spec.outputs]
+        return [_writers().submit(contextvars.copy_context().run, self._write_output, spec, job, out)
+                for out in spec.outputs]
 
-    def _write_output(self, job: Job, out: OutputSpec) -> JobOutput:
-        spec = self.catalogue.get(job.pipeline)
+    def _write_output(self, spec: PipelineSpec, job: Job, out: OutputSpec) -> JobOutput:
         parts = [self.artifacts.get(job.stage_record(s.source).outputs[s.port]) for s in out.sources]
         return OUTPUT_HANDLERS[spec.output_type(out)](self.artifacts, job.id, out.name, parts)
 

@@ -213,14 +213,12 @@ class StageRunner:
             held = Lease(AssembleResults(ended.id, ended.results.attempts), lease.owner)
             results = self.assemble_results.run_held(ended, held, early)
             log.info("%s: results assembled inline: %s", where, results.status)
-        elif early is not None:
-            wait(early.writes)  # not this attempt's to finish: no write outlives it
         return outcome
 
     def _attempt(self, job: Job, lease: Lease, step: RunStage, where: str,
                  worker: str) -> tuple[StepOutcome, Job | None, EarlyOutputs | None]:
         """The attempt's outcome; the job when this attempt took its results step (results inline), and
-        the outputs it began writing for it."""
+        the outputs it began writing for that step (handed on only then; else ended here)."""
         spec = self.catalogue.get(job.pipeline)
         stage = spec.stage(step.stage_id)
         started = time.perf_counter()
@@ -264,21 +262,23 @@ class StageRunner:
             metrics["cache_hit"] = 1.0 if hit is not None else 0.0
         inline = worker if self.assemble_results is not None else None
         early = self._begin_outputs(job, step, refs)
+        took_results = False
         try:
             done = self._patiently(lambda: self.ledger.complete_stage(lease, refs, metrics, snapshot=job,
                                                                       results_worker=inline), where)
-        except BaseException:
-            if early is not None:
-                wait(early.writes)
-            raise
-        if isinstance(done, Refused):
-            log.warning("%s: result discarded: %s", where, done.reason)
-            return StepOutcome("discarded", done.reason), None, early
-        if self.run_journal is not None:
-            self.run_journal.record(lease, "engine.recorded")
-        took_results = (inline is not None and done.results.status is StageStatus.running
-                        and done.results.lease_owner == lease.owner)
-        return StepOutcome("succeeded", ""), done if took_results else None, early
+            if isinstance(done, Refused):
+                log.warning("%s: result discarded: %s", where, done.reason)
+                return StepOutcome("discarded", done.reason), None, None
+            if self.run_journal is not None:
+                self.run_journal.record(lease, "engine.recorded")
+            took_results = (inline is not None and done.results.status is StageStatus.running
+                            and done.results.lease_owner == lease.owner)
+            if not took_results:
+                return StepOutcome("succeeded", ""), None, None
+            return StepOutcome("succeeded", ""), done, early
+        finally:
+            if early is not None and not took_results:
+                wait(early.writes)  # not this attempt's to finish: no write outlives it
 
     def _begin_outputs(self, job: Job, step: RunStage, refs: dict[str, ArtifactRef]) -> EarlyOutputs | None:
         """Results inline, and this is the job's last stage to finish: begin its final files now, from
