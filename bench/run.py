@@ -506,6 +506,8 @@ class Bench:
         else:
             naive.jobs_per_s = [float("nan")] * self.reps
         print(f"  system cpu {_cpu_line(system.summary()['cpu_s'])} submit span {system.submit_span_s}", flush=True)
+        if b.jobs_per_s:
+            print(f"  B      cpu {_cpu_line(b.summary()['cpu_s'])}", flush=True)
         print(f"  mean batch: system {system.summary()['batch_mean']}"
               + (f", B {b.summary()['batch_mean']}" if b.jobs_per_s else ""), flush=True)
         print(f"  naive  cpu {_cpu_line(naive.summary()['cpu_s'])}", flush=True)

@@ -4,7 +4,9 @@
 in-flight tasks) to their running state through the ledger, and times, side by side in one run:
 
 * renewing every lease: one commit per lease, as before, vs ``JobLedger.renew`` (``commit_each``);
-* writing every stage's progress: one ``progress`` per stage vs ``progress_many``.
+* writing every stage's progress: one ``progress`` per stage vs ``progress_many``;
+* appending a text delta to every stage's job stream (an AR engine step of a batch): one ``publish``
+  per stage vs ``publish_many`` (what the text writer does now for the deltas due together).
 
 A batched engine's worker does both for all its members at once (the lease keeper every lease_s / 3,
 the progress writer every progress_interval_s), from threads that share the CPU with the engine:
@@ -24,8 +26,9 @@ from pathlib import Path
 import redis
 
 from omni_jobs.jobs.ledger import Acquired, JobLedger
-from omni_jobs.jobs.models import Job, StageRecord, new_job_id, now
+from omni_jobs.jobs.models import EventType, Job, StageRecord, new_job_id, now
 from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.json_types import JsonObject
 from omni_jobs.local.devservices import start_redis
 from omni_jobs.scheduling import Scheduler
 
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         taken = running_stages(ledger, args.stages)
         leases = [t.lease for t in taken]
         reports = [(t.lease, t.job, 3, 20, "steps") for t in taken]
+        delta: JsonObject = {"stage": "dit", "output": "text", "text": " token", "index": 0, "attempt": 1}
+        deltas = [(t.lease, t.job, EventType.output_delta, delta) for t in taken]
         rows = []
         for _ in range(3):  # the arms take turns: both see the same machine
             one = median_ms(lambda: [ledger.renew([lease]) for lease in leases], args.reps)
@@ -72,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             one = median_ms(lambda: [ledger.progress(*r) for r in reports], max(3, args.reps // 4))
             together = median_ms(lambda: ledger.progress_many(reports), max(3, args.reps // 4))
             rows.append(("progress", one, together))
+            one = median_ms(lambda: [ledger.publish(*d) for d in deltas], max(3, args.reps // 4))
+            together = median_ms(lambda: ledger.publish_many(deltas), max(3, args.reps // 4))
+            rows.append(("deltas", one, together))
         print(f"{args.stages} running stages, medians of 3 rounds (ms per pass over all of them):")
-        for what in ("renew", "progress"):
+        for what in ("renew", "progress", "deltas"):
             ones = [r[1] for r in rows if r[0] == what]
             togethers = [r[2] for r in rows if r[0] == what]
             ratios = [b / a for a, b in zip(ones, togethers, strict=True)]

@@ -14,7 +14,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -44,7 +44,7 @@ from omni_jobs.progress_writer import ProgressWriter
 from omni_jobs.run_journal import RunJournal
 from omni_jobs.stage_cache import CachedOutputs, Eviction, StageOutputCache, cache_key, text_digest
 from omni_jobs.steps import AssembleResults, RunStage, StepOutcome
-from omni_jobs.text_stream import TextDeltas, TextStreams
+from omni_jobs.text_stream import Publish, TextDeltas, TextStreams, publish_each
 from omni_jobs.watchdog import hard_time_limit
 
 log = logging.getLogger(__name__)
@@ -80,6 +80,19 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ArtifactStoreUnavailable, T
 StageInputs: TypeAlias = "dict[str, Payload | JsonValue]"
 """A stage's inputs by port, as its engine is handed them: a job input (JSON; an image input loaded
 as a PIL image) or an upstream stage's output, decoded."""
+
+
+@dataclass(frozen=True, eq=False)
+class _DeltaTarget:
+    """Where one running stage's text deltas go (its job's stream, under its lease): a ``Publish``
+    that the text writer can also hand to ``JobLedger.publish_many`` with others."""
+
+    ledger: JobLedger
+    lease: Lease
+    job: Job
+
+    def __call__(self, data: JsonObject) -> str:
+        return self.ledger.publish(self.lease, self.job, EventType.output_delta, data)
 
 
 class JobCanceled(Exception):
@@ -178,7 +191,7 @@ class StageRunner:
         self._guard = threading.Lock()
         # Batched engines report for many jobs from one thread: write from another, never inline.
         self.progress = ProgressWriter(ledger, background=batching is not None)
-        self.text_streams = TextStreams(background=batching is not None)
+        self.text_streams = TextStreams(background=batching is not None, publish_many=self._publish_deltas)
 
     def _patiently(self, call: Callable[[], T], what: str) -> T:
         return while_store_down(call, wait_s=self.store_wait_s, what=what)
@@ -417,11 +430,18 @@ class StageRunner:
             self.text_streams.close(self._open_text(stage, job, lease), decode_payload("text", hit.data["text"]))
 
     def _open_text(self, stage: StageSpec, job: Job, lease: Lease) -> TextDeltas:
-        def publish(data: JsonObject) -> str:
-            return self.ledger.publish(lease, job, EventType.output_delta, data)
-
-        return self.text_streams.open(stage.id, "text", publish, attempt=lease.attempt,
+        return self.text_streams.open(stage.id, "text", _DeltaTarget(self.ledger, lease, job), attempt=lease.attempt,
                                       on_stop=lambda why: self.progress.stop(lease, why))
+
+    def _publish_deltas(self, items: Sequence[tuple[Publish, JsonObject]]) -> list[str]:
+        """The text writer's ``PublishMany``: the deltas of all running stages due together, in one
+        round trip (``JobLedger.publish_many``)."""
+        targets = [publish for publish, _data in items]
+        if not all(isinstance(t, _DeltaTarget) for t in targets):
+            return publish_each(items)
+        return self.ledger.publish_many([(t.lease, t.job, EventType.output_delta, data)
+                                         for t, (_p, data) in zip(targets, items, strict=True)
+                                         if isinstance(t, _DeltaTarget)])
 
     def _progress_reporter(self, job: Job, stage: StageSpec, lease: Lease) -> ProgressFn:
         """Called by the engine at every step/token: records progress (throttled) and is where a

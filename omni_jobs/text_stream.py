@@ -5,7 +5,9 @@ the engine. An event per token would be a Redis write per token, made while the 
 Progress may be coalesced (the newest report wins); text may not: every character must reach the
 job's event stream once and in order. So each output (``TextDeltas``) keeps its text so far and how
 much of it was published; a writer thread (``TextStreams``) publishes an output's unpublished rest
-as ONE delta, with the next ``index``, once its last delta is ``interval_s`` old. ``close`` publishes
+as ONE delta, with the next ``index``, once its last delta is ``interval_s`` old; the deltas of all
+outputs due together go out in one call (``PublishMany``: one Redis round trip for a whole engine
+step of a batch, not one per request). ``close`` publishes
 what is left (after waiting out the interval) before the stage records its result, so the deltas of
 an output, concatenated, are its final text. A publish answered 'canceled' or 'lost' is handed to
 ``on_stop`` (the stage runner marks the attempt stopped; it stops at its next token).
@@ -17,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from omni_jobs.json_types import JsonObject, JsonValue
 
@@ -26,8 +28,20 @@ log = logging.getLogger(__name__)
 DELTA_INTERVAL_S = 0.05
 """The least time between two deltas of one output (the issue's 'at most one every 50 ms')."""
 
+GATHER_S = 0.002
+"""How long the writer lets the engine thread finish a step's updates before it takes what is due:
+a batched engine reports every request of a step in one loop, and they should share one write."""
+
 Publish = Callable[[JsonObject], str]
 """Appends one delta event (its data) to the job's stream: 'ok', or 'canceled' / 'lost'."""
+
+PublishMany = Callable[[Sequence[tuple[Publish, JsonObject]]], list[str]]
+"""Publishes several outputs' deltas at once (each with its output's ``Publish``); an outcome each."""
+
+
+def publish_each(items: Sequence[tuple[Publish, JsonObject]]) -> list[str]:
+    """The plain ``PublishMany``: one call per delta."""
+    return [publish(data) for publish, data in items]
 
 
 class TextDeltas:
@@ -41,7 +55,7 @@ class TextDeltas:
         self.output = output
         self.interval_s = interval_s
         self.attempt = attempt
-        self._publish = publish
+        self.publish = publish
         self._on_stop = on_stop
         self._inline = inline
         self._notify = notify
@@ -109,22 +123,58 @@ class TextDeltas:
                 if not wait:
                     return "ok"
                 self._sleep(left)
-            with self._lock:
-                text, index = self._text[self._sent:], self._index
-            data: JsonObject = {"stage": self.stage, "output": self.output, "text": text, "index": index}
-            if self.attempt is not None:
-                data["attempt"] = self.attempt
-            outcome = self._publish(data)
-            with self._lock:
-                if outcome == "ok":
-                    self._sent += len(text)
-                    self._index += 1
-                    self._last = self._clock()
-                else:
-                    self.stopped = outcome
+            data = self._next_delta()
+            outcome = self.publish(data)
+            self._settle(data, outcome)
+        self._stopped_by(outcome)
+        return outcome
+
+    def _next_delta(self) -> JsonObject:
+        with self._lock:
+            text, index = self._text[self._sent:], self._index
+        data: JsonObject = {"stage": self.stage, "output": self.output, "text": text, "index": index}
+        if self.attempt is not None:
+            data["attempt"] = self.attempt
+        return data
+
+    def _settle(self, data: JsonObject, outcome: str) -> None:
+        """The delta ``data`` was published ('ok') or refused (the stage must stop)."""
+        with self._lock:
+            if outcome == "ok":
+                self._sent += len(str(data["text"]))
+                self._index += 1
+                self._last = self._clock()
+            else:
+                self.stopped = outcome
+
+    def _stopped_by(self, outcome: str) -> None:
+        """Outside the write turn: a refused publish stops the stage."""
         if outcome != "ok" and self._on_stop is not None:
             self._on_stop(outcome)
-        return outcome
+
+    def take_due(self) -> JsonObject | None:
+        """For the writer: the delta to publish now, holding this output's write turn until
+        ``settle_taken``; None when nothing is due (or ``close`` is writing it)."""
+        if not self._writing.acquire(blocking=False):
+            return None
+        with self._lock:
+            due = (self.stopped is None and not self._closed and len(self._text) > self._sent
+                   and self._last + self.interval_s <= self._clock())
+        if not due:
+            self._writing.release()
+            return None
+        return self._next_delta()
+
+    def settle_taken(self, data: JsonObject, outcome: str | None) -> None:
+        """The writer's publish of a ``take_due`` delta ended: its outcome, or None when the publish
+        failed (the text stays pending and is tried again)."""
+        try:
+            if outcome is not None:
+                self._settle(data, outcome)
+        finally:
+            self._writing.release()
+        if outcome is not None:
+            self._stopped_by(outcome)
 
     def close(self, final_text: str | None = None) -> str:
         """The output is complete: publish the rest (``final_text`` is the engine's final answer),
@@ -144,9 +194,12 @@ class TextStreams:
     publishes each output's pending text when its interval has passed."""
 
     def __init__(self, *, background: bool = True, interval_s: float = DELTA_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, publish_many: PublishMany = publish_each,
+                 gather_s: float = GATHER_S) -> None:
         self.background = background
         self.interval_s = interval_s
+        self.publish_many = publish_many
+        self.gather_s = gather_s
         self._clock = clock
         self._open: set[TextDeltas] = set()
         self._cond = threading.Condition()
@@ -181,25 +234,40 @@ class TextStreams:
         with self._cond:
             self._cond.notify()
 
-    def _due(self) -> list[TextDeltas]:
+    def _wait_due(self) -> None:
+        """Until some output's pending text may go out."""
         with self._cond:
             while True:
-                now = self._clock()
-                waits = [(d, d.due_in(now)) for d in self._open]
-                due = [d for d, left in waits if left is not None and left <= 0]
-                if due:
-                    return due
-                pending = [left for _d, left in waits if left is not None]
-                self._cond.wait(min(pending) if pending else None)
+                waits = [left for d in self._open if (left := d.due_in(self._clock())) is not None]
+                if any(left <= 0 for left in waits):
+                    return
+                self._cond.wait(min(waits) if waits else None)
 
     def _loop(self) -> None:
         while True:
-            for deltas in self._due():
-                try:
-                    deltas.flush()
-                except Exception:  # the store may be down: the text stays pending, tried again
-                    log.warning("could not publish a text delta of stage '%s'", deltas.stage, exc_info=True)
-                    time.sleep(self.interval_s)
+            self._wait_due()
+            time.sleep(self.gather_s)  # the rest of the engine step's updates join this write
+            with self._cond:
+                open_now = list(self._open)
+            taken = [(deltas, data) for deltas in open_now if (data := deltas.take_due()) is not None]
+            if taken:
+                self._write(taken)
+
+    def _write(self, taken: list[tuple[TextDeltas, JsonObject]]) -> None:
+        """One ``publish_many`` for every delta taken; each output's turn is handed back after it."""
+        outcomes: list[str] | None = None
+        try:
+            outcomes = self.publish_many([(deltas.publish, data) for deltas, data in taken])
+            if len(outcomes) != len(taken):
+                raise RuntimeError(f"publish_many answered {len(outcomes)} outcomes for {len(taken)} deltas")
+        except Exception:  # the store may be down: the text stays pending, tried again
+            log.warning("could not publish the text deltas of %d outputs", len(taken), exc_info=True)
+            outcomes = None
+        finally:
+            for k, (deltas, data) in enumerate(taken):
+                deltas.settle_taken(data, outcomes[k] if outcomes is not None else None)
+        if outcomes is None:
+            time.sleep(self.interval_s)
 
 
 class DeltaReader:

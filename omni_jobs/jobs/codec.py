@@ -66,6 +66,21 @@ def encode(job: Job) -> Fields:
     if job.webhook is not None:
         fields["webhook"] = _json({"url": job.webhook.url, "events": job.webhook.events})
     for record in job.stages:
+        if record.outputs:
+            fields[stage_field(record.id, "outputs")] = _json({k: v.model_dump(mode="json")
+                                                               for k, v in record.outputs.items()})
+        if record.metrics:
+            fields[stage_field(record.id, "metrics")] = _json(record.metrics)
+    fields.update(slot_fields(job))
+    return fields
+
+
+def slot_fields(job: Job) -> Fields:
+    """The stored fields that guard writes (the job's status, each stage's and the results step's
+    status, attempts, times and lease), as ``encode`` has them, without encoding the rest: a write
+    that only appends events (a text delta) needs nothing else."""
+    fields: Fields = {"status": job.status.value}
+    for record in job.stages:
         sid = record.id
         fields[stage_field(sid, "status")] = record.status.value
         fields[stage_field(sid, "attempts")] = str(record.attempts)
@@ -73,10 +88,6 @@ def encode(job: Job) -> Fields:
             _put(fields, stage_field(sid, name), getattr(record, name))
         for name in _STAGE_STRINGS:
             _put(fields, stage_field(sid, name), getattr(record, name))
-        if record.outputs:
-            fields[stage_field(sid, "outputs")] = _json({k: v.model_dump(mode="json") for k, v in record.outputs.items()})
-        if record.metrics:
-            fields[stage_field(sid, "metrics")] = _json(record.metrics)
     slot = job.results
     fields[results_field("status")] = slot.status.value
     fields[results_field("attempts")] = str(slot.attempts)

@@ -235,6 +235,16 @@ class JobLedger:
         change = Change()
         after = decision.after or before
         job_key = keys.job(before.id)
+        if after is before and not new_job:  # only events (a text delta, a preview): guards, no field changes
+            guarded = codec.slot_fields(before)
+            for name in ("status", *decision.guard):
+                change.expect(job_key, name, guarded.get(name))
+            for event in decision.events:
+                change.event(event, maxlen=self.store.events_maxlen, ttl_s=self.store.ttl_s)
+            self._webhook_messages(after, decision.events, change)
+            if decision.extra is not None:
+                change.extend(decision.extra)
+            return change
         new = codec.encode(after)
         old = codec.encode(before) if not new_job else {}  # a new job has no stored fields to compare
         if new_job:
@@ -597,8 +607,15 @@ class JobLedger:
 
         It changes no job field, so it never conflicts with progress; the guard only keeps an attempt
         that lost its lease (or a canceled job) from adding to the stream."""
-        event = JobEvent(job_id=lease.job_id, type=event_type, at=now(), data=data)
-        return self._while_running([(lease, snapshot, snapshot, [event])])[0]
+        return self.publish_many([(lease, snapshot, event_type, data)])[0]
+
+    def publish_many(self, items: Sequence[tuple[Lease, Job, EventType, JsonObject]]) -> list[str]:
+        """``publish`` of several running stages' partial outputs (lease, snapshot, type, data), in one
+        round trip: a batched engine's step yields a delta for each of its requests at once."""
+        at = now()
+        return self._while_running([(lease, snapshot, snapshot, [JobEvent(job_id=lease.job_id, type=event_type,
+                                                                             at=at, data=data)])
+                                    for lease, snapshot, event_type, data in items])
 
     def _while_running(self, writes: Sequence[tuple[Lease, Job, Job, list[JobEvent]]]) -> list[str]:
         """Write what running stages report (lease, before, after, events), each guarded by its own

@@ -27,6 +27,7 @@ from omni_jobs.jobs.models import (
     now,
 )
 from omni_jobs.jobs.store import JobStore
+from omni_jobs.json_types import JsonObject
 from omni_jobs.scheduling import Scheduler
 from omni_jobs.steps import AssembleResults, DeliverWebhook, RunStage, Step, step_id
 
@@ -325,6 +326,24 @@ def test_partial_outputs_are_published_in_order_while_the_lease_holds(ledger: Jo
     assert ledger.publish(taken.lease, taken.job, EventType.output_delta,
                           {"stage": "ar", "output": "text", "text": "!", "index": 3}) == "canceled"
     assert [e.data["text"] for e in ledger.events(job.id) if e.type == EventType.output_delta] == ["Hel", "lo", " world"]
+
+
+def test_partial_outputs_of_several_stages_go_in_one_call_each_under_its_own_lease(ledger: JobLedger,
+                                                                                  store: JobStore) -> None:
+    kept, _ = ledger.submit(two_stage_job(), ["ar"])
+    dropped, _ = ledger.submit(two_stage_job(), ["ar"])
+    taken = {t.lease.job_id: t for t in (start(ledger, step, owner=f"w1#{i}") for i, step in enumerate(claim(store)))}
+    ledger.cancel(dropped.id)
+
+    def delta(text: str) -> JsonObject:
+        return {"stage": "ar", "output": "text", "text": text, "index": 0}
+
+    writes = [(taken[job_id].lease, taken[job_id].job, EventType.output_delta, delta(text))
+              for job_id, text in ((dropped.id, "lost words"), (kept.id, "Hello"))]
+    assert ledger.publish_many(writes) == ["canceled", "ok"]
+    assert [e.data["text"] for e in ledger.events(kept.id) if e.type == EventType.output_delta] == ["Hello"]
+    assert [e for e in ledger.events(dropped.id) if e.type == EventType.output_delta] == []
+    assert ledger.require(kept.id).stage_record("ar").status is StageStatus.running  # no field changed
 
 
 def test_canceling_a_waiting_job_withdraws_its_unpublished_dispatch(ledger: JobLedger, store: JobStore) -> None:

@@ -163,3 +163,34 @@ def test_a_reader_hands_out_each_character_once_even_when_a_second_attempt_repea
     assert reader.text == "Once upon a time" and reader.stage == "ar"
     named = DeltaReader("other")
     assert named.feed(delta("Once", 0)) == "" and named.feed(delta("Hi", 0, stage="other")) == "Hi"
+
+
+def test_the_writer_publishes_the_deltas_due_together_in_one_call() -> None:
+    calls: list[list[str]] = []
+    fail_next = threading.Event()
+
+    def publish_many(items: Any) -> list[str]:
+        if fail_next.is_set():
+            fail_next.clear()
+            raise ConnectionError("store down")
+        calls.append([data["text"] for _publish, data in items])
+        return ["canceled" if data["text"].startswith("doomed") else "ok" for _publish, data in items]
+
+    streams = TextStreams(background=True, interval_s=0.05, publish_many=publish_many)
+    stops: list[str] = []
+    outputs = [streams.open(f"ar{i}", "text", Recorder()) for i in range(3)]
+    doomed = streams.open("ar9", "text", Recorder(), on_stop=stops.append)
+    for i, deltas in enumerate(outputs):  # one engine step reports every member
+        deltas.update(f"step one of {i}")
+    doomed.update("doomed text")
+    time.sleep(0.03)
+    assert sorted(calls[0]) == ["doomed text", "step one of 0", "step one of 1", "step one of 2"]  # one write
+    assert doomed.stopped == "canceled" and stops == ["canceled"]  # only that output stops
+
+    fail_next.set()  # a failed write keeps the text pending: it goes out, whole, in the next one
+    for i, deltas in enumerate(outputs):
+        deltas.update(f"step one of {i}, two")
+    time.sleep(0.2)
+    assert sorted(calls[1]) == [", two", ", two", ", two"] and len(calls) == 2
+    assert [d.published for d in outputs] == [f"step one of {i}, two" for i in range(3)]
+    assert [d.count for d in outputs] == [2, 2, 2] and doomed.published == ""
