@@ -121,6 +121,10 @@ class Settings(BaseSettings):
     batch_fill_wait_ms: float = Field(
         50.0, ge=0, description="How much longer a batch with room left waits while more work for its worker is on "
         "its way (received tasks, queued messages with free slots); it starts at once when nothing is coming.")
+    worker_switch_interval_ms: float = Field(
+        1.0, gt=0, description="The Python interpreter's thread switch interval in worker processes (Python's "
+        "default is 5 ms): how long an engine thread back from a torch op may wait for the GIL while the "
+        "worker's other threads (Celery's consumer, tasks recording results, the writers) hold it.")
     stage_max_in_flight: int = Field(
         16, ge=1, description="Tasks one AR/DiT worker process runs at once (its threads; per-stage override)."
     )

@@ -21,3 +21,16 @@ def test_a_worker_bounds_onednns_primitive_cache_unless_told_otherwise() -> None
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
     assert capacity_seen(env) == "128"
     assert capacity_seen({**env, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}) == "1024"
+
+
+def test_a_worker_hands_the_gil_on_sooner_than_python_does() -> None:
+    show = "import sys, workers.app; print(sys.getswitchinterval())"
+    env = {k: v for k, v in os.environ.items() if k != "OMNI_WORKER_SWITCH_INTERVAL_MS"}
+
+    def interval(extra: dict[str, str]) -> float:
+        run = subprocess.run([sys.executable, "-c", show], cwd=REPO, env={**env, **extra}, capture_output=True,
+                             text=True, check=True)
+        return float(run.stdout.strip())
+
+    assert interval({}) == 0.001  # Python's own is 0.005
+    assert interval({"OMNI_WORKER_SWITCH_INTERVAL_MS": "5"}) == 0.005
