@@ -26,7 +26,8 @@ broker_fix.install()  # threads-pool workers must survive a broker restart (see 
 
 # The engine thread gives up the GIL at every torch op and takes it back from whichever of the worker's
 # other threads holds it, after up to the switch interval: 5 ms by default, many times per diffusers
-# step. OMNI_WORKER_SWITCH_INTERVAL_MS=1: DiT 32px small 1.19x the jobs/s (bench --ab, 5 paired reps).
+# step. 1 ms (OMNI_WORKER_SWITCH_INTERVAL_MS): DiT 32px small faster than 5 ms in 13 of 13 paired reps
+# (bench --ab; the size is within the bench's noise, see README); AR unchanged.
 sys.setswitchinterval(get_settings().worker_switch_interval_ms / 1000)
 
 app = Celery("omni_jobs")

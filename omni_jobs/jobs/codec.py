@@ -75,6 +75,14 @@ def encode(job: Job) -> Fields:
     return fields
 
 
+def is_slot_field(name: str) -> bool:
+    """Whether ``slot_fields`` has the field ``name`` (when it is set)."""
+    if name == "status":
+        return True
+    scope, _, field = name.rpartition(":")
+    return scope.startswith(("stage:", "results")) and field in ("status", "attempts", *_STAGE_FLOATS, *_STAGE_STRINGS)
+
+
 def slot_fields(job: Job) -> Fields:
     """The stored fields that guard writes (the job's status, each stage's and the results step's
     status, attempts, times and lease), as ``encode`` has them, without encoding the rest: a write

@@ -235,7 +235,8 @@ class JobLedger:
         change = Change()
         after = decision.after or before
         job_key = keys.job(before.id)
-        if after is before and not new_job:  # only events (a text delta, a preview): guards, no field changes
+        if after is before and not new_job and all(codec.is_slot_field(name) for name in decision.guard):
+            # only events (a text delta, a preview): guards, no field changes
             guarded = codec.slot_fields(before)
             for name in ("status", *decision.guard):
                 change.expect(job_key, name, guarded.get(name))

@@ -100,3 +100,5 @@ def test_the_guard_fields_are_the_stored_ones_without_encoding_the_rest() -> Non
     assert {"status", "stage:ar:status", "stage:dit:attempts", "stage:dit:lease_owner", "stage:dit:lease_until",
             "results:status", "results:attempts"} <= set(guarded)
     assert not {"input", "params", "outputs", "stage:ar:outputs", "stage:ar:metrics"} & set(guarded)
+    assert all(codec.is_slot_field(name) for name in guarded)
+    assert not any(codec.is_slot_field(name) for name in stored if name not in guarded)
