@@ -436,12 +436,10 @@ class StageRunner:
     def _publish_deltas(self, items: Sequence[tuple[Publish, JsonObject]]) -> list[str]:
         """The text writer's ``PublishMany``: the deltas of all running stages due together, in one
         round trip (``JobLedger.publish_many``)."""
-        targets = [publish for publish, _data in items]
-        if not all(isinstance(t, _DeltaTarget) for t in targets):
+        writes = [(p.lease, p.job, EventType.output_delta, data) for p, data in items if isinstance(p, _DeltaTarget)]
+        if len(writes) < len(items):  # some other Publish: each on its own
             return publish_each(items)
-        return self.ledger.publish_many([(t.lease, t.job, EventType.output_delta, data)
-                                         for t, (_p, data) in zip(targets, items, strict=True)
-                                         if isinstance(t, _DeltaTarget)])
+        return self.ledger.publish_many(writes)
 
     def _progress_reporter(self, job: Job, stage: StageSpec, lease: Lease) -> ProgressFn:
         """Called by the engine at every step/token: records progress (throttled) and is where a

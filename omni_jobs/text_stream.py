@@ -238,7 +238,8 @@ class TextStreams:
         """Until some output's pending text may go out."""
         with self._cond:
             while True:
-                waits = [left for d in self._open if (left := d.due_in(self._clock())) is not None]
+                now = self._clock()
+                waits = [left for d in self._open if (left := d.due_in(now)) is not None]
                 if any(left <= 0 for left in waits):
                     return
                 self._cond.wait(min(waits) if waits else None)

@@ -80,7 +80,8 @@ def is_slot_field(name: str) -> bool:
     if name == "status":
         return True
     scope, _, field = name.rpartition(":")
-    return scope.startswith(("stage:", "results")) and field in ("status", "attempts", *_STAGE_FLOATS, *_STAGE_STRINGS)
+    return (scope == "results" or scope.startswith("stage:")) and field in ("status", "attempts", *_STAGE_FLOATS,
+                                                                            *_STAGE_STRINGS)
 
 
 def slot_fields(job: Job) -> Fields:

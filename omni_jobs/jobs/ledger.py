@@ -235,21 +235,8 @@ class JobLedger:
         change = Change()
         after = decision.after or before
         job_key = keys.job(before.id)
-        if after is before and not new_job and all(codec.is_slot_field(name) for name in decision.guard):
-            # only events (a text delta, a preview): guards, no field changes
-            guarded = codec.slot_fields(before)
-            for name in ("status", *decision.guard):
-                change.expect(job_key, name, guarded.get(name))
-            for event in decision.events:
-                change.event(event, maxlen=self.store.events_maxlen, ttl_s=self.store.ttl_s)
-            self._webhook_messages(after, decision.events, change)
-            if decision.extra is not None:
-                change.extend(decision.extra)
-            return change
-        new = codec.encode(after)
-        old = codec.encode(before) if not new_job else {}  # a new job has no stored fields to compare
         if new_job:
-            change.expect(job_key, "id", None).hset(job_key, new).expire(job_key, self.store.ttl_s)
+            change.expect(job_key, "id", None).hset(job_key, codec.encode(after)).expire(job_key, self.store.ttl_s)
             change.zadd(keys.JOBS_INDEX, after.id, after.created_at)
             change.zadd(keys.tenant_jobs(after.tenant), after.id, after.created_at)
             for tenant in (None, after.tenant):
@@ -257,10 +244,15 @@ class JobLedger:
             if after.deadline_at is not None:
                 change.zadd(keys.DEADLINES, after.id, after.deadline_at)
         else:
+            # A write that changes no field (only events: a text delta, a preview) compares its guards with
+            # the slot fields alone; encoding the whole job twice was most of a delta's cost.
+            unchanged = after is before and all(codec.is_slot_field(name) for name in decision.guard)
+            old = codec.slot_fields(before) if unchanged else codec.encode(before)
             for name in ("status", *decision.guard):
                 change.expect(job_key, name, old.get(name))
-            sets, dels = codec.diff(old, new)
-            change.hset(job_key, sets).hdel(job_key, dels)
+            if not unchanged:
+                sets, dels = codec.diff(old, codec.encode(after))
+                change.hset(job_key, sets).hdel(job_key, dels)
         if after.progress != before.progress:
             progress_key = keys.job_progress(before.id)
             if after.progress is None:
