@@ -15,6 +15,13 @@ import sys
 # to 6,000 jobs (python -m bench.soak: 1.16-1.26 of its RSS after job 200). 128 keeps it flat (1.03)
 # at the same speed (bench --ab). Set before torch loads; a value in the environment wins.
 os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
+# torch's OpenMP threads (libgomp) spin before they sleep at a barrier: 300,000 times (~3 ms) while the
+# process's teams fit on the CPUs, which they now do (engines load on a passing thread, see
+# omni_jobs.engines.pool). Alone, an engine needs ~20,000 (the same vLLM batches: 6.7 s at 20,000, 6.5 at
+# 300,000, 7.1 s at 5,000, 7.5 s never spinning). More only burns CPU that an AR and a DiT worker on the
+# same cores take from each other: multi-stage bench row 0.945 of the old loading at 20,000, 0.843 at
+# 300,000 (README, "One OpenMP team"). Set before torch loads; a value in the environment wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 from celery import Celery
 

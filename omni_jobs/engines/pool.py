@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,6 +27,7 @@ from omni_jobs.pipelines.spec import DiTEngineArgs
 Engine = AREngine | DiTEngine | AREncoder
 E = TypeVar("E", AREngine, DiTEngine, AREncoder)
 V = TypeVar("V", AREngine, AREncoder)
+T = TypeVar("T")
 
 
 class EnginePool:
@@ -37,8 +39,9 @@ class EnginePool:
         self.max_model_len = max_model_len
         self.device = device
         self._engines: dict[tuple[str, str, str], Engine] = {}
-        self._lock = threading.Lock()  # guards the two dicts, never held during a load
+        self._lock = threading.Lock()  # guards the dicts, never held during a load or a build
         self._loading: dict[tuple[str, str, str], threading.Lock] = {}
+        self._resolved: dict[str, str] = {}
 
     def ar(self, model: str, engine_args: Mapping[str, JsonValue]) -> AREngine:
         """The AR engine for ``model``; ``engine_args`` go to vLLM and override the defaults."""
@@ -76,9 +79,20 @@ class EnginePool:
         with self._lock:
             return list(self._engines)
 
+    def _resolve(self, model: str) -> str:
+        """The model's path or hub id, once per model. A source's build (tiny:) is race-safe; it runs
+        torch, so on a thread that ends with it (``_on_passing_thread``)."""
+        with self._lock:
+            resolved = self._resolved.get(model)
+        if resolved is None:
+            resolved = _on_passing_thread(lambda: resolve_model(model, self.models_dir))
+            with self._lock:
+                self._resolved[model] = resolved
+        return resolved
+
     def _get(self, kind: str, model: str, args: dict[str, JsonValue], cls: type[E], load: Callable[[str], E]) -> E:
         """Load each key once; a slow load blocks only callers of the same key (``cls``: what ``kind`` loads)."""
-        resolved = resolve_model(model, self.models_dir)  # a source's build (tiny:) is itself race-safe
+        resolved = self._resolve(model)
         key = (kind, resolved, json.dumps(args, sort_keys=True, default=str))
         with self._lock:
             found = self._engines.get(key)
@@ -94,9 +108,25 @@ class EnginePool:
                     return found
             telemetry.cache_lookup("engine", hit=False)
             started = time.perf_counter()
-            engine = load(resolved)
+            engine = _on_passing_thread(lambda: load(resolved))
             telemetry.engine_load(kind, time.perf_counter() - started)
             with self._lock:
                 self._engines[key] = engine
                 self._loading.pop(key, None)
             return engine
+
+
+def _on_passing_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` on a new thread that exits afterwards, taking along the OpenMP team that its torch
+    work made.
+
+    PyTorch's CPU kernels run on an OpenMP team owned by the calling thread; a thread keeps its team
+    (helper threads, asleep) as long as it lives. libgomp lets a waiting thread spin only while all
+    teams' threads together fit on the CPUs; past that, every barrier of every op sleeps in the
+    kernel. A worker that loaded its engines on the main thread (the preload) and ran them on a
+    batcher's thread had two teams or more: on 2 cores each engine step took ~1.2x as long for the
+    same CPU (the engine thread switched out ~11,700 times per bench repetition instead of ~1,100).
+    Loading here leaves one team per thread that runs an engine (README, "One OpenMP team"; the
+    spin-wait that a lone team then gets is bounded in workers/app.py)."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-engine-load") as one:
+        return one.submit(fn).result()

@@ -7,20 +7,29 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 PRINT = ("import sys, workers.app, os; assert 'torch' not in sys.modules, 'torch loaded before the setting'; "
-         "print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'])")
+         "print(os.environ[sys.argv[1]])")
 
 
-def capacity_seen(env: dict[str, str]) -> str:
-    out = subprocess.run([sys.executable, "-c", PRINT], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+def seen_by_torch(name: str, env: dict[str, str]) -> str:
+    """The value of ``name`` in a process that imported workers.app (and not yet torch)."""
+    out = subprocess.run([sys.executable, "-c", PRINT, name], cwd=REPO, env=env, capture_output=True, text=True,
+                         check=True)
     return out.stdout.strip()
 
 
-def test_a_worker_bounds_onednns_primitive_cache_unless_told_otherwise() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
-    assert capacity_seen(env) == "128"
-    assert capacity_seen({**env, "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024"}) == "1024"
+@pytest.mark.parametrize(("name", "default", "users"), [
+    ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128", "1024"),  # oneDNN's compiled matmuls, bounded (memory)
+    ("GOMP_SPINCOUNT", "20000", "300000"),  # OpenMP's spin before sleeping at a barrier, bounded (CPU)
+])
+def test_a_worker_sets_its_engine_libraries_defaults_unless_told_otherwise(name: str, default: str,
+                                                                         users: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != name}
+    assert seen_by_torch(name, env) == default
+    assert seen_by_torch(name, {**env, name: users}) == users
 
 
 def test_a_worker_hands_the_gil_on_sooner_than_python_does() -> None:
