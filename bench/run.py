@@ -326,8 +326,8 @@ class Bench:
                     self.system_rep(w.pipeline, rep, off, salt=300)
                     jobs = self.system_rep(w.pipeline, rep, on, {"dit": {"preview_every": every}}, salt=600)
                 assert self.store is not None
-                sizes = [len(e.data["data"]) for e in self.store.events(jobs[0].id, count=10_000)
-                         if e.type == "output.preview"]
+                sizes = [len(str(e.data["data"])) for e in self.store.events(jobs[0].id, count=10_000)
+                         if e.type == "output.preview"]  # the preview's base64 text
                 shown.append(len(sizes))
                 preview_bytes = max(sizes, default=0)
                 print(f"  rep {rep + 1}: off {off.jobs_per_s[-1]:.2f}, on {on.jobs_per_s[-1]:.2f} jobs/s "
