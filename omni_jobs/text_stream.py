@@ -157,10 +157,8 @@ class TextDeltas:
         ``settle_taken``; None when nothing is due (or ``close`` is writing it)."""
         if not self._writing.acquire(blocking=False):
             return None
-        with self._lock:
-            due = (self.stopped is None and not self._closed and len(self._text) > self._sent
-                   and self._last + self.interval_s <= self._clock())
-        if not due:
+        left = self.due_in(self._clock())
+        if left is None or left > 0:
             self._writing.release()
             return None
         return self._next_delta()

@@ -31,6 +31,7 @@ RawFields = Mapping[bytes, bytes] | Mapping[str, str]
 _JOB_FLOATS = ("created_at", "started_at", "completed_at", "deadline_at")
 _STAGE_FLOATS = ("queued_at", "started_at", "finished_at", "lease_until")
 _STAGE_STRINGS = ("worker", "lease_owner")
+_RESULTS_FLOATS = ("queued_at", "lease_until")
 
 
 def stage_field(stage_id: str, name: str) -> str:
@@ -80,8 +81,9 @@ def is_slot_field(name: str) -> bool:
     if name == "status":
         return True
     scope, _, field = name.rpartition(":")
-    return (scope == "results" or scope.startswith("stage:")) and field in ("status", "attempts", *_STAGE_FLOATS,
-                                                                            *_STAGE_STRINGS)
+    if scope == "results":
+        return field in ("status", "attempts", *_RESULTS_FLOATS, *_STAGE_STRINGS)
+    return scope.startswith("stage:") and field in ("status", "attempts", *_STAGE_FLOATS, *_STAGE_STRINGS)
 
 
 def slot_fields(job: Job) -> Fields:
@@ -100,9 +102,9 @@ def slot_fields(job: Job) -> Fields:
     slot = job.results
     fields[results_field("status")] = slot.status.value
     fields[results_field("attempts")] = str(slot.attempts)
-    for name in ("queued_at", "lease_until"):
+    for name in _RESULTS_FLOATS:
         _put(fields, results_field(name), getattr(slot, name))
-    for name in ("worker", "lease_owner"):
+    for name in _STAGE_STRINGS:
         _put(fields, results_field(name), getattr(slot, name))
     return fields
 
