@@ -7,12 +7,14 @@ import io
 import subprocess
 import sys
 import textwrap
+import threading
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from omni_jobs.engines import model_source, pool
 from omni_jobs.engines.ar import AREngine, ARRequest, SamplingOptions
 from omni_jobs.engines.dit import DiTEngine, DiTRequest
 from omni_jobs.engines.pool import EnginePool
@@ -142,6 +144,40 @@ def test_cache_reuses_engines(cache: EnginePool, ar: AREngine, dit: DiTEngine) -
     other = cache.dit("tiny:pixart", {"call_args": {"max_sequence_length": 64}})
     assert other is not dit
     assert cache.dit("tiny:pixart", {"call_args": {"max_sequence_length": 64}}) is other
+
+
+
+def test_the_pool_builds_and_loads_on_threads_that_end_with_the_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No thread keeps an OpenMP team from torch work it will not do again (omni_jobs.engines.pool):
+    the tiny model is built, and diffusers loads it, on threads that are gone when the pool answers."""
+    pytest.importorskip("diffusers")
+    found = model_source._source_for("tiny:pixart")
+    assert found is not None
+    tiny, _ = found
+    seen: dict[str, list[threading.Thread]] = {"build": [], "load": []}
+
+    def build(name: str, models_dir: Path) -> str:
+        seen["build"].append(threading.current_thread())
+        return tiny.resolve(name, models_dir)
+
+    class RecordedDiT(DiTEngine):
+        def __init__(self, model: str, **kwargs: Any) -> None:
+            seen["load"].append(threading.current_thread())
+            super().__init__(model, **kwargs)
+
+    monkeypatch.setitem(model_source._SOURCES, "tiny:", replace(tiny, resolve=build))
+    monkeypatch.setattr(pool, "DiTEngine", RecordedDiT)
+    engines = EnginePool(tmp_path, kv_cache_bytes=2**20, max_model_len=64, device="cpu")
+    with pytest.raises(ValueError, match="no-such-model"):  # a failed load reaches the caller; nothing is kept
+        engines.dit(str(tmp_path / "no-such-model"), {})
+    dit = engines.dit("tiny:pixart", {})
+    assert engines.dit("tiny:pixart", {}) is dit
+    assert len(seen["build"]) == 1 and len(seen["load"]) == 2  # built once; the bad path and the model
+    for thread in seen["build"] + seen["load"]:
+        assert thread is not threading.current_thread()
+        assert not thread.is_alive()
+    assert dit.generate([_req("a", 1, steps=2)])[0].image.size == (32, 32)  # type: ignore[union-attr]
 
 
 # ---------------------------------------------------------------- DiT (diffusers)
