@@ -72,24 +72,12 @@ def encode(job: Job) -> Fields:
                                                                for k, v in record.outputs.items()})
         if record.metrics:
             fields[stage_field(record.id, "metrics")] = _json(record.metrics)
-    fields.update(slot_fields(job))
+    fields.update(_slot_fields(job))
     return fields
 
 
-def is_slot_field(name: str) -> bool:
-    """Whether ``slot_fields`` has the field ``name`` (when it is set)."""
-    if name == "status":
-        return True
-    scope, _, field = name.rpartition(":")
-    if scope == "results":
-        return field in ("status", "attempts", *_RESULTS_FLOATS, *_STAGE_STRINGS)
-    return scope.startswith("stage:") and field in ("status", "attempts", *_STAGE_FLOATS, *_STAGE_STRINGS)
-
-
-def slot_fields(job: Job) -> Fields:
-    """The stored fields that guard writes (the job's status, each stage's and the results step's
-    status, attempts, times and lease), as ``encode`` has them, without encoding the rest: a write
-    that only appends events (a text delta) needs nothing else."""
+def _slot_fields(job: Job) -> Fields:
+    """The job's status and each stage's and the results step's status, attempts, times and lease."""
     fields: Fields = {"status": job.status.value}
     for record in job.stages:
         sid = record.id

@@ -244,15 +244,11 @@ class JobLedger:
             if after.deadline_at is not None:
                 change.zadd(keys.DEADLINES, after.id, after.deadline_at)
         else:
-            # A write that changes no field (only events: a text delta, a preview) compares its guards with
-            # the slot fields alone; encoding the whole job twice was most of a delta's cost.
-            unchanged = after is before and all(codec.is_slot_field(name) for name in decision.guard)
-            old = codec.slot_fields(before) if unchanged else codec.encode(before)
+            old = codec.encode(before)
             for name in ("status", *decision.guard):
                 change.expect(job_key, name, old.get(name))
-            if not unchanged:
-                sets, dels = codec.diff(old, codec.encode(after))
-                change.hset(job_key, sets).hdel(job_key, dels)
+            sets, dels = codec.diff(old, codec.encode(after))
+            change.hset(job_key, sets).hdel(job_key, dels)
         if after.progress != before.progress:
             progress_key = keys.job_progress(before.id)
             if after.progress is None:
@@ -558,21 +554,12 @@ class JobLedger:
         changes: list[Change] = []
         for lease in leases:
             until = now() + self.lease_s
-            change = Change()
+            change = _while_held(lease)
             if isinstance(lease.step, DeliverWebhook):
                 hooks, name = keys.job_webhooks(lease.job_id), lease.step.message_id
-                change.expect(hooks, webhook_field(name, "status"), "sending")
-                change.expect(hooks, webhook_field(name, "attempts"), str(lease.attempt))
-                change.expect(hooks, webhook_field(name, "lease_owner"), lease.owner)
                 change.hset(hooks, {webhook_field(name, "lease_until"): repr(until)})
             else:
-                job_key = keys.job(lease.job_id)
-                prefix = f"stage:{lease.step.stage_id}:" if isinstance(lease.step, RunStage) else "results:"
-                change.expect(job_key, "status", JobStatus.running.value)
-                change.expect(job_key, prefix + "status", StageStatus.running.value)
-                change.expect(job_key, prefix + "attempts", str(lease.attempt))
-                change.expect(job_key, prefix + "lease_owner", lease.owner)
-                change.hset(job_key, {prefix + "lease_until": repr(until)})
+                change.hset(keys.job(lease.job_id), {_slot_prefix(lease.step) + "lease_until": repr(until)})
             change.zadd(keys.LEASES, lease.slot, until)
             changes.append(change)
         conflicts = self.store.commit_each(changes)  # one round trip for all of them
@@ -586,12 +573,13 @@ class JobLedger:
     def progress_many(self, reports: Sequence[tuple[Lease, Job, int, int, str]]) -> list[str]:
         """``progress`` of several running stages (lease, snapshot, step, total, unit), in one round
         trip: a batched engine reports for every member at once."""
-        writes: list[tuple[Lease, Job, Job, list[JobEvent]]] = []
+        at = now()
+        writes: list[tuple[Lease, Job, JobEvent]] = []
         for lease, snapshot, step, total, unit in reports:
             assert isinstance(lease.step, RunStage)
-            after = snapshot.clone()
-            events = state.stage_progress(after, lease.step.stage_id, step, total, unit, now())
-            writes.append((lease, snapshot.model_copy(update={"progress": None}), after, events))
+            after = snapshot.model_copy()  # shallow: only its progress changes
+            (event,) = state.stage_progress(after, lease.step.stage_id, step, total, unit, at)
+            writes.append((lease, after, event))
         return self._while_running(writes)
 
     def publish(self, lease: Lease, snapshot: Job, event_type: EventType, data: JsonObject) -> str:
@@ -606,25 +594,27 @@ class JobLedger:
         """``publish`` of several running stages' partial outputs (lease, snapshot, type, data), in one
         round trip: a batched engine's step yields a delta for each of its requests at once."""
         at = now()
-        return self._while_running([(lease, snapshot, snapshot, [JobEvent(job_id=lease.job_id, type=event_type,
-                                                                             at=at, data=data)])
+        return self._while_running([(lease, snapshot, JobEvent(job_id=lease.job_id, type=event_type, at=at, data=data))
                                     for lease, snapshot, event_type, data in items])
 
-    def _while_running(self, writes: Sequence[tuple[Lease, Job, Job, list[JobEvent]]]) -> list[str]:
-        """Write what running stages report (lease, before, after, events), each guarded by its own
-        lease, in one round trip: per write 'ok', 'canceled' or 'lost'."""
+    def _while_running(self, writes: Sequence[tuple[Lease, Job, JobEvent]]) -> list[str]:
+        """Write what running stages report (lease, the job with its progress, event), each guarded
+        by its own lease, in one round trip: per write 'ok', 'canceled' or 'lost'.
+
+        A report changes no field of the job (its progress has a key of its own), so its write is
+        built from the lease, as a renewal is: the job is not encoded, which was most of its cost."""
         changes: list[Change] = []
-        for lease, before, after, events in writes:
-            assert isinstance(lease.step, RunStage)
-            stage_id = lease.step.stage_id
-            decision = _Decision(None, after, events, (f"stage:{stage_id}:status", f"stage:{stage_id}:attempts",
-                                                       f"stage:{stage_id}:lease_owner"))
-            changes.append(self._change(before, decision))
+        for lease, job, event in writes:
+            change = _while_held(lease)
+            if event.type is EventType.stage_progress and job.progress is not None:
+                change.set(keys.job_progress(lease.job_id), job.progress.model_dump_json(), self.store.ttl_s)
+            change.event(event, maxlen=self.store.events_maxlen, ttl_s=self.store.ttl_s)
+            self._webhook_messages(job, [event], change)
+            changes.append(change)
         outcomes: list[str] = []
-        for (lease, _before, after, _events), change, conflict in zip(writes, changes,
-                                                                      self.store.commit_each(changes), strict=True):
+        for (lease, job, _event), change, conflict in zip(writes, changes, self.store.commit_each(changes), strict=True):
             if conflict is None:
-                self._committed(after, change)
+                self._committed(job, change)
                 outcomes.append("ok")
                 continue
             current = self.store.get(lease.job_id)
@@ -858,9 +848,33 @@ def _slot_of(job: Job, step: Step) -> StageRecord | StepSlot:
     return job.stage_record(step.stage_id) if isinstance(step, RunStage) else job.results
 
 
+def _slot_prefix(step: Step) -> str:
+    """The prefix of a stage's (or the results step's) fields in its job's hash."""
+    return f"stage:{step.stage_id}:" if isinstance(step, RunStage) else "results:"
+
+
 def _slot_guard(step: Step) -> tuple[str, ...]:
-    prefix = f"stage:{step.stage_id}:" if isinstance(step, RunStage) else "results:"
+    prefix = _slot_prefix(step)
     return (prefix + "status", prefix + "attempts", prefix + "lease_owner")
+
+
+def _while_held(lease: Lease) -> Change:
+    """An empty change that commits only while ``lease`` holds: its job running (a webhook: its
+    message sending), its slot running this attempt under this owner. Built from the lease alone,
+    for the writes a holder makes while it works (renewals, progress, partial outputs)."""
+    change = Change()
+    if isinstance(lease.step, DeliverWebhook):
+        hooks, name = keys.job_webhooks(lease.job_id), lease.step.message_id
+        change.expect(hooks, webhook_field(name, "status"), "sending")
+        change.expect(hooks, webhook_field(name, "attempts"), str(lease.attempt))
+        change.expect(hooks, webhook_field(name, "lease_owner"), lease.owner)
+        return change
+    job_key, prefix = keys.job(lease.job_id), _slot_prefix(lease.step)
+    change.expect(job_key, "status", JobStatus.running.value)
+    change.expect(job_key, prefix + "status", StageStatus.running.value)
+    change.expect(job_key, prefix + "attempts", str(lease.attempt))
+    change.expect(job_key, prefix + "lease_owner", lease.owner)
+    return change
 
 
 def _holds(job: Job, slot: StageRecord | StepSlot, lease: Lease) -> bool:

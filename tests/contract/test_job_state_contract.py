@@ -328,6 +328,24 @@ def test_partial_outputs_are_published_in_order_while_the_lease_holds(ledger: Jo
     assert [e.data["text"] for e in ledger.events(job.id) if e.type == EventType.output_delta] == ["Hel", "lo", " world"]
 
 
+def test_reports_while_running_change_no_job_field_whatever_the_snapshot_holds(ledger: JobLedger,
+                                                                              store: JobStore) -> None:
+    job, _ = ledger.submit(two_stage_job(), ["ar"])
+    taken = start(ledger, claim(store)[0])
+    stored = ledger.require(job.id)
+    stale = taken.job.model_copy(deep=True)  # a worker's copy may lag behind fields it does not guard
+    stale.params = {"ar": {"max_tokens": 1}}
+    stale.stage_record("dit").attempts = 7
+    assert ledger.progress(taken.lease, stale, 2, 8, "tokens") == "ok"
+    assert ledger.publish(taken.lease, stale, EventType.output_delta,
+                          {"stage": "ar", "output": "text", "text": "Hi", "index": 0}) == "ok"
+    shown = ledger.require(job.id)
+    assert shown.progress is not None and (shown.progress.stage, shown.progress.step, shown.progress.total) == ("ar", 2, 8)
+    assert shown.model_copy(update={"progress": None}) == stored
+    assert [(e.type, e.data.get("step"), e.data.get("text")) for e in ledger.events(job.id)][-2:] == [
+        (EventType.stage_progress, 2, None), (EventType.output_delta, None, "Hi")]
+
+
 def test_partial_outputs_of_several_stages_go_in_one_call_each_under_its_own_lease(ledger: JobLedger,
                                                                                   store: JobStore) -> None:
     kept, _ = ledger.submit(two_stage_job(), ["ar"])

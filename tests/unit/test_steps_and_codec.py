@@ -91,14 +91,3 @@ def test_a_transition_writes_only_what_it_changed() -> None:
     after.deadline_at = None
     sets, dels = codec.diff(codec.encode(before), codec.encode(after))
     assert sets == {"stage:dit:lease_until": repr(2e9)} and dels == ["deadline_at"]
-
-
-def test_the_guard_fields_are_the_stored_ones_without_encoding_the_rest() -> None:
-    job = full_job()
-    stored, guarded = codec.encode(job), codec.slot_fields(job)
-    assert guarded.items() <= stored.items()  # the same text a guard compares against the hash
-    assert {"status", "stage:ar:status", "stage:dit:attempts", "stage:dit:lease_owner", "stage:dit:lease_until",
-            "results:status", "results:attempts"} <= set(guarded)
-    assert not {"input", "params", "outputs", "stage:ar:outputs", "stage:ar:metrics"} & set(guarded)
-    assert all(codec.is_slot_field(name) for name in guarded)
-    assert not any(codec.is_slot_field(name) for name in stored if name not in guarded)
