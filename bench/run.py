@@ -483,10 +483,14 @@ class Bench:
             self.run_jobs(w.pipeline + "-b", [f"warm up {t}" for t in prompts(min(self.args.batch, self.n), 997)])
         with self.direct_process(w) as child:
             for rep in range(self.reps):
+                idle_before = self.cpu_times()
                 d = child.rep(rep)
+                for proc, cpu in self.cpu_times().items():  # the system's processes, idle meanwhile: both arms pay them
+                    if proc != "driver":
+                        direct.cpu_s.setdefault(proc, []).append(cpu - idle_before.get(proc, 0.0))
                 direct.jobs_per_s.append(d["jobs_per_s"])
                 direct.latencies.append(d["latency"])
-                direct.cpu_s.setdefault("driver", []).append(d["cpu_s"])
+                direct.cpu_s.setdefault("direct", []).append(d["cpu_s"])
                 for k, v in d["stage_s"].items():
                     direct.stage_s.setdefault(k, []).append(v)
                 if self.args.ab and rep % 2:  # alternate which of the two goes first
@@ -512,10 +516,12 @@ class Bench:
               + (f", B {b.summary()['batch_mean']}" if b.jobs_per_s else ""), flush=True)
         print(f"  naive  cpu {_cpu_line(naive.summary()['cpu_s'])}", flush=True)
         over_direct, over_naive = _ratios(system.jobs_per_s, direct.jobs_per_s), _ratios(system.jobs_per_s, naive.jobs_per_s)
+        cpu_ratio, busy_ratio = _cpu_split(system, direct, self.n)
         self.results["rows"][w.name] = {
             "system": system.summary(), "direct": direct.summary(), "naive": naive.summary(),
             "system_over_direct": statistics.median(over_direct), "system_over_naive": statistics.median(over_naive),
             "system_over_direct_runs": [round(r, 3) for r in over_direct],
+            "cpu_direct_over_system": cpu_ratio, "busy_cores_system_over_direct": busy_ratio,
         }
         if b.jobs_per_s:
             ab = _ratios(system.jobs_per_s, b.jobs_per_s)
@@ -650,6 +656,20 @@ def _ratios(a: list[float], b: list[float]) -> list[float]:
     return [x / y for x, y in zip(a, b, strict=True)]
 
 
+def _cpu_split(system: Arm, direct: Arm, n: int) -> tuple[float, float]:
+    """system/direct as two factors (medians of the per-repetition ratios): the CPU both arms used
+    (every process of the machine that this benchmark started), direct over system, and the cores
+    the system kept busy over those direct kept busy. On a machine whose cores the work fills, the
+    first is the ratio that the system's own work allows; the second is time lost waiting."""
+    def per_rep(arm: Arm) -> list[tuple[float, float]]:
+        reps = len(arm.jobs_per_s)
+        totals = [sum(v[i] for v in arm.cpu_s.values() if len(v) == reps) for i in range(reps)]
+        return [(cpu, cpu / (n / jps)) for cpu, jps in zip(totals, arm.jobs_per_s, strict=True)]
+
+    pairs = list(zip(per_rep(system), per_rep(direct), strict=True))
+    return (statistics.median(d[0] / s[0] for s, d in pairs), statistics.median(s[1] / d[1] for s, d in pairs))
+
+
 def _cpu_line(cpu_s: dict[str, float]) -> str:
     """The processes that used any CPU, as ``name=seconds``."""
     return " ".join(f"{k}={v:.2f}" for k, v in cpu_s.items() if v >= 0.01)
@@ -681,13 +701,16 @@ def table(results: dict[str, Any]) -> str:
                      f"CPU = {p['engine']['preview_share_of_engine_cpu']:.2%} of a job's engine CPU; "
                      f"a preview is {p['preview_base64_bytes']} bytes of base64")
     if results["rows"]:
-        lines.append("\nwhere the CPU went (seconds per repetition, median; 2 cores) and how long the clients took "
-                     "to submit:")
+        lines.append("\nwhere the CPU went (seconds per repetition, median; 2 cores; direct: its process, then the "
+                     "system's, idle meanwhile) and how long the clients took to submit; sys/direct = CPU direct/system "
+                     "x busy cores system/direct:")
     for name, row in results["rows"].items():
-        direct_cpu = sum(row["direct"]["cpu_s"].values())
         span = row["system"].get("submit_span_s")
-        lines.append(f"  {name:32} direct {direct_cpu:.2f} | system {_cpu_line(row['system']['cpu_s'])}"
+        lines.append(f"  {name:32} direct {_cpu_line(row['direct']['cpu_s'])} | system {_cpu_line(row['system']['cpu_s'])}"
                      + (f" | submit span {span:.2f} s" if span is not None else ""))
+        if row.get("cpu_direct_over_system") is not None:
+            lines.append(f"  {'':32} sys/direct {row['system_over_direct']:.2f} = CPU {row['cpu_direct_over_system']:.2f}"
+                         f" x busy cores {row['busy_cores_system_over_direct']:.2f}")
     for arm, label in (("hops", "system"), ("hops_b", f"B {' '.join(results.get('config', {}).get('ab') or [])}")):
         h = results.get(arm) or {}
         if h:

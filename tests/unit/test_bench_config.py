@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench.run import WORKLOADS, pipelines, table
+from bench.run import WORKLOADS, Arm, _cpu_split, pipelines, table
 from omni_jobs.local import tiny
 from omni_jobs.pipelines.catalogue import parse_pipeline
 
@@ -37,7 +37,8 @@ def test_table_prints_ratios_and_where_the_cpu_went() -> None:
     arm = {"jobs_per_s": 10.0, "p50_s": 1.0, "p95_s": 2.0, "stage_s": {"dit": 0.5}, "peak_rss_mib": {"dit": 800.0},
            "cpu_s": {"dit": 4.0, "api": 0.2}, "submit_span_s": 0.3}
     row = {"direct": {**arm, "jobs_per_s": 12.5}, "system": arm, "naive": {**arm, "jobs_per_s": 4.0},
-           "system_over_direct": 0.8, "system_over_naive": 2.5}
+           "system_over_direct": 0.8, "system_over_naive": 2.5, "cpu_direct_over_system": 0.9,
+           "busy_cores_system_over_direct": 0.89}
     out = table({"rows": {"text-to-image": row},
                  "hops": {"api_to_worker_p50_ms": 4.2, "worker_to_next_stage_p50_ms": 5.0,
                           "stage_to_results_done_p50_ms": 4.4, "n": 15}})
@@ -45,3 +46,13 @@ def test_table_prints_ratios_and_where_the_cpu_went() -> None:
     assert system_line.split()[-2:] == ["0.80", "2.50"]
     assert "dit=4.00 api=0.20 | submit span 0.30 s" in out
     assert "API->worker 4.2 ms" in out
+    assert "sys/direct 0.80 = CPU 0.90 x busy cores 0.89" in out
+
+
+def test_system_over_direct_splits_into_the_cpu_used_and_the_cores_kept_busy() -> None:
+    # 64 jobs: direct in 10 s on 18.0 s of CPU (+0.5 s of the idle system's), system in 11 s on 20.9 s
+    direct = Arm(jobs_per_s=[6.4], cpu_s={"direct": [18.0], "dit": [0.5]})
+    system = Arm(jobs_per_s=[64 / 11], cpu_s={"dit": [20.0], "api": [0.4], "driver": [0.5]})
+    cpu, busy = _cpu_split(system, direct, 64)
+    assert cpu == pytest.approx(18.5 / 20.9) and busy == pytest.approx((20.9 / 11) / (18.5 / 10))
+    assert cpu * busy == pytest.approx(10 / 11)  # system/direct, as jobs/s
