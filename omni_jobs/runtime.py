@@ -16,6 +16,7 @@ from redis import Redis
 
 from omni_jobs import telemetry
 from omni_jobs.artifacts import ArtifactStore, artifact_store_from_settings
+from omni_jobs.engines import turns
 from omni_jobs.engines.batching import BatchDefaults
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.executor import StepExecutor
@@ -106,6 +107,7 @@ class Runtime:
     @cached_property
     def engines(self) -> EnginePool:
         s = self.settings
+        turns.configure(turns.lock_file(s.engine_turns, s.device))  # engines on shared CPU cores take turns
         return EnginePool(s.models_dir, kv_cache_bytes=s.ar_kv_cache_bytes, max_model_len=s.ar_max_model_len,
                            device=s.device)
 

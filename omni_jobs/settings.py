@@ -78,6 +78,10 @@ class Settings(BaseSettings):
     ar_kv_cache_bytes: int = Field(256 * MiB, gt=0, description="vLLM KV-cache size per AR engine.")
     ar_max_model_len: int = Field(512, gt=0, description="Default vLLM max_model_len.")
     device: str = Field("auto", description="Torch device for diffusers: auto, cpu, cuda, cuda:N.")
+    engine_turns: str = Field(
+        "auto", description="Engines of one host's workers take turns at its CPU cores, one step at a time, instead of "
+        "slowing each other down: auto (when the engines run on the CPU), off, or the path of the lock file they "
+        "share (default /dev/shm/omni-jobs-engine-turns; see omni_jobs.engines.turns).")
     preload_engines: bool = Field(True, description="Workers load their stages' engines at start, not on first task.")
 
     # --- Worker start-up checks (omni_jobs.checks) ---

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omni_jobs import telemetry
+from omni_jobs.engines.turns import engine_turn
 from omni_jobs.json_types import JsonValue
 
 if TYPE_CHECKING:
@@ -222,7 +223,9 @@ class AREngine:
                         if joining:
                             admit(joining)
                             telemetry.batch("ar", len(joining))
-                    for out in engine.step():
+                    with engine_turn():  # on shared CPU cores, one engine step at a time (engines.turns)
+                        step = engine.step()
+                    for out in step:
                         if not isinstance(out, RequestOutput):
                             raise TypeError(f"a generating vLLM engine answered {type(out).__name__}")
                         i = ids.get(out.request_id, -1)
@@ -276,7 +279,9 @@ class AREngine:
                 engine.add_request(ids[-1], prompt, param)
             by_id = dict(zip(ids, requests, strict=True))
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                with engine_turn():
+                    step = engine.step()
+                for out in step:
                     if not isinstance(out, RequestOutput):  # this engine only generates
                         raise TypeError(f"a generating vLLM engine answered {type(out).__name__}")
                     request = by_id.get(out.request_id)

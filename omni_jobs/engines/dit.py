@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from omni_jobs import telemetry
+from omni_jobs.engines.turns import engine_turn, pass_turn, taking_turns
 from omni_jobs.json_types import JsonValue
 from omni_jobs.pipelines.model_info import DIT_EMBED_KEYS
 from omni_jobs.previews import LatentPreview, LatentProjection, fit_projection, one_frame, spatial_latents
@@ -481,9 +482,10 @@ class DiTEngine:
             kwargs.update(image=[r.image for r in batch], strength=first.strength)
         captured: list[torch.Tensor | None] = [None]
         previews = batch if self._projection is not None and any(r.preview_every for r in batch) else []
-        if on_step is not None or first.want_latents or previews:
+        if on_step is not None or first.want_latents or previews or taking_turns():
             kwargs.update(self._step_hook(done, total, on_step, captured if first.want_latents else None, previews))
-        result = self._run_pipe(kwargs)
+        with engine_turn():  # on shared CPU cores, passed on at every step (engines.turns)
+            result = self._run_pipe(kwargs)
         latents = captured[0]
         if first.want_latents and latents is None:
             raise RuntimeError(f"{self.pipeline_class} reported no latents to its step callback")
@@ -551,6 +553,7 @@ class DiTEngine:
         (PixArt and StableAudio only have the legacy one)."""
 
         def step(i: int, latents: torch.Tensor | None) -> None:
+            pass_turn()  # another engine of this host may take a step (engines.turns)
             if captured is not None and latents is not None:
                 captured[0] = latents.detach().clone()
             if on_step is not None:

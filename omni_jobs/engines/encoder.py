@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from omni_jobs import telemetry
 from omni_jobs.engines.ar import build_llm
+from omni_jobs.engines.turns import engine_turn
 from omni_jobs.json_types import JsonValue
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class AREncoder:
 
         ids = [self._prompt_ids(r) for r in requests]
         prompts = [TokensPrompt(prompt_token_ids=i) for i in ids]
-        with self._lock:
+        with self._lock, engine_turn():  # on shared CPU cores, one engine at a time (engines.turns)
             telemetry.batch("ar-encode", len(requests))
             results = self._llm.encode(
                 prompts, pooling_task="token_embed", pooling_params=PoolingParams(use_activation=False),
