@@ -39,6 +39,7 @@ import yaml
 
 from bench.procfs import cpu_s, memory_mib
 from omni_jobs import keys
+from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.local.embedded import EmbeddedSystem
@@ -603,8 +604,9 @@ class DirectProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         with open(log_path, "w") as log:  # the child keeps its own handle
+            # the engine libraries set up as in a worker (OpenMP's spin, oneDNN's cache): the same engine
             self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                          text=True, bufsize=1)
+                                          text=True, bufsize=1, env=apply_engine_library_defaults(dict(os.environ)))
         self._read()  # {"ready": true} once loaded and warmed up
 
     def __enter__(self) -> Self:

@@ -7,21 +7,11 @@ omni_jobs.results. Start a worker per queue, e.g.
 
 from __future__ import annotations
 
-import os
 import sys
 
-# oneDNN (torch's CPU matmuls) keeps a compiled primitive per matmul shape, 1,024 of them by default,
-# and a CPU AR worker meets a new shape with almost every batch: it held 200-360 MB more after 2,000
-# to 6,000 jobs (python -m bench.soak: 1.16-1.26 of its RSS after job 200). 128 keeps it flat (1.03)
-# at the same speed (bench --ab). Set before torch loads; a value in the environment wins.
-os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "128")
-# torch's OpenMP threads (libgomp) spin before they sleep at a barrier: 300,000 times (~3 ms) while the
-# process's teams fit on the CPUs, which they now do (engines load on a passing thread, see
-# omni_jobs.engines.pool). Alone, an engine needs ~20,000 (the same vLLM batches: 6.7 s at 20,000, 6.5 at
-# 300,000, 7.1 s at 5,000, 7.5 s never spinning). More only burns CPU that an AR and a DiT worker on the
-# same cores take from each other: multi-stage bench row 0.945 of the old loading at 20,000, 0.843 at
-# 300,000 (README, "One OpenMP team"). Set before torch loads; a value in the environment wins.
-os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+from omni_jobs.engines.library_env import apply_engine_library_defaults
+
+apply_engine_library_defaults()  # before torch loads: oneDNN's cache and OpenMP's spin, bounded
 
 from celery import Celery
 

@@ -43,3 +43,11 @@ def test_a_worker_hands_the_gil_on_sooner_than_python_does() -> None:
 
     assert interval({}) == 0.001  # Python's own is 0.005
     assert interval({"OMNI_WORKER_SWITCH_INTERVAL_MS": "5"}) == 0.005
+
+
+def test_the_benchmarks_direct_arm_gets_the_same_engine_library_settings() -> None:
+    from omni_jobs.engines.library_env import ENGINE_LIBRARY_DEFAULTS, apply_engine_library_defaults
+
+    env = apply_engine_library_defaults({"PATH": "/bin", "GOMP_SPINCOUNT": "5"})
+    assert env == {"PATH": "/bin", "GOMP_SPINCOUNT": "5",  # the caller's own value stays
+                   "ONEDNN_PRIMITIVE_CACHE_CAPACITY": ENGINE_LIBRARY_DEFAULTS["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]}
