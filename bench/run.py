@@ -452,8 +452,10 @@ class Bench:
         from omni_jobs.engines.dit import DiTRequest
 
         n = min(self.args.batch, self.n)  # a full batch: the first call at a batch size allocates for it
-        if w.kind in ("ar", "multi"):
-            self._ar._llm.generate(prompts(n, 999), SamplingParams(max_tokens=4), use_tqdm=False)
+        if w.kind in ("ar", "multi"):  # a repetition's call: after 4 tokens, the first ran 1.5-2x slower than the next
+            tokens = self.args.ar_tokens if w.kind == "ar" else 16
+            self._ar._llm.generate(prompts(self.n, 999), SamplingParams(max_tokens=tokens, temperature=0.0),
+                                   use_tqdm=False)
         if dit is not None:
             dit.generate([DiTRequest(f"warm{i}", prompt=t, height=w.size, width=w.size,
                                      num_inference_steps=self.args.steps, seed=i)
