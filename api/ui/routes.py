@@ -50,8 +50,11 @@ LIST_REVERIFY_S = 30.0
 JOB_HEARTBEAT_S = 1.0
 RENDER_EVERY_S = 0.25
 KEEPALIVE_S = 15.0
-WEBHOOK_TAIL_S = 30.0
+WEBHOOK_TAIL_S = 600.0
+"""The longest a job page follows its webhooks after the job ends (a message retried for hours is shown
+as it stands then); it stops as soon as none of them is queued or being sent."""
 WEBHOOK_POLL_S = 1.0
+WEBHOOK_PENDING = ("queued", "sending")
 LIVE_OUTPUT_EVENTS = ("output.delta", "output.preview")
 """Streaming partial outputs (text deltas, DiT previews): forwarded to the page as they come."""
 
@@ -339,19 +342,27 @@ async def job_stream(job_id: str, request: Request, ctx: Ctx, who: Viewer,
                    "sections": await run_in_threadpool(render_sections, job, token)}
         return _sse("sections", payload, event_id), job
 
+    def webhooks_pending() -> bool:
+        return any(m.status in WEBHOOK_PENDING for m in ctx.runtime.store.webhook_slots(job_id).values())
+
     async def webhook_tail(job: dict[str, Any], event_id: str | None) -> AsyncIterator[str]:
-        """Deliveries are recorded after the job ends: follow them a while longer, so the page shows them."""
+        """Deliveries are recorded after the job ends: follow them while any of its webhook messages is
+        still queued or being sent, so the page shows how each ended. (A fixed 30 s once ended before
+        a delivery that a loaded machine made later.)"""
         seen = (job.get("webhook") or {}).get("deliveries")
         deadline = time.monotonic() + WEBHOOK_TAIL_S
         while job.get("webhook") and time.monotonic() < deadline and not _delivered(seen):
             await asyncio.sleep(WEBHOOK_POLL_S)
             if await request.is_disconnected():
                 return
-            text, job = await sections(event_id)
+            pending = await run_in_threadpool(webhooks_pending)  # read first: the render below then has
+            text, job = await sections(event_id)                   # every attempt recorded before it
             deliveries = (job.get("webhook") or {}).get("deliveries")
             if deliveries != seen:
                 seen = deliveries
                 yield text
+            if not pending:
+                return
 
     async def stream() -> AsyncIterator[str]:
         yield "retry: 2000\n\n"
