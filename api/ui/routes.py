@@ -54,7 +54,6 @@ WEBHOOK_TAIL_S = 600.0
 """The longest a job page follows its webhooks after the job ends (a message retried for hours is shown
 as it stands then); it stops as soon as none of them is queued or being sent."""
 WEBHOOK_POLL_S = 1.0
-WEBHOOK_PENDING = ("queued", "sending")
 LIVE_OUTPUT_EVENTS = ("output.delta", "output.preview")
 """Streaming partial outputs (text deltas, DiT previews): forwarded to the page as they come."""
 
@@ -343,7 +342,7 @@ async def job_stream(job_id: str, request: Request, ctx: Ctx, who: Viewer,
         return _sse("sections", payload, event_id), job
 
     def webhooks_pending() -> bool:
-        return any(m.status in WEBHOOK_PENDING for m in ctx.runtime.store.webhook_slots(job_id).values())
+        return any(m.pending for m in ctx.runtime.store.webhook_slots(job_id).values())
 
     async def webhook_tail(job: dict[str, Any], event_id: str | None) -> AsyncIterator[str]:
         """Deliveries are recorded after the job ends: follow them while any of its webhook messages is

@@ -56,6 +56,11 @@ class WebhookSlot:
     lease_owner: str | None = None
     lease_until: float | None = None
 
+    @property
+    def pending(self) -> bool:
+        """Queued or being sent: more attempts of it may still be recorded."""
+        return self.status in ("queued", "sending")
+
 
 def webhook_field(message_id: str, name: str) -> str:
     return f"{message_id}:{name}"

@@ -393,6 +393,7 @@ def test_webhook_messages_keep_their_id_across_attempts_and_record_each(ledger: 
     first = WebhookDelivery(id=message.message_id, event="completed", attempt=1, at=now(), status_code=503)
     assert ledger.finish_webhook(sending.lease, first, retry_at=now() + 60)
     assert claim(store) == []  # the retry is due in a minute
+    assert store.webhook_slots(job.id)[message.message_id].pending  # more attempts may be recorded
     (retry,) = [e.step for e in store.claim_outbox(now=now() + 61, limit=10, hold_s=1.0)]
     assert retry == DeliverWebhook(job.id, message.message_id, "completed", 2)
     again = start(ledger, retry, "hooks#1")
@@ -402,6 +403,7 @@ def test_webhook_messages_keep_their_id_across_attempts_and_record_each(ledger: 
     hook = ledger.require(job.id).webhook
     assert hook is not None and [(d.attempt, d.status_code) for d in hook.deliveries] == [(1, 503), (2, 200)]
     assert store.webhook_slots(job.id)[message.message_id].status == "delivered"
+    assert not store.webhook_slots(job.id)[message.message_id].pending
     assert isinstance(ledger.acquire(retry, worker="hooks", owner="hooks#2"), Refused)
 
 
