@@ -15,7 +15,7 @@ import functools
 import logging
 import random
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
@@ -188,19 +188,23 @@ class ResultsAssembler:
         job's last stage -> results done). The first error is raised once all have ended."""
         spec = self.catalogue.get(job.pipeline)
         if len(spec.outputs) == 1:
-            return [self._write_output(spec, job, spec.outputs[0])]
+            return [self._write_output(spec, job, spec.outputs[0], {})]
         running = self.start_outputs(job)
         wait(running)  # all ended before an error is raised: no write outlives its attempt
         return [f.result() for f in running]
 
-    def start_outputs(self, job: Job) -> list[Future[JobOutput]]:
-        """Begin writing each declared output of ``job`` on the writer threads, in the pipeline's order."""
+    def start_outputs(self, job: Job, fresh: Mapping[tuple[str, str], bytes] | None = None) -> list[Future[JobOutput]]:
+        """Begin writing each declared output of ``job`` on the writer threads, in the pipeline's order.
+        ``fresh``: the bytes of the (stage, port) outputs to use as they are instead of reading them
+        from the store: the last stage's own, handed over before they are stored (results inline)."""
         spec = self.catalogue.get(job.pipeline)
-        return [_writers().submit(contextvars.copy_context().run, self._write_output, spec, job, out)
+        return [_writers().submit(contextvars.copy_context().run, self._write_output, spec, job, out, fresh or {})
                 for out in spec.outputs]
 
-    def _write_output(self, spec: PipelineSpec, job: Job, out: OutputSpec) -> JobOutput:
-        parts = [self.artifacts.get(job.stage_record(s.source).outputs[s.port]) for s in out.sources]
+    def _write_output(self, spec: PipelineSpec, job: Job, out: OutputSpec,
+                      fresh: Mapping[tuple[str, str], bytes]) -> JobOutput:
+        parts = [fresh[(s.source, s.port)] if (s.source, s.port) in fresh
+                 else self.artifacts.get(job.stage_record(s.source).outputs[s.port]) for s in out.sources]
         return OUTPUT_HANDLERS[spec.output_type(out)](self.artifacts, job.id, out.name, parts)
 
     @staticmethod

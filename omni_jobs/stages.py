@@ -14,7 +14,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -55,9 +55,10 @@ ProgressFn = Callable[[int, int], None]
 
 @dataclass(frozen=True)
 class EarlyOutputs:
-    """A job's final files, being written while the write that records its last stage commits
-    (results inline): the two wait on storage side by side (an fsync, an upload) instead of one
-    after the other. ``made_from``: each stage's outputs they were made of; they stand only if the
+    """A job's final files, being written while its last stage's outputs are stored and the write
+    that records that stage commits (results inline): they wait on storage side by side (an fsync,
+    an upload) instead of one after the other, and the stage's own outputs are not read back from
+    the store (bench --hops: last stage -> results done). ``made_from``: each stage's outputs they were made of; they stand only if the
     committed job has the same."""
 
     made_from: list[dict[str, ArtifactRef]]
@@ -67,8 +68,9 @@ class EarlyOutputs:
 class InlineResults(Protocol):
     """The results step, run by the worker whose stage completed the job (ResultsAssembler)."""
 
-    def start_outputs(self, job: Job) -> list[Future[JobOutput]]:
-        """Begin writing each declared output of ``job``."""
+    def start_outputs(self, job: Job, fresh: Mapping[tuple[str, str], bytes] | None = None) -> list[Future[JobOutput]]:
+        """Begin writing each declared output of ``job``; ``fresh``: the bytes of (stage, port) outputs
+        that are not read from the store (a stage's own, not stored yet)."""
         ...
 
     def run_held(self, job: Job, lease: Lease, early: EarlyOutputs | None = None) -> StepOutcome:
@@ -232,6 +234,19 @@ class StageRunner:
                  worker: str) -> tuple[StepOutcome, Job | None, EarlyOutputs | None]:
         """The attempt's outcome; the job when this attempt took its results step (results inline), and
         the outputs it began writing for that step (handed on only then; else ended here)."""
+        writes: list[Future[JobOutput]] = []
+        took_results = False
+        try:
+            outcome, done, early = self._record(job, lease, step, where, worker, writes)
+            took_results = early is not None
+            return outcome, done, early
+        finally:
+            if writes and not took_results:
+                wait(writes)  # not this attempt's to finish: no write outlives it
+
+    def _record(self, job: Job, lease: Lease, step: RunStage, where: str, worker: str,
+                writes: list[Future[JobOutput]]) -> tuple[StepOutcome, Job | None, EarlyOutputs | None]:
+        """Run the stage and record its outputs; the final files this attempt begins go into ``writes``."""
         spec = self.catalogue.get(job.pipeline)
         stage = spec.stage(step.stage_id)
         started = time.perf_counter()
@@ -243,16 +258,16 @@ class StageRunner:
             hit = cache.get(f"{spec.name}.{stage.id}", digest) if cache is not None and digest else None
             if hit is not None:  # the same stage config, params and inputs ran before: skip the engine
                 self._stream_cached_text(stage, job, lease, hit)
-                refs = self._put_encoded(job.id, stage, hit, step.attempt)
-                engine_s = 0.0
+                encoded, engine_s = hit, 0.0
             else:
                 values = self._execute(stage, job, inputs, lease, spec.name)
                 self.progress.drain(lease)  # its last preview goes out before the stage's result
                 engine_s = time.perf_counter() - started
                 encoded = self._encode_outputs(stage, values)
-                refs = self._put_encoded(job.id, stage, encoded, step.attempt)
-                if cache is not None and digest:
-                    cache.put(f"{spec.name}.{stage.id}", digest, encoded.data, encoded.media_types)
+            writes += self._begin_outputs(job, step, encoded)
+            refs = self._put_encoded(job.id, stage, encoded, step.attempt)
+            if hit is None and cache is not None and digest:
+                cache.put(f"{spec.name}.{stage.id}", digest, encoded.data, encoded.media_types)
         except JobCanceled as exc:
             why = "lost" if isinstance(exc, LeaseLost) else "canceled"
             if isinstance(exc, DeadlineExceeded):
@@ -274,34 +289,29 @@ class StageRunner:
         if cache is not None and digest:
             metrics["cache_hit"] = 1.0 if hit is not None else 0.0
         inline = worker if self.assemble_results is not None else None
-        early = self._begin_outputs(job, step, refs)
-        took_results = False
-        try:
-            done = self._patiently(lambda: self.ledger.complete_stage(lease, refs, metrics, snapshot=job,
-                                                                      results_worker=inline), where)
-            if isinstance(done, Refused):
-                log.warning("%s: result discarded: %s", where, done.reason)
-                return StepOutcome("discarded", done.reason), None, None
-            if self.run_journal is not None:
-                self.run_journal.record(lease, "engine.recorded")
-            took_results = (inline is not None and done.results.status is StageStatus.running
-                            and done.results.lease_owner == lease.owner)
-            if not took_results:
-                return StepOutcome("succeeded", ""), None, None
-            return StepOutcome("succeeded", ""), done, early
-        finally:
-            if early is not None and not took_results:
-                wait(early.writes)  # not this attempt's to finish: no write outlives it
+        done = self._patiently(lambda: self.ledger.complete_stage(lease, refs, metrics, snapshot=job,
+                                                                  results_worker=inline), where)
+        if isinstance(done, Refused):
+            log.warning("%s: result discarded: %s", where, done.reason)
+            return StepOutcome("discarded", done.reason), None, None
+        if self.run_journal is not None:
+            self.run_journal.record(lease, "engine.recorded")
+        took_results = (inline is not None and done.results.status is StageStatus.running
+                        and done.results.lease_owner == lease.owner)
+        if not took_results or not writes:
+            return StepOutcome("succeeded", ""), done if took_results else None, None
+        made_from = [dict(refs) if r.id == step.stage_id else dict(r.outputs) for r in job.stages]
+        return StepOutcome("succeeded", ""), done, EarlyOutputs(made_from, list(writes))
 
-    def _begin_outputs(self, job: Job, step: RunStage, refs: dict[str, ArtifactRef]) -> EarlyOutputs | None:
+    def _begin_outputs(self, job: Job, step: RunStage, encoded: CachedOutputs) -> list[Future[JobOutput]]:
         """Results inline, and this is the job's last stage to finish: begin its final files now, from
-        this stage's outputs, so they are written while its completion commits."""
+        this stage's own bytes and the other stages' stored outputs, so that they are written while this
+        stage's outputs are stored and its completion commits."""
         if self.assemble_results is None or any(
                 r.status is not StageStatus.succeeded for r in job.stages if r.id != step.stage_id):
-            return None
-        final = job.clone()
-        final.stage_record(step.stage_id).outputs = dict(refs)
-        return EarlyOutputs([dict(r.outputs) for r in final.stages], self.assemble_results.start_outputs(final))
+            return []
+        fresh = {(step.stage_id, port): data for port, data in encoded.data.items()}
+        return self.assemble_results.start_outputs(job, fresh)
 
     def retry_delay(self, attempt: int) -> float:
         """Exponential backoff with jitter before the next attempt after a transient error."""

@@ -48,6 +48,18 @@ class RecordingDisk(LocalBackend):
             self.ended.append(key)
 
 
+class RecordingRedis(RedisBackend):
+    """Notes every key read back."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        super().__init__(client)
+        self.read: list[str] = []
+
+    def get(self, key: str) -> bytes:
+        self.read.append(key)
+        return super().get(key)
+
+
 class CompletionWatch(JobLedger):
     """The real ledger; its stage completion first waits (5 s at most) for a final file to have begun,
     and may cancel the job just before it writes (a cancel that lands while the stage finishes). It
@@ -83,11 +95,12 @@ def parts(redis_client: redis.Redis, tmp_path: Path, engines: Any) -> dict[str, 
     store = RedisJobStore(redis_client, ttl_s=600)
     ledger = CompletionWatch(store, lease_s=30.0)
     disk = ledger.disk = RecordingDisk(tmp_path)
-    artifacts = ArtifactStore(disk, RedisBackend(redis_client))
+    small = RecordingRedis(redis_client)
+    artifacts = ArtifactStore(disk, small)
     results = ResultsAssembler(ledger=ledger, catalogue=catalogue, artifacts=artifacts)
     runner = StageRunner(ledger=ledger, catalogue=catalogue, artifacts=artifacts, engines=engines,
                          limits=StageLimits(progress_interval_s=0), assemble_results=results)
-    return {"store": store, "ledger": ledger, "disk": disk, "runner": runner,
+    return {"store": store, "ledger": ledger, "disk": disk, "small": small, "runner": runner,
             "submit": JobSubmitter(ledger, catalogue), "artifacts": artifacts}
 
 
@@ -105,6 +118,7 @@ def test_the_last_stage_begins_the_final_files_before_its_completion_commits(par
     ledger: CompletionWatch = parts["ledger"]
     job = parts["submit"].submit("inline-image", {"prompt": "a lighthouse"})
     outcome = parts["runner"].run(first_step(parts, job), worker="dit@h", owner="dit@h#1")
+    read_in_run = list(parts["small"].read)
     assert outcome.status == "succeeded"
     assert ledger.waited is True, "no final file was begun before the stage's completion was written"
     done = ledger.require(job.id)
@@ -116,6 +130,8 @@ def test_the_last_stage_begins_the_final_files_before_its_completion_commits(par
     assert png == parts["artifacts"].get(done.stage_record("dit").outputs["image"])  # the stage's own PNG
     assert Image.open(io.BytesIO(png)).size == (32, 32)
     assert parts["disk"].started == parts["disk"].ended == [f"jobs/{job.id}/outputs/image.png"]  # written once
+    assert done.stage_record("dit").outputs["image"].key not in read_in_run, \
+        "the final file was made from the stage's outputs read back from the store, not from its own bytes"
 
 
 def test_files_begun_for_a_completion_that_is_refused_end_with_the_attempt(parts: dict[str, Any]) -> None:
