@@ -17,9 +17,10 @@ from celery import Celery
 
 from omni_jobs.queueing import celery_config
 from omni_jobs.settings import get_settings
-from workers import broker_fix
+from workers import broker_fix, handoff
 
 broker_fix.install()  # threads-pool workers must survive a broker restart (see workers/broker_fix.py)
+handoff.install(get_settings().worker_handoff_ms)  # a task's thread starts before the consumer goes on
 
 # The engine thread gives up the GIL at every torch op and takes it back from whichever of the worker's
 # other threads holds it, after up to the switch interval: 5 ms by default, many times per diffusers
