@@ -5,8 +5,10 @@ own work (the task events, its next read from the broker) while holding the GIL:
 woken, waits for it (0.35-0.45 ms of every hop, measured with timestamps at the handoff and at the
 task's start; up to the switch interval). A short pause right after the handoff
 (``OMNI_WORKER_HANDOFF_MS``) gives the GIL to the task's thread, which then runs until its first
-write to Redis, the stage's start. The consumer's own work waits for that: at most this pause per
-task, one by one as they arrive (a burst of 64 tasks: about 13 ms in all, while those tasks start).
+write to Redis, the stage's start. The consumer's own work waits for that: the pause, then until
+that thread lets go of the GIL (a burst of 64 tasks: about 13 ms of pauses in all, spent while those
+tasks start). Every threads-pool worker does it (stages, results, webhooks); the in-process runner
+has no consumer and is not concerned.
 """
 
 from __future__ import annotations
