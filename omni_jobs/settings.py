@@ -130,8 +130,9 @@ class Settings(BaseSettings):
         "default is 5 ms): how long an engine thread back from a torch op may wait for the GIL while the "
         "worker's other threads (Celery's consumer, tasks recording results, the writers) hold it.")
     worker_handoff_ms: float = Field(
-        0.2, ge=0, le=5, description="How long a worker's Celery consumer pauses after handing a task to its thread, so "
-        "that the task's thread takes the interpreter at once and starts the step (workers/handoff.py; 0: no pause).")
+        0.2, ge=0, le=5, description="How long a worker's Celery consumer pauses after handing a task to its "
+        "thread, so that the task's thread takes the interpreter at once and starts the step (workers/handoff.py; "
+        "0: no pause).")
     stage_max_in_flight: int = Field(
         16, ge=1, description="Tasks one AR/DiT worker process runs at once (its threads; per-stage override)."
     )

@@ -58,8 +58,8 @@ class EarlyOutputs:
     """A job's final files, being written while its last stage's outputs are stored and the write
     that records that stage commits (results inline): they wait on storage side by side (an fsync,
     an upload) instead of one after the other, and the stage's own outputs are not read back from
-    the store (bench --hops: last stage -> results done). ``made_from``: each stage's outputs they were made of; they stand only if the
-    committed job has the same."""
+    the store (bench --hops: last stage -> results done). ``made_from``: each stage's outputs they
+    were made of; they stand only if the committed job has the same."""
 
     made_from: list[dict[str, ArtifactRef]]
     writes: list[Future[JobOutput]]
