@@ -19,6 +19,7 @@ from omni_jobs.settings import get_settings
 from omni_jobs.steps import task_subject
 
 if TYPE_CHECKING:
+    from omni_jobs.jobs.models import Job
     from omni_jobs.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,14 @@ def start_metrics(port: int) -> None:
     log.info("serving Prometheus metrics on port %d", port)
 
 
-def record_stage_memory(rt: Runtime, job_id: str, stage_id: str) -> None:
-    """After a stage ran here: what its engine's worker holds, labelled by pipeline and stage."""
+def record_stage_memory(rt: Runtime, job_id: str, stage_id: str, snapshot: Job | None = None) -> None:
+    """After a stage ran here: what its engine's worker holds, labelled by pipeline and stage.
+
+    The labels come from ``snapshot`` (the job its task message carried) where there is one: a
+    pipeline's name and a stage's engine never change, so reading the job again for them only cost a
+    round trip and a decode per stage."""
     try:
-        job = rt.ledger.get(job_id)
+        job = snapshot if snapshot is not None and snapshot.id == job_id else rt.ledger.get(job_id)
         if job is None:
             return
         record = job.stage_record(stage_id)

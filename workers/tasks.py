@@ -74,7 +74,7 @@ def _execute(task: Task, name: str, args: Sequence[Any]) -> str:
         log.error("%s; giving the message back to the broker", exc)
         raise Reject(str(exc), requeue=True) from exc
     if step.kind is StepKind.run_stage and outcome.status in ("succeeded", "failed"):
-        observability.record_stage_memory(rt, step.job_id, getattr(step, "stage_id", ""))
+        observability.record_stage_memory(rt, step.job_id, getattr(step, "stage_id", ""), snapshot)
     if step.kind is StepKind.deliver_webhook:
         metrics.webhook_delivery(getattr(step, "event", ""), outcome.status)
     if outcome.status == "skipped":

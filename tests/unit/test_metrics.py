@@ -91,6 +91,29 @@ def test_process_memory_and_engine_memory_gauge() -> None:
                   device="cpu") == memory["cpu"]
 
 
+def test_a_worker_labels_engine_memory_from_the_job_its_message_carried() -> None:
+    """No read of the job after each stage: the snapshot names its pipeline and the stage's engine."""
+    from types import SimpleNamespace
+
+    from workers.observability import record_stage_memory
+
+    class NoReads:
+        def get(self, job_id: str) -> Job:
+            raise AssertionError(f"read job {job_id} again")
+
+    snapshot = new_job("metrics-snapshot")
+    record_stage_memory(SimpleNamespace(ledger=NoReads()), snapshot.id, "dit", snapshot)  # type: ignore[arg-type]
+    held = sample("omni_jobs_engine_memory_bytes", pipeline="metrics-snapshot", stage="dit", engine="dit", device="cpu")
+    assert held > 10 * 2**20
+
+    stored = new_job("metrics-read")  # a message without a snapshot (or another job's): the job is read
+    reads: list[str] = []
+    ledger = SimpleNamespace(get=lambda job_id: reads.append(job_id) or stored)
+    record_stage_memory(SimpleNamespace(ledger=ledger), stored.id, "ar", snapshot)  # type: ignore[arg-type]
+    assert reads == [stored.id]
+    assert sample("omni_jobs_engine_memory_bytes", pipeline="metrics-read", stage="ar", engine="ar", device="cpu") > 0
+
+
 def test_render_is_valid_exposition_with_extra_collectors() -> None:
     metrics.observe_batch("ar", 5)
     metrics.cache_lookup("engine", hit=False)
