@@ -285,15 +285,18 @@ class Bench:
         # every arm of a row gets the same prompts in a repetition (direct_rep too): the same work. Each
         # arm runs in its own process, so no arm finds another's prompts in its prefix cache.
         texts = prompts(self.n, rep + salt)
-        cpu_before = self.cpu_times()
         nodes = [] if pipeline.endswith("-naive") else (["ar-b", "dit-b"] if pipeline.endswith("-b") else ["ar", "dit"])
         batches_before = {n: self.batch_counts(n) for n in nodes}
+        # the CPU counted is the jobs' alone: reading the workers' /metrics (batch_counts) cost the driver
+        # ~25 ms per read and the worker its render, outside the repetition's window
+        cpu_before = self.cpu_times()
         jobs = self.run_jobs(pipeline, texts, params)
+        cpu_after = self.cpu_times()
         for n in nodes:
             (s1, c1), (s0, c0) = self.batch_counts(n), batches_before[n]
             if c1 > c0:
                 arm.batch_mean.setdefault(n, []).append((s1 - s0) / (c1 - c0))
-        for name, cpu in self.cpu_times().items():
+        for name, cpu in cpu_after.items():
             arm.cpu_s.setdefault(name, []).append(cpu - cpu_before.get(name, 0.0))
         start = min(j.created_at for j in jobs)
         end = max(j.completed_at or 0 for j in jobs)
