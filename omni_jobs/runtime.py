@@ -128,7 +128,7 @@ class Runtime:
                            retry_backoff_s=s.stage_retry_backoff_s, store_wait_s=s.store_wait_s,
                            run_journal=RunJournal(s.run_journal) if s.run_journal else None,
                            assemble_results=self.results if s.results_inline else None,
-                           hard_limits=self.hard_time_limits)
+                           hard_limits=self.hard_time_limits, text_delta_interval_s=s.text_delta_interval_ms / 1000)
 
     @cached_property
     def results(self) -> ResultsAssembler:

@@ -118,6 +118,10 @@ class Settings(BaseSettings):
         900, gt=0, description="Hard limit: the job fails and the worker process is replaced (per-stage override)."
     )
     progress_interval_s: float = Field(0.2, ge=0, description="Least time between two progress writes of a stage.")
+    text_delta_interval_ms: float = Field(
+        50.0, gt=0, description="Least time between two output.delta events of one streamed text output (a worker "
+        "on CPU cores, whose engine steps are slower than this, may raise it: fewer events, fewer writes)."
+    )
     batch_max_size: int = Field(16, ge=1, description="Largest engine batch a stage worker makes (per-stage override).")
     batch_wait_ms: float = Field(
         10.0, ge=0, description="How long the first request of a batch waits for batch-mates (per-stage override)."

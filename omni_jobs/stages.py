@@ -44,7 +44,7 @@ from omni_jobs.progress_writer import ProgressWriter
 from omni_jobs.run_journal import RunJournal
 from omni_jobs.stage_cache import CachedOutputs, Eviction, StageOutputCache, cache_key, text_digest
 from omni_jobs.steps import AssembleResults, RunStage, StepOutcome
-from omni_jobs.text_stream import Publish, TextDeltas, TextStreams, publish_each
+from omni_jobs.text_stream import DELTA_INTERVAL_S, Publish, TextDeltas, TextStreams, publish_each
 from omni_jobs.watchdog import hard_time_limit
 
 log = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class StageRunner:
                  cache_redis: redis.Redis | None = None, cache_defaults: tuple[int, Eviction] = (1000, "lru"),
                  keeper: LeaseKeeper | None = None, retry_backoff_s: float = 1.0, store_wait_s: float = 600.0,
                  run_journal: RunJournal | None = None, assemble_results: InlineResults | None = None,
-                 hard_limits: bool = False) -> None:
+                 hard_limits: bool = False, text_delta_interval_s: float = DELTA_INTERVAL_S) -> None:
         """``batching``: engine calls go through the per-engine batcher (stage workers); None calls the
         engine per job. ``cache_redis``: where stages with ``cache.enabled`` keep their outputs.
         ``keeper``: renews the leases of running attempts (workers; None in one process).
@@ -173,7 +173,8 @@ class StageRunner:
         the results queue saved; the files are begun before that write (``EarlyOutputs``). None
         leaves the results step to the results queue.
         ``hard_limits``: a stage still running at its hard time limit fails its job and ends this
-        process (omni_jobs.watchdog; worker processes only: the supervisor starts a fresh one)."""
+        process (omni_jobs.watchdog; worker processes only: the supervisor starts a fresh one).
+        ``text_delta_interval_s``: the least time between two ``output.delta`` events of one output."""
         self.ledger = ledger
         self.catalogue = catalogue
         self.artifacts = artifacts
@@ -193,7 +194,8 @@ class StageRunner:
         self._guard = threading.Lock()
         # Batched engines report for many jobs from one thread: write from another, never inline.
         self.progress = ProgressWriter(ledger, background=batching is not None)
-        self.text_streams = TextStreams(background=batching is not None, publish_many=self._publish_deltas)
+        self.text_streams = TextStreams(background=batching is not None, publish_many=self._publish_deltas,
+                                        interval_s=text_delta_interval_s)
 
     def _patiently(self, call: Callable[[], T], what: str) -> T:
         return while_store_down(call, wait_s=self.store_wait_s, what=what)

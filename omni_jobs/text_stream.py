@@ -26,7 +26,8 @@ from omni_jobs.json_types import JsonObject, JsonValue
 log = logging.getLogger(__name__)
 
 DELTA_INTERVAL_S = 0.05
-"""The least time between two deltas of one output (the issue's 'at most one every 50 ms')."""
+"""The least time between two deltas of one output by default (the issue's 'at most one every 50 ms');
+a worker's is ``OMNI_TEXT_DELTA_INTERVAL_MS``."""
 
 GATHER_S = 0.002
 """How long the writer lets the engine thread finish a step's updates before it takes what is due:

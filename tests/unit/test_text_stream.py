@@ -194,3 +194,22 @@ def test_the_writer_publishes_the_deltas_due_together_in_one_call() -> None:
     assert sorted(calls[1]) == [", two", ", two", ", two"] and len(calls) == 2
     assert [d.published for d in outputs] == [f"step one of {i}, two" for i in range(3)]
     assert [d.count for d in outputs] == [2, 2, 2] and doomed.published == ""
+
+
+def test_a_workers_deltas_are_spaced_by_its_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """OMNI_TEXT_DELTA_INTERVAL_MS reaches the stage runner's writer; 0 or less is refused by name."""
+    from pydantic import ValidationError
+
+    from omni_jobs.runtime import Runtime
+    from omni_jobs.settings import Settings
+
+    monkeypatch.setenv("OMNI_TEXT_DELTA_INTERVAL_MS", "250")
+    settings = Settings(redis_url="redis://unused:1/0", artifacts_dir=tmp_path, engine_turns="off")
+    streams = Runtime(settings).stage_runner.text_streams
+    assert streams.interval_s == 0.25
+    deltas = streams.open("ar", "text", lambda data: "ok")
+    assert deltas.interval_s == 0.25
+    streams.discard(deltas)
+    monkeypatch.setenv("OMNI_TEXT_DELTA_INTERVAL_MS", "0")
+    with pytest.raises(ValidationError, match="text_delta_interval_ms"):
+        Settings()
