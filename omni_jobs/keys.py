@@ -25,6 +25,12 @@ def job_progress(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:progress"
 
 
+def job_followed(job_id: str) -> str:
+    """Present (with a short TTL) while a reader follows the job's events live: its running text
+    stages publish their deltas as they come, not only when they end (omni_jobs.jobs.watch)."""
+    return f"{PREFIX}:job:{job_id}:followed"
+
+
 def job_webhooks(job_id: str) -> str:
     """Hash of the job's webhook messages: ``<message id>:<field>`` (event, status, attempts, lease)."""
     return f"{PREFIX}:job:{job_id}:webhooks"

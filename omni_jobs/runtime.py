@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterable
-from functools import cached_property
+from functools import cached_property, partial
 
 from redis import Redis
 
@@ -24,6 +24,7 @@ from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.jobs.view import JobJSON, present_job
+from omni_jobs.jobs.watch import followed_jobs
 from omni_jobs.leases import LeaseKeeper, Reaper, lease_owner
 from omni_jobs.limits import Limits
 from omni_jobs.net_guard import NetGuard
@@ -128,7 +129,8 @@ class Runtime:
                            retry_backoff_s=s.stage_retry_backoff_s, store_wait_s=s.store_wait_s,
                            run_journal=RunJournal(s.run_journal) if s.run_journal else None,
                            assemble_results=self.results if s.results_inline else None,
-                           hard_limits=self.hard_time_limits, text_delta_interval_s=s.text_delta_interval_ms / 1000)
+                           hard_limits=self.hard_time_limits, text_delta_interval_s=s.text_delta_interval_ms / 1000,
+                           followed=partial(followed_jobs, self.redis) if s.text_deltas == "followed" else None)
 
     @cached_property
     def results(self) -> ResultsAssembler:

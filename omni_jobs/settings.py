@@ -118,6 +118,10 @@ class Settings(BaseSettings):
         900, gt=0, description="Hard limit: the job fails and the worker process is replaced (per-stage override)."
     )
     progress_interval_s: float = Field(0.2, ge=0, description="Least time between two progress writes of a stage.")
+    text_deltas: Literal["followed", "always"] = Field(
+        "followed", description="When a running text stage publishes its output.delta events: 'followed', while "
+        "a reader follows the job's events live (else its text goes out as the stage ends); 'always'."
+    )
     text_delta_interval_ms: float = Field(
         50.0, gt=0, description="Least time between two output.delta events of one streamed text output (a worker "
         "on CPU cores, whose engine steps are slower than this, may raise it: fewer events, fewer writes)."

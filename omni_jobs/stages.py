@@ -164,7 +164,8 @@ class StageRunner:
                  cache_redis: redis.Redis | None = None, cache_defaults: tuple[int, Eviction] = (1000, "lru"),
                  keeper: LeaseKeeper | None = None, retry_backoff_s: float = 1.0, store_wait_s: float = 600.0,
                  run_journal: RunJournal | None = None, assemble_results: InlineResults | None = None,
-                 hard_limits: bool = False, text_delta_interval_s: float = DELTA_INTERVAL_S) -> None:
+                 hard_limits: bool = False, text_delta_interval_s: float = DELTA_INTERVAL_S,
+                 followed: Callable[[Sequence[str]], set[str]] | None = None) -> None:
         """``batching``: engine calls go through the per-engine batcher (stage workers); None calls the
         engine per job. ``cache_redis``: where stages with ``cache.enabled`` keep their outputs.
         ``keeper``: renews the leases of running attempts (workers; None in one process).
@@ -174,7 +175,9 @@ class StageRunner:
         leaves the results step to the results queue.
         ``hard_limits``: a stage still running at its hard time limit fails its job and ends this
         process (omni_jobs.watchdog; worker processes only: the supervisor starts a fresh one).
-        ``text_delta_interval_s``: the least time between two ``output.delta`` events of one output."""
+        ``text_delta_interval_s``: the least time between two ``output.delta`` events of one output.
+        ``followed``: which jobs a reader follows now; given, a stage's text deltas go out only while
+        its job is followed, and the rest as the stage ends (TextStreams). None: always."""
         self.ledger = ledger
         self.catalogue = catalogue
         self.artifacts = artifacts
@@ -195,7 +198,7 @@ class StageRunner:
         # Batched engines report for many jobs from one thread: write from another, never inline.
         self.progress = ProgressWriter(ledger, background=batching is not None)
         self.text_streams = TextStreams(background=batching is not None, publish_many=self._publish_deltas,
-                                        interval_s=text_delta_interval_s)
+                                        interval_s=text_delta_interval_s, followed=followed)
 
     def _patiently(self, call: Callable[[], T], what: str) -> T:
         return while_store_down(call, wait_s=self.store_wait_s, what=what)
@@ -443,7 +446,7 @@ class StageRunner:
 
     def _open_text(self, stage: StageSpec, job: Job, lease: Lease) -> TextDeltas:
         return self.text_streams.open(stage.id, "text", _DeltaTarget(self.ledger, lease, job), attempt=lease.attempt,
-                                      on_stop=lambda why: self.progress.stop(lease, why))
+                                      on_stop=lambda why: self.progress.stop(lease, why), job_id=job.id)
 
     def _publish_deltas(self, items: Sequence[tuple[Publish, JsonObject]]) -> list[str]:
         """The text writer's ``PublishMany``: the deltas of all running stages due together, in one

@@ -29,6 +29,9 @@ DELTA_INTERVAL_S = 0.05
 """The least time between two deltas of one output by default (the issue's 'at most one every 50 ms');
 a worker's is ``OMNI_TEXT_DELTA_INTERVAL_MS``."""
 
+FOLLOW_CHECK_S = 0.25
+"""How often the writer asks whether a reader follows a job whose text it holds back (``followed``)."""
+
 GATHER_S = 0.002
 """How long the writer lets the engine thread finish a step's updates before it takes what is due:
 a batched engine reports every request of a step in one loop, and they should share one write."""
@@ -51,9 +54,12 @@ class TextDeltas:
     def __init__(self, stage: str, output: str, publish: Publish, *, interval_s: float = DELTA_INTERVAL_S,
                  attempt: int | None = None, on_stop: Callable[[str], None] | None = None,
                  inline: bool = False, notify: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 job_id: str | None = None) -> None:
         self.stage = stage
         self.output = output
+        self.job_id = job_id
+        """The job whose readers this text is for (the writer asks whether any follows it)."""
         self.interval_s = interval_s
         self.attempt = attempt
         self.publish = publish
@@ -68,6 +74,7 @@ class TextDeltas:
         self._sent = 0
         self._index = 0
         self._last = float("-inf")
+        self._held_until = float("-inf")
         self._closed = False
         self.stopped: str | None = None
         """'canceled' or 'lost' once a publish was refused; nothing more is published then."""
@@ -108,7 +115,13 @@ class TextDeltas:
         with self._lock:
             if self._closed or self.stopped is not None or len(self._text) == self._sent:
                 return None
-            return self._last + self.interval_s - now
+            return max(self._last + self.interval_s, self._held_until) - now
+
+    def hold(self, until: float) -> None:
+        """The writer keeps the text back until then (nobody follows the job); ``close`` still
+        publishes the rest, so the deltas always add up to the whole text."""
+        with self._lock:
+            self._held_until = until
 
     def flush(self, *, wait: bool = False) -> str:
         """Publish the unpublished text as one delta if its interval has passed (or, with ``wait``,
@@ -194,9 +207,18 @@ class TextStreams:
 
     def __init__(self, *, background: bool = True, interval_s: float = DELTA_INTERVAL_S,
                  clock: Callable[[], float] = time.monotonic, publish_many: PublishMany = publish_each,
-                 gather_s: float = GATHER_S) -> None:
+                 gather_s: float = GATHER_S, followed: Callable[[Sequence[str]], set[str]] | None = None,
+                 follow_check_s: float = FOLLOW_CHECK_S) -> None:
+        """``followed``: which of these jobs a reader follows now. Given, the writer publishes a job's
+        text while it is followed (asking every ``follow_check_s``) and otherwise keeps it for the
+        stage's end: on CPU cores, where an engine step outlasts the interval, every token of every
+        request was a write of its own, whether anybody read it or not. None: always publish."""
         self.background = background
         self.interval_s = interval_s
+        self.followed = followed
+        self.follow_check_s = follow_check_s
+        self._followed_jobs: set[str] = set()
+        self._checked_at = float("-inf")
         self.publish_many = publish_many
         self.gather_s = gather_s
         self._clock = clock
@@ -205,10 +227,10 @@ class TextStreams:
         self._thread: threading.Thread | None = None
 
     def open(self, stage: str, output: str, publish: Publish, *, attempt: int | None = None,
-             on_stop: Callable[[str], None] | None = None) -> TextDeltas:
+             on_stop: Callable[[str], None] | None = None, job_id: str | None = None) -> TextDeltas:
         """A new output to stream; ``close`` it (or ``discard`` it) when its stage attempt ends."""
         deltas = TextDeltas(stage, output, publish, interval_s=self.interval_s, attempt=attempt, on_stop=on_stop,
-                            inline=not self.background, notify=self._wake, clock=self._clock)
+                            inline=not self.background, notify=self._wake, clock=self._clock, job_id=job_id)
         if self.background:
             with self._cond:
                 self._open.add(deltas)
@@ -250,8 +272,33 @@ class TextStreams:
             with self._cond:
                 open_now = list(self._open)
             taken = [(deltas, data) for deltas in open_now if (data := deltas.take_due()) is not None]
+            if self.followed is not None and taken:
+                taken = self._followed(taken)
             if taken:
                 self._write(taken)
+
+    def _followed(self, taken: list[tuple[TextDeltas, JsonObject]]) -> list[tuple[TextDeltas, JsonObject]]:
+        """The taken deltas of followed jobs; the others are handed back, held until the next check.
+        One check a period asks for the jobs of every open output at once."""
+        assert self.followed is not None
+        now = self._clock()
+        if now - self._checked_at >= self.follow_check_s:
+            with self._cond:
+                jobs = sorted({d.job_id for d in self._open if d.job_id is not None})
+            try:
+                self._followed_jobs = self.followed(jobs) if jobs else set()
+            except Exception:  # the store may be down: publish as before, the publish reports it
+                log.warning("could not tell which jobs are followed", exc_info=True)
+                self._followed_jobs = set(jobs)
+            self._checked_at = now
+        kept: list[tuple[TextDeltas, JsonObject]] = []
+        for deltas, data in taken:
+            if deltas.job_id is None or deltas.job_id in self._followed_jobs:
+                kept.append((deltas, data))
+            else:
+                deltas.hold(self._checked_at + self.follow_check_s)
+                deltas.settle_taken(data, None)  # not published: the text stays pending
+        return kept
 
     def _write(self, taken: list[tuple[TextDeltas, JsonObject]]) -> None:
         """One ``publish_many`` for every delta taken; each output's turn is handed back after it."""

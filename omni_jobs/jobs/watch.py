@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
+import redis
 import redis.asyncio as aioredis
 
 from omni_jobs import keys
@@ -18,10 +19,12 @@ from omni_jobs.jobs import codec
 from omni_jobs.jobs.models import FINAL_EVENTS, Job, JobEvent
 from omni_jobs.jobs.store import async_client_from_url, parse_stream
 
-__all__ = ["MAX_BLOCK_S", "STREAM_ID", "JobWatcher"]
+__all__ = ["FOLLOWED_TTL_S", "MAX_BLOCK_S", "STREAM_ID", "JobWatcher", "followed_jobs"]
 
 MAX_BLOCK_S = 15.0
 """Longest blocking read; callers' heartbeats and waits are cut into pieces no longer than this."""
+FOLLOWED_TTL_S = 2 * MAX_BLOCK_S + 5
+"""How long a follower's mark lasts: renewed before every read, so it outlives the longest read."""
 STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
 """A Redis stream entry id: what SSE sends as ``id:`` and takes back as Last-Event-ID."""
 
@@ -55,7 +58,11 @@ class JobWatcher:
         Ends at the final event, or when the job is final (or gone) and no event is left to read.
         """
         block_ms = max(1, int(min(heartbeat_s, MAX_BLOCK_S) * 1000))
+        marked = float("-inf")
         while True:
+            if time.monotonic() - marked > MAX_BLOCK_S:  # a reader follows: text stages publish as they go
+                await self.redis.set(keys.job_followed(job_id), b"1", ex=int(FOLLOWED_TTL_S))
+                marked = time.monotonic()
             batch = await self.events(job_id, after=after)
             if not batch:
                 job = await self.get(job_id)
@@ -89,3 +96,14 @@ class JobWatcher:
 
     async def aclose(self) -> None:
         await self.redis.aclose()
+
+
+def followed_jobs(client: redis.Redis, job_ids: Sequence[str]) -> set[str]:
+    """Which of these jobs a reader follows now (``JobWatcher.follow`` marks them): one round trip."""
+    if not job_ids:
+        return set()
+    with client.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            pipe.exists(keys.job_followed(job_id))
+        found = pipe.execute()
+    return {job_id for job_id, n in zip(job_ids, found, strict=True) if n}

@@ -74,6 +74,19 @@ def test_a_jobs_deltas_join_to_its_text_output_and_a_resumed_stream_replays_the_
     assert asyncio.run(stream_async()) == text
 
 
+def test_a_job_nobody_follows_writes_its_text_as_one_delta_when_the_stage_ends(
+        api: httpx.Client, omni: Client) -> None:
+    """Deltas go out while a reader follows the job (OMNI_TEXT_DELTAS=followed, the default); a job
+    nobody follows keeps its stream to one delta, and a reader that comes afterwards sees the text."""
+    job = submit(api, "text-to-text", PROMPT, {"ar": {"max_tokens": MAX_TOKENS}})
+    final = wait_for_job(api, job["id"])  # polled, not followed
+    assert final["status"] == "succeeded"
+    text = final["outputs"][0]["text"]
+    deltas = deltas_of(list(omni.events(job["id"])))
+    assert [(d.data["text"], d.data["index"]) for d in deltas] == [(text, 0)]
+    assert "".join(omni.stream_text(job["id"])) == text
+
+
 def test_openai_stream_yields_chunks_that_join_to_the_non_streamed_answer(client: OpenAI, api: httpx.Client) -> None:
     messages: Any = [{"role": "user", "content": PROMPT}]
     stream = client.chat.completions.create(model="text-to-text", messages=messages, max_tokens=MAX_TOKENS,

@@ -213,3 +213,58 @@ def test_a_workers_deltas_are_spaced_by_its_setting(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("OMNI_TEXT_DELTA_INTERVAL_MS", "0")
     with pytest.raises(ValidationError, match="text_delta_interval_ms"):
         Settings()
+
+
+def test_text_nobody_follows_is_kept_for_the_stages_end_and_flows_once_a_reader_comes() -> None:
+    """With ``followed``, a job's deltas go out only while a reader follows it; the writer asks at most
+    every ``follow_check_s`` (not at every step), and the deltas still add up to the whole text."""
+    asked: list[list[str]] = []
+    readers: set[str] = set()
+
+    def followed(job_ids: Any) -> set[str]:
+        asked.append(list(job_ids))
+        return {j for j in job_ids if j in readers}
+
+    streams = TextStreams(background=True, interval_s=0.02, followed=followed, follow_check_s=0.1)
+    lone, watched = Recorder(), Recorder()
+    a = streams.open("ar", "text", lone, job_id="job_lone")
+    b = streams.open("ar", "text", watched, job_id="job_watched")
+    readers.add("job_watched")
+    text = ""
+    started = time.monotonic()
+    for i in range(50):  # an engine step every 10 ms for ~0.5 s
+        text += f" t{i}"
+        a.update(text)
+        b.update(text)
+        time.sleep(0.01)
+        if i == 25:
+            readers.add("job_lone")  # a reader comes for the other job half-way
+            flowing_from = len(lone.events)
+    assert flowing_from == 0  # nothing of the lone job went out before its reader came
+    assert len(lone.events) >= 2 and lone.texts[0].startswith(" t0 t1")  # then all it had, at once, and on
+    assert len(watched.events) >= 10
+    assert len(asked) <= (time.monotonic() - started) / 0.1 + 3  # every check period, not at every step
+    assert streams.close(a, text) == "ok" and streams.close(b, text) == "ok"
+    assert "".join(lone.texts) == text and "".join(watched.texts) == text
+
+    never = Recorder()
+    c = streams.open("ar", "text", never, job_id="job_never")
+    for i in range(20):
+        c.update(f"{'x' * i}")
+        time.sleep(0.01)
+    assert never.events == []
+    assert streams.close(c, "x" * 25) == "ok"
+    assert never.texts == ["x" * 25]  # one delta, the whole text, as the stage ends
+
+
+def test_the_writer_publishes_when_it_cannot_tell_who_follows() -> None:
+    def followed(job_ids: Any) -> set[str]:
+        raise ConnectionError("store down")
+
+    streams = TextStreams(background=True, interval_s=0.02, followed=followed)
+    sent = Recorder()
+    deltas = streams.open("ar", "text", sent, job_id="job_x")
+    deltas.update("Hello")
+    time.sleep(0.05)
+    assert sent.texts == ["Hello"]
+    streams.discard(deltas)
