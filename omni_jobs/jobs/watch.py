@@ -3,6 +3,10 @@
 Async (redis.asyncio) because its readers hold a request open for a long time: the SSE route
 streams a job's events until it ends, and ``Prefer: wait=N`` blocks a POST until the job ends.
 Thousands of such waits cost the API an open socket each, not a thread each.
+
+A follower also marks the job as followed (``keys.job_followed``, with a TTL it renews): workers
+publish a running stage's text deltas only for followed jobs (``followed_jobs``; the rest goes out as
+the stage ends, see omni_jobs.text_stream).
 """
 
 from __future__ import annotations
