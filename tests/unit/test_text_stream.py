@@ -265,6 +265,8 @@ def test_the_writer_publishes_when_it_cannot_tell_who_follows() -> None:
     sent = Recorder()
     deltas = streams.open("ar", "text", sent, job_id="job_x")
     deltas.update("Hello")
-    time.sleep(0.05)
+    deadline = time.monotonic() + 5
+    while not sent.texts and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert sent.texts == ["Hello"]
     streams.discard(deltas)
