@@ -28,7 +28,8 @@ __all__ = ["FOLLOWED_TTL_S", "MAX_BLOCK_S", "STREAM_ID", "JobWatcher", "followed
 MAX_BLOCK_S = 15.0
 """Longest blocking read; callers' heartbeats and waits are cut into pieces no longer than this."""
 FOLLOWED_TTL_S = 2 * MAX_BLOCK_S + 5
-"""How long a follower's mark lasts: renewed before every read, so it outlives the longest read."""
+"""How long a follower's mark lasts: ``follow`` renews it before a read once MAX_BLOCK_S has passed,
+so at most two reads' time apart, and it outlives that."""
 STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
 """A Redis stream entry id: what SSE sends as ``id:`` and takes back as Last-Event-ID."""
 
