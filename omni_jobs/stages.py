@@ -508,9 +508,7 @@ class StageRunner:
         return CachedOutputs(data=data, media_types=media)
 
     def _put_encoded(self, job_id: str, stage: StageSpec, encoded: CachedOutputs, attempt: int) -> dict[str, ArtifactRef]:
-        refs: dict[str, ArtifactRef] = {}
-        for port, modality in stage.outputs.items():
-            fmt = FORMATS[modality]
-            key = keys.intermediate_artifact(job_id, stage.id, f"{port}.{fmt.extension}", attempt)
-            refs[port] = self.artifacts.put_intermediate(key, encoded.data[port], encoded.media_types[port])
-        return refs
+        ports = list(stage.outputs)
+        items = [(keys.intermediate_artifact(job_id, stage.id, f"{port}.{FORMATS[stage.outputs[port]].extension}", attempt),
+                  encoded.data[port], encoded.media_types[port]) for port in ports]
+        return dict(zip(ports, self.artifacts.put_intermediates(items), strict=True))

@@ -7,6 +7,7 @@ Refs record which backend got the bytes, so a reader never needs to know the rou
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from omni_jobs import keys, telemetry
@@ -68,18 +69,34 @@ class ArtifactStore:
         )
 
     def _put(self, backend: ArtifactBackend, key: str, data: bytes, media_type: str, ttl_s: int | None) -> ArtifactRef:
-        validate_key(key)
-        data = bytes(data)
-        ref = ArtifactRef.for_bytes(backend.name, key, data, media_type)
-        backend.put(key, data, ttl_s=ttl_s, media_type=media_type)
-        telemetry.artifact_io(backend.name, "put", len(data))
-        return ref
+        return self._put_many(backend, [(key, data, media_type)], ttl_s)[0]
+
+    def _put_many(self, backend: ArtifactBackend, items: Sequence[tuple[str, bytes, str]],
+                  ttl_s: int | None) -> list[ArtifactRef]:
+        for key, _data, _media in items:
+            validate_key(key)
+        stored = [(key, bytes(data), media_type) for key, data, media_type in items]
+        refs = [ArtifactRef.for_bytes(backend.name, key, data, media_type) for key, data, media_type in stored]
+        backend.put_many(stored, ttl_s=ttl_s)
+        for _key, data, _media in stored:
+            telemetry.artifact_io(backend.name, "put", len(data))
+        return refs
 
     def put_intermediate(self, key: str, data: bytes, media_type: str) -> ArtifactRef:
         """Store stage-to-stage bytes: Redis when small enough (with a TTL), else the large backend."""
-        if self.small is not None and len(data) <= self.small_max_bytes:
-            return self._put(self.small, key, data, media_type, self.intermediate_ttl_s)
-        return self._put(self.large, key, data, media_type, self.intermediate_ttl_s)
+        return self.put_intermediates([(key, data, media_type)])[0]
+
+    def put_intermediates(self, items: Sequence[tuple[str, bytes, str]]) -> list[ArtifactRef]:
+        """``put_intermediate`` of each (key, data, media type), in request order: the ones routed to
+        the same backend are stored together (one Redis transaction for a stage's small outputs)."""
+        small = [self.small is not None and len(data) <= self.small_max_bytes for _key, data, _media in items]
+        refs: dict[int, ArtifactRef] = {}
+        for backend, routed in ((self.small, True), (self.large, False)):
+            picked = [i for i, is_small in enumerate(small) if is_small is routed]
+            if backend is not None and picked:
+                made = self._put_many(backend, [items[i] for i in picked], self.intermediate_ttl_s)
+                refs.update(zip(picked, made, strict=True))
+        return [refs[i] for i in range(len(items))]
 
     def put_output(self, key: str, data: bytes, media_type: str) -> ArtifactRef:
         """Store a final output: always the large backend, where clients can download it."""

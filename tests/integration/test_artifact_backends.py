@@ -61,6 +61,18 @@ def test_round_trip_binary_empty_and_overwrite(backend: ArtifactBackend) -> None
     assert backend.get(keys.intermediate_artifact(job, "ar", "empty")) == b""
 
 
+def test_put_many_stores_each_and_an_empty_list_is_nothing(backend: ArtifactBackend) -> None:
+    job = _job()
+    items = [(keys.intermediate_artifact(job, "ar", name), data, "application/octet-stream")
+             for name, data in (("ids", b"\x00\x01" * 50), ("text.json", b'{"text": "a fox"}'), ("empty", b""))]
+    backend.put_many(items, ttl_s=300)
+    assert [backend.get(key) for key, _data, _media in items] == [data for _key, data, _media in items]
+    backend.put_many([], ttl_s=300)
+    with pytest.raises(InvalidArtifactKey):  # every key is checked before anything is written
+        backend.put_many([(keys.intermediate_artifact(job, "ar", "late"), b"1", None), ("../escape", b"2", None)])
+    assert not backend.exists(keys.intermediate_artifact(job, "ar", "late"))
+
+
 def test_missing_key_raises_not_found_naming_the_key(backend: ArtifactBackend) -> None:
     key = keys.output_artifact(_job(), "nothing.png")
     with pytest.raises(ArtifactNotFound, match=key) as info:
@@ -198,6 +210,23 @@ def test_redis_plus_s3_store_from_settings(redis_client: redis.Redis, s3_setting
     assert store.url(small) is None and store.url(out) is not None
     assert store.delete_job(job) == 3
     assert not any(store.exists(r) for r in (small, big, out))
+
+
+def test_a_stages_intermediates_go_where_their_size_says_in_request_order(
+        redis_client: redis.Redis, s3_settings: Settings) -> None:
+    settings = s3_settings.model_copy(update={"redis_artifact_max_bytes": 1000, "intermediate_ttl_s": 600})
+    store = artifact_store_from_settings(settings, redis_client)
+    job = _job()
+    items = [(keys.intermediate_artifact(job, "ar", name), data, "x/y")
+             for name, data in (("a", b"a" * 10), ("big", b"b" * 1001), ("c", b"c" * 1000))]
+    refs = store.put_intermediates(items)
+    assert [(r.key, r.backend) for r in refs] == [(items[0][0], "redis"), (items[1][0], "s3"), (items[2][0], "redis")]
+    assert [store.get(r) for r in refs] == [b"a" * 10, b"b" * 1001, b"c" * 1000]
+    assert all(0 < redis_client.ttl(keys.artifact(r.key)) <= 600 for r in (refs[0], refs[2]))
+    index = keys.job_artifacts(job)  # the job's keys are found without a SCAN, and the set expires with them
+    assert {m.decode() for m in redis_client.smembers(index)} == {items[0][0], items[2][0]}
+    assert 0 < redis_client.ttl(index) <= 600
+    assert store.delete_job(job) == 3
 
 
 # --- faults: services go away and come back ---

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -152,11 +153,11 @@ class FlakyArtifacts(ArtifactStore):
         super().__init__(LocalBackend(root))
         self.failures = failures
 
-    def put_intermediate(self, key: str, data: bytes, media_type: str) -> ArtifactRef:
+    def put_intermediates(self, items: Sequence[tuple[str, bytes, str]]) -> list[ArtifactRef]:
         if self.failures > 0:
             self.failures -= 1
-            raise ArtifactStoreUnavailable("local", "put", key, "disk went away")
-        return super().put_intermediate(key, data, media_type)
+            raise ArtifactStoreUnavailable("local", "put", items[0][0], "disk went away")
+        return super().put_intermediates(items)
 
 
 def test_a_transient_error_is_retried_in_process_after_its_backoff(engines: EnginePool, store: MemoryJobStore,

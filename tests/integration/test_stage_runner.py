@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -265,22 +266,22 @@ class FlakyIntermediates:
     Redis blip): a transient error, raised after the engine ran."""
 
     def __init__(self, artifacts: ArtifactStore, failures: int) -> None:
-        self.put = artifacts.put_intermediate
+        self.put = artifacts.put_intermediates
         self.failures = failures
         self.calls = 0
 
-    def __call__(self, key: str, data: bytes, media_type: str) -> ArtifactRef:
+    def __call__(self, items: Sequence[tuple[str, bytes, str]]) -> list[ArtifactRef]:
         self.calls += 1
         if self.failures > 0:
             self.failures -= 1
-            raise ArtifactStoreUnavailable("redis", "put", key, "Connection refused")
-        return self.put(key, data, media_type)
+            raise ArtifactStoreUnavailable("redis", "put", items[0][0], "Connection refused")
+        return self.put(items)
 
 
 def test_a_transient_error_queues_the_next_attempt_after_a_backoff(parts: dict[str, Any],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     ledger, runner = parts["ledger"], parts["runner"]
-    monkeypatch.setattr(parts["artifacts"], "put_intermediate", FlakyIntermediates(parts["artifacts"], 1))
+    monkeypatch.setattr(parts["artifacts"], "put_intermediates", FlakyIntermediates(parts["artifacts"], 1))
     job = parts["submit"].submit("text-to-text", {"prompt": "blip"}, {"ar": {"max_tokens": 4}})
     (first,) = dispatched(parts, job.id)
     outcome = runner.run(first, worker="w1", owner="w1#1")
@@ -315,7 +316,7 @@ def test_a_stage_that_keeps_hitting_transient_errors_fails_with_the_original_err
         parts: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     ledger, runner = parts["ledger"], parts["runner"]
     flaky = FlakyIntermediates(parts["artifacts"], 1000)
-    monkeypatch.setattr(parts["artifacts"], "put_intermediate", flaky)
+    monkeypatch.setattr(parts["artifacts"], "put_intermediates", flaky)
     job = parts["submit"].submit("text-to-text", {"prompt": "outage"}, {"ar": {"max_tokens": 4}})
     statuses: list[str] = []
     step = dispatched(parts, job.id)

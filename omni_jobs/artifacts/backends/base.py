@@ -8,7 +8,8 @@ artifact to any of them by size alone and callers handle one error vocabulary:
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, TypeAlias, runtime_checkable
 
 from omni_jobs.artifacts.refs import BackendName
 
@@ -85,6 +86,10 @@ def check_ttl(ttl_s: int | None) -> None:
         raise ValueError(f"ttl_s must be a positive int or None, got {ttl_s!r}")
 
 
+PutItem: TypeAlias = tuple[str, bytes, str | None]
+"""One artifact to store: (key, data, media type or None)."""
+
+
 @runtime_checkable
 class ArtifactBackend(Protocol):
     """Byte storage under string keys; implemented by RedisBackend, S3Backend and LocalBackend."""
@@ -96,6 +101,11 @@ class ArtifactBackend(Protocol):
 
     def put(self, key: str, data: bytes, *, ttl_s: int | None = None, media_type: str | None = None) -> None:
         """Store ``data`` under ``key`` (replacing it); ``ttl_s`` is honoured where the backend can."""
+        ...
+
+    def put_many(self, items: Sequence[PutItem], *, ttl_s: int | None = None) -> None:
+        """``put`` of each (key, data, media type), in one round trip where the backend can (a stage's
+        outputs are stored together)."""
         ...
 
     def get(self, key: str) -> bytes:
@@ -117,3 +127,12 @@ class ArtifactBackend(Protocol):
     def presigned_url(self, key: str, *, expires_s: int, filename: str | None = None) -> str | None:
         """A time-limited download URL, or None where the backend has none (redis, local)."""
         ...
+
+
+def put_each(backend: ArtifactBackend, items: Sequence[PutItem], *, ttl_s: int | None = None) -> None:
+    """``put_many`` of a backend with one request per artifact (a file each, an object each); every key
+    is checked before the first is written."""
+    for key, _data, _media_type in items:
+        validate_key(key)
+    for key, data, media_type in items:
+        backend.put(key, data, ttl_s=ttl_s, media_type=media_type)

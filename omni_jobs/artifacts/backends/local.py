@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from omni_jobs.artifacts.backends.base import (
@@ -16,7 +17,9 @@ from omni_jobs.artifacts.backends.base import (
     ArtifactNotFound,
     ArtifactStoreUnavailable,
     InvalidArtifactKey,
+    PutItem,
     check_ttl,
+    put_each,
     validate_key,
     validate_prefix,
 )
@@ -77,6 +80,9 @@ class LocalBackend:
             except OSError as exc:
                 tmp.unlink(missing_ok=True)
                 raise _os_error("put", key, exc) from exc
+
+    def put_many(self, items: Sequence[PutItem], *, ttl_s: int | None = None) -> None:
+        put_each(self, items, ttl_s=ttl_s)
 
     def get(self, key: str) -> bytes:
         path = self.path(key)

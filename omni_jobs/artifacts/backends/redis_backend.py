@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
 
@@ -13,6 +13,7 @@ from omni_jobs import keys
 from omni_jobs.artifacts.backends.base import (
     ArtifactNotFound,
     ArtifactStoreUnavailable,
+    PutItem,
     check_ttl,
     validate_key,
     validate_prefix,
@@ -77,16 +78,25 @@ class RedisBackend:
 
     def put(self, key: str, data: bytes, *, ttl_s: int | None = None, media_type: str | None = None) -> None:
         """Store, and note the key in its job's artifact set (so the job's keys are found without a SCAN)."""
-        validate_key(key)
+        self.put_many([(key, data, media_type)], ttl_s=ttl_s)
+
+    def put_many(self, items: Sequence[PutItem], *, ttl_s: int | None = None) -> None:
+        """``put`` of each, in one transaction: a stage's outputs cost one round trip."""
+        if not items:
+            return
+        for key, _data, _media in items:
+            validate_key(key)
         check_ttl(ttl_s)
-        job_id = _job_of(key)
+        jobs = {job_id for job_id in (_job_of(key) for key, _d, _m in items) if job_id is not None}
 
         def write() -> None:
             with self._r.pipeline(transaction=True) as pipe:
-                pipe.set(keys.artifact(key), bytes(data), ex=ttl_s)
-                if job_id is not None:
+                for key, data, _media in items:
+                    pipe.set(keys.artifact(key), bytes(data), ex=ttl_s)
+                    if (job_id := _job_of(key)) is not None:
+                        pipe.sadd(keys.job_artifacts(job_id), key)
+                for job_id in sorted(jobs):
                     index = keys.job_artifacts(job_id)
-                    pipe.sadd(index, key)
                     if ttl_s is not None:  # the set lives as long as its longest-lived artifact
                         pipe.expire(index, ttl_s, gt=True)
                         pipe.expire(index, ttl_s, nx=True)
@@ -94,7 +104,7 @@ class RedisBackend:
                         pipe.persist(index)
                 pipe.execute()
 
-        self._call("put", key, write)
+        self._call("put", items[0][0], write)
 
     def get(self, key: str) -> bytes:
         validate_key(key)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import io
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TypeAlias
 from urllib.parse import quote
@@ -22,7 +22,9 @@ from omni_jobs.artifacts.backends.base import (
     ArtifactError,
     ArtifactNotFound,
     ArtifactStoreUnavailable,
+    PutItem,
     check_ttl,
+    put_each,
     validate_key,
     validate_prefix,
 )
@@ -162,6 +164,9 @@ class S3Backend:
             self.ensure_bucket()
             with self._guard("put", key):
                 self._s3.upload_fileobj(io.BytesIO(data), self._bucket, obj, ExtraArgs=extra)
+
+    def put_many(self, items: Sequence[PutItem], *, ttl_s: int | None = None) -> None:
+        put_each(self, items, ttl_s=ttl_s)
 
     def get(self, key: str) -> bytes:
         obj = self.object_key(key)
