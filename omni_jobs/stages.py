@@ -31,7 +31,7 @@ from omni_jobs.engines.stage_exec import StageValues, execute_dit, execute_encod
 from omni_jobs.errors import JobAlreadyFinished, JobNotFound, StageError, TransientStageError
 from omni_jobs.input_files import load_input_image
 from omni_jobs.jobs.ledger import JobLedger, Lease, Refused
-from omni_jobs.jobs.models import EventType, Job, JobError, JobOutput, StageStatus, now
+from omni_jobs.jobs.models import EventType, Job, JobError, JobEvent, JobOutput, StageStatus, now
 from omni_jobs.jobs.patience import STORE_DOWN, while_store_down
 from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.leases import LeaseKeeper
@@ -175,9 +175,10 @@ class StageRunner:
         leaves the results step to the results queue.
         ``hard_limits``: a stage still running at its hard time limit fails its job and ends this
         process (omni_jobs.watchdog; worker processes only: the supervisor starts a fresh one).
-        ``text_delta_interval_s``: the least time between two ``output.delta`` events of one output.
+        ``text_delta_interval_s``: the least time between two ``output.delta`` writes of one output
+        while it runs (the last delta goes with the stage's result).
         ``followed``: which jobs a reader follows now; given, a stage's text deltas go out only while
-        its job is followed, and the rest as the stage ends (TextStreams). None: always."""
+        its job is followed, and the rest with the stage's result (TextStreams). None: always."""
         self.ledger = ledger
         self.catalogue = catalogue
         self.artifacts = artifacts
@@ -257,15 +258,16 @@ class StageRunner:
         started = time.perf_counter()
         if self.run_journal is not None:
             self.run_journal.record(lease, "engine.start")
+        tail: list[JobEvent] = []  # the last text deltas, written with the stage's result
         try:
             inputs = self._load_inputs(spec, stage, job)
             cache, digest = self._stage_cache(spec, stage, job)
             hit = cache.get(f"{spec.name}.{stage.id}", digest) if cache is not None and digest else None
             if hit is not None:  # the same stage config, params and inputs ran before: skip the engine
-                self._stream_cached_text(stage, job, lease, hit)
+                self._stream_cached_text(stage, job, lease, hit, tail)
                 encoded, engine_s = hit, 0.0
             else:
-                values = self._execute(stage, job, inputs, lease, spec.name)
+                values = self._execute(stage, job, inputs, lease, tail, spec.name)
                 self.progress.drain(lease)  # its last preview goes out before the stage's result
                 engine_s = time.perf_counter() - started
                 encoded = self._encode_outputs(stage, values)
@@ -295,7 +297,7 @@ class StageRunner:
             metrics["cache_hit"] = 1.0 if hit is not None else 0.0
         inline = worker if self.assemble_results is not None else None
         done = self._patiently(lambda: self.ledger.complete_stage(lease, refs, metrics, snapshot=job,
-                                                                  results_worker=inline), where)
+                                                                  results_worker=inline, first=tail), where)
         if isinstance(done, Refused):
             log.warning("%s: result discarded: %s", where, done.reason)
             return StepOutcome("discarded", done.reason), None, None
@@ -394,21 +396,23 @@ class StageRunner:
                 self._in_flight[key] = threading.BoundedSemaphore(self.batching.in_flight(stage))
             return self._in_flight[key]
 
-    def _execute(self, stage: StageSpec, job: Job, inputs: StageInputs, lease: Lease,
+    def _execute(self, stage: StageSpec, job: Job, inputs: StageInputs, lease: Lease, tail: list[JobEvent],
                  pipeline: str = "") -> StageValues:
+        """The stage's engine call; streamed text still to publish goes into ``tail`` (its events)."""
         if self.batching is None:
-            return self._execute_now(stage, job, inputs, lease, None)
+            return self._execute_now(stage, job, inputs, lease, None, tail)
         with self._in_flight_slot(pipeline or job.pipeline, stage):
-            return self._execute_now(stage, job, inputs, lease, self.batching.policy(stage))
+            return self._execute_now(stage, job, inputs, lease, self.batching.policy(stage), tail)
 
     def _execute_now(self, stage: StageSpec, job: Job, inputs: StageInputs, lease: Lease,
-                     policy: BatchPolicy | None) -> StageValues:
+                     policy: BatchPolicy | None, tail: list[JobEvent]) -> StageValues:
         params = job.params.get(stage.id, {})
         progress = self._progress_reporter(job, stage, lease)
         try:
             request_id = f"{job.id}:{stage.id}"
             if stage.engine == "ar" and stage.task_name == "generate":
-                return self._execute_streamed_ar(stage, job, ARParams.model_validate(params), inputs, lease, progress, policy)
+                return self._execute_streamed_ar(stage, job, ARParams.model_validate(params), inputs, lease, progress,
+                                                 policy, tail)
             if stage.engine == "ar":
                 return execute_encode(self.engines, stage, stage.params(params), inputs, request_id, progress)
             return execute_dit(self.engines, stage, stage.params(params), inputs, request_id, progress, policy=policy,
@@ -419,30 +423,38 @@ class StageRunner:
             # Engine-level errors (bad model path, bad shape, too long a prompt) do not pass on retry.
             raise StageError(f"{type(exc).__name__}: {exc}") from exc
 
-    def _execute_streamed_ar(self, stage: StageSpec, job: Job, params: ARParams, inputs: StageInputs,
-                             lease: Lease, progress: ProgressFn, policy: BatchPolicy | None) -> StageValues:
+    def _execute_streamed_ar(self, stage: StageSpec, job: Job, params: ARParams, inputs: StageInputs, lease: Lease,
+                             progress: ProgressFn, policy: BatchPolicy | None, tail: list[JobEvent]) -> StageValues:
         """AR generate whose text goes to the job's stream as it comes (``output.delta`` events);
-        the rest is published before the stage records its result."""
+        the rest goes into ``tail``, written with the stage's result."""
         deltas = self._open_text(stage, job, lease) if "text" in stage.outputs else None
         try:
             output = _execute_ar(self.engines, stage, params, inputs, f"{job.id}:{stage.id}", progress,
                                  policy=policy, on_text=deltas.update if deltas is not None else None)
             if deltas is not None:
-                why = self.text_streams.close(deltas, output.text)
-                if why == "lost":
-                    raise LeaseLost(job.id)
-                if why != "ok":
-                    raise JobCanceled(job.id)
+                self._finish_text(deltas, output.text, job, tail)
             return _ar_values(output)
         finally:
             if deltas is not None:
                 self.text_streams.discard(deltas)
 
-    def _stream_cached_text(self, stage: StageSpec, job: Job, lease: Lease, hit: CachedOutputs) -> None:
+    def _finish_text(self, deltas: TextDeltas, text: str, job: Job, tail: list[JobEvent]) -> None:
+        """The rest of a streamed text becomes the last delta, in ``tail``; a refused publish
+        on the way (canceled, lease lost) stops the stage."""
+        why, data = self.text_streams.finish(deltas, text)
+        if why == "lost":
+            raise LeaseLost(job.id)
+        if why != "ok":
+            raise JobCanceled(job.id)
+        if data is not None:
+            tail.append(JobEvent(job_id=job.id, type=EventType.output_delta, at=now(), data=data))
+
+    def _stream_cached_text(self, stage: StageSpec, job: Job, lease: Lease, hit: CachedOutputs,
+                            tail: list[JobEvent]) -> None:
         """A cached AR text still reaches the job's stream: as one delta, so that a streaming reader
         sees the same text whether the engine ran or not."""
         if stage.engine == "ar" and stage.task_name == "generate" and "text" in stage.outputs:
-            self.text_streams.close(self._open_text(stage, job, lease), decode_payload("text", hit.data["text"]))
+            self._finish_text(self._open_text(stage, job, lease), decode_payload("text", hit.data["text"]), job, tail)
 
     def _open_text(self, stage: StageSpec, job: Job, lease: Lease) -> TextDeltas:
         return self.text_streams.open(stage.id, "text", _DeltaTarget(self.ledger, lease, job), attempt=lease.attempt,

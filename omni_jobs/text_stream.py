@@ -7,8 +7,9 @@ job's event stream once and in order. So each output (``TextDeltas``) keeps its 
 much of it was published; a writer thread (``TextStreams``) publishes an output's unpublished rest
 as ONE delta, with the next ``index``, once its last delta is ``interval_s`` old; the deltas of all
 outputs due together go out in one call (``PublishMany``: one Redis round trip for a whole engine
-step of a batch, not one per request). ``close`` publishes
-what is left (after waiting out the interval) before the stage records its result, so the deltas of
+step of a batch, not one per request). When the output is complete, ``finish`` hands what is left
+to the stage runner as one last delta, which the stage's completion writes just before its
+stage.succeeded (``close`` publishes it instead, after waiting out the interval), so the deltas of
 an output, concatenated, are its final text. A publish answered 'canceled' or 'lost' is handed to
 ``on_stop`` (the stage runner marks the attempt stopped; it stops at its next token).
 In-process use (``background=False``) publishes inline, from the engine's thread.
@@ -102,7 +103,7 @@ class TextDeltas:
                                    "what it had already reported; deltas cannot take text back")
             was_idle = len(self._text) == self._sent
             self._text = text
-            waiting = len(text) > self._sent
+            waiting = len(text) > self._sent and not self._closed  # closing: its caller takes the rest
         if not waiting:
             return
         if self._inline:
@@ -200,6 +201,26 @@ class TextDeltas:
             self._closed = True
         return outcome
 
+    def finish(self, final_text: str | None = None) -> tuple[str, JsonObject | None]:
+        """The output is complete: the rest of its text as the data of one last delta, which the
+        caller writes with the stage's result (one write instead of two), or None when all of it
+        went out. 'ok', or why the stage must stop (a publish was refused)."""
+        with self._lock:
+            self._closed = True  # the writer leaves it alone from now on
+        if final_text is not None:
+            self.update(final_text)
+        with self._writing:  # a delta the writer is publishing now settles first
+            with self._lock:
+                if self.stopped is not None:
+                    return self.stopped, None
+                if len(self._text) == self._sent:
+                    return "ok", None
+            data = self._next_delta()
+            with self._lock:  # it goes out with the result
+                self._sent = len(self._text)
+                self._index += 1
+        return "ok", data
+
 
 class TextStreams:
     """The writer of every open ``TextDeltas`` of a stage worker: one background thread, which
@@ -243,6 +264,13 @@ class TextStreams:
         """Publish the rest of the output (from the caller's thread) and stop writing it."""
         try:
             return deltas.close(final_text)
+        finally:
+            self.discard(deltas)
+
+    def finish(self, deltas: TextDeltas, final_text: str | None = None) -> tuple[str, JsonObject | None]:
+        """Stop writing the output; the rest of its text for the caller's write (``TextDeltas.finish``)."""
+        try:
+            return deltas.finish(final_text)
         finally:
             self.discard(deltas)
 

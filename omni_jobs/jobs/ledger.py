@@ -623,8 +623,12 @@ class JobLedger:
 
     # --- a step ends ---
     def complete_stage(self, lease: Lease, outputs: dict[str, ArtifactRef], metrics: dict[str, float], *,
-                       snapshot: Job | None = None, results_worker: str | None = None) -> Job | Refused:
+                       snapshot: Job | None = None, results_worker: str | None = None,
+                       first: Sequence[JobEvent] = ()) -> Job | Refused:
         """Record the stage's outputs and queue what became runnable (next stages, or the results step).
+
+        ``first``: events of the attempt that go out with its result, before its own (the last
+        delta of a streamed text): nothing of them is written if the result is refused.
 
         ``results_worker``: when this was the job's last stage, that worker takes the results step in
         the same write, under this attempt's lease owner (results inline: no hop through the results
@@ -641,7 +645,7 @@ class JobLedger:
                 return _Decision(Refused(f"stale attempt {step.attempt}: {_why_not(record, step.attempt)}"))
             at = now()
             after = job.clone()
-            events = state.stage_succeeded(after, step.stage_id, outputs, metrics, at)
+            events = [*first, *state.stage_succeeded(after, step.stage_id, outputs, metrics, at)]
             done = {r.id for r in after.stages if r.status is StageStatus.succeeded}
             for rec in after.stages:
                 if rec.status is StageStatus.pending and set(rec.needs) <= done:

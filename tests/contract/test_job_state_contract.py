@@ -17,6 +17,7 @@ from omni_jobs.jobs.models import (
     EventType,
     Job,
     JobError,
+    JobEvent,
     JobOutput,
     JobStatus,
     JobWebhook,
@@ -122,6 +123,28 @@ def test_completion_queues_the_next_stage_then_the_results_step(ledger: JobLedge
     # A second results attempt, or a late result, changes nothing.
     assert isinstance(ledger.acquire(AssembleResults(job.id, 2), worker="w", owner="w#2"), Refused)
     assert ledger.complete_results(results.lease, []) == final
+
+
+def test_events_an_attempt_hands_its_result_go_out_with_it_or_not_at_all(ledger: JobLedger, store: JobStore) -> None:
+    """A streamed text's last delta is written by the stage's completion, just before stage.succeeded;
+    a refused completion (the attempt lost its lease) writes none of it."""
+    job, _ = ledger.submit(two_stage_job(), ["ar"])
+    ar = start(ledger, claim(store)[0])
+
+    def last_delta(text: str) -> list[JobEvent]:
+        return [JobEvent(job_id=job.id, type=EventType.output_delta, at=now(),
+                         data={"stage": "ar", "output": "text", "text": text, "index": 0, "attempt": 1})]
+
+    stale = Lease(RunStage(job.id, "ar", 1, "ar"), "w9#1")  # not the owner of attempt 1
+    assert isinstance(ledger.complete_stage(stale, {"text": ref("text")}, {}, first=last_delta("lost words")), Refused)
+    assert [e for e in ledger.events(job.id) if e.type == EventType.output_delta] == []
+    done = ledger.complete_stage(ar.lease, {"text": ref("text")}, {}, first=last_delta("Hello world"))
+    assert isinstance(done, Job) and done.stage_record("ar").status is StageStatus.succeeded
+    assert [(e.type, e.data.get("text")) for e in ledger.events(job.id)][-3:] == [
+        (EventType.output_delta, "Hello world"), (EventType.stage_succeeded, None), (EventType.stage_queued, None)]
+    # the same result written again (a retried write) adds nothing
+    assert ledger.complete_stage(ar.lease, {"text": ref("text")}, {}, first=last_delta("Hello world")) == done
+    assert len([e for e in ledger.events(job.id) if e.type == EventType.output_delta]) == 1
 
 
 def test_the_last_stage_can_take_the_results_step_in_the_same_write(ledger: JobLedger, store: JobStore) -> None:

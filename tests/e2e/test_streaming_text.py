@@ -55,7 +55,9 @@ def test_a_jobs_deltas_join_to_its_text_output_and_a_resumed_stream_replays_the_
     assert "".join(d.data["text"] for d in deltas) == text
     assert [d.data["index"] for d in deltas] == list(range(len(deltas)))
     assert all((d.data["stage"], d.data["output"], d.data["attempt"]) == ("ar", "text", 1) for d in deltas)
-    assert min(b.at - a.at for a, b in itertools.pairwise(deltas)) >= 0.045  # at most one per 50 ms
+    # at most one write per 50 ms while it runs; the last goes with the stage's result, without waiting
+    assert min(b.at - a.at for a, b in itertools.pairwise(deltas[:-1])) >= 0.045
+    assert history[history.index(deltas[-1]) + 1].type == "stage.succeeded"
     types = [e.type for e in history]
     started, succeeded = types.index("stage.started"), types.index("stage.succeeded")
     at = [i for i, t in enumerate(types) if t == "output.delta"]
@@ -82,8 +84,12 @@ def test_a_job_nobody_follows_writes_its_text_as_one_delta_when_the_stage_ends(
     final = wait_for_job(api, job["id"])  # polled, not followed
     assert final["status"] == "succeeded"
     text = final["outputs"][0]["text"]
-    deltas = deltas_of(list(omni.events(job["id"])))
+    events = list(omni.events(job["id"]))
+    deltas = deltas_of(events)
     assert [(d.data["text"], d.data["index"]) for d in deltas] == [(text, 0)]
+    # written by the stage's completion, in the same step: just before its stage.succeeded
+    after = events[events.index(deltas[0]) + 1]
+    assert after.type == "stage.succeeded" and after.data["stage"] == "ar"
     assert "".join(omni.stream_text(job["id"])) == text
 
 

@@ -88,6 +88,46 @@ def test_close_publishes_the_final_text_even_when_no_token_was_reported() -> Non
     assert empty.close("") == "ok" and len(sent.events) == 1  # no empty delta
 
 
+def test_finish_hands_the_rest_to_its_caller_instead_of_publishing_it() -> None:
+    """The stage writes its text's last delta with its result: finish publishes nothing itself, even
+    where the interval has passed, and the delta it returns follows the published ones."""
+    clock = FakeClock()
+    sent = Recorder(clock)
+    deltas = TextDeltas("ar", "text", sent, interval_s=0.05, attempt=2, inline=True, clock=clock, sleep=clock.sleep)
+    deltas.update("Once")
+    clock.now += 0.01
+    deltas.update("Once upon")  # within the interval: held
+    clock.now += 1
+    assert deltas.finish("Once upon a time") == ("ok", {"stage": "ar", "output": "text", "text": " upon a time",
+                                                        "index": 1, "attempt": 2})
+    assert sent.texts == ["Once"] and clock.slept == []
+    deltas.update("Once upon a time, more")  # the writer leaves a finished output alone
+    assert sent.texts == ["Once"]
+
+    nothing = TextDeltas("ar", "text", sent, inline=True, clock=clock, sleep=clock.sleep)
+    nothing.update("all")
+    assert nothing.finish("all") == ("ok", None) and sent.texts == ["Once", "all"]
+    refused = TextDeltas("ar", "text", Recorder(clock, answer="lost"), inline=True, clock=clock, sleep=clock.sleep)
+    refused.update("a")
+    assert refused.finish("ab") == ("lost", None)
+
+
+def test_the_writer_thread_leaves_a_finished_output_to_its_caller() -> None:
+    sent = Recorder()
+    streams = TextStreams(interval_s=0.2)
+    deltas = streams.open("ar", "text", sent, attempt=1)
+    deltas.update("Hello")
+    deadline = time.monotonic() + 5
+    while sent.texts != ["Hello"] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert sent.texts == ["Hello"]
+    deltas.update("Hello wor")
+    why, rest = streams.finish(deltas, "Hello world")
+    assert why == "ok" and rest is not None and rest["text"] == " world" and rest["index"] == 1
+    time.sleep(0.3)  # past the interval: the writer would have published " wor" by now
+    assert sent.texts == ["Hello"]
+
+
 def test_a_refused_publish_stops_the_output_and_says_why() -> None:
     clock = FakeClock()
     sent = Recorder(clock)
