@@ -25,7 +25,7 @@ handoff.install(get_settings().worker_handoff_ms)  # a task's thread starts befo
 # The engine thread gives up the GIL at every torch op and takes it back from whichever of the worker's
 # other threads holds it, after up to the switch interval: 5 ms by default, many times per diffusers
 # step. 1 ms (OMNI_WORKER_SWITCH_INTERVAL_MS): DiT 32px small faster than 5 ms in 13 of 13 paired reps
-# (bench --ab; the size is within the bench's noise, see README); AR unchanged.
+# (bench --ab; the size is within the bench's noise, see bench/NOTES.md); AR unchanged.
 sys.setswitchinterval(get_settings().worker_switch_interval_ms / 1000)
 
 app = Celery("omni_jobs")
