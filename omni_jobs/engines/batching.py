@@ -19,7 +19,6 @@ request (an over-long prompt, a shape the model refuses) fails only its own job.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import threading
 import time
@@ -175,36 +174,13 @@ RunBatch = Callable[[Sequence[Member[R, O]]], Sequence[O | BaseException]]
 """Runs one batch; returns, per member in order, its output or the exception it alone failed with."""
 
 
-IDLE_EXIT_S = 1.0
-"""How long a batcher's thread waits for work before it ends (the next submit starts another).
-
-A CPU engine's ops run on an OpenMP team that belongs to the calling thread for as long as it lives,
-and libgomp lets a team spin at its barriers only while every team of the process fits on the CPUs.
-One idle batcher's thread still holding its team was enough to stop that: a DiT batch of 32 took
-1.78-1.83 s instead of 1.37-1.50 while two idle threads held teams, and a worker keeps a batcher
-per engine (every pipeline it served). An ending thread leaves its freed memory cached in its malloc
-arena, so the process then gives free heap memory back (``trim_heap``): without, a vLLM process grew
-by ~350 MiB over 16 restarts; with, as much as one whose thread never ends."""
-
-
-def trim_heap() -> None:
-    """Give the C heap's free memory back to the system (glibc's ``malloc_trim``; elsewhere nothing)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 class Batcher(Generic[R, O]):
-    """Coalesces concurrent ``submit`` calls into batched ``run_batch`` calls (one thread per batcher
-    while it has work; it ends after ``idle_exit_s`` without)."""
+    """Coalesces concurrent ``submit`` calls into batched ``run_batch`` calls (one thread per batcher)."""
 
     def __init__(self, run_batch: RunBatch[R, O], policy: BatchPolicy | None = None, *,
                  group_key: Callable[[R], Hashable] | None = None, name: str = "batcher",
-                 arrivals: Arrivals | None = None, idle_exit_s: float = IDLE_EXIT_S) -> None:
+                 arrivals: Arrivals | None = None) -> None:
         self.run_batch = run_batch
-        self.idle_exit_s = idle_exit_s
         self.policy = policy or BatchPolicy()
         self.group_key = group_key or (lambda _r: None)
         self.name = name
@@ -260,17 +236,11 @@ class Batcher(Generic[R, O]):
             self._thread = threading.Thread(target=self._loop, name=f"{self.name}-dispatch", daemon=True)
             self._thread.start()
 
-    def _next_batch(self) -> list[Member[R, O]] | None:
-        """Wait for requests, then for the window to fill; take the first request's group (in order).
-        None: no request came for ``idle_exit_s``, and this thread is no longer the batcher's."""
+    def _next_batch(self) -> list[Member[R, O]]:
+        """Wait for requests, then for the window to fill; take the first request's group (in order)."""
         with self._cond:
-            idle_until = time.monotonic() + self.idle_exit_s
             while not self._pending:
-                left = idle_until - time.monotonic()
-                if left <= 0:
-                    self._thread = None  # decided under the lock a submit takes: the next one starts a thread
-                    return None
-                self._cond.wait(left)
+                self._cond.wait()
             deadline = self._pending[0].enqueued_at + self.policy.wait_ms / 1000
             while len(self._pending) < self.policy.max_batch_size:
                 left = deadline - time.monotonic()
@@ -307,9 +277,6 @@ class Batcher(Generic[R, O]):
     def _loop(self) -> None:
         while True:
             batch = self._next_batch()
-            if batch is None:
-                trim_heap()
-                return
             self.batches = [*self.batches[-999:], len(batch)]
             try:
                 self._run(batch)

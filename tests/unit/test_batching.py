@@ -107,25 +107,6 @@ def test_requests_arriving_during_a_batch_form_the_next_one():
     assert run.calls[0] == [1] and sorted(run.calls[1]) == [2, 3, 4]
 
 
-def test_the_batchers_thread_ends_when_idle_and_the_next_submit_starts_another():
-    """An idle batcher holds no thread (a CPU engine's thread keeps an OpenMP team, which slows every
-    other team of the process while it lives); work that keeps coming stays on one thread."""
-    ran_on: list[threading.Thread] = []
-
-    def run(batch: Sequence[Member[int, int]]) -> list[int]:
-        ran_on.append(threading.current_thread())
-        return [m.request * 2 for m in batch]
-
-    batcher: Batcher[int, int] = Batcher(run, BatchPolicy(max_batch_size=4, wait_ms=0), idle_exit_s=0.2)
-    assert [batcher.submit(i) for i in (1, 2, 3)] == [2, 4, 6]  # one after another: no idle gap
-    assert len({t.ident for t in ran_on}) == 1
-    first = ran_on[0]
-    first.join(timeout=5)
-    assert not first.is_alive()  # ended after 0.2 s without work
-    assert batcher.submit(5) == 10
-    assert ran_on[-1] is not first and ran_on[-1].is_alive()
-
-
 def test_policy_and_defaults_validate_and_resolve():
     with pytest.raises(ValueError, match="max_batch_size"):
         BatchPolicy(max_batch_size=0)
