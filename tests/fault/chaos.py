@@ -73,6 +73,8 @@ class ChaosResult:
     duplicate_files: int = 0
     last_done_after_last_fault_s: float = 0.0
     refused: Counter[int] = field(default_factory=Counter)
+    findings: list[str] = field(default_factory=list)
+    """Each counted loss or duplicate, naming its job (printed under the table, to start from)."""
 
     @property
     def succeeded(self) -> int:
@@ -249,6 +251,8 @@ def _count_effects(result: ChaosResult, journal: Path, receiver: WebhookReceiver
     starts = Counter((str(line["slot"]), int(line["attempt"]))  # type: ignore[call-overload]
                      for line in read_journal(journal) if line["event"] == "engine.start")
     result.duplicate_runs = sum(n - 1 for n in starts.values() if n > 1)
+    result.findings += [f"{slot} attempt {attempt}: its engine started {n} times"
+                        for (slot, attempt), n in starts.items() if n > 1]
     ids: dict[tuple[str, str], set[str]] = defaultdict(set)
     for received in receiver.at("/chaos"):
         ids[(json.loads(received.body)["id"], received.headers.get("omni-webhook-event", ""))].add(received.message_id)
@@ -257,11 +261,16 @@ def _count_effects(result: ChaosResult, journal: Path, receiver: WebhookReceiver
             n = len(ids.get((job_id, event), set()))
             result.duplicate_webhooks += max(0, n - 1)
             result.missing_webhooks += 1 if n == 0 else 0
+            if n != 1:
+                result.findings.append(f"{job_id}: {n} webhook ids for its '{event}' event")
     for job_id in result.accepted:
         outputs = artifacts / "jobs" / job_id / "outputs"
         files = len(list(outputs.iterdir())) if outputs.exists() else 0
         if result.final.get(job_id, {}).get("status") == "succeeded":
             result.duplicate_files += abs(files - OUTPUTS[result.kinds[job_id]])
+            if files != OUTPUTS[result.kinds[job_id]]:
+                names = sorted(p.name for p in outputs.iterdir()) if outputs.exists() else []
+                result.findings.append(f"{job_id}: {files} output files, {OUTPUTS[result.kinds[job_id]]} expected: {names}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = run(args.jobs, args.seed, args.home)
     print("\n" + result.table())
+    for finding in result.findings:
+        print(f"  {finding}")
     print("\nPASS" if result.ok else "\nFAIL")
     return 0 if result.ok else 1
 
