@@ -109,7 +109,7 @@ class ChaosResult:
         ]
         width = max(len(r[0]) for r in rows)
         lines = ["| what | count |", "|---|---|"] + [f"| {name:<{width}} | {value} |" for name, value in rows]
-        return "\n".join(lines)
+        return "\n".join(lines + [f"  {finding}" for finding in self.findings])
 
 
 def _client_submit(api: httpx.Client, body: dict[str, Any], result: ChaosResult, lock: threading.Lock) -> str:
@@ -281,8 +281,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = run(args.jobs, args.seed, args.home)
     print("\n" + result.table())
-    for finding in result.findings:
-        print(f"  {finding}")
     print("\nPASS" if result.ok else "\nFAIL")
     return 0 if result.ok else 1
 
