@@ -216,9 +216,7 @@ class TextDeltas:
                 if len(self._text) == self._sent:
                     return "ok", None
             data = self._next_delta()
-            with self._lock:  # it goes out with the result
-                self._sent = len(self._text)
-                self._index += 1
+            self._settle(data, "ok")  # it goes out with the result
         return "ok", data
 
 

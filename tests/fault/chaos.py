@@ -265,12 +265,12 @@ def _count_effects(result: ChaosResult, journal: Path, receiver: WebhookReceiver
                 result.findings.append(f"{job_id}: {n} webhook ids for its '{event}' event")
     for job_id in result.accepted:
         outputs = artifacts / "jobs" / job_id / "outputs"
-        files = len(list(outputs.iterdir())) if outputs.exists() else 0
+        names = sorted(p.name for p in outputs.iterdir()) if outputs.exists() else []
+        expected = OUTPUTS[result.kinds[job_id]]
         if result.final.get(job_id, {}).get("status") == "succeeded":
-            result.duplicate_files += abs(files - OUTPUTS[result.kinds[job_id]])
-            if files != OUTPUTS[result.kinds[job_id]]:
-                names = sorted(p.name for p in outputs.iterdir()) if outputs.exists() else []
-                result.findings.append(f"{job_id}: {files} output files, {OUTPUTS[result.kinds[job_id]]} expected: {names}")
+            result.duplicate_files += abs(len(names) - expected)
+            if len(names) != expected:
+                result.findings.append(f"{job_id}: {len(names)} output files, {expected} expected: {names}")
 
 
 def main(argv: list[str] | None = None) -> int:

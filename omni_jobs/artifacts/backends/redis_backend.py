@@ -87,15 +87,15 @@ class RedisBackend:
         for key, _data, _media in items:
             validate_key(key)
         check_ttl(ttl_s)
-        jobs = {job_id for job_id in (_job_of(key) for key, _d, _m in items) if job_id is not None}
+        job_ids = [_job_of(key) for key, _data, _media in items]
 
         def write() -> None:
             with self._r.pipeline(transaction=True) as pipe:
-                for key, data, _media in items:
+                for (key, data, _media), job_id in zip(items, job_ids, strict=True):
                     pipe.set(keys.artifact(key), bytes(data), ex=ttl_s)
-                    if (job_id := _job_of(key)) is not None:
+                    if job_id is not None:
                         pipe.sadd(keys.job_artifacts(job_id), key)
-                for job_id in sorted(jobs):
+                for job_id in sorted({j for j in job_ids if j is not None}):
                     index = keys.job_artifacts(job_id)
                     if ttl_s is not None:  # the set lives as long as its longest-lived artifact
                         pipe.expire(index, ttl_s, gt=True)
