@@ -13,7 +13,9 @@ later), each at a random moment. Then it counts, from what the outside sees:
 - accepted: jobs answered 202; missing: accepted, then unknown to the API;
 - succeeded, unfinished (not final 60 s after the last fault);
 - duplicated engine runs: a stage attempt whose engine started twice (the workers' run journal);
-- duplicated or missing webhooks: a job and event with more or fewer than one webhook id;
+- duplicated or missing webhooks: a job and event with more or fewer than one webhook id (counted
+  once all have arrived, or 45 s after the last job's end: a delivery held by a killed webhooks
+  worker goes out again when its lease runs out; a missing one is listed with its job's deliveries);
 - duplicated output files: files under a job's outputs beyond the pipeline's outputs;
 - time from the last fault to the last job's end.
 
@@ -51,6 +53,10 @@ FAULTS = ["worker-dit", "worker-dit", "worker-ar", "worker-results", "worker-web
 REDIS_DOWN_S = 2.0
 DONE_WITHIN_S = 60.0
 OUTPUTS = {"text-to-image": 2, "text-to-text": 1}
+WEBHOOK_EVENTS = ("start", "completed")
+WEBHOOKS_WITHIN_S = 45.0
+"""How long after the last job's end its webhooks may still arrive: a lease (15 s) and the reaper's
+pass, twice over."""
 
 
 @dataclass
@@ -197,7 +203,7 @@ def run(jobs: int = 200, seed: int = 7, home: Path | None = None, say: Any = pri
                     body["params"] = {"ar": {"max_tokens": 8, "seed": i}}
                 if i in with_hooks:
                     body["webhook"] = hook
-                    body["webhook_events_filter"] = ["start", "completed"]
+                    body["webhook_events_filter"] = list(WEBHOOK_EVENTS)
                 job_id = _client_submit(api, body, result, lock)
                 with lock:
                     result.accepted.append(job_id)
@@ -216,8 +222,10 @@ def run(jobs: int = 200, seed: int = 7, home: Path | None = None, say: Any = pri
             ends = [j["completed_at"] for j in result.final.values() if j.get("completed_at")]
             wall_last_fault = time.time() - (time.monotonic() - last_fault)
             result.last_done_after_last_fault_s = max(0.0, max(ends, default=0.0) - wall_last_fault)
-            time.sleep(3)  # late webhooks and journal lines land
+            _wait_webhooks(result, receiver, deadline=time.monotonic() + WEBHOOKS_WITHIN_S)
+            time.sleep(3)  # late duplicates and journal lines land
             _count_effects(result, journal, receiver, settings.artifacts_dir)
+            _explain_missing_webhooks(api, result)
         finally:
             stop.set()
             api.close()
@@ -247,17 +255,42 @@ def _wait_all(api: httpx.Client, result: ChaosResult, deadline: float) -> None:
             time.sleep(1)
 
 
+def _received_events(receiver: WebhookReceiver) -> dict[tuple[str, str], set[str]]:
+    """(job id, event) -> the webhook ids the receiver got for it."""
+    ids: dict[tuple[str, str], set[str]] = defaultdict(set)
+    for received in receiver.at("/chaos"):
+        ids[(json.loads(received.body)["id"], received.headers.get("omni-webhook-event", ""))].add(received.message_id)
+    return ids
+
+
+def _wait_webhooks(result: ChaosResult, receiver: WebhookReceiver, deadline: float) -> None:
+    """Until every webhook job's events have arrived (or the deadline): a delivery that a SIGKILLed
+    webhooks worker held is sent again only once its lease runs out, after its job has ended."""
+    expected = {(job_id, event) for job_id in result.webhook_jobs for event in WEBHOOK_EVENTS}
+    while time.monotonic() < deadline and not expected <= set(_received_events(receiver)):
+        time.sleep(0.5)
+
+
+def _explain_missing_webhooks(api: httpx.Client, result: ChaosResult) -> None:
+    """For each missing webhook, what the job says of its deliveries (attempts, status codes, errors)."""
+    for finding in [f for f in result.findings if f.endswith("event") and ": 0 webhook ids" in f]:
+        job_id = finding.split(":", 1)[0]
+        try:
+            deliveries = api.get(f"/v1/jobs/{job_id}").json().get("webhook", {}).get("deliveries", [])
+        except (httpx.HTTPError, ValueError) as exc:
+            deliveries = [f"unreadable: {exc}"]
+        result.findings.append(f"{job_id}: deliveries {json.dumps(deliveries)}")
+
+
 def _count_effects(result: ChaosResult, journal: Path, receiver: WebhookReceiver, artifacts: Path) -> None:
     starts = Counter((str(line["slot"]), int(line["attempt"]))  # type: ignore[call-overload]
                      for line in read_journal(journal) if line["event"] == "engine.start")
     result.duplicate_runs = sum(n - 1 for n in starts.values() if n > 1)
     result.findings += [f"{slot} attempt {attempt}: its engine started {n} times"
                         for (slot, attempt), n in starts.items() if n > 1]
-    ids: dict[tuple[str, str], set[str]] = defaultdict(set)
-    for received in receiver.at("/chaos"):
-        ids[(json.loads(received.body)["id"], received.headers.get("omni-webhook-event", ""))].add(received.message_id)
+    ids = _received_events(receiver)
     for job_id in result.webhook_jobs:
-        for event in ("start", "completed"):
+        for event in WEBHOOK_EVENTS:
             n = len(ids.get((job_id, event), set()))
             result.duplicate_webhooks += max(0, n - 1)
             result.missing_webhooks += 1 if n == 0 else 0
