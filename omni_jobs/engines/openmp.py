@@ -26,31 +26,39 @@ OMP_PAUSE_SOFT = 1
 _RUNTIME_NAMES = ("libgomp", "libomp", "libiomp5")
 _MAPS = Path("/proc/self/maps")
 _lock = threading.Lock()
-_runtimes: list[ctypes.CDLL] = []
+_handles: dict[str, ctypes.CDLL | None] = {}  # path -> its handle (None: it has no omp_pause_resource_all)
+
+
+def _mapped_runtime_paths() -> list[str]:
+    """Paths of the OpenMP runtimes mapped into this process now (none where /proc cannot say)."""
+    try:
+        lines = _MAPS.read_text().splitlines()
+    except OSError:
+        return []
+    paths = {fields[-1] for fields in map(str.split, lines) if len(fields) >= 6 and fields[-1].startswith("/")}
+    return sorted(p for p in paths if Path(p).name.startswith(_RUNTIME_NAMES))
 
 
 def loaded_openmp_runtimes() -> list[ctypes.CDLL]:
-    """The OpenMP runtimes this process has loaded (torch's bundled libgomp, for one); empty before
-    torch loads, or where /proc is not there to say (then nothing is released)."""
+    """The OpenMP runtimes this process has loaded (torch's bundled libgomp; a tokenizer may bring its
+    own); empty before torch loads. Read again at each call (once per idle spell of a batcher): a
+    library loaded later is found too."""
+    found: list[ctypes.CDLL] = []
     with _lock:
-        if _runtimes:
-            return list(_runtimes)
-        try:
-            lines = _MAPS.read_text().splitlines()
-        except OSError:
-            return []
-        paths = sorted({line.split()[-1] for line in lines
-                        if line.split()[-1].startswith("/") and Path(line.split()[-1]).name.startswith(_RUNTIME_NAMES)})
-        for path in paths:
-            try:
-                lib = ctypes.CDLL(path)  # already mapped: this only takes a handle on it
-                lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
-                lib.omp_pause_resource_all.restype = ctypes.c_int
-            except (OSError, AttributeError):  # an OpenMP runtime older than 5.0: nothing to call
-                log.debug("%s cannot release its threads", path)
-                continue
-            _runtimes.append(lib)
-        return list(_runtimes)
+        for path in _mapped_runtime_paths():
+            if path not in _handles:
+                try:
+                    lib = ctypes.CDLL(path)  # already mapped: this only takes a handle on it
+                    lib.omp_pause_resource_all.argtypes = [ctypes.c_int]
+                    lib.omp_pause_resource_all.restype = ctypes.c_int
+                    _handles[path] = lib
+                except (OSError, AttributeError):  # an OpenMP runtime older than 5.0: nothing to call
+                    log.debug("%s cannot release its threads", path)
+                    _handles[path] = None
+            handle = _handles[path]
+            if handle is not None:
+                found.append(handle)
+    return found
 
 
 def release_thread_team() -> int:
