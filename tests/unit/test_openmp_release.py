@@ -4,6 +4,7 @@ next parallel op (each case in a fresh interpreter, so no other test's threads a
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -46,5 +47,7 @@ def test_release_thread_team_ends_the_helper_threads_and_the_next_op_makes_a_tea
 def test_without_torch_loaded_there_is_nothing_to_release():
     code = ("import sys; from omni_jobs.engines.openmp import release_thread_team; "
             "assert 'torch' not in sys.modules; print(release_thread_team())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    # vLLM, once loaded by an earlier test, puts torch's libgomp in LD_PRELOAD for child processes
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True, env=env)
     assert out.stdout.strip() == "0"
