@@ -79,6 +79,7 @@ class ChaosResult:
     duplicate_files: int = 0
     last_done_after_last_fault_s: float = 0.0
     refused: Counter[int] = field(default_factory=Counter)
+    missing_webhook_jobs: set[str] = field(default_factory=set)
     findings: list[str] = field(default_factory=list)
     """Each counted loss or duplicate, naming its job (printed under the table, to start from)."""
 
@@ -273,8 +274,7 @@ def _wait_webhooks(result: ChaosResult, receiver: WebhookReceiver, deadline: flo
 
 def _explain_missing_webhooks(api: httpx.Client, result: ChaosResult) -> None:
     """For each missing webhook, what the job says of its deliveries (attempts, status codes, errors)."""
-    for finding in [f for f in result.findings if f.endswith("event") and ": 0 webhook ids" in f]:
-        job_id = finding.split(":", 1)[0]
+    for job_id in sorted(result.missing_webhook_jobs):
         try:
             deliveries = api.get(f"/v1/jobs/{job_id}").json().get("webhook", {}).get("deliveries", [])
         except (httpx.HTTPError, ValueError) as exc:
@@ -293,7 +293,9 @@ def _count_effects(result: ChaosResult, journal: Path, receiver: WebhookReceiver
         for event in WEBHOOK_EVENTS:
             n = len(ids.get((job_id, event), set()))
             result.duplicate_webhooks += max(0, n - 1)
-            result.missing_webhooks += 1 if n == 0 else 0
+            if n == 0:
+                result.missing_webhooks += 1
+                result.missing_webhook_jobs.add(job_id)
             if n != 1:
                 result.findings.append(f"{job_id}: {n} webhook ids for its '{event}' event")
     for job_id in result.accepted:
