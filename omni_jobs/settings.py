@@ -133,6 +133,9 @@ class Settings(BaseSettings):
     batch_fill_wait_ms: float = Field(
         50.0, ge=0, description="How much longer a batch with room left waits while more work for its worker is on "
         "its way (received tasks, queued messages with free slots); it starts at once when nothing is coming.")
+    batch_idle_release_s: float = Field(
+        1.0, ge=0, description="How long an engine's batcher thread waits without work before it hands back its "
+        "OpenMP team (CPU engines: an idle engine's helper threads slow every other engine of the worker); 0: never.")
     worker_switch_interval_ms: float = Field(
         1.0, gt=0, description="The Python interpreter's thread switch interval in worker processes (Python's "
         "default is 5 ms): how long an engine thread back from a torch op may wait for the GIL while the "

@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
+from omni_jobs.engines.openmp import release_thread_team
+
 if TYPE_CHECKING:
     from omni_jobs.engines.ar import AREngine, AROutput, ARRequest
     from omni_jobs.engines.dit import DiTEngine, DiTOutput, DiTRequest
@@ -49,12 +51,17 @@ class BatchPolicy:
 
     max_batch_size: int = 16
     wait_ms: float = 10.0
+    idle_release_s: float = 1.0
+    """How long its thread waits without work before it hands back its OpenMP team (0: never); an idle
+    engine's team slows every other engine of the process (omni_jobs.engines.openmp)."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.wait_ms < 0:
             raise ValueError(f"wait_ms must be >= 0, got {self.wait_ms}")
+        if self.idle_release_s < 0:
+            raise ValueError(f"idle_release_s must be >= 0, got {self.idle_release_s}")
 
 
 @dataclass
@@ -179,8 +186,11 @@ class Batcher(Generic[R, O]):
 
     def __init__(self, run_batch: RunBatch[R, O], policy: BatchPolicy | None = None, *,
                  group_key: Callable[[R], Hashable] | None = None, name: str = "batcher",
-                 arrivals: Arrivals | None = None) -> None:
+                 arrivals: Arrivals | None = None, release_team: Callable[[], object] = release_thread_team) -> None:
         self.run_batch = run_batch
+        self.release_team = release_team
+        self.released = 0
+        """How many times its thread handed back its OpenMP team, idle (for tests and the benchmark)."""
         self.policy = policy or BatchPolicy()
         self.group_key = group_key or (lambda _r: None)
         self.name = name
@@ -239,8 +249,22 @@ class Batcher(Generic[R, O]):
     def _next_batch(self) -> list[Member[R, O]]:
         """Wait for requests, then for the window to fill; take the first request's group (in order)."""
         with self._cond:
+            release_at: float | None = None  # the last batch left this thread a team, to hand back when idle
+            if self.policy.idle_release_s > 0:
+                release_at = time.monotonic() + self.policy.idle_release_s
             while not self._pending:
-                self._cond.wait()
+                if release_at is None:
+                    self._cond.wait()
+                elif (left := release_at - time.monotonic()) > 0:
+                    self._cond.wait(left)
+                else:
+                    release_at = None
+                    self._cond.release()  # joining the team's threads: a submit need not wait for it
+                    try:
+                        self.release_team()
+                    finally:
+                        self._cond.acquire()
+                    self.released += 1
             deadline = self._pending[0].enqueued_at + self.policy.wait_ms / 1000
             while len(self._pending) < self.policy.max_batch_size:
                 left = deadline - time.monotonic()
@@ -404,12 +428,14 @@ class BatchDefaults:
     max_batch_size: int = 16
     wait_ms: float = 10.0
     max_in_flight: int = 16
+    idle_release_s: float = 1.0
 
     def policy(self, stage: StageSpec) -> BatchPolicy:
         spec = stage.batching
         return BatchPolicy(
             max_batch_size=spec.max_batch_size or self.max_batch_size,
             wait_ms=self.wait_ms if spec.wait_ms is None else spec.wait_ms,
+            idle_release_s=self.idle_release_s,
         )
 
     def in_flight(self, stage: StageSpec) -> int:

@@ -185,6 +185,9 @@ def test_cli_submit_wait_saves_the_mp4_and_the_previews(system: EmbeddedSystem, 
     with av.open(str(video)) as container:
         assert sum(1 for _ in container.decode(video=0)) == 9
     saved = sorted(p.name for p in (video.parent / "previews").iterdir())
-    assert saved == ["video-step0001.jpg", "video-step0002.jpg", "video-step0003.jpg"]
+    # Steps 1-3 of 4 each hand over a preview; the progress writer publishes the newest one of a stage
+    # when it falls behind (an earlier one may be replaced), and always the last before the result.
+    assert saved[-1] == "video-step0003.jpg", saved
+    assert set(saved) <= {"video-step0001.jpg", "video-step0002.jpg", "video-step0003.jpg"}, saved
     with Image.open(video.parent / "previews" / saved[0]) as image:
         assert (image.format, image.size) == ("JPEG", (32, 32))

@@ -107,18 +107,73 @@ def test_requests_arriving_during_a_batch_form_the_next_one():
     assert run.calls[0] == [1] and sorted(run.calls[1]) == [2, 3, 4]
 
 
+def test_an_idle_batchers_thread_hands_back_its_openmp_team_once_until_it_runs_again():
+    """The release happens on the thread that ran the engine calls (a team is that thread's), only
+    after ``idle_release_s`` without work, and once per idle spell."""
+    ran_on: list[int] = []
+    released_on: list[int] = []
+
+    def run(batch: Sequence[Member[int, int]]) -> list[int]:
+        ran_on.append(threading.get_ident())
+        return [m.request * 2 for m in batch]
+
+    def release() -> None:
+        released_on.append(threading.get_ident())
+
+    batcher: Batcher[int, int] = Batcher(run, BatchPolicy(max_batch_size=4, wait_ms=0, idle_release_s=0.5),
+                                         release_team=release)
+    assert [batcher.submit(i) for i in (1, 2, 3)] == [2, 4, 6]  # one after another: no idle spell
+    assert released_on == []
+    deadline = time.monotonic() + 5
+    while not released_on and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.7)  # more idle time does not release again
+    assert released_on == [ran_on[0]] and batcher.released == 1
+    assert batcher.submit(5) == 10  # the same thread serves on (its next op makes a new team)
+    assert ran_on[-1] == ran_on[0]
+    deadline = time.monotonic() + 5
+    while len(released_on) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert released_on == [ran_on[0], ran_on[0]]
+
+
+def test_wakes_without_work_do_not_postpone_the_release():
+    """Arrivals wake the batchers (a task that ended without an engine call); the idle spell still
+    counts from the last batch."""
+    released: list[float] = []
+    batcher: Batcher[int, int] = Batcher(lambda batch: [m.request for m in batch],
+                                         BatchPolicy(wait_ms=0, idle_release_s=0.3), release_team=lambda: released.append(time.monotonic()))
+    assert batcher.submit(1) == 1
+    done = time.monotonic()
+    while time.monotonic() - done < 1.0:  # a timer restarted by each wake would not end before these do
+        batcher.wake()
+        time.sleep(0.05)
+    assert len(released) == 1 and released[0] - done < 0.9
+
+
+def test_idle_release_zero_keeps_the_team():
+    released: list[int] = []
+    batcher: Batcher[int, int] = Batcher(lambda batch: [m.request for m in batch],
+                                         BatchPolicy(wait_ms=0, idle_release_s=0), release_team=lambda: released.append(1))
+    assert batcher.submit(7) == 7
+    time.sleep(0.3)
+    assert released == [] and batcher.released == 0
+
+
 def test_policy_and_defaults_validate_and_resolve():
     with pytest.raises(ValueError, match="max_batch_size"):
         BatchPolicy(max_batch_size=0)
     with pytest.raises(ValueError, match="wait_ms"):
         BatchPolicy(wait_ms=-1)
+    with pytest.raises(ValueError, match="idle_release_s"):
+        BatchPolicy(idle_release_s=-1)
     from omni_jobs.pipelines.spec import StageSpec
 
     stage = StageSpec.model_validate({"id": "ar", "engine": "ar", "model": "tiny:llama",
                                       "inputs": {"prompt": "input.prompt"},
                                       "batching": {"max_batch_size": 4, "wait_ms": 0}})
-    defaults = BatchDefaults(max_batch_size=32, wait_ms=7, max_in_flight=9)
-    assert defaults.policy(stage) == BatchPolicy(max_batch_size=4, wait_ms=0)
+    defaults = BatchDefaults(max_batch_size=32, wait_ms=7, max_in_flight=9, idle_release_s=2.5)
+    assert defaults.policy(stage) == BatchPolicy(max_batch_size=4, wait_ms=0, idle_release_s=2.5)
     assert defaults.in_flight(stage) == 9
     plain = stage.model_copy(update={"batching": type(stage.batching)()})
-    assert defaults.policy(plain) == BatchPolicy(max_batch_size=32, wait_ms=7)
+    assert defaults.policy(plain) == BatchPolicy(max_batch_size=32, wait_ms=7, idle_release_s=2.5)
