@@ -122,7 +122,8 @@ class Runtime:
         limits = StageLimits(soft_time_limit_s=s.stage_soft_time_limit_s, time_limit_s=s.stage_time_limit_s,
                              progress_interval_s=s.progress_interval_s)
         batching = BatchDefaults(max_batch_size=s.batch_max_size, wait_ms=s.batch_wait_ms,
-                                 max_in_flight=s.stage_max_in_flight, idle_release_s=s.batch_idle_release_s)
+                                 max_in_flight=s.stage_max_in_flight, idle_release_s=s.batch_idle_release_s,
+                                 burst_fill=s.batch_burst_fill)
         return StageRunner(ledger=self.ledger, catalogue=self.catalogue, artifacts=self.artifacts,
                            engines=self.engines, limits=limits, batching=batching, cache_redis=self.redis,
                            cache_defaults=(s.stage_cache_max_entries, s.stage_cache_eviction), keeper=self.keeper,

@@ -107,6 +107,69 @@ def test_requests_arriving_during_a_batch_form_the_next_one():
     assert run.calls[0] == [1] and sorted(run.calls[1]) == [2, 3, 4]
 
 
+def submit_paced(batcher: Batcher[Any, Any], requests: list[Any], gap_s: float) -> list[Any]:
+    """Submit each request from its own thread, ``gap_s`` apart (a client's burst reaching a worker)."""
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = []
+        for r in requests:
+            futures.append(pool.submit(batcher.submit, r))
+            time.sleep(gap_s)
+        return [f.result() for f in futures]
+
+
+def burst_batcher(run: Recorder, burst_fill: float = 1.0) -> Batcher[int, int]:
+    """A DiT-like batcher (no newcomers once a batch runs) whose group already ran one batch (~0.4 s);
+    a batch's first request waits 30 ms for company, as a worker's do (10-20 ms)."""
+    batcher: Batcher[int, int] = Batcher(run, BatchPolicy(max_batch_size=8, wait_ms=30, burst_fill=burst_fill))
+    assert batcher.submit(0) == 0  # its last run time: run.delay_s
+    return batcher
+
+
+def test_a_batch_waits_for_a_burst_that_fills_it_in_time():
+    run = Recorder(delay_s=0.4)  # budget: 1.0 x 0.4 s from the burst's first request
+    batcher = burst_batcher(run)
+    assert submit_paced(batcher, list(range(1, 9)), gap_s=0.02) == [i * i for i in range(1, 9)]
+    assert run.calls[1:] == [list(range(1, 9))]  # one full batch, not what came within the window
+    assert 0.08 < batcher.filled_s[-1] < 0.4
+
+
+def test_without_burst_filling_the_burst_splits():
+    run = Recorder(delay_s=0.4)
+    batcher = burst_batcher(run, burst_fill=0.0)
+    submit_paced(batcher, list(range(1, 9)), gap_s=0.02)
+    assert len(run.calls[1]) < 8 and len(run.calls) > 2  # what came within the window, then the rest
+
+
+def test_a_trickle_too_slow_to_fill_the_batch_in_time_starts_at_once():
+    run = Recorder(delay_s=0.4)
+    batcher = burst_batcher(run)  # 6 more at 100 ms apart would take 0.6 s: past the 0.4 s budget
+    started = time.monotonic()
+    submit_paced(batcher, [1, 2], gap_s=0.1)
+    assert run.calls[1:] == [[1], [2]]
+    assert time.monotonic() - started < 0.03 + 0.4 + 0.4 + 0.15  # the window, two runs back to back
+
+
+def test_a_lone_request_and_a_finished_burst_do_not_wait():
+    run = Recorder(delay_s=0.4)
+    batcher = burst_batcher(run)
+    started = time.monotonic()
+    assert batcher.submit(3) == 9  # alone: no pace to go by, so no wait past the window
+    assert time.monotonic() - started < 0.03 + 0.4 + 0.05
+    assert submit_paced(batcher, [1, 2, 3], gap_s=0.002) == [1, 4, 9]  # the burst ends after 3: ~10 ms quiet
+    assert run.calls[2:] == [[1, 2, 3]]
+    assert max(batcher.filled_s, default=0) < 0.05  # over within the window, or ~10 ms of quiet past it
+
+
+def test_an_ar_batcher_never_waits_for_a_burst():
+    from omni_jobs.engines.batching import ar_batcher
+
+    class Engine:  # only what ar_batcher reads: the batcher it makes is inspected, not run
+        pass
+
+    batcher = ar_batcher(Engine(), BatchPolicy(burst_fill=0.5))  # type: ignore[arg-type]
+    assert batcher.policy.burst_fill == 0.0  # a running vLLM batch takes newcomers between steps
+
+
 def test_an_idle_batchers_thread_hands_back_its_openmp_team_once_until_it_runs_again():
     """The release happens on the thread that ran the engine calls (a team is that thread's), only
     after ``idle_release_s`` without work, and once per idle spell."""
@@ -167,13 +230,15 @@ def test_policy_and_defaults_validate_and_resolve():
         BatchPolicy(wait_ms=-1)
     with pytest.raises(ValueError, match="idle_release_s"):
         BatchPolicy(idle_release_s=-1)
+    with pytest.raises(ValueError, match="burst_fill"):
+        BatchPolicy(burst_fill=1.5)
     from omni_jobs.pipelines.spec import StageSpec
 
     stage = StageSpec.model_validate({"id": "ar", "engine": "ar", "model": "tiny:llama",
                                       "inputs": {"prompt": "input.prompt"},
                                       "batching": {"max_batch_size": 4, "wait_ms": 0}})
-    defaults = BatchDefaults(max_batch_size=32, wait_ms=7, max_in_flight=9, idle_release_s=2.5)
-    assert defaults.policy(stage) == BatchPolicy(max_batch_size=4, wait_ms=0, idle_release_s=2.5)
+    defaults = BatchDefaults(max_batch_size=32, wait_ms=7, max_in_flight=9, idle_release_s=2.5, burst_fill=0.3)
+    assert defaults.policy(stage) == BatchPolicy(max_batch_size=4, wait_ms=0, idle_release_s=2.5, burst_fill=0.3)
     assert defaults.in_flight(stage) == 9
     plain = stage.model_copy(update={"batching": type(stage.batching)()})
-    assert defaults.policy(plain) == BatchPolicy(max_batch_size=32, wait_ms=7, idle_release_s=2.5)
+    assert defaults.policy(plain) == BatchPolicy(max_batch_size=32, wait_ms=7, idle_release_s=2.5, burst_fill=0.3)
