@@ -134,9 +134,9 @@ class Settings(BaseSettings):
         50.0, ge=0, description="How much longer a batch with room left waits while more work for its worker is on "
         "its way (received tasks, queued messages with free slots); it starts at once when nothing is coming.")
     batch_burst_fill: float = Field(
-        0.2, ge=0, le=1, description="DiT stages: a batch with room left may wait for a burst of requests still "
-        "arriving, up to this fraction of its last batch's run time, when the burst fills it by then (a running "
-        "DiT batch takes no newcomers); a lone request or a slow trickle starts at once. 0: never.")
+        0.2, ge=0, le=1, description="DiT stages: the most a batch with room left waits for a burst of requests "
+        "still arriving, as a fraction of its kind's last batch run time (a running DiT batch takes no newcomers; "
+        "it waits only while each newcomer pays for its wait, see omni_jobs.engines.batching). 0: never.")
     batch_idle_release_s: float = Field(
         1.0, ge=0, description="How long an engine's batcher thread waits without work before it hands back its "
         "OpenMP team (CPU engines: an idle engine's helper threads slow every other engine of the worker); 0: never.")

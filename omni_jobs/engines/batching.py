@@ -11,7 +11,7 @@ known to be on its way (stage tasks it has received whose engine request has not
 batcher yet, or messages waiting in its queues while it has free slots: ``Arrivals``), it waits up
 to ``fill_wait_ms`` more for them; when nothing else is coming it starts at once, so a lone job's
 latency does not grow. A DiT batch (no newcomers once it runs) also waits for a burst still
-arriving fast enough to fill it within ``burst_fill`` of its group's last run time.
+arriving, while each newcomer pays for its wait (``Batcher._wait_for_burst``).
 
 Each caller gets its own result or its own exception: the engine call reports a result or an
 exception per member, and when the whole call fails the members are retried one by one, so one bad
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BURST_QUIET_S = 0.010
-"""A burst of requests counts as over once none came for this long (or for four of its mean gaps)."""
+"""A burst of requests counts as over once none came for this long at least (``burst_wait_pays``)."""
 
 R = TypeVar("R")
 O = TypeVar("O")
@@ -59,9 +59,9 @@ class BatchPolicy:
     """How long its thread waits without work before it hands back its OpenMP team (0: never); an idle
     engine's team slows every other engine of the process (omni_jobs.engines.openmp)."""
     burst_fill: float = 0.0
-    """For engines whose running batch takes no newcomers (DiT): a batch with room left may start up to
-    this fraction of its group's last batch run time after its first request, while a burst of
-    requests still arrives fast enough to fill it by then (0: never waits for a burst)."""
+    """For engines whose running batch takes no newcomers (DiT): the most a batch with room left waits
+    for a burst still arriving, as a fraction of its group's last batch run time, counted from its
+    first request (0: never waits for a burst). Whether to wait is ``Batcher._wait_for_burst``'s."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:
@@ -99,6 +99,31 @@ class Member(Generic[R, O]):
 
 class _Wakeable(Protocol):
     def wake(self) -> None: ...
+
+
+def fixed_cost_s(runs: Sequence[tuple[int, float]]) -> float | None:
+    """The fixed part ``a`` of a batch's run time ``a + b * size``, fitted by least squares over
+    (size, run time) pairs; None until two sizes were seen. Kept within [0, the shortest run]."""
+    sizes = {n for n, _ in runs}
+    if len(sizes) < 2:
+        return None
+    mean_n = sum(n for n, _ in runs) / len(runs)
+    mean_t = sum(t for _, t in runs) / len(runs)
+    b = sum((n - mean_n) * (t - mean_t) for n, t in runs) / sum((n - mean_n) ** 2 for n, _ in runs)
+    return min(max(mean_t - b * mean_n, 0.0), min(t for _, t in runs))
+
+
+def burst_wait_pays(arrived: Sequence[float], now: float, fixed_s: float) -> bool:
+    """Whether a batch whose members arrived at ``arrived`` (ascending) should wait for the next one:
+    they are still coming, and often enough that ``n * gap < fixed_s`` (``Batcher._wait_for_burst``).
+    Still coming: none for at most four of their mean gaps, an eighth of the fixed cost, or
+    ``BURST_QUIET_S``, whichever is longest (a worker receives a burst in clumps: gaps of 20-25 ms
+    between clumps arriving 3-4 ms apart were seen)."""
+    if len(arrived) < 2:
+        return False  # a lone request: no pace to go by
+    gap = (arrived[-1] - arrived[0]) / (len(arrived) - 1)
+    patience = max(4 * gap, fixed_s / 8, BURST_QUIET_S)
+    return now - arrived[-1] <= patience and len(arrived) * gap < fixed_s
 
 
 class Arrivals:
@@ -213,7 +238,7 @@ class Batcher(Generic[R, O]):
         self.arrivals.watch(self)
         self.filled_s: list[float] = []
         """Time each batch waited past its window to fill (the last 1000), for tests and the benchmark."""
-        self._run_s: dict[Hashable, float] = {}  # each group's last batch run time (burst filling)
+        self._runs: dict[Hashable, list[tuple[int, float]]] = {}  # per group: recent (size, run time)
 
     def submit(self, request: R, progress: ProgressFn | None = None) -> O:
         """Block until this request has run in some batch; return its output or raise its own error."""
@@ -312,32 +337,31 @@ class Batcher(Generic[R, O]):
             self.filled_s = [*self.filled_s[-999:], time.monotonic() - started]
 
     def _wait_for_burst(self) -> None:
-        """Wait while the first request's group keeps arriving at a pace that fills the batch within
-        ``burst_fill`` of the group's last run time (counted from the first request's arrival).
+        """Wait while the first request's group keeps arriving and each newcomer is worth its wait.
 
-        A batch that takes no newcomers once it runs costs a fixed part plus a part per member: a DiT
-        batch of 8 took 117 ms per image on the CPU, one of 32 took 82. When a client's burst reaches
-        an idle worker over a few hundred ms, starting with its first few members would run the burst
-        as a small batch and then a full one. A lone request, or a trickle too slow to fill the batch
-        in time, starts at once."""
+        A batch that takes no newcomers once it runs costs a fixed part ``a`` plus a part per member
+        (fitted from the group's recent batches, ``fixed_cost_s``): a DiT batch of 8 took 117 ms per
+        image on the CPU, one of 32 took 82. Starting now serves ``n`` requests per ``a + b*n``; while
+        requests arrive every ``gap`` seconds, waiting serves more per second as long as ``n * gap < a``
+        (the derivative of (n + t/gap) / (t + a + b*(n + t/gap)) at t = 0). So a burst reaching an idle
+        worker over a few hundred ms runs as one full batch instead of its first few members and then
+        the rest; a lone request, a burst that stopped, or a trickle too slow to pay starts at once. The
+        wait never passes ``a`` (no newcomer can pay for more) nor ``burst_fill`` of the last run time."""
         if self.policy.burst_fill <= 0:
             return
         key = self.group_key(self._pending[0].request)
-        last_run_s = self._run_s.get(key)
-        if last_run_s is None:  # no batch of this group ran yet: nothing to weigh a wait against
+        runs = self._runs.get(key, [])
+        fixed_s = fixed_cost_s(runs)
+        if fixed_s is None or fixed_s <= 0:  # not known yet (one batch size seen), or nothing to amortise
             return
-        deadline = self._pending[0].enqueued_at + self.policy.burst_fill * last_run_s
+        deadline = self._pending[0].enqueued_at + min(fixed_s, self.policy.burst_fill * runs[-1][1])
         while True:
             arrived = [m.enqueued_at for m in self._pending if self.group_key(m.request) == key]
-            room = self.policy.max_batch_size - len(arrived)
-            if room <= 0 or len(arrived) < 2:
-                return
             at = time.monotonic()
-            pace = (arrived[-1] - arrived[0]) / (len(arrived) - 1)  # the burst's mean gap so far
-            quiet = at - arrived[-1]
-            if quiet > max(4 * pace, BURST_QUIET_S) or at + room * pace > deadline:
-                return  # the burst is over, or too slow to fill the batch in time
-            self._cond.wait(max(0.0, min(deadline - at, max(4 * pace, BURST_QUIET_S) - quiet)) + 0.0005)
+            if (len(arrived) >= self.policy.max_batch_size or at >= deadline
+                    or not burst_wait_pays(arrived, at, fixed_s)):
+                return
+            self._cond.wait(min(deadline - at, 0.005))  # submits wake it sooner
 
     def _loop(self) -> None:
         while True:
@@ -349,14 +373,14 @@ class Batcher(Generic[R, O]):
             finally:
                 for m in batch:
                     m.done.set()
-                self._ran(self.group_key(batch[0].request), time.monotonic() - started)
+                self._ran(self.group_key(batch[0].request), len(batch), time.monotonic() - started)
 
-    def _ran(self, key: Hashable, run_s: float) -> None:
-        """Remember a group's last run time (a bounded number of groups)."""
-        self._run_s.pop(key, None)
-        self._run_s[key] = run_s
-        if len(self._run_s) > 64:
-            del self._run_s[next(iter(self._run_s))]
+    def _ran(self, key: Hashable, size: int, run_s: float) -> None:
+        """Remember a group's recent batches (the last 16 of each of the last 64 groups)."""
+        runs = self._runs.pop(key, [])
+        self._runs[key] = [*runs[-15:], (size, run_s)]
+        if len(self._runs) > 64:
+            del self._runs[next(iter(self._runs))]
 
     def _run(self, batch: list[Member[R, O]]) -> None:
         try:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from omni_jobs.engines.batching import BatchDefaults, Batcher, BatchPolicy, Member
+from omni_jobs.engines.batching import BatchDefaults, Batcher, BatchPolicy, Member, burst_wait_pays, fixed_cost_s
 
 
 class Recorder:
@@ -117,46 +117,68 @@ def submit_paced(batcher: Batcher[Any, Any], requests: list[Any], gap_s: float) 
         return [f.result() for f in futures]
 
 
-def burst_batcher(run: Recorder, burst_fill: float = 1.0) -> Batcher[int, int]:
-    """A DiT-like batcher (no newcomers once a batch runs) whose group already ran one batch (~0.4 s);
-    a batch's first request waits 30 ms for company, as a worker's do (10-20 ms)."""
+class CostRecorder(Recorder):
+    """A batch function whose run time is a fixed part plus a part per member, as a DiT call's."""
+
+    def __init__(self, fixed_s: float, per_member_s: float) -> None:
+        super().__init__()
+        self.fixed_s, self.per_member_s = fixed_s, per_member_s
+
+    def __call__(self, batch: Sequence[Member[Any, Any]]) -> list[Any]:
+        self.delay_s = self.fixed_s + self.per_member_s * len(batch)
+        return super().__call__(batch)
+
+
+def burst_batcher(run: CostRecorder, burst_fill: float = 1.0) -> Batcher[int, int]:
+    """A DiT-like batcher (no newcomers once a batch runs) that ran batches of 1 and 2 (so it knows its
+    fixed cost); a batch's first request waits 30 ms for company, as a worker's do (10-20 ms)."""
     batcher: Batcher[int, int] = Batcher(run, BatchPolicy(max_batch_size=8, wait_ms=30, burst_fill=burst_fill))
-    assert batcher.submit(0) == 0  # its last run time: run.delay_s
+    assert batcher.submit(0) == 0 and submit_all(batcher, [0, 0]) == [0, 0]
+    assert run.calls == [[0], [0, 0]]
     return batcher
 
 
-def test_a_batch_waits_for_a_burst_that_fills_it_in_time():
-    run = Recorder(delay_s=0.4)  # budget: 1.0 x 0.4 s from the burst's first request
+def test_the_fixed_cost_of_a_batch_is_fitted_from_its_sizes_and_times():
+    assert fixed_cost_s([]) is None and fixed_cost_s([(32, 2.6), (32, 2.7)]) is None  # one size: unknown
+    # the DiT 32px small engine on this machine: 8, 16, 24, 32 images in 0.94, 1.62, 2.21, 2.63 s
+    assert fixed_cost_s([(8, 0.94), (16, 1.62), (24, 2.21), (32, 2.63)]) == pytest.approx(0.43, abs=0.01)
+    assert fixed_cost_s([(1, 0.4), (2, 0.4)]) == pytest.approx(0.4)  # all fixed: capped at the shortest run
+    assert fixed_cost_s([(1, 0.1), (2, 0.3)]) == 0.0  # more than linear: nothing to amortise
+
+
+def test_a_burst_is_waited_for_while_each_newcomer_pays_for_its_wait():
+    assert not burst_wait_pays([0.0], 0.001, fixed_s=0.4)  # a lone request: no pace to go by
+    assert burst_wait_pays([0.0, 0.01, 0.02], 0.025, fixed_s=0.4)  # 3 x 10 ms < 0.4 s
+    assert not burst_wait_pays([0.0, 0.01, 0.02], 0.075, fixed_s=0.4)  # quiet for 5.5 gaps (> 50 ms): over
+    assert burst_wait_pays([0.0, 0.01, 0.02], 0.065, fixed_s=0.4)  # 4.5 gaps, but within an eighth of 0.4 s
+    assert burst_wait_pays([0.0, 0.001], 0.009, fixed_s=0.04)  # quiet 8 ms: within the 10 ms floor
+    assert not burst_wait_pays([0.0, 0.001], 0.012, fixed_s=0.04)
+    assert not burst_wait_pays([0.0, 0.15, 0.30], 0.31, fixed_s=0.4)  # 3 x 150 ms > 0.4 s: too slow to pay
+
+
+def test_a_batch_waits_for_a_burst_that_pays_for_the_wait():
+    run = CostRecorder(fixed_s=0.3, per_member_s=0.01)
     batcher = burst_batcher(run)
     assert submit_paced(batcher, list(range(1, 9)), gap_s=0.02) == [i * i for i in range(1, 9)]
-    assert run.calls[1:] == [list(range(1, 9))]  # one full batch, not what came within the window
-    assert 0.08 < batcher.filled_s[-1] < 0.4
+    assert run.calls[2:] == [list(range(1, 9))]  # one full batch, not what came within the window
+    assert 0.08 < batcher.filled_s[-1] < 0.3
 
 
 def test_without_burst_filling_the_burst_splits():
-    run = Recorder(delay_s=0.4)
+    run = CostRecorder(fixed_s=0.3, per_member_s=0.01)
     batcher = burst_batcher(run, burst_fill=0.0)
     submit_paced(batcher, list(range(1, 9)), gap_s=0.02)
-    assert len(run.calls[1]) < 8 and len(run.calls) > 2  # what came within the window, then the rest
-
-
-def test_a_trickle_too_slow_to_fill_the_batch_in_time_starts_at_once():
-    run = Recorder(delay_s=0.4)
-    batcher = burst_batcher(run)  # 6 more at 100 ms apart would take 0.6 s: past the 0.4 s budget
-    started = time.monotonic()
-    submit_paced(batcher, [1, 2], gap_s=0.1)
-    assert run.calls[1:] == [[1], [2]]
-    assert time.monotonic() - started < 0.03 + 0.4 + 0.4 + 0.15  # the window, two runs back to back
+    assert len(run.calls[2]) < 8 and len(run.calls) > 3  # what came within the window, then the rest
 
 
 def test_a_lone_request_and_a_finished_burst_do_not_wait():
-    run = Recorder(delay_s=0.4)
+    run = CostRecorder(fixed_s=0.3, per_member_s=0.01)
     batcher = burst_batcher(run)
     started = time.monotonic()
     assert batcher.submit(3) == 9  # alone: no pace to go by, so no wait past the window
-    assert time.monotonic() - started < 0.03 + 0.4 + 0.05
+    assert time.monotonic() - started < 0.03 + 0.31 + 0.05
     assert submit_paced(batcher, [1, 2, 3], gap_s=0.002) == [1, 4, 9]  # the burst ends after 3: ~10 ms quiet
-    assert run.calls[2:] == [[1, 2, 3]]
+    assert run.calls[3:] == [[1, 2, 3]]
     assert max(batcher.filled_s, default=0) < 0.05  # over within the window, or ~10 ms of quiet past it
 
 
