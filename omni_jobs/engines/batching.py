@@ -360,6 +360,9 @@ class Batcher(Generic[R, O]):
             at = time.monotonic()
             if (len(arrived) >= self.policy.max_batch_size or at >= deadline
                     or not burst_wait_pays(arrived, at, fixed_s)):
+                log.debug("%s: a batch of %d starts %.0f ms after its first request (fixed cost %.0f ms, "
+                          "deadline %s)", self.name, len(arrived), 1000 * (at - arrived[0]), 1000 * fixed_s,
+                          "reached" if at >= deadline else "not reached")
                 return
             self._cond.wait(min(deadline - at, 0.005))  # submits wake it sooner
 
