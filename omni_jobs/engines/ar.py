@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omni_jobs import telemetry
+from omni_jobs.engines.gloo_device import one_gloo_device
 from omni_jobs.engines.turns import engine_turn
 from omni_jobs.json_types import JsonValue
 
@@ -106,7 +107,8 @@ def build_llm(model: str, engine_args: Mapping[str, JsonValue] | None, *, kv_cac
     }
     args.update(engine_args or {})
     args.update(forced)
-    return LLM(model=model, **args)
+    with one_gloo_device():  # its ~13 process groups on one gloo loop thread, not one each
+        return LLM(model=model, **args)
 
 
 class AREngine:

@@ -133,6 +133,13 @@ def test_ar_empty_batch(ar: AREngine) -> None:
     assert ar.generate([]) == []
 
 
+def test_an_ar_engines_process_groups_share_one_gloo_loop_thread(ar: AREngine) -> None:
+    """vLLM makes ~13 gloo groups even for one rank; each would keep a thread waking every 10 ms."""
+    tasks = Path("/proc/self/task")
+    names = [(t / "comm").read_text().strip() for t in tasks.iterdir()]
+    assert names.count("gloo_tcp_loop") == 1
+
+
 def test_ar_missing_model_is_clear(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         AREngine(str(tmp_path / "no-such-model"))
