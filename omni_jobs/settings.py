@@ -135,7 +135,7 @@ class Settings(BaseSettings):
         "its way (received tasks, queued messages with free slots); it starts at once when nothing is coming.")
     batch_burst_fill: float = Field(
         0.2, ge=0, le=1, description="DiT stages: the most a batch with room left waits for a burst of requests "
-        "still arriving, as a fraction of its kind's last batch run time (a running DiT batch takes no newcomers; "
+        "still arriving, as a fraction of its kind's longest recent batch run (a running DiT batch takes no newcomers; "
         "it waits only while each newcomer pays for its wait, see omni_jobs.engines.batching). 0: never.")
     batch_idle_release_s: float = Field(
         1.0, ge=0, description="How long an engine's batcher thread waits without work before it hands back its "

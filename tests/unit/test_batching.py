@@ -144,6 +144,10 @@ def test_the_fixed_cost_of_a_batch_is_fitted_from_its_sizes_and_times():
     assert fixed_cost_s([(8, 0.94), (16, 1.62), (24, 2.21), (32, 2.63)]) == pytest.approx(0.43, abs=0.01)
     assert fixed_cost_s([(1, 0.4), (2, 0.4)]) == pytest.approx(0.4)  # all fixed: capped at the shortest run
     assert fixed_cost_s([(1, 0.1), (2, 0.3)]) == 0.0  # more than linear: nothing to amortise
+    # a worker's runs: a cold first batch of 32 (2.9 s) among warm ones; the least time per size is fitted
+    warm = [(12, 0.69), (32, 1.76), (20, 1.12), (12, 0.69), (32, 1.46), (20, 1.05)]
+    assert fixed_cost_s([(32, 2.9), *warm]) == pytest.approx(fixed_cost_s([(12, 0.69), (20, 1.05), (32, 1.46)]))
+    assert fixed_cost_s([(32, 2.9), *warm]) == pytest.approx(0.25, abs=0.01)  # over all runs: 0
 
 
 def test_a_burst_is_waited_for_while_each_newcomer_pays_for_its_wait():
@@ -164,6 +168,16 @@ def test_a_batch_waits_for_a_burst_that_pays_for_the_wait():
     assert submit_paced(batcher, list(range(1, 9)), gap_s=0.02) == [i * i for i in range(1, 9)]
     assert run.calls[2:] == [list(range(1, 9))]  # one full batch, not what came within the window
     assert 0.04 < batcher.filled_s[-1] < 0.3  # the 8th request comes ~140 ms after the 1st: ~80 ms past the window
+
+
+def test_the_wait_is_bounded_by_the_longest_recent_run_not_the_last():
+    """A straggler's batch of one ran last: the wait's bound is a fraction of a full batch's run."""
+    run = CostRecorder(fixed_s=0.3, per_member_s=0.05)
+    batcher = burst_batcher(run, burst_fill=0.3, wait_ms=60)  # ran 1 and 2: a = 0.3 s
+    assert submit_all(batcher, list(range(8))) == [i * i for i in range(8)]  # 0.7 s
+    assert batcher.submit(2) == 4  # the last run: 0.35 s, whose 0.3 would end the wait at 105 ms
+    assert submit_paced(batcher, list(range(1, 9)), gap_s=0.02) == [i * i for i in range(1, 9)]
+    assert run.calls[-1] == list(range(1, 9))  # the 8th came ~140 ms after the 1st: within 0.3 x 0.7 s
 
 
 def test_without_burst_filling_the_burst_splits():
