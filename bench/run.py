@@ -104,9 +104,22 @@ def prompts(n: int, rep: int = 0) -> list[str]:
             f"at dawn, number {i * 31 + rep}" for i in range(n)]
 
 
+KV_BLOCK_BYTES = 8 * 2**20
+"""A KV-cache block of the benchmark's AR model: 128 tokens x 64 KiB (vLLM: 256 MiB hold 4,096 tokens)."""
+
+
+def ar_engine_args(batch: int) -> dict[str, Any]:
+    """The AR engine of both arms: a batch of running requests, and a KV cache that holds it (every
+    request here fits one block, and vLLM keeps one block back). At the default 256 MiB it held 31:
+    64 jobs ran as 31 + 31 + 2 in both arms, the last 2 alone for a wave's steps, and the multi-stage
+    row's DiT batches followed the waves (31, 31, 2) where its direct arm ran 32 + 32."""
+    seqs = max(batch, 16)
+    return {"max_num_seqs": seqs, "kv_cache_memory_bytes": (seqs + 8) * KV_BLOCK_BYTES}
+
+
 def pipelines(batch: int, ar_tokens: int, steps: int) -> list[dict[str, Any]]:
     """The benchmark pipelines: each batched one and its naive twin (solo queue, batch 1)."""
-    ar_args = {"max_num_seqs": max(batch, 16)}
+    ar_args = ar_engine_args(batch)
     naive = {"max_batch_size": 1, "wait_ms": 0, "max_in_flight": 1}
     batched = {"max_batch_size": batch, "wait_ms": 20}
 
@@ -411,7 +424,7 @@ class Bench:
         from omni_jobs.local.tiny import resolve_model
 
         self._ar = AREngine(resolve_model(AR_MODEL, self.models_dir),
-                            engine_args={"max_num_seqs": max(self.args.batch, 16)})
+                            engine_args=ar_engine_args(self.args.batch))
         dit = self._dit(w.dit_model) if w.kind != "ar" else None
         self._warm_up(w, dit)  # as the system's warm-up jobs do: no arm pays first-call costs
         _reply({"ready": True})
