@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
@@ -226,8 +226,14 @@ class Batcher(Generic[R, O]):
 
     def __init__(self, run_batch: RunBatch[R, O], policy: BatchPolicy | None = None, *,
                  group_key: Callable[[R], Hashable] | None = None, name: str = "batcher",
-                 arrivals: Arrivals | None = None, release_team: Callable[[], object] = release_thread_team) -> None:
+                 arrivals: Arrivals | None = None, release_team: Callable[[], object] = release_thread_team,
+                 turn: Callable[[], AbstractContextManager[object]] = nullcontext) -> None:
         self.run_batch = run_batch
+        self.turn = turn
+        """The engine to itself and its turn on shared cores (``DiTEngine.turn``, omni_jobs.engines.turns),
+        for an engine whose running batch takes no newcomers: a batch takes both before its members are
+        final, then takes in the requests of its group that came while it waited (an AR step of
+        another worker can take 0.6 s, another batch of the same engine seconds)."""
         self.release_team = release_team
         self.released = 0
         """How many times its thread handed back its OpenMP team, idle (for tests and the benchmark)."""
@@ -268,16 +274,8 @@ class Batcher(Generic[R, O]):
         """Waiting requests of ``like``'s group (at most ``limit``), for a running batch to take in."""
         if limit <= 0:
             return []
-        key = self.group_key(like)
         with self._cond:
-            taken: list[Member[R, O]] = []
-            rest: list[Member[R, O]] = []
-            for m in self._pending:
-                if len(taken) < limit and self.group_key(m.request) == key:
-                    taken.append(m)
-                else:
-                    rest.append(m)
-            self._pending = rest
+            taken = self._take_group(self.group_key(like), limit)
         if taken:
             self.batches = [*self.batches[-999:], -len(taken)]  # negative: joined a running batch
         return taken
@@ -313,16 +311,19 @@ class Batcher(Generic[R, O]):
                     break
                 self._cond.wait(left)
             self._fill()
-            key = self.group_key(self._pending[0].request)
-            batch: list[Member[R, O]] = []
-            rest: list[Member[R, O]] = []
-            for m in self._pending:
-                if len(batch) < self.policy.max_batch_size and self.group_key(m.request) == key:
-                    batch.append(m)
-                else:
-                    rest.append(m)
-            self._pending = rest
-            return batch
+            return self._take_group(self.group_key(self._pending[0].request), self.policy.max_batch_size)
+
+    def _take_group(self, key: Hashable, limit: int) -> list[Member[R, O]]:
+        """Take up to ``limit`` waiting requests of group ``key``, in order (the lock held)."""
+        taken: list[Member[R, O]] = []
+        rest: list[Member[R, O]] = []
+        for m in self._pending:
+            if len(taken) < limit and self.group_key(m.request) == key:
+                taken.append(m)
+            else:
+                rest.append(m)
+        self._pending = rest
+        return taken
 
     def _fill(self) -> None:
         """Past the window with room left: wait up to ``fill_wait_ms`` while more requests are on their
@@ -374,14 +375,19 @@ class Batcher(Generic[R, O]):
     def _loop(self) -> None:
         while True:
             batch = self._next_batch()
-            self.batches = [*self.batches[-999:], len(batch)]
-            started = time.monotonic()
-            try:
-                self._run(batch)
-            finally:
-                for m in batch:
-                    m.done.set()
-                self._ran(self.group_key(batch[0].request), len(batch), time.monotonic() - started)
+            key = self.group_key(batch[0].request)
+            with self.turn():
+                if len(batch) < self.policy.max_batch_size:
+                    with self._cond:
+                        batch += self._take_group(key, self.policy.max_batch_size - len(batch))
+                self.batches = [*self.batches[-999:], len(batch)]
+                started = time.monotonic()
+                try:
+                    self._run(batch)
+                finally:
+                    for m in batch:
+                        m.done.set()
+                    self._ran(key, len(batch), time.monotonic() - started)
 
     def _ran(self, key: Hashable, size: int, run_s: float) -> None:
         """Remember a group's recent batches (the last 16 of each of the last 64 groups)."""
@@ -500,7 +506,8 @@ def dit_batcher(engine: DiTEngine, policy: BatchPolicy) -> Batcher[DiTRequest, D
             return [stopped[i] for i in range(len(batch))]
         return [stopped.get(i, out) for i, out in enumerate(outputs)]
 
-    return batcher_for(_dit_batchers, engine, policy, lambda p: Batcher(run, p, group_key=_group_key, name="dit"))
+    return batcher_for(_dit_batchers, engine, policy,
+                       lambda p: Batcher(run, p, group_key=_group_key, name="dit", turn=engine.turn))
 
 
 @dataclass(frozen=True)

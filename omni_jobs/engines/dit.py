@@ -238,7 +238,7 @@ class DiTEngine:
         self.pipeline_class = type(self.pipe).__name__
         self._params = set(inspect.signature(self.pipe.__call__).parameters)
         self._call_args: dict[str, object] = {**self._default_call_args(), **dict(call_args or {})}
-        self._lock = threading.Lock()  # pipelines keep per-call state (scheduler timesteps)
+        self._lock = threading.RLock()  # pipelines keep per-call state (scheduler timesteps)
         self.cache_type: str | None = None
         self._projection: LatentProjection | None = None
         self._projection_tried = False
@@ -388,6 +388,13 @@ class DiTEngine:
         height = r.height or max(m, r.image.height // m * m)
         width = r.width or max(m, r.image.width // m * m)
         return replace(r, height=height, width=width)
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """This engine to itself and its turn on shared cores, in the order ``generate`` takes them (a
+        batcher waits for both before its batch is final; reentrant within a thread)."""
+        with self._lock, engine_turn():
+            yield
 
     def generate(self, requests: Sequence[DiTRequest], on_step: StepCallback | None = None) -> list[DiTOutput]:
         """Run every request; one pipeline call per group of compatible requests, results in order."""

@@ -237,6 +237,29 @@ def test_dit_batched_close_to_single(dit: DiTEngine) -> None:
         assert np.abs(np.asarray(o.image, dtype=np.int16) - single).max() <= 1
 
 
+def test_two_batchers_of_one_dit_engine_taking_turns_serve_every_request(dit: DiTEngine, tmp_path: Path) -> None:
+    """Two stages' policies give one engine two batchers; each waits for the engine and its turn
+    before its batch is final, in the order a direct call takes them, so neither waits on the other
+    forever while the other passes the turn between steps."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from omni_jobs.engines import turns
+    from omni_jobs.engines.batching import BatchPolicy, dit_batcher
+
+    turns.configure(tmp_path / "turns")
+    try:
+        batchers = [dit_batcher(dit, BatchPolicy(max_batch_size=n, wait_ms=5)) for n in (2, 3)]
+        requests = [_req(f"r{i}", i, steps=3) for i in range(8)]
+        with ThreadPoolExecutor(9) as pool:
+            direct = pool.submit(dit.generate, [_req("direct", 99, steps=3)])
+            futures = [pool.submit(batchers[i % 2].submit, r) for i, r in enumerate(requests)]
+            outputs = [f.result(timeout=120) for f in futures]
+            assert direct.result(timeout=120)[0].request_id == "direct"
+        assert [o.request_id for o in outputs] == [r.request_id for r in requests]
+    finally:
+        turns.configure(None)
+
+
 def test_dit_on_step(dit: DiTEngine) -> None:
     calls: list[tuple[int, int]] = []
     dit.generate([_req("a", 1, steps=5), _req("b", 2, steps=5)], on_step=lambda i, n: calls.append((i, n)))

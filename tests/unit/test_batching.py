@@ -198,6 +198,38 @@ def test_a_lone_request_and_a_finished_burst_do_not_wait():
     assert max(batcher.filled_s, default=0) < 0.05  # over within the window, or ~10 ms of quiet past it
 
 
+def test_a_batch_waiting_for_its_engines_turn_takes_in_what_came_meanwhile():
+    """Another worker's engine step holds the turn: the requests that came while the batch waited for
+    it run in that batch, not in the next one."""
+    turn = threading.Lock()
+    run = Recorder()
+    batcher: Batcher[int, int] = Batcher(run, BatchPolicy(max_batch_size=8, wait_ms=0), turn=lambda: turn)
+    turn.acquire()  # the other engine's step
+    with ThreadPoolExecutor(6) as pool:
+        first = [pool.submit(batcher.submit, i) for i in (1, 2, 3)]
+        time.sleep(0.2)  # the batch of 1-3 formed and waits for the turn
+        later = [pool.submit(batcher.submit, i) for i in (4, 5, 6)]
+        time.sleep(0.1)
+        turn.release()
+        assert [f.result() for f in first + later] == [1, 4, 9, 16, 25, 36]
+    assert [sorted(c) for c in run.calls] == [[1, 2, 3, 4, 5, 6]] and batcher.batches == [6]
+
+
+def test_a_full_batch_takes_no_more_when_its_turn_comes():
+    turn = threading.Lock()
+    run = Recorder()
+    batcher: Batcher[int, int] = Batcher(run, BatchPolicy(max_batch_size=2, wait_ms=0), turn=lambda: turn)
+    turn.acquire()
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(batcher.submit, i) for i in (1, 2)]
+        time.sleep(0.2)
+        futures += [pool.submit(batcher.submit, i) for i in (3, 4)]
+        time.sleep(0.1)
+        turn.release()
+        assert [f.result() for f in futures] == [1, 4, 9, 16]
+    assert [sorted(c) for c in run.calls] == [[1, 2], [3, 4]]
+
+
 def test_an_ar_batcher_never_waits_for_a_burst():
     from omni_jobs.engines.batching import ar_batcher
 
