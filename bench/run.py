@@ -110,7 +110,8 @@ KV_BLOCK_BYTES = 8 * 2**20
 
 def ar_engine_args(batch: int) -> dict[str, Any]:
     """The AR engine of both arms: a batch of running requests, and a KV cache that holds it (every
-    request here fits one block, and vLLM keeps one block back). At the default 256 MiB it held 31:
+    request here fits one block, vLLM keeps one block back, and 8 more leave room for a longer prompt;
+    ``max_num_seqs`` still caps the batch). At the default 256 MiB it held 31:
     64 jobs ran as 31 + 31 + 2 in both arms, the last 2 alone for a wave's steps, and the multi-stage
     row's DiT batches followed the waves (31, 31, 2) where its direct arm ran 32 + 32."""
     seqs = max(batch, 16)
