@@ -637,8 +637,20 @@ class DirectProcess:
             self._proc.wait()
 
     def rep(self, rep: int) -> dict[str, Any]:
+        return self.ask(str(rep))
+
+    def ask(self, line: str) -> dict[str, Any]:
+        """Send the child one request line; its answer."""
+        self.send(line)
+        return self.answer()
+
+    def send(self, line: str) -> None:
+        """Start the child on a request line without waiting (``answer`` reads the reply), so that
+        two children can work at once."""
         assert self._proc.stdin
-        self._proc.stdin.write(f"{rep}\n")
+        self._proc.stdin.write(f"{line}\n")
+
+    def answer(self) -> dict[str, Any]:
         return self._read()
 
     def close(self) -> dict[str, Any]:
