@@ -108,6 +108,15 @@ KV_BLOCK_BYTES = 8 * 2**20
 """A KV-cache block of the benchmark's AR model: 128 tokens x 64 KiB (vLLM: 256 MiB hold 4,096 tokens)."""
 
 
+def generate_images(dit: Any, texts: list[str], size: int, steps: int, batch: int) -> None:
+    """The DiT work of ``len(texts)`` jobs by direct engine calls: batches of ``batch``, image i seeded i."""
+    from omni_jobs.engines.dit import DiTRequest
+
+    for i in range(0, len(texts), batch):
+        dit.generate([DiTRequest(f"d{i + j}", prompt=t, height=size, width=size, num_inference_steps=steps,
+                                 seed=i + j) for j, t in enumerate(texts[i:i + batch])])
+
+
 def ar_engine_args(batch: int) -> dict[str, Any]:
     """The AR engine of both arms: a batch of running requests, and a KV cache that holds it (every
     request here fits one block, vLLM keeps one block back, and 8 more leave room for a longer prompt;
@@ -437,8 +446,6 @@ class Bench:
 
     def direct_rep(self, w: Workload, dit: Any, rep: int) -> dict[str, Any]:
         """One repetition of the same work as N jobs, by direct engine calls."""
-        from omni_jobs.engines.dit import DiTRequest
-
         texts = prompts(self.n, rep)  # the system arm's prompts of this repetition (system_rep)
         cpu0 = time.process_time()
         t0 = time.perf_counter()
@@ -452,11 +459,7 @@ class Bench:
             stage["ar"] = time.perf_counter() - t0
         if dit is not None:
             t1 = time.perf_counter()
-            b = self.args.batch
-            for i in range(0, len(texts), b):
-                dit.generate([DiTRequest(f"d{i + j}", prompt=t, height=w.size, width=w.size,
-                                         num_inference_steps=self.args.steps, seed=i + j)
-                              for j, t in enumerate(texts[i:i + b])])
+            generate_images(dit, texts, w.size, self.args.steps, self.args.batch)
             stage["dit"] = time.perf_counter() - t1
         elapsed = time.perf_counter() - t0
         # every job of a direct batch ends with the batch: its latency is the whole call
@@ -466,17 +469,13 @@ class Bench:
     def _warm_up(self, w: Workload, dit: Any) -> None:
         from vllm import SamplingParams
 
-        from omni_jobs.engines.dit import DiTRequest
-
         n = min(self.args.batch, self.n)  # a full batch: the first call at a batch size allocates for it
         if w.kind in ("ar", "multi"):  # a repetition's call: after 4 tokens, the first ran 1.5-2x slower than the next
             tokens = self.args.ar_tokens if w.kind == "ar" else 16
             self._ar._llm.generate(prompts(self.n, 999), SamplingParams(max_tokens=tokens, temperature=0.0),
                                    use_tqdm=False)
         if dit is not None:
-            dit.generate([DiTRequest(f"warm{i}", prompt=t, height=w.size, width=w.size,
-                                     num_inference_steps=self.args.steps, seed=i)
-                          for i, t in enumerate(prompts(n, 999))])
+            generate_images(dit, prompts(n, 999), w.size, self.args.steps, n)
 
     def _dit(self, model: str, cache: dict[str, Any] | None = None) -> Any:
         from omni_jobs.engines.dit import DiTEngine

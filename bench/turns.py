@@ -27,9 +27,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-from bench.run import AR_MODEL, DIT_SMALL, ROOT, DirectProcess, _reply, ar_engine_args, prompts
+from bench.run import AR_MODEL, DIT_SMALL, ROOT, DirectProcess, _reply, ar_engine_args, generate_images, prompts
 
 JOBS = 64
 BATCH = 32
@@ -54,15 +53,12 @@ def serve(kind: str, models_dir: Path) -> None:
             ar.generate([ARRequest(f"r{seed}-{i}", p, SamplingOptions(max_tokens=AR_TOKENS))
                          for i, p in enumerate(prompts(JOBS, seed))], on_progress=lambda *_: None)
     else:
-        from omni_jobs.engines.dit import DiTEngine, DiTRequest
+        from omni_jobs.engines.dit import DiTEngine
 
         dit = DiTEngine(resolve_model(model, models_dir), pipeline_class="PixArtSigmaPipeline")
 
-        def work(seed: int) -> None:
-            texts = prompts(JOBS, seed)
-            for i in range(0, JOBS, BATCH):
-                dit.generate([DiTRequest(f"d{i + j}", prompt=t, height=32, width=32, num_inference_steps=20,
-                                         seed=i + j) for j, t in enumerate(texts[i:i + BATCH])])
+        def work(seed: int) -> None:  # as the direct arm's DiT part
+            generate_images(dit, prompts(JOBS, seed), 32, 20, BATCH)
 
     work(999)  # the first call at a batch size allocates for it
     _reply({"ready": True})
@@ -122,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'arm':22s} {'wall s':>8s} {'CPU s':>8s}  throughput against one after the other (median, per rep)")
     for arm in ARMS:
         runs = seen[arm]
-        ratios: list[Any] = [round(b["wall_s"] / r["wall_s"], 3) for b, r in zip(base, runs, strict=True)]
+        ratios = [round(b["wall_s"] / r["wall_s"], 3) for b, r in zip(base, runs, strict=True)]
         print(f"{arm:22s} {statistics.median(r['wall_s'] for r in runs):8.2f} "
               f"{statistics.median(r['cpu_s'] for r in runs):8.2f}  {statistics.median(ratios):.3f} {ratios}")
     return 0
