@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+from omni_jobs.engines.allocator import tune_engine_malloc
 from omni_jobs.engines.library_env import apply_engine_library_defaults
 
 apply_engine_library_defaults()  # before torch loads: oneDNN's cache and OpenMP's spin, bounded
@@ -27,6 +28,10 @@ handoff.install(get_settings().worker_handoff_ms)  # a task's thread starts befo
 # step. 1 ms (OMNI_WORKER_SWITCH_INTERVAL_MS): DiT 32px small faster than 5 ms in 13 of 13 paired reps
 # (bench --ab; the size is within the bench's noise, see bench/NOTES.md); AR unchanged.
 sys.setswitchinterval(get_settings().worker_switch_interval_ms / 1000)
+
+# tcmalloc when the launcher preloaded it, else glibc's malloc with thresholds that keep a DiT's freed
+# activations for its next step (omni_jobs.engines.allocator); the worker logs which when ready.
+ENGINE_MALLOC = tune_engine_malloc(get_settings().engine_malloc)
 
 app = Celery("omni_jobs")
 app.conf.update(celery_config(get_settings()))

@@ -43,7 +43,7 @@ from omni_jobs.steps import (
 )
 from omni_jobs.worker_registry import start_heartbeat, unregister_worker
 from workers import observability, startup
-from workers.app import app
+from workers.app import ENGINE_MALLOC, app
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,7 @@ def on_worker_ready(sender: Any = None, **_: Any) -> None:
     rt.reaper.reclaim_node(name, rt.owner)  # a restarted worker's predecessor died holding these
     queues = sorted(q.name for q in sender.task_consumer.queues)
     settings = get_settings()
+    log.info("engines' malloc: %s (OMNI_ENGINE_MALLOC=%s)", ENGINE_MALLOC, settings.engine_malloc)
     if settings.preload_engines:
         startup.check_models(name, preload_engines(set(queues)), settings)
     rt.relay(partial(publish_steps, app)).start()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import redis
 
+from omni_jobs.engines.allocator import engine_process_env
 from omni_jobs.local.devservices import RunningService, free_port, start_redis
 from omni_jobs.local.tiny import TINY_MODELS, ensure_tiny_model
 from omni_jobs.settings import Settings
@@ -182,8 +183,13 @@ class EmbeddedSystem:
         argv = [sys.executable, "-m", "celery", "-A", "workers.app:app", "worker", "-Q", queue, "-P", pool,
                 "-c", str(self.concurrency(queue)), "-n", f"{node}@%h", "--loglevel", "INFO"]
         self.metrics_ports[node] = free_port()
-        return self._spawn(f"worker-{node}", argv, 0, lambda: True,
-                           env={"OMNI_METRICS_PORT": str(self.metrics_ports[node]), **(env or {})})
+        return self._spawn(f"worker-{node}", argv, 0, lambda: True, env=self.worker_env(
+            {"OMNI_METRICS_PORT": str(self.metrics_ports[node]), **(env or {})}))
+
+    def worker_env(self, overrides: dict[str, str]) -> dict[str, str]:
+        """A worker's environment: this system's, then ``overrides``, with the engines' malloc preloaded
+        (tcmalloc where OMNI_ENGINE_MALLOC and the host allow it: omni_jobs.engines.allocator)."""
+        return dict(engine_process_env({**self.child_env(), **overrides}))
 
     def supervise(self, say: Callable[[str], None] = print) -> list[str]:
         """Start again every process of this system that exited (as compose's restart policy does):
