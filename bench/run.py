@@ -39,6 +39,7 @@ import yaml
 
 from bench.procfs import cpu_s, memory_mib
 from omni_jobs import keys
+from omni_jobs.engines.allocator import engine_process_env, malloc_choice, tune_engine_malloc
 from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.store import RedisJobStore
@@ -224,7 +225,8 @@ class Bench:
             argv = [sys.executable, "-m", "celery", "-A", "workers.app:app", "worker", "-Q", queue, "-P", "threads",
                     "-c", env["OMNI_STAGE_MAX_IN_FLIGHT"], "-n", f"{node}@%h", "--loglevel", "INFO"]
             self.system._spawn(f"worker-{node}", argv, 0, lambda: True,
-                               env={"OMNI_METRICS_PORT": str(self.system.metrics_ports[node]), **overrides})
+                               env=self.system.worker_env({"OMNI_METRICS_PORT": str(self.system.metrics_ports[node]),
+                                                           **overrides}))
         self.system.wait_for_workers({"ar-b", "dit-b"})
 
     def stop(self) -> None:
@@ -430,6 +432,7 @@ class Bench:
 
     def serve_direct(self, w: Workload) -> None:
         """The child's side of DirectProcess: load and warm up, then one repetition per request line."""
+        tune_engine_malloc(malloc_choice())  # as workers/app.py does
         from omni_jobs.engines.ar import AREngine
         from omni_jobs.local.tiny import resolve_model
 
@@ -622,9 +625,10 @@ class DirectProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         with open(log_path, "w") as log:  # the child keeps its own handle
-            # the engine libraries set up as in a worker (OpenMP's spin, oneDNN's cache): the same engine
+            # the engine libraries set up as in a worker (OpenMP's spin, oneDNN's cache, the malloc): the same engine
             self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                          text=True, bufsize=1, env=apply_engine_library_defaults(dict(os.environ)))
+                                          text=True, bufsize=1,
+                                          env=engine_process_env(apply_engine_library_defaults(dict(os.environ))))
         self._read()  # {"ready": true} once loaded and warmed up
 
     def __enter__(self) -> Self:
