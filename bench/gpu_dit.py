@@ -1,9 +1,19 @@
-"""The DiT part of the benchmark on a GPU host (no Redis, Celery or vLLM there; diffusers travels as a wheel).
+"""The DiT path on a GPU host: the engine alone, the batcher, and the whole system.
 
-``python -m bench.gpu_dit [--jobs 64] [--batch 32]`` prints, per size, images/s of
-sequential single calls (what a naive one-job-per-task worker does), of the pipeline on batches
-(direct, the limit), and of N concurrent callers through omni_jobs.engines.batching's DiT batcher (what a
-stage worker's threads do), with the ratios; and writes JSON to --out.
+``python -m bench.gpu_dit [--sizes 256 512] [--jobs 64] [--batch 32] [--reps 3]`` builds the
+benchmark's DiT (``--model``, random weights, omni_jobs.local.tiny), and for each image size runs
+the same N images, seeded alike, four ways, taking turns in every repetition:
+
+* sequential: one engine call per image (what a one-job-per-task worker does);
+* direct: the pipeline on batches of ``--batch`` in this process (the limit);
+* batcher: N concurrent callers through omni_jobs.engines.batching's DiT batcher, in this process
+  (what a stage worker's threads do, without Redis or Celery);
+* system: N jobs POSTed to the real API of an EmbeddedSystem (Redis, a Celery DiT worker on the
+  GPU, the results worker), which writes every image as a PNG artifact.
+
+It prints images/s per arm and the paired ratios batcher/direct and system/direct (medians of the
+per-repetition ratios), and writes JSON to --out. ``--no-system`` skips the system (no redis-server
+needed). The AR engine (vLLM) is neither needed nor loaded: the system runs no AR worker.
 """
 
 from __future__ import annotations
@@ -12,80 +22,187 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from bench.run import ROOT, Arm, Bench, prompts
 from omni_jobs.engines.batching import BatchPolicy, dit_batcher
 from omni_jobs.engines.dit import DiTEngine, DiTRequest
-from omni_jobs.local.tiny import build_bench_pixart, build_bench_pixart_small, build_tiny_pixart
+from omni_jobs.local.tiny import resolve_model
 
-SIZES = [("test model (tiny pixart)", "pixart", 32), ("small (bench-pixart-128)", "bench-pixart-128", 32),
-         ("large (bench-pixart)", "bench-pixart", 64), ("large (bench-pixart)", "bench-pixart", 256)]
-
-
-def _time(fn: Any, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+SYSTEM_QUEUES = {"dit": "threads", "results": "solo", "webhooks": "threads"}
+"""`omni-jobs up`'s workers less the AR one: the DiT path alone."""
 
 
-def measure(engine: DiTEngine, reqs: list[DiTRequest], batch: int, reps: int) -> tuple[float, float, float, Any]:
-    """Median seconds of: single calls one after another, the pipeline on batches, N concurrent batcher callers."""
+def pipeline_name(size: int) -> str:
+    return f"g-image-{size}"
 
-    def sequential() -> None:
-        for r in reqs:
-            engine.generate([r])
 
-    def batched() -> None:
-        for i in range(0, len(reqs), batch):
-            engine.generate(reqs[i:i + batch])
+def pipelines(model: str, sizes: list[int], batch: int, steps: int, dtype: str) -> list[dict[str, Any]]:
+    """One text-to-image pipeline per size, on the system's DiT queue, batched as the direct arm."""
+    return [{"name": pipeline_name(size), "inputs": {"prompt": {"type": "text", "max_length": 2000}},
+             "stages": [{"id": "dit", "engine": "dit", "model": model, "queue": "dit", "inputs": {"prompt": "input.prompt"},
+                         "engine_args": {"pipeline_class": "PixArtSigmaPipeline", "torch_dtype": dtype},
+                         "batching": {"max_batch_size": batch, "wait_ms": 20},
+                         "defaults": {"height": size, "width": size, "num_inference_steps": steps, "seed": 0}}],
+             "outputs": [{"name": "image", "from": "dit.image"}]} for size in sizes]
 
-    batcher = dit_batcher(engine, BatchPolicy(max_batch_size=batch, wait_ms=20))
 
-    def through_batcher() -> None:
-        with ThreadPoolExecutor(len(reqs)) as pool:
-            list(pool.map(batcher.submit, reqs))
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
-    return _time(sequential, reps), _time(batched, reps), _time(through_batcher, reps), batcher
+
+class GpuRow:
+    """One image size: the engine's arms in this process; the system's through ``bench``."""
+
+    def __init__(self, engine: DiTEngine, bench: Bench | None, size: int, args: argparse.Namespace) -> None:
+        self.engine, self.bench, self.size, self.args = engine, bench, size, args
+        self.batcher = dit_batcher(engine, BatchPolicy(max_batch_size=args.batch, wait_ms=20))
+        self.images_per_s: dict[str, list[float]] = {}
+        self.system = Arm()
+
+    def requests(self, rep: int) -> list[DiTRequest]:
+        """The repetition's images: the system arm's prompts (bench.run.prompts), image i seeded i."""
+        return [DiTRequest(f"g{rep}-{i}", prompt=t, height=self.size, width=self.size,
+                           num_inference_steps=self.args.steps, seed=i) for i, t in enumerate(prompts(self.args.jobs, rep))]
+
+    def arms(self) -> dict[str, Callable[[int], float]]:
+        """Arm name -> one repetition of it, returning its seconds."""
+        batch = self.args.batch
+
+        def sequential(rep: int) -> float:
+            reqs = self.requests(rep)
+            return _timed(lambda: [self.engine.generate([r]) for r in reqs])
+
+        def direct(rep: int) -> float:
+            reqs = self.requests(rep)
+            return _timed(lambda: [self.engine.generate(reqs[i:i + batch]) for i in range(0, len(reqs), batch)])
+
+        def batcher(rep: int) -> float:
+            reqs = self.requests(rep)
+            with ThreadPoolExecutor(len(reqs)) as pool:
+                return _timed(lambda: list(pool.map(self.batcher.submit, reqs)))
+
+        def system(rep: int) -> float:
+            assert self.bench is not None
+            self.bench.system_rep(pipeline_name(self.size), rep, self.system)
+            return self.args.jobs / self.system.jobs_per_s[-1]  # first job created to last completed
+
+        out: dict[str, Callable[[int], float]] = {"direct": direct, "batcher": batcher}
+        if self.args.sequential:
+            out["sequential"] = sequential
+        if self.bench is not None:
+            out["system"] = system
+        return out
+
+    def run(self) -> dict[str, Any]:
+        n, arms = self.args.jobs, self.arms()
+        print(f"\n== {self.size}px: {n} images x {self.args.reps} reps, batch {self.args.batch}, "
+              f"{self.args.steps} steps; arms {', '.join(arms)}", flush=True)
+        warm = self.requests(998)[:self.args.batch]  # a full batch: the first call at a batch size allocates for it
+        self.engine.generate(warm)
+        with ThreadPoolExecutor(len(warm)) as pool:
+            list(pool.map(self.batcher.submit, warm))
+        if self.bench is not None:
+            self.bench.run_jobs(pipeline_name(self.size), [f"warm up {r.prompt}" for r in warm])
+        names = list(arms)
+        for rep in range(self.args.reps):
+            order = names[rep % len(names):] + names[:rep % len(names)]  # each arm goes first in turn
+            for name in order:
+                self.images_per_s.setdefault(name, []).append(n / arms[name](rep))
+            print(f"  rep {rep + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in self.images_per_s.items())
+                  + " images/s", flush=True)
+        return self.summary()
+
+    def ratio(self, a: str, b: str) -> float | None:
+        if a not in self.images_per_s or b not in self.images_per_s:
+            return None
+        return statistics.median(x / y for x, y in zip(self.images_per_s[a], self.images_per_s[b], strict=True))
+
+    def summary(self) -> dict[str, Any]:
+        n = self.args.jobs
+        per_s = {k: statistics.median(v) for k, v in self.images_per_s.items()}
+        out: dict[str, Any] = {
+            "size": self.size, "images_per_s": per_s, "images_per_s_runs": self.images_per_s,
+            "batch_over_sequential": self.ratio("direct", "sequential"),
+            "batcher_over_direct": self.ratio("batcher", "direct"),
+            "system_over_direct": self.ratio("system", "direct"),
+            "batcher_batch_sizes": sorted(set(self.batcher.batches)),
+        }
+        if "system" in per_s:
+            # the system's cost per image over the direct arm's: what API, Redis, Celery and results add
+            out["system_extra_ms_per_image"] = 1000 * (1 / per_s["system"] - 1 / per_s["direct"])
+            out["system"] = self.system.summary()
+            out["system"]["batch_mean"] = self.system.batch_mean
+        print(f"  {self.size}px: " + ", ".join(f"{k} {v:.1f}" for k, v in per_s.items()) + " images/s | "
+              + ", ".join(f"{k} {v:.3f}" for k in ("batch_over_sequential", "batcher_over_direct", "system_over_direct")
+                          if (v := out[k]) is not None), flush=True)
+        if "system" in per_s:
+            print(f"  system: {out['system_extra_ms_per_image']:.2f} ms more per image than direct; "
+                  f"job p50 {out['system']['p50_s']:.2f} s, mean batch {self.system.batch_mean.get('dit')} "
+                  f"({n} jobs)", flush=True)
+        return out
+
+
+def _write(path: Path, results: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, default=str))
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_dit", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[256, 512], help="image sizes, px (square)")
+    p.add_argument("--model", default="tiny:bench-pixart", help="the DiT: a tiny: benchmark model or a local path")
+    p.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
+    p.add_argument("--jobs", type=int, default=64, help="images per arm and repetition")
+    p.add_argument("--batch", type=int, default=32, help="the engine's batch (direct arm and the DiT worker)")
+    p.add_argument("--steps", type=int, default=20, help="denoising steps per image")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-sequential", dest="sequential", action="store_false", help="skip one-call-per-image")
+    p.add_argument("--no-system", dest="system", action="store_false", help="the engine's arms only (no Redis)")
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "gpu-dit.json")
+    args = p.parse_args(argv)
+    # what bench.run's Bench reads
+    args.ar_tokens, args.redis_fsync, args.ab = 16, "always", None
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.gpu_dit")
-    p.add_argument("--jobs", type=int, default=64)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--out", type=Path, default=Path("var/bench/results/gpu-dit.json"))
-    args = p.parse_args(argv)
+    args = parse(argv)
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    root = Path(tempfile.mkdtemp())
-    models = {"pixart": build_tiny_pixart(root / "pixart"), "bench-pixart": build_bench_pixart(root / "bench-pixart"),
-              "bench-pixart-128": build_bench_pixart_small(root / "bench-pixart-128")}
-    rows: dict[str, Any] = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "rows": {}}
-    for label, model, size in SIZES:
-        engine = DiTEngine(str(models[model]), pipeline_class="PixArtSigmaPipeline", device=device)
-        reqs = [DiTRequest(f"r{i}", prompt=f"a picture number {i} of a harbor", height=size, width=size,
-                           num_inference_steps=args.steps, seed=i) for i in range(args.jobs)]
-        engine.generate(reqs[:args.batch])  # warm-up at full batch (kernels, allocator)
-        seq_s, batch_s, batcher_s, batcher = measure(engine, reqs, args.batch, args.reps)
-        n = len(reqs)
-        row = {"images_per_s": {"sequential": n / seq_s, "direct_batched": n / batch_s, "batcher": n / batcher_s},
-               "batch_ratio_direct_over_sequential": seq_s / batch_s,
-               "batcher_over_direct": batch_s / batcher_s, "batcher_over_sequential": seq_s / batcher_s,
-               "batch_sizes_seen": sorted(set(batcher.batches))}
-        rows["rows"][f"{label} {size}px"] = row
-        print(f"{label} {size}px: seq {n / seq_s:.1f} img/s, batched {n / batch_s:.1f}, batcher {n / batcher_s:.1f}"
-              f" | batched/seq {seq_s / batch_s:.2f}x, batcher/direct {batch_s / batcher_s:.2f}x", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, **rows}, indent=2))
+    bench = Bench(args) if args.system else None
+    results: dict[str, Any] = {"config": {k: str(v) for k, v in vars(args).items()}, "rows": {},
+                               "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                               "torch": torch.__version__}
+    print(f"device: {results['device']} (torch {torch.__version__})", flush=True)
+    started = time.time()
+    try:
+        if bench is not None:
+            bench.start_system([args.model], pipelines(args.model, args.sizes, args.batch, args.steps, args.dtype),
+                               SYSTEM_QUEUES)
+        models_dir = (ROOT / "models").resolve()
+        engine = DiTEngine(str(resolve_model(args.model, models_dir)), pipeline_class="PixArtSigmaPipeline",
+                           torch_dtype=args.dtype, device=device)
+        for size in args.sizes:
+            results["rows"][f"{size}px"] = GpuRow(engine, bench, size, args).run()
+            if bench is not None:
+                results["rows"][f"{size}px"]["system"]["peak_rss_mib"] = {"dit": round(bench.worker_rss("dit"), 1)}
+            _write(args.out, results)  # row by row: a run cut short keeps what it measured
+        if device == "cuda":
+            results["driver_gpu_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    finally:
+        if bench is not None:
+            bench.stop()
+    results["wall_s"] = time.time() - started
+    _write(args.out, results)
+    print(f"\nresults: {args.out}")
     return 0
 
 

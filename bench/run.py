@@ -44,7 +44,7 @@ from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.local.embedded import EmbeddedSystem
-from omni_jobs.local.tiny import ensure_tiny_model
+from omni_jobs.local.tiny import resolve_model
 from omni_jobs.settings import Settings
 from omni_jobs.steps import WORKER_QUEUES
 
@@ -188,11 +188,22 @@ class Bench:
 
     # --- the system under test ---
     def start(self) -> None:
-        for model in (AR_MODEL, DIT_SMALL, DIT_LARGE, DIT_TEST):
-            ensure_tiny_model(model.removeprefix("tiny:"), self.models_dir)
+        self.start_system([AR_MODEL, DIT_SMALL, DIT_LARGE, DIT_TEST],
+                          pipelines(self.args.batch, self.args.ar_tokens, self.args.steps),
+                          {**WORKER_QUEUES, "ar-naive": "solo", "dit-naive": "solo"})  # as `omni-jobs up`, plus the naive twins
+        if self.args.ab:
+            assert self.system
+            self.start_b_workers(self.system.extra_env)
+
+    def start_system(self, models: list[str], pipes: list[dict[str, Any]], queues: dict[str, str]) -> None:
+        """Build ``models``, write ``pipes`` where the API and workers find them, and start one
+        EmbeddedSystem from an empty Redis with one worker per queue of ``queues`` (queue -> pool)."""
+        for model in models:
+            resolve_model(model, self.models_dir)  # tiny: models are built here, once
         pipes_dir = ROOT / "pipelines"
-        pipes_dir.mkdir(parents=True, exist_ok=True)
-        for p in pipelines(self.args.batch, self.args.ar_tokens, self.args.steps):
+        shutil.rmtree(pipes_dir, ignore_errors=True)
+        pipes_dir.mkdir(parents=True)
+        for p in pipes:
             (pipes_dir / f"{p['name']}.yaml").write_text(yaml.safe_dump(p, sort_keys=False))
         home = ROOT / "system"
         shutil.rmtree(home / "redis", ignore_errors=True)  # every run starts from an empty Redis
@@ -202,13 +213,10 @@ class Bench:
                "OMNI_STAGE_MAX_IN_FLIGHT": str(self.args.batch * 2), "OMNI_BATCH_MAX_SIZE": str(self.args.batch),
                "OMNI_LOG_FORMAT": "text", "OMNI_PROGRESS_INTERVAL_S": "0.5", "OMNI_AUTH_ENABLED": "false",
                "OMNI_MAX_QUEUED_PER_QUEUE": "100000"}
-        queues = {**WORKER_QUEUES, "ar-naive": "solo", "dit-naive": "solo"}  # as `omni-jobs up`, plus the naive twins
         self.system = EmbeddedSystem(settings=settings, home=home.resolve(), extra_env=env, worker_queues=queues,
                                      with_flower=False, redis_appendfsync=self.args.redis_fsync)
         os.environ.setdefault("OMNI_AUTH_ENABLED", "false")
         self.system.start(say=lambda m: print(f"  [system] {m}", flush=True))
-        if self.args.ab:
-            self.start_b_workers(env)
         assert self.system.redis_url
         headers = {"Authorization": f"Bearer {self.system.api_key}"} if self.system.api_key else {}
         self.api = httpx.Client(base_url=self.system.api_url, timeout=60, headers=headers)
@@ -434,7 +442,6 @@ class Bench:
         """The child's side of DirectProcess: load and warm up, then one repetition per request line."""
         tune_engine_malloc(malloc_choice())  # as workers/app.py does
         from omni_jobs.engines.ar import AREngine
-        from omni_jobs.local.tiny import resolve_model
 
         self._ar = AREngine(resolve_model(AR_MODEL, self.models_dir),
                             engine_args=ar_engine_args(self.args.batch))
@@ -482,7 +489,6 @@ class Bench:
 
     def _dit(self, model: str, cache: dict[str, Any] | None = None) -> Any:
         from omni_jobs.engines.dit import DiTEngine
-        from omni_jobs.local.tiny import resolve_model
 
         key = f"_dit_{model}_{json.dumps(cache, sort_keys=True)}"
         if not hasattr(self, key):
