@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Iterable
-from functools import cached_property, partial
+from functools import partial
 
 from redis import Redis
 
@@ -28,6 +28,7 @@ from omni_jobs.jobs.watch import followed_jobs
 from omni_jobs.leases import LeaseKeeper, Reaper, lease_owner
 from omni_jobs.limits import Limits
 from omni_jobs.net_guard import NetGuard
+from omni_jobs.once import once_property
 from omni_jobs.outbox import OutboxRelay, Publish
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
 from omni_jobs.queue_depth import queue_depth
@@ -65,11 +66,11 @@ class Runtime:
         self.worker = name
         self._owner = None
 
-    @cached_property
+    @once_property
     def redis(self) -> Redis:
         return Redis.from_url(self.settings.redis_url, health_check_interval=30)
 
-    @cached_property
+    @once_property
     def store(self) -> RedisJobStore:
         s = self.settings
         # Retention deletes a job (and its queue and outbox entries) once it is OMNI_OUTPUT_TTL_S old;
@@ -81,7 +82,7 @@ class Runtime:
             store.publish_in_commit(lambda change: self.scheduler.windows_for(change))
         return store
 
-    @cached_property
+    @once_property
     def ledger(self) -> JobLedger:
         s = self.settings
         policy = RetryPolicy.from_settings(s)
@@ -97,26 +98,26 @@ class Runtime:
         """Reading and changing jobs (the name the API routes use)."""
         return self.ledger
 
-    @cached_property
+    @once_property
     def catalogue(self) -> PipelineCatalogue:
         return load_catalogue(self.settings.pipelines_path)
 
-    @cached_property
+    @once_property
     def artifacts(self) -> ArtifactStore:
         return artifact_store_from_settings(self.settings, redis_client=self.redis)
 
-    @cached_property
+    @once_property
     def engines(self) -> EnginePool:
         s = self.settings
         turns.configure(turns.lock_file(s.engine_turns, s.device))  # engines on shared CPU cores take turns
         return EnginePool(s.models_dir, kv_cache_bytes=s.ar_kv_cache_bytes, max_model_len=s.ar_max_model_len,
                            device=s.device)
 
-    @cached_property
+    @once_property
     def keeper(self) -> LeaseKeeper:
         return LeaseKeeper(self.ledger, every_s=self.settings.lease_s / 3)
 
-    @cached_property
+    @once_property
     def stage_runner(self) -> StageRunner:
         s = self.settings
         limits = StageLimits(soft_time_limit_s=s.stage_soft_time_limit_s, time_limit_s=s.stage_time_limit_s,
@@ -133,14 +134,14 @@ class Runtime:
                            hard_limits=self.hard_time_limits, text_delta_interval_s=s.text_delta_interval_ms / 1000,
                            followed=partial(followed_jobs, self.redis) if s.text_deltas == "followed" else None)
 
-    @cached_property
+    @once_property
     def results(self) -> ResultsAssembler:
         s = self.settings
         return ResultsAssembler(ledger=self.ledger, catalogue=self.catalogue, artifacts=self.artifacts,
                                 keeper=self.keeper, retry_backoff_s=s.stage_retry_backoff_s,
                                 store_wait_s=s.store_wait_s)
 
-    @cached_property
+    @once_property
     def executor(self) -> StepExecutor:
         return StepExecutor(self.stage_runner, self.results, self.webhooks)
 
@@ -156,11 +157,11 @@ class Runtime:
         """Every queue a step of this catalogue can wait on."""
         return {s.queue_name for spec in self.catalogue for s in spec.stages} | {RESULTS_QUEUE, WEBHOOKS_QUEUE}
 
-    @cached_property
+    @once_property
     def scheduler(self) -> Scheduler:
         return Scheduler(self.store, lambda: queue_capacity(self.redis), slack=self.settings.scheduler_slack)
 
-    @cached_property
+    @once_property
     def quotas(self) -> Quotas:
         s = self.settings
 
@@ -169,7 +170,7 @@ class Runtime:
 
         return Quotas(read, QuotaDefaults(max_active=s.tenant_max_active, per_minute=s.tenant_jobs_per_minute))
 
-    @cached_property
+    @once_property
     def reaper(self) -> Reaper:
         s = self.settings
         return Reaper(self.ledger, self.store, owner=self.worker, queues=self.queues,
@@ -177,14 +178,14 @@ class Runtime:
                       dispatch_timeout_s=s.dispatch_timeout_s,
                       backlog_timeout_s=s.visibility_timeout_s, interval_s=s.reaper_interval_s)
 
-    @cached_property
+    @once_property
     def broker_redis(self) -> Redis:
         """The Celery broker's Redis (the same server unless OMNI_BROKER_URL says otherwise)."""
         if self.settings.effective_broker_url == self.settings.redis_url:
             return self.redis
         return Redis.from_url(self.settings.effective_broker_url)
 
-    @cached_property
+    @once_property
     def submitter(self) -> JobSubmitter:
         s = self.settings
         admission = Admission(self.store, s.max_queued_per_queue, s.overload_retry_after_s)
@@ -199,7 +200,7 @@ class Runtime:
         return present_job(job, public_url=s.public_url, artifacts=self.artifacts,
                            presign=s.output_urls == "presigned", queue_position=queue_position)
 
-    @cached_property
+    @once_property
     def webhook_signer(self) -> WebhookSigner | None:
         """Signs with OMNI_WEBHOOK_SECRET (None when unset); ValueError, never quoting it, when malformed."""
         secret = self.settings.webhook_secret
@@ -210,7 +211,7 @@ class Runtime:
         except ValueError as exc:
             raise ValueError(f"OMNI_WEBHOOK_SECRET is malformed: {exc}") from None
 
-    @cached_property
+    @once_property
     def webhooks(self) -> WebhookDeliverer:
         """Makes webhook delivery attempts (the webhooks worker)."""
         s = self.settings
@@ -222,7 +223,7 @@ class Runtime:
                                 policy=RetryPolicy.from_settings(s), timeout_s=s.webhook_timeout_s,
                                 guard=self.net_guard, keeper=self.keeper, store_wait_s=s.store_wait_s)
 
-    @cached_property
+    @once_property
     def net_guard(self) -> NetGuard:
         """SSRF guard of webhook URLs (submit and delivery), with OMNI_WEBHOOK_ALLOW_HOSTS."""
         return NetGuard(allow_hosts=tuple(self.settings.webhook_allow_hosts))
