@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from omni_jobs.engines.allocator import MallocChoice
+
 MiB = 1024 * 1024
 
 
@@ -82,7 +84,7 @@ class Settings(BaseSettings):
         "auto", description="Engines of one host's workers take turns at its CPU cores, one step at a time, instead of "
         "slowing each other down: auto (when the engines run on the CPU), off, or the path of the lock file they "
         "share (default /dev/shm/omni-jobs-engine-turns; see omni_jobs.engines.turns).")
-    engine_malloc: Literal["auto", "tcmalloc", "glibc", "system"] = Field(
+    engine_malloc: MallocChoice = Field(
         "auto", description="The malloc of engine processes (omni_jobs.engines.allocator): auto (tcmalloc where "
         "installed, else glibc's with fixed thresholds: a DiT batch on the CPU faults its activations in again at every "
         "step without either; 1.07x faster tuned, 1.16x with tcmalloc), tcmalloc "

@@ -27,12 +27,12 @@ import logging
 import os
 from collections.abc import MutableMapping
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 log = logging.getLogger(__name__)
 
 MallocChoice = Literal["auto", "tcmalloc", "glibc", "system"]
-CHOICES: tuple[MallocChoice, ...] = ("auto", "tcmalloc", "glibc", "system")
+CHOICES: tuple[MallocChoice, ...] = get_args(MallocChoice)
 ENV_VAR = "OMNI_ENGINE_MALLOC"
 
 TCMALLOC_LIBRARIES = ("tcmalloc_minimal", "tcmalloc")
