@@ -23,6 +23,7 @@ from celery.exceptions import Reject
 
 from omni_jobs import metrics
 from omni_jobs.engines.batching import arrivals
+from omni_jobs.engines.gloo_device import destroy_process_groups
 from omni_jobs.engines.model_source import load_model_sources
 from omni_jobs.engines.stage_exec import load_stage_engine
 from omni_jobs.errors import StoreUnavailable
@@ -155,6 +156,7 @@ def on_worker_shutdown(**_: Any) -> None:
     if isinstance(stop, threading.Event):
         stop.set()
         unregister_worker(runtime().redis, str(_heartbeat["name"]))
+    destroy_process_groups()  # the AR engine's gloo groups, before the interpreter's teardown
 
 
 _heartbeat: dict[str, object] = {}

