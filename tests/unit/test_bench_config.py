@@ -56,3 +56,19 @@ def test_system_over_direct_splits_into_the_cpu_used_and_the_cores_kept_busy() -
     cpu, busy = _cpu_split(system, direct, 64)
     assert cpu == pytest.approx(18.5 / 20.9) and busy == pytest.approx((20.9 / 11) / (18.5 / 10))
     assert cpu * busy == pytest.approx(10 / 11)  # system/direct, as jobs/s
+
+
+def test_the_gpu_benchmarks_pipelines_are_valid_dit_specs_on_the_system_queues() -> None:
+    from bench.gpu_dit import SYSTEM_QUEUES, pipeline_name
+    from bench.gpu_dit import pipelines as gpu_pipelines
+
+    made = gpu_pipelines("tiny:bench-pixart-sigma", [256, 512], batch=32, steps=20, dtype="bfloat16")
+    specs = [parse_pipeline(p, source=p["name"]) for p in made]
+    assert [s.name for s in specs] == [pipeline_name(256), pipeline_name(512)]
+    for spec, size in zip(specs, (256, 512), strict=True):
+        (stage,) = spec.stages
+        assert (stage.engine, stage.queue, stage.batching.max_batch_size) == ("dit", "dit", 32)
+        assert stage.queue in SYSTEM_QUEUES and "ar" not in SYSTEM_QUEUES  # no vLLM on the GPU host
+        assert stage.engine_args["torch_dtype"] == "bfloat16"
+        assert (stage.defaults["height"], stage.defaults["width"]) == (size, size)
+    assert "bench-pixart-sigma" in tiny.BENCH_MODELS
