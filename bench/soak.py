@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -142,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     succeeded = statuses.get("succeeded", 0) == args.jobs
     if not succeeded:
         print(f"not every job succeeded: {statuses}")
-    return 0 if ok and succeeded else 1
+    if ok and succeeded:
+        shutil.rmtree(home, ignore_errors=True)  # ~60 MB of outputs, AOF and logs per run
+        return 0
+    print(f"kept for a look: {home} (logs/, the Redis AOF, the outputs)")
+    return 1
 
 
 if __name__ == "__main__":
