@@ -31,6 +31,7 @@ from typing import Any
 from bench.run import ROOT, Arm, Bench, prompts
 from omni_jobs.engines.batching import BatchPolicy, dit_batcher
 from omni_jobs.engines.dit import DiTEngine, DiTRequest
+from omni_jobs.jobs.models import Job
 from omni_jobs.local.tiny import resolve_model
 
 SYSTEM_QUEUES = {"dit": "threads", "results": "solo", "webhooks": "threads"}
@@ -51,6 +52,20 @@ def pipelines(model: str, sizes: list[int], batch: int, steps: int, dtype: str) 
              "outputs": [{"name": "image", "from": "dit.image"}]} for size in sizes]
 
 
+def waits(jobs: list[Job]) -> dict[str, float]:
+    """Where the system's jobs waited, from their own records (ms): created to the stage's start (the
+    API, the relay, the broker, the worker's receipt and lease), p50 and max; and the stage's end to
+    the job's completion (the results step, inline or not), p50 and max."""
+    def pct(values: list[float], q: float) -> float:
+        values = sorted(values)
+        return 1000 * values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+    to_start = [j.stages[0].started_at - j.created_at for j in jobs if j.stages[0].started_at]
+    to_done = [j.completed_at - j.stages[-1].finished_at for j in jobs if j.completed_at and j.stages[-1].finished_at]
+    return {"to_start_p50": pct(to_start, 0.5), "to_start_max": pct(to_start, 1.0),
+            "after_stage_p50": pct(to_done, 0.5), "after_stage_max": pct(to_done, 1.0)}
+
+
 def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -65,6 +80,8 @@ class GpuRow:
         self.batcher = dit_batcher(engine, BatchPolicy(max_batch_size=args.batch, wait_ms=20))
         self.images_per_s: dict[str, list[float]] = {}
         self.system = Arm()
+        self.waits: list[dict[str, float]] = []
+        """Per system repetition, where a job's time went before and after its engine call (ms)."""
 
     def requests(self, rep: int) -> list[DiTRequest]:
         """The repetition's images: the system arm's prompts (bench.run.prompts), image i seeded i."""
@@ -90,7 +107,8 @@ class GpuRow:
 
         def system(rep: int) -> float:
             assert self.bench is not None
-            self.bench.system_rep(pipeline_name(self.size), rep, self.system)
+            jobs = self.bench.system_rep(pipeline_name(self.size), rep, self.system)
+            self.waits.append(waits(jobs))
             return self.args.jobs / self.system.jobs_per_s[-1]  # first job created to last completed
 
         out: dict[str, Callable[[int], float]] = {"direct": direct, "batcher": batcher}
@@ -139,6 +157,7 @@ class GpuRow:
             out["system_extra_ms_per_image"] = 1000 * (1 / per_s["system"] - 1 / per_s["direct"])
             out["system"] = self.system.summary()
             out["system"]["batch_mean"] = self.system.batch_mean
+            out["system"]["waits_ms"] = self.waits
         print(f"  {self.size}px: " + ", ".join(f"{k} {v:.1f}" for k, v in per_s.items()) + " images/s | "
               + ", ".join(f"{k} {v:.3f}" for k in ("batch_over_sequential", "batcher_over_direct", "system_over_direct")
                           if (v := out[k]) is not None), flush=True)
@@ -146,6 +165,9 @@ class GpuRow:
             print(f"  system: {out['system_extra_ms_per_image']:.2f} ms more per image than direct; "
                   f"job p50 {out['system']['p50_s']:.2f} s, mean batch {self.system.batch_mean.get('dit')} "
                   f"({n} jobs)", flush=True)
+            print("  system waits per rep (ms), created -> stage start p50/max, stage end -> job done p50/max: "
+                  + "; ".join(f"{w['to_start_p50']:.0f}/{w['to_start_max']:.0f}, {w['after_stage_p50']:.0f}/"
+                              f"{w['after_stage_max']:.0f}" for w in self.waits), flush=True)
         return out
 
 

@@ -72,3 +72,17 @@ def test_the_gpu_benchmarks_pipelines_are_valid_dit_specs_on_the_system_queues()
         assert stage.engine_args["torch_dtype"] == "bfloat16"
         assert (stage.defaults["height"], stage.defaults["width"]) == (size, size)
     assert "bench-pixart-sigma" in tiny.BENCH_MODELS
+
+
+def test_the_gpu_benchmark_reads_where_jobs_waited_from_their_records() -> None:
+    from bench.gpu_dit import waits
+    from omni_jobs.jobs.models import Job, StageRecord
+
+    def job(created: float, started: float, finished: float, completed: float) -> Job:
+        record = StageRecord(id="dit", engine="dit", queue="dit", started_at=started, finished_at=finished)
+        return Job(id=f"job_{created}", pipeline="g", input={}, stages=[record], created_at=created,
+                   completed_at=completed)
+
+    jobs = [job(0.0, 0.010, 1.0, 1.002), job(0.1, 0.130, 1.0, 1.004), job(0.2, 0.600, 1.0, 1.001)]
+    assert waits(jobs) == pytest.approx({"to_start_p50": 30.0, "to_start_max": 400.0,
+                                         "after_stage_p50": 2.0, "after_stage_max": 4.0})
