@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.run import ROOT, Arm, Bench, prompts
+from bench.run import ROOT, Arm, Bench, _pct, generate_images, prompts
 from omni_jobs.engines.allocator import engine_process_env, loaded_tcmalloc, malloc_choice, tune_engine_malloc
 from omni_jobs.engines.batching import BatchPolicy, dit_batcher
 from omni_jobs.engines.dit import DiTEngine, DiTRequest
@@ -60,14 +60,14 @@ def waits(jobs: list[Job]) -> dict[str, float]:
     """Where the system's jobs waited, from their own records (ms): created to the stage's start (the
     API, the relay, the broker, the worker's receipt and lease), p50 and max; and the stage's end to
     the job's completion (the results step, inline or not), p50 and max."""
-    def pct(values: list[float], q: float) -> float:
-        values = sorted(values)
-        return 1000 * values[min(len(values) - 1, round(q * (len(values) - 1)))]
+    def ms(values: list[float], p: int) -> float:
+        value = _pct(values, p)
+        return float("nan") if value is None else 1000 * value
 
     to_start = [j.stages[0].started_at - j.created_at for j in jobs if j.stages[0].started_at]
     to_done = [j.completed_at - j.stages[-1].finished_at for j in jobs if j.completed_at and j.stages[-1].finished_at]
-    return {"to_start_p50": pct(to_start, 0.5), "to_start_max": pct(to_start, 1.0),
-            "after_stage_p50": pct(to_done, 0.5), "after_stage_max": pct(to_done, 1.0)}
+    return {"to_start_p50": ms(to_start, 50), "to_start_max": ms(to_start, 100),
+            "after_stage_p50": ms(to_done, 50), "after_stage_max": ms(to_done, 100)}
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -106,13 +106,15 @@ class GpuRow:
         """Arm name -> one repetition of it, returning its seconds."""
         batch = self.args.batch
 
+        def images(rep: int, per_call: int) -> float:
+            texts = prompts(self.args.jobs, rep)  # self.requests(rep)'s images, by direct engine calls
+            return _on_this_thread(lambda: generate_images(self.engine, texts, self.size, self.args.steps, per_call))
+
         def sequential(rep: int) -> float:
-            reqs = self.requests(rep)
-            return _on_this_thread(lambda: [self.engine.generate([r]) for r in reqs])
+            return images(rep, 1)
 
         def direct(rep: int) -> float:
-            reqs = self.requests(rep)
-            return _on_this_thread(lambda: [self.engine.generate(reqs[i:i + batch]) for i in range(0, len(reqs), batch)])
+            return images(rep, batch)
 
         def batcher(rep: int) -> float:
             reqs = self.requests(rep)
