@@ -37,7 +37,7 @@ import redis
 
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.store import RedisJobStore
-from omni_jobs.local.devservices import RunningService, free_port, start_redis
+from omni_jobs.local.devservices import RunningService, exit_on_sigterm, free_port, start_redis
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.submission import build_job, resolve_params
 
@@ -150,6 +150,7 @@ def _start_api(redis_url: str, wait_replicas: int, home: Path) -> RunningService
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # a kill stops what it started (the finally blocks, atexit)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=600, help="submissions per arm and repetition")
     parser.add_argument("--reps", type=int, default=3)

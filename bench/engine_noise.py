@@ -25,6 +25,7 @@ from contextlib import contextmanager
 
 from bench.run import DIT_SMALL, ROOT
 from omni_jobs.engines.dit import DiTEngine, DiTRequest
+from omni_jobs.local.devservices import exit_on_sigterm
 from omni_jobs.local.tiny import ensure_tiny_model, resolve_model
 
 NOISE = """import time
@@ -63,6 +64,7 @@ def run(engine: DiTEngine, split: Sequence[int], steps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # a kill stops what it started (the finally blocks, atexit)
     p = argparse.ArgumentParser(prog="python -m bench.engine_noise", description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=20)

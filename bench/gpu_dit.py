@@ -36,6 +36,7 @@ from omni_jobs.engines.dit import DiTEngine, DiTRequest
 from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.engines.openmp import release_thread_team
 from omni_jobs.jobs.models import Job
+from omni_jobs.local.devservices import exit_on_sigterm
 from omni_jobs.local.tiny import resolve_model
 
 SYSTEM_QUEUES = {"dit": "threads", "results": "solo", "webhooks": "threads"}
@@ -225,6 +226,7 @@ def as_engine_process() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     as_engine_process()
+    exit_on_sigterm()  # a kill stops the system it started (the finally blocks, atexit)
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -43,6 +43,7 @@ from omni_jobs.engines.allocator import engine_process_env, malloc_choice, tune_
 from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.local.devservices import exit_on_sigterm
 from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.local.tiny import resolve_model
 from omni_jobs.settings import Settings
@@ -801,6 +802,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # a kill stops what it started (the finally blocks, atexit)
     args = parse(argv)
     bench = Bench(args)
     if args.direct:

@@ -33,7 +33,7 @@ from omni_jobs.jobs import codec
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import EventType, Job, JobEvent, JobOutput, JobStatus, StageStatus, new_job_id, now
 from omni_jobs.jobs.store import RedisJobStore
-from omni_jobs.local.devservices import RunningService, free_port, start_redis
+from omni_jobs.local.devservices import RunningService, exit_on_sigterm, free_port, start_redis
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.retention import cleanup
 from omni_jobs.submission import build_job, resolve_params
@@ -120,6 +120,7 @@ def start_api(redis_url: str, home: Path) -> RunningService:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # a kill stops what it started (the finally blocks, atexit)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1000,100000,1000000")
     parser.add_argument("--samples", type=int, default=200)

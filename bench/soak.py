@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 
 from bench.procfs import memory_mib
+from omni_jobs.local.devservices import exit_on_sigterm
 from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.settings import Settings
 
@@ -118,6 +119,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # a kill stops what it started (the finally blocks, atexit)
     args = parse(argv)
     if not 0 < args.warm < args.jobs:
         raise SystemExit("--warm must be between 0 and --jobs")

@@ -50,7 +50,7 @@ import redis
 from bench.procfs import cpu_s
 from omni_jobs import keys
 from omni_jobs.auth import ApiKeys
-from omni_jobs.local.devservices import RunningService, free_port, start_redis
+from omni_jobs.local.devservices import RunningService, exit_on_sigterm, free_port, start_redis
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = {"idle": "idle (no persistence, workers stopped)",
@@ -209,6 +209,7 @@ def _wait_running(redis_url: str, timeout_s: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # a kill stops what it started (the finally blocks, atexit)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per arm and repetition")
     parser.add_argument("--warmup", type=float, default=3.0)

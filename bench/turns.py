@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from bench.run import AR_MODEL, DIT_SMALL, ROOT, DirectProcess, _reply, ar_engine_args, generate_images, prompts
+from omni_jobs.local.devservices import exit_on_sigterm
 
 JOBS = 64
 BATCH = 32
@@ -87,6 +88,7 @@ def one_rep(children: dict[str, DirectProcess], arm: str, seed: int, turns_file:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # a kill stops what it started (the finally blocks, atexit)
     p = argparse.ArgumentParser(prog="python -m bench.turns", description=__doc__.split("\n\n")[0])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--child", choices=("ar", "dit"), help=argparse.SUPPRESS)

@@ -29,7 +29,7 @@ from omni_jobs.jobs.ledger import Acquired, JobLedger
 from omni_jobs.jobs.models import EventType, Job, StageRecord, new_job_id, now
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.json_types import JsonObject
-from omni_jobs.local.devservices import start_redis
+from omni_jobs.local.devservices import exit_on_sigterm, start_redis
 from omni_jobs.scheduling import Scheduler
 
 
@@ -58,6 +58,7 @@ def median_ms(call: Callable[[], object], reps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_on_sigterm()  # a kill stops what it started (the finally blocks, atexit)
     p = argparse.ArgumentParser(prog="python -m bench.worker_writes", description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, default=64, help="running stages of one worker (default 64)")
     p.add_argument("--reps", type=int, default=20, help="timed repetitions per arm (default 20)")

@@ -163,6 +163,21 @@ def _stop_all() -> None:
         service.stop(timeout_s=3.0)
 
 
+def exit_on_sigterm() -> None:
+    """Let SIGTERM end this process as Ctrl-C does: through its ``finally`` blocks and atexit, which
+    stop the services it started. SIGTERM's default action ends the process at once, so a benchmark
+    stopped with ``kill`` left its Redis, API and workers running, orphaned (and taking the CPU from
+    the next run). For the main thread of a launcher (the benchmarks); a handler already set is kept.
+    Not for a test process: there the SystemExit would end a test, not the session. A SIGKILL still
+    orphans the children."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _exit_on_signal)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def _start_on_free_port(make: Callable[[int], RunningService], port: int | None) -> RunningService:
     """Start on ``port``, or on a free port, retrying if another process grabbed it first."""
     if port is not None:
