@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -29,11 +28,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench.run import ROOT, Arm, Bench, _pct, generate_images, prompts
-from omni_jobs.engines.allocator import engine_process_env, loaded_tcmalloc, malloc_choice, tune_engine_malloc
+from bench.run import ROOT, Arm, Bench, _pct, as_engine_process, generate_images, prompts
 from omni_jobs.engines.batching import BatchPolicy, dit_batcher
 from omni_jobs.engines.dit import DiTEngine, DiTRequest
-from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.engines.openmp import release_thread_team
 from omni_jobs.jobs.models import Job
 from omni_jobs.local.devservices import exit_on_sigterm
@@ -209,18 +206,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     # what bench.run's Bench reads
     args.ar_tokens, args.redis_fsync, args.ab = 16, "always", None
     return args
-
-
-def as_engine_process() -> None:
-    """Run this driver, whose engine is the direct and batcher arms, as the system's workers run theirs:
-    the same engine library settings, set before torch loads, and the same malloc (tcmalloc preloaded
-    where installed, so this process starts again once with it; else glibc's thresholds). Without
-    this, on the CPU, the direct arm here ran at 20 images/s where bench.run's direct child ran 25."""
-    env = engine_process_env(apply_engine_library_defaults(dict(os.environ)))
-    if env.get("LD_PRELOAD", "") != os.environ.get("LD_PRELOAD", "") and not loaded_tcmalloc():
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], dict(env))  # this same command
-    apply_engine_library_defaults()
-    tune_engine_malloc(malloc_choice())
 
 
 def main(argv: list[str] | None = None) -> int:

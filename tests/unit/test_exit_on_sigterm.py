@@ -12,16 +12,18 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
 LAUNCHER = textwrap.dedent("""
     import sys, time
+    from pathlib import Path
     from omni_jobs.local.devservices import RunningService, exit_on_sigterm
     if sys.argv[1] == "on":
         exit_on_sigterm()
     service = RunningService("sleeper", [sys.executable, "-c", "import time; time.sleep(120)"], 0, "-",
-                             lambda: True, log_path=__import__("pathlib").Path(sys.argv[2]), start_timeout_s=10)
+                             lambda: True, log_path=Path(sys.argv[2]), start_timeout_s=10)
     service.start()
     try:
         print(service.pid, flush=True)
@@ -40,8 +42,8 @@ def _alive(pid: int) -> bool:
         return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def _launch(mode: str, tmp_path: object) -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, mode, str(tmp_path) + "/sleeper.log"],
+def _launch(mode: str, tmp_path: Path) -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, mode, str(tmp_path / "sleeper.log")],
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     child = int(proc.stdout.readline())
@@ -50,7 +52,7 @@ def _launch(mode: str, tmp_path: object) -> tuple[subprocess.Popen[str], int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_sigterm_runs_finally_and_stops_the_children(tmp_path: object) -> None:
+def test_sigterm_runs_finally_and_stops_the_children(tmp_path: Path) -> None:
     proc, child = _launch("on", tmp_path)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=30)
@@ -63,7 +65,7 @@ def test_sigterm_runs_finally_and_stops_the_children(tmp_path: object) -> None:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_without_it_sigterm_orphans_the_children(tmp_path: object) -> None:
+def test_without_it_sigterm_orphans_the_children(tmp_path: Path) -> None:
     """Why the benchmarks call it: the default action ends the launcher and leaves its service."""
     proc, child = _launch("off", tmp_path)
     try:
