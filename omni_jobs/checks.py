@@ -189,14 +189,32 @@ def _redact(url: str) -> str:
     return url
 
 
-def check_redis(client: redis.Redis, *, name: str = "redis", url: str = "") -> Check:
+def check_redis(client: redis.Redis, *, name: str = "redis", url: str = "", wait_aof: bool = False) -> Check:
+    """Redis answers; with ``wait_aof`` (OMNI_REDIS_WAIT_AOF) it can also WAITAOF, which a durable
+    submit needs (Redis >= 7.2 or Valkey, with appendonly yes): where it cannot, every submit would
+    answer 503."""
     try:
         client.ping()
         info = client.info("server")
         version = info.get("redis_version", "?") if isinstance(info, dict) else "?"
+        if isinstance(info, dict) and info.get("valkey_version"):
+            version = f"{version}, Valkey {info['valkey_version']}"
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
         return Check("services", name, False, f"{_redact(url)} unreachable: {exc}",
                      "start Redis or fix OMNI_REDIS_URL / OMNI_BROKER_URL (host, port, password)")
+    if wait_aof:
+        from redis.exceptions import ResponseError
+
+        try:
+            client.execute_command("WAITAOF", 1, 0, 100)  # type: ignore[no-untyped-call]  # redis-py has no waitaof()
+        except ResponseError as exc:
+            return Check("services", name, False, f"{_redact(url)} (Redis {version}) cannot WAITAOF: {exc}",
+                         "OMNI_REDIS_WAIT_AOF=true needs Redis >= 7.2 or Valkey with appendonly yes; or set "
+                         "OMNI_REDIS_WAIT_AOF=false and run Redis with appendfsync always")
+        except Exception as exc:  # noqa: BLE001 - any failure is the answer
+            return Check("services", name, False, f"{_redact(url)} unreachable: {exc}",
+                         "start Redis or fix OMNI_REDIS_URL / OMNI_BROKER_URL (host, port, password)")
+        return Check("services", name, True, f"{_redact(url)} (Redis {version}; submits wait for its AOF)")
     return Check("services", name, True, f"{_redact(url)} (Redis {version})")
 
 

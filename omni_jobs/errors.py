@@ -107,11 +107,17 @@ class StoreUnavailable(OmniError):
 
 
 class NotDurable(OmniError):
-    """A write reached the primary but not the replicas it must reach before it is acknowledged."""
+    """A write reached the primary but not where it must be before it is acknowledged: its replicas
+    (OMNI_REDIS_WAIT_REPLICAS) or its disk (OMNI_REDIS_WAIT_AOF)."""
 
-    def __init__(self, acked: int, wanted: int, timeout_ms: int) -> None:
-        super().__init__(f"the job store's write reached {acked} of {wanted} replica(s) within {timeout_ms} ms "
-                         "(OMNI_REDIS_WAIT_REPLICAS); retry with the same Idempotency-Key")
+    def __init__(self, acked: int, wanted: int, timeout_ms: int, *, disk: str | None = None) -> None:
+        """``disk``: the write was not on the primary's disk (why: a timeout, or the server's error)."""
+        if disk is not None:
+            super().__init__(f"the job store's write was not on Redis's disk (OMNI_REDIS_WAIT_AOF): {disk}; "
+                             "retry with the same Idempotency-Key")
+        else:
+            super().__init__(f"the job store's write reached {acked} of {wanted} replica(s) within {timeout_ms} ms "
+                             "(OMNI_REDIS_WAIT_REPLICAS); retry with the same Idempotency-Key")
 
 
 class QuotaExceeded(OmniError):

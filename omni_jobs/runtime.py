@@ -76,7 +76,7 @@ class Runtime:
         # Retention deletes a job (and its queue and outbox entries) once it is OMNI_OUTPUT_TTL_S old;
         # its keys expire a day later by themselves, should no cleanup run.
         store = RedisJobStore(self.redis, ttl_s=s.output_ttl_s + 24 * 3600, wait_replicas=s.redis_wait_replicas,
-                              wait_timeout_ms=s.redis_wait_timeout_ms,
+                              wait_timeout_ms=s.redis_wait_timeout_ms, wait_aof=s.redis_wait_aof,
                               broker_templates=broker_message_templates() if s.publishes_in_commit else None)
         if s.publishes_in_commit:  # the broker is this Redis: a commit runs the scheduler's pass and publishes
             store.publish_in_commit(lambda change: self.scheduler.windows_for(change))

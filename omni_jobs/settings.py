@@ -33,8 +33,13 @@ class Settings(BaseSettings):
     redis_wait_replicas: int = Field(
         0, ge=0, description="A submit is answered 202 only once this many Redis replicas have the job (WAIT); "
         "0 relies on the primary's AOF with appendfsync always (README \"Reliability\").")
-    redis_wait_timeout_ms: int = Field(1000, gt=0, description="How long a submit waits for those replicas "
-                                       "before answering 503.")
+    redis_wait_aof: bool = Field(
+        False, description="A submit is answered 202 only once Redis's AOF has the job on disk (WAITAOF; Redis >= 7.2 "
+        "or Valkey, with appendonly yes). Then Redis can run appendfsync everysec: only submits wait for the disk, "
+        "every other write answers at once (README \"Reliability\"). `omni-jobs up` turns it on where its server "
+        "can.")
+    redis_wait_timeout_ms: int = Field(1000, gt=0, description="How long a submit waits for those replicas (or "
+                                       "the disk) before answering 503.")
 
     # --- Artifacts ---
     artifact_backend: Literal["local", "s3"] = Field(

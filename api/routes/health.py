@@ -50,7 +50,7 @@ def readyz(ctx: Annotated[ApiContext, Depends(get_context)], request: Request, r
            ) -> dict[str, Any]:
     rt = ctx.runtime
     settings = rt.settings
-    checks: list[Check] = [check_redis(rt.redis, url=settings.redis_url)]
+    checks: list[Check] = [check_redis(rt.redis, url=settings.redis_url, wait_aof=settings.redis_wait_aof)]
     if settings.effective_broker_url != settings.redis_url:
         checks.append(check_redis(rt.broker_redis, name="broker", url=settings.effective_broker_url))
     checks.append(check_artifact_store(_probe(request, ctx), where=describe_backend(settings)))

@@ -46,7 +46,7 @@ def run_doctor(settings: Settings, *, services: bool = True, devices: bool = Tru
         return report
     state = redis_lib.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
     try:
-        redis_check = check_redis(state, url=settings.redis_url)
+        redis_check = check_redis(state, url=settings.redis_url, wait_aof=settings.redis_wait_aof)
         report.checks.append(redis_check)
         if settings.effective_broker_url != settings.redis_url:
             broker = redis_lib.Redis.from_url(settings.effective_broker_url, socket_connect_timeout=2, socket_timeout=5)

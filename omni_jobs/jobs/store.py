@@ -400,10 +400,14 @@ class RedisJobStore:
     """Jobs as hashes, events as streams, the outbox and leases as sorted sets, in one Redis."""
 
     def __init__(self, client: redis.Redis, *, ttl_s: int, events_maxlen: int = 2000, wait_replicas: int = 0,
-                 wait_timeout_ms: int = 1000, async_client: Callable[[], aioredis.Redis] | None = None,
+                 wait_timeout_ms: int = 1000, wait_aof: bool = False,
+                 async_client: Callable[[], aioredis.Redis] | None = None,
                  broker_templates: Mapping[str, str] | None = None) -> None:
         """``wait_replicas``: a durable change (a submit) is acknowledged only once this many replicas
         have it (Redis WAIT); 0 relies on the primary's own AOF (``appendfsync always``).
+        ``wait_aof``: a durable change is acknowledged only once the primary's AOF has it on disk
+        (WAITAOF, Redis >= 7.2 or Valkey), so the server can run ``appendfsync everysec``: only a submit
+        waits for the disk, and every other write (a stage starting, progress, a result) answers at once.
         ``async_client``: makes the redis.asyncio client of the ``a*`` methods, one per event loop
         (its connections belong to the loop that made them); default: the same server as ``client``.
         ``broker_templates``: this Redis (this database) is also the Celery broker, and these are the
@@ -422,6 +426,7 @@ class RedisJobStore:
         self.events_maxlen = events_maxlen
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
+        self.wait_aof = wait_aof
         self._commit = client.register_script(self._commit_source)
         self._claim = client.register_script(_CLAIM)
         self._release = client.register_script(_RELEASE)
@@ -515,26 +520,59 @@ class RedisJobStore:
             assert isinstance(pairs, list) and isinstance(full, list)
             change.passed = self._release_pass(spec[1], spec[2], pairs, full, _int(sent))
 
+    def _waits(self, change: Change) -> bool:
+        """Whether this change is acknowledged only once its replicas or the disk have it."""
+        return change.durable and (self.wait_replicas > 0 or self.wait_aof)
+
+    def _wait_for_durability(self, pipe: Pipeline) -> None:
+        """After a durable change's script, in the same round trip: WAIT for the replicas, WAITAOF for
+        the primary's disk (numlocal 1: its own AOF fsynced past this connection's last write)."""
+        if self.wait_replicas > 0:
+            pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+        if self.wait_aof:
+            pipe.execute_command("WAITAOF", 1, 0, self.wait_timeout_ms)
+
+    def _check_durability(self, reply: ScriptReply, waited: Sequence[object]) -> None:
+        """Raise NotDurable if an applied change did not reach its replicas or the disk in time. A
+        refused change wrote nothing: there is nothing to wait for. A server that cannot WAITAOF (Redis
+        < 7.2, or AOF off) answers an error here: the change was applied, so the client's retry with its
+        Idempotency-Key finds it; ``omni-jobs doctor`` and /readyz name the setting to fix."""
+        if _int(reply[0]) != 1:
+            return
+        rest = list(waited)
+        if self.wait_replicas > 0:
+            acked = int(str(rest.pop(0)))
+            if acked < self.wait_replicas:
+                raise NotDurable(acked, self.wait_replicas, self.wait_timeout_ms)
+        if self.wait_aof:
+            answer = rest.pop(0)
+            if isinstance(answer, Exception):
+                raise NotDurable(0, 1, self.wait_timeout_ms, disk=f"the server answered: {answer}")
+            assert isinstance(answer, list)
+            if int(answer[0]) < 1:
+                raise NotDurable(0, 1, self.wait_timeout_ms,
+                                 disk=f"its AOF was not fsynced within {self.wait_timeout_ms} ms")
+
     def commit(self, change: Change) -> Conflict | None:
         spec = self._pass_spec(change)
         args = [change.wire(), spec[0]]
-        if change.durable and self.wait_replicas > 0:
+        if self._waits(change):
             with self.redis.pipeline(transaction=False) as pipe:
                 self._commit(args=args, client=pipe)
-                pipe.wait(self.wait_replicas, self.wait_timeout_ms)
-                replies = pipe.execute()
+                self._wait_for_durability(pipe)
+                replies = pipe.execute(raise_on_error=False)
             reply: ScriptReply = replies[0]
-            acked = int(replies[1])
-            if _int(reply[0]) == 1 and acked < self.wait_replicas:
-                raise NotDurable(acked, self.wait_replicas, self.wait_timeout_ms)
+            if isinstance(reply, Exception):
+                raise reply
+            self._check_durability(reply, replies[1:])
         else:
             reply = self._commit(args=args)
         self._passed(change, spec, reply)
         return self._conflict(change, reply)
 
     def commit_each(self, changes: Sequence[Change]) -> list[Conflict | None]:
-        if any(c.durable for c in changes) and self.wait_replicas > 0:
-            return [self.commit(c) for c in changes]  # each waits for its replicas
+        if any(self._waits(c) for c in changes):
+            return [self.commit(c) for c in changes]  # each waits for its replicas or the disk
         if not changes:
             return []
         sha = self._commit.sha
@@ -586,14 +624,14 @@ class RedisJobStore:
 
     async def acommit_placed(self, change: Change, job: Job | None) -> tuple[Conflict | None, int | None]:
         """One EVALSHA of the commit script that also reads the job's queue position after the write
-        (pipelined with WAIT when the change must reach replicas): one round trip, one command. The
+        (pipelined with WAIT / WAITAOF when the change must reach replicas or the disk): one round trip, one command. The
         script is not registered with a pipeline, which would cost a SCRIPT EXISTS round trip per
         call: a server that lacks it (restarted) answers NOSCRIPT, nothing ran, and the call goes
         again after loading it."""
         client, script = self._aclient()
         record = waiting_stage(job) if job is not None else None
         place = jsontext.dumps(position_keys(job, record) if job is not None and record is not None else [])
-        wait = change.durable and self.wait_replicas > 0
+        wait = self._waits(change)
         wire, spec = change.wire(), self._pass_spec(change)
         reply: ScriptReply = []
         for attempt in range(2):
@@ -601,11 +639,12 @@ class RedisJobStore:
                 if wait:
                     async with client.pipeline(transaction=False) as pipe:
                         pipe.evalsha(script.sha, 0, wire, spec[0], place)
-                        pipe.wait(self.wait_replicas, self.wait_timeout_ms)
-                        replies = await pipe.execute()
-                    reply, acked = replies[0], int(replies[1])
-                    if _int(reply[0]) == 1 and acked < self.wait_replicas:
-                        raise NotDurable(acked, self.wait_replicas, self.wait_timeout_ms)
+                        self._wait_for_durability(pipe)
+                        replies = await pipe.execute(raise_on_error=False)
+                    if isinstance(replies[0], Exception):
+                        raise replies[0]
+                    reply = replies[0]
+                    self._check_durability(reply, replies[1:])
                 else:
                     reply = await client.evalsha(script.sha, 0, wire, spec[0], place)
                 break
