@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import socket
@@ -26,6 +27,8 @@ from types import TracebackType
 from typing import Self
 
 REDIS_INSTALL_HINT = "install it with `apt-get install -y redis-server`"
+VALKEY_INSTALL_HINT = ("install Valkey with `apt-get install -y valkey-server` (Debian 12: from bookworm-backports; "
+                       "scripts/bootstrap does it)")
 MOTO_INSTALL_HINT = "install it with `pip install 'moto[server]'`"
 
 _running: set[RunningService] = set()
@@ -203,24 +206,53 @@ def _redis_ping(port: int) -> bool:
         return False
 
 
+def _find_binary(name: str) -> str | None:
+    """``name`` on PATH, then in /usr/bin and /usr/local/bin."""
+    return shutil.which(name) or next(
+        (p for p in (f"/usr/bin/{name}", f"/usr/local/bin/{name}") if os.access(p, os.X_OK)), None
+    )
+
+
 def find_redis_server() -> str:
     """Path of redis-server (PATH, then /usr/bin, /usr/local/bin); a clear error otherwise."""
-    found = shutil.which("redis-server") or next(
-        (p for p in ("/usr/bin/redis-server", "/usr/local/bin/redis-server") if os.access(p, os.X_OK)), None
-    )
+    found = _find_binary("redis-server")
     if found is None:
         raise ServiceError(f"redis-server not found: {REDIS_INSTALL_HINT}")
     return found
 
 
+WAITAOF_SINCE = (7, 2)
+"""The first Redis with WAITAOF (Valkey forked from 7.2.4: every Valkey has it)."""
+
+
+def server_version(binary: str) -> tuple[int, int]:
+    """(major, minor) of a redis-server or valkey-server binary, from ``--version`` ((0, 0) if unknown)."""
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return (0, 0)
+    found = re.search(r"\bv=(\d+)\.(\d+)", out)
+    return (int(found[1]), int(found[2])) if found else (0, 0)
+
+
+def find_waitaof_server() -> str | None:
+    """A server binary that can WAITAOF (redis-server >= 7.2, else valkey-server), or None."""
+    for name in ("redis-server", "valkey-server"):
+        binary = _find_binary(name)
+        if binary is not None and server_version(binary) >= WAITAOF_SINCE:
+            return binary
+    return None
+
+
 def start_redis(
     *, port: int | None = None, data_dir: Path, appendonly: bool = False, appendfsync: str = "always",
-    replica_of: int | None = None, start_timeout_s: float = 10.0
+    replica_of: int | None = None, start_timeout_s: float = 10.0, binary: str | None = None
 ) -> RunningService:
     """A private redis-server on 127.0.0.1 (no RDB snapshots; AOF when ``appendonly``, fsynced per
     ``appendfsync``: 'always' before each reply, so an acknowledged write survives a crash, or
-    'everysec'; see README "Reliability"). ``replica_of``: the port of a primary to replicate."""
-    binary = find_redis_server()
+    'everysec'; see README "Reliability"). ``replica_of``: the port of a primary to replicate.
+    ``binary``: the server to run (e.g. ``find_waitaof_server()``); default redis-server."""
+    binary = binary or find_redis_server()
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
 

@@ -18,7 +18,15 @@ from pathlib import Path
 import redis
 
 from omni_jobs.engines.allocator import engine_process_env
-from omni_jobs.local.devservices import RunningService, free_port, start_redis
+from omni_jobs.local.devservices import (
+    VALKEY_INSTALL_HINT,
+    RunningService,
+    ServiceError,
+    find_redis_server,
+    find_waitaof_server,
+    free_port,
+    start_redis,
+)
 from omni_jobs.local.tiny import TINY_MODELS, ensure_tiny_model
 from omni_jobs.settings import Settings
 from omni_jobs.steps import STAGE_QUEUES, WORKER_QUEUES
@@ -47,6 +55,34 @@ def _http_ok(url: str) -> Callable[[], bool]:
     return check
 
 
+DURABILITY_SAID = {
+    "always": "AOF fsynced before every reply",
+    "waitaof": "AOF fsynced every second, and before each 202",
+    "everysec": "AOF fsynced every second: up to a second of 202s lost in a crash",
+}
+
+
+def redis_durability(asked: str) -> tuple[str, str | None]:
+    """(mode, server binary) for a private Redis: ``asked`` ('auto', 'always', 'waitaof', 'everysec'),
+    with 'auto' made concrete. 'waitaof' answers only submits after their fsync, and every other write
+    at once (a stage starting, its progress, its result: ~0.4 ms less per hop here, bench/NOTES.md); it
+    needs a server with WAITAOF, and 'auto' takes it only where one is installed and
+    OMNI_REDIS_WAIT_AOF is not turned off."""
+    if asked not in ("auto", *DURABILITY_SAID):
+        raise ValueError(f"redis durability must be auto, always, waitaof or everysec, not {asked!r}")
+    if asked == "auto":
+        turned_off = os.environ.get("OMNI_REDIS_WAIT_AOF", "").strip().lower() in ("0", "false", "no", "off")
+        binary = None if turned_off else find_waitaof_server()
+        return ("waitaof", binary) if binary else ("always", None)
+    if asked == "waitaof":
+        binary = find_waitaof_server()
+        if binary is None:
+            raise ServiceError("redis durability 'waitaof' needs a server with WAITAOF: Redis >= 7.2 or Valkey "
+                               f"(found {find_redis_server()}, too old); {VALKEY_INSTALL_HINT}")
+        return "waitaof", binary
+    return asked, None
+
+
 @dataclass
 class EmbeddedSystem:
     """Owns the processes it started; ``stop()`` ends them in reverse order."""
@@ -59,10 +95,13 @@ class EmbeddedSystem:
     flower_password: str = field(default_factory=lambda: secrets.token_urlsafe(12))
     redis_url: str | None = None
     """An existing Redis to use; None starts a private one (with AOF) under home."""
-    redis_appendfsync: str = "always"
-    """The private Redis's AOF fsync policy: 'always' (fsync before each reply: a 202 survives a crash,
-    README "Reliability") or 'everysec' (up to a second of writes lost; each write is cheaper: ~2 ms
-    less per hop, `python -m bench --hops --redis-fsync everysec`)."""
+    redis_durability: str = "auto"
+    """How the private Redis keeps a 202 (README "Reliability"): 'always' (AOF fsynced before every
+    reply), 'waitaof' (AOF fsynced every second, and each submit waits for its own fsync: WAITAOF,
+    OMNI_REDIS_WAIT_AOF; needs Redis >= 7.2 or Valkey), 'auto' ('waitaof' where such a server is
+    installed, else 'always'), or 'everysec' (for benchmarks: up to a second of 202s lost in a crash)."""
+    redis_wait_aof: bool = False
+    """Set at start: the private Redis is on 'waitaof', so every process gets OMNI_REDIS_WAIT_AOF=true."""
     extra_env: dict[str, str] = field(default_factory=dict)
     worker_queues: dict[str, str] = field(default_factory=lambda: dict(WORKER_QUEUES))
     with_flower: bool = True
@@ -126,6 +165,8 @@ class EmbeddedSystem:
             "OMNI_PUBLIC_URL": self.api_url,
             "PYTHONUNBUFFERED": "1",
         })
+        if self.redis_wait_aof:
+            env["OMNI_REDIS_WAIT_AOF"] = "true"
         env.setdefault("OMNI_WEBHOOK_SECRET", self.webhook_secret)
         if self.with_flower:
             env.setdefault("OMNI_UI_FLOWER_URL", self.flower_url)  # the web console's header links to it
@@ -150,11 +191,14 @@ class EmbeddedSystem:
         if self.redis_url:
             say(f"using Redis at {self.redis_url}")
         else:
-            # AOF fsynced before every reply: a job answered 202 survives a crash (README "Reliability").
-            service = start_redis(data_dir=self.home / "redis", appendonly=True, appendfsync=self.redis_appendfsync)
+            # A job answered 202 is on disk either way (README "Reliability").
+            mode, binary = redis_durability(self.redis_durability)
+            service = start_redis(data_dir=self.home / "redis", appendonly=True, binary=binary,
+                                  appendfsync="always" if mode == "always" else "everysec")
             self.processes.append(service)
             self.redis_url = service.url
-            say(f"started Redis at {self.redis_url} (data in {self.home / 'redis'})")
+            self.redis_wait_aof = mode == "waitaof"
+            say(f"started Redis at {self.redis_url} (data in {self.home / 'redis'}; {DURABILITY_SAID[mode]})")
         self._make_demo_key(say)
         say("building the tiny local models (once) ...")
         for name in TINY_MODELS:
