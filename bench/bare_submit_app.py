@@ -40,6 +40,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 app = FastAPI(lifespan=_lifespan)
+WAIT_AOF = os.environ.get("BARE_WAIT_AOF") == "1"
 
 
 @app.post("/v1/jobs", status_code=status.HTTP_202_ACCEPTED)
@@ -50,6 +51,8 @@ async def create_job(body: BareJobRequest) -> dict[str, Any]:
         pipe.set(f"bare:job:{job_id}", body.model_dump_json())
         pipe.lpush("bare:queue", job_id)
         await pipe.execute()
+    if WAIT_AOF:  # the waitaof row: answered once the AOF has it on disk, as the system's submit
+        await client.execute_command("WAITAOF", 1, 0, 1000)
     return {"id": job_id, "status": "queued", "created_at": time.time()}
 
 

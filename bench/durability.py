@@ -11,8 +11,9 @@ submits text-to-text jobs two ways, arms taking turns per repetition:
 
 Settings: no persistence (the floor: a crash loses everything), AOF ``everysec`` (a crash loses
 up to a second of 202s), AOF ``always`` (fsync before each reply; Redis groups the fsyncs of
-concurrent clients), and ``everysec`` plus a replica with ``WAIT 1`` per submit (a 202 is on two
-machines; a crash of one loses nothing). Prints median submissions/s and p50/p99 latency, and
+concurrent clients), AOF ``everysec`` with ``WAITAOF`` per submit (a 202 waits for its own fsync,
+every other write for none; needs Valkey or Redis >= 7.2), and ``everysec`` plus a replica with
+``WAIT 1`` per submit (a 202 is on two machines; a crash of one loses nothing). Prints median submissions/s and p50/p99 latency, and
 ratios to ``always``. Absolute numbers are this machine's; compare the ratios.
 """
 
@@ -37,7 +38,14 @@ import redis
 
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.store import RedisJobStore
-from omni_jobs.local.devservices import RunningService, exit_on_sigterm, free_port, start_redis
+from omni_jobs.local.devservices import (
+    VALKEY_INSTALL_HINT,
+    RunningService,
+    exit_on_sigterm,
+    find_waitaof_server,
+    free_port,
+    start_redis,
+)
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.submission import build_job, resolve_params
 
@@ -50,12 +58,15 @@ class Mode:
     appendonly: bool
     appendfsync: str = "everysec"
     replica: bool = False
+    wait_aof: bool = False
+    """Each submit waits for its own fsync (WAITAOF; a server that has it: Valkey, or Redis >= 7.2)."""
 
 
 MODES = [
     Mode("no persistence", appendonly=False),
     Mode("AOF everysec", appendonly=True, appendfsync="everysec"),
     Mode("AOF always", appendonly=True, appendfsync="always"),
+    Mode("AOF everysec + WAITAOF", appendonly=True, appendfsync="everysec", wait_aof=True),
     Mode("AOF everysec + replica, WAIT 1", appendonly=True, appendfsync="everysec", replica=True),
 ]
 
@@ -91,8 +102,11 @@ def measure(mode: Mode, args: argparse.Namespace, home: Path) -> dict[str, Arm]:
     arms = {"ledger": Arm(), "api": Arm()}
     spec = load_catalogue().get("text-to-text")
     with ExitStack() as stack:
+        binary = find_waitaof_server() if mode.wait_aof else None
+        if mode.wait_aof and binary is None:
+            raise SystemExit(f"'{mode.name}' needs Redis >= 7.2 or Valkey: {VALKEY_INSTALL_HINT}")
         primary = stack.enter_context(start_redis(data_dir=home / "primary", appendonly=mode.appendonly,
-                                                  appendfsync=mode.appendfsync))
+                                                  appendfsync=mode.appendfsync, binary=binary))
         wait = 0
         if mode.replica:
             stack.enter_context(start_redis(data_dir=home / "replica", appendonly=True, appendfsync=mode.appendfsync,
@@ -105,9 +119,9 @@ def measure(mode: Mode, args: argparse.Namespace, home: Path) -> dict[str, Arm]:
                 time.sleep(0.1)
             wait = 1
         store = RedisJobStore(redis.Redis.from_url(primary.url, max_connections=64), ttl_s=3600,
-                              wait_replicas=wait, wait_timeout_ms=2000)
+                              wait_replicas=wait, wait_timeout_ms=2000, wait_aof=mode.wait_aof)
         ledger = JobLedger(store)
-        api = _start_api(primary.url, wait, home)
+        api = _start_api(primary.url, wait, home, mode.wait_aof)
         stack.callback(api.stop)
         http = httpx.Client(base_url=f"http://127.0.0.1:{api.port}", timeout=30,
                             limits=httpx.Limits(max_connections=args.clients))
@@ -131,10 +145,11 @@ def measure(mode: Mode, args: argparse.Namespace, home: Path) -> dict[str, Arm]:
     return arms
 
 
-def _start_api(redis_url: str, wait_replicas: int, home: Path) -> RunningService:
+def _start_api(redis_url: str, wait_replicas: int, home: Path, wait_aof: bool = False) -> RunningService:
     port = free_port()
     env = {**os.environ, "OMNI_REDIS_URL": redis_url, "OMNI_AUTH_ENABLED": "false", "OMNI_LOG_LEVEL": "WARNING",
            "OMNI_MAX_QUEUED_PER_QUEUE": "1000000", "OMNI_REDIS_WAIT_REPLICAS": str(wait_replicas),
+           "OMNI_REDIS_WAIT_AOF": "true" if wait_aof else "false",
            "OMNI_ARTIFACTS_DIR": str(home / "artifacts")}
 
     def ready() -> bool:

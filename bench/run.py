@@ -215,7 +215,7 @@ class Bench:
                "OMNI_LOG_FORMAT": "text", "OMNI_PROGRESS_INTERVAL_S": "0.5", "OMNI_AUTH_ENABLED": "false",
                "OMNI_MAX_QUEUED_PER_QUEUE": "100000"}
         self.system = EmbeddedSystem(settings=settings, home=home.resolve(), extra_env=env, worker_queues=queues,
-                                     with_flower=False, redis_appendfsync=self.args.redis_fsync)
+                                     with_flower=False, redis_durability=self.args.redis_durability)
         os.environ.setdefault("OMNI_AUTH_ENABLED", "false")
         self.system.start(say=lambda m: print(f"  [system] {m}", flush=True))
         assert self.system.redis_url
@@ -790,8 +790,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "OMNI_BATCH_FILL_WAIT_MS=0), paired with the system arm in every repetition")
     p.add_argument("--no-naive", action="store_true", help="skip the naive arm (shorter A/B runs)")
     p.add_argument("--hops", action="store_true", help="measure only the per-hop overhead (with --ab: both arms)")
-    p.add_argument("--redis-fsync", choices=("always", "everysec"), default="always",
-                   help="the system Redis's appendfsync (always: as `omni-jobs up`, a durable 202)")
+    p.add_argument("--redis-durability", choices=("auto", "always", "waitaof", "everysec"), default="auto",
+                   help="how the system's Redis keeps a 202 (auto: as `omni-jobs up`; see EmbeddedSystem)")
     p.add_argument("--direct", default=None, help=argparse.SUPPRESS)  # internal: one direct arm, JSON out
     args = p.parse_args(argv)
     args.jobs = args.jobs or (8 if args.quick else 64)

@@ -1,6 +1,6 @@
 """How fast the API accepts jobs, against the bare stack it is built on, side by side.
 
-    python -m bench.submit [--duration 10] [--reps 3] [--connections 16] [--rows idle,busy,durable]
+    python -m bench.submit [--duration 10] [--reps 3] [--connections 16] [--rows idle,busy,durable,waitaof]
 
 Two arms, each a uvicorn process, loaded by ``wrk`` (POST, 16 keep-alive connections), taking
 turns per repetition so that both see the same machine:
@@ -19,7 +19,10 @@ Rows (each with a fresh redis-server that both arms write to):
 - ``busy``: 1,000 jobs queued first, then the ar and results workers running (on this machine's
   CPUs too) while the arms run;
 - ``durable``: Redis AOF ``appendfsync always`` (the setting a durable 202 relies on, see
-  bench/durability.py and README "Reliability"), no workers.
+  bench/durability.py and README "Reliability"), no workers;
+- ``waitaof``: the other durable 202: a server with WAITAOF (Valkey, or Redis >= 7.2) on AOF
+  ``everysec``, and each submit waits for its own fsync (OMNI_REDIS_WAIT_AOF; the bare arm sends
+  WAITAOF after its MULTI), no workers.
 
 Prints jobs/s (median of the repetitions), p50/p99 latency (median of the repetitions' wrk
 percentiles), the server process's and redis-server's CPU time per request (medians), and the
@@ -50,12 +53,20 @@ import redis
 from bench.procfs import cpu_s
 from omni_jobs import keys
 from omni_jobs.auth import ApiKeys
-from omni_jobs.local.devservices import RunningService, exit_on_sigterm, free_port, start_redis
+from omni_jobs.local.devservices import (
+    VALKEY_INSTALL_HINT,
+    RunningService,
+    exit_on_sigterm,
+    find_waitaof_server,
+    free_port,
+    start_redis,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = {"idle": "idle (no persistence, workers stopped)",
         "busy": "1,000 queued, workers running",
-        "durable": "AOF always, workers stopped"}
+        "durable": "AOF always, workers stopped",
+        "waitaof": "AOF everysec + WAITAOF, workers stopped"}
 
 _LUA = """
 wrk.method = "POST"
@@ -142,14 +153,19 @@ def measure_row(row: str, args: argparse.Namespace, home: Path) -> dict[str, Arm
     home.mkdir(parents=True, exist_ok=True)
     arms = {"bare": Arm(), "system": Arm(), **{name: Arm() for name in args.compare}}
     with ExitStack() as stack:
-        durable = row == "durable"
-        server = stack.enter_context(start_redis(data_dir=home / "redis", appendonly=durable,
-                                                 appendfsync="always" if durable else "everysec"))
+        waitaof = row == "waitaof"
+        binary = find_waitaof_server() if waitaof else None
+        if waitaof and binary is None:
+            raise SystemExit(f"the waitaof row needs Redis >= 7.2 or Valkey: {VALKEY_INSTALL_HINT}")
+        server = stack.enter_context(start_redis(data_dir=home / "redis", appendonly=row in ("durable", "waitaof"),
+                                                 appendfsync="always" if row == "durable" else "everysec",
+                                                 binary=binary))
         key, _info = ApiKeys(redis.Redis.from_url(server.url)).create("bench", "bench.submit")
-        env = system_env(server.url, home)
+        env = {**system_env(server.url, home), **({"OMNI_REDIS_WAIT_AOF": "true"} if waitaof else {})}
         system = start_uvicorn("api", "api.main:app", env, home)
         stack.callback(system.stop)
-        bare = start_uvicorn("bare", "bench.bare_submit_app:app", {"BARE_REDIS_URL": server.url}, home)
+        bare = start_uvicorn("bare", "bench.bare_submit_app:app",
+                             {"BARE_REDIS_URL": server.url, "BARE_WAIT_AOF": "1" if waitaof else "0"}, home)
         stack.callback(bare.stop)
         urls = {"bare": bare.url, "system": system.url}
         pids = {"bare": _pid(bare), "system": _pid(system)}
@@ -215,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--connections", type=int, default=16)
-    parser.add_argument("--rows", default="idle,busy,durable", help=f"comma-separated, of {sorted(ROWS)}")
+    parser.add_argument("--rows", default="idle,busy,durable,waitaof", help=f"comma-separated, of {sorted(ROWS)}")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--compare", action="append", default=[], metavar="NAME=DIR",
                         help="one more system arm: the API of another checkout (A/B of a change)")
