@@ -524,13 +524,15 @@ class RedisJobStore:
         """Whether this change is acknowledged only once its replicas or the disk have it."""
         return change.durable and (self.wait_replicas > 0 or self.wait_aof)
 
-    def _wait_for_durability(self, pipe: Pipeline) -> None:
-        """After a durable change's script, in the same round trip: WAIT for the replicas, WAITAOF for
-        the primary's disk (numlocal 1: its own AOF fsynced past this connection's last write)."""
+    def _wait_commands(self) -> list[tuple[str | int, ...]]:
+        """What a durable change waits on after its script: WAIT for the replicas, WAITAOF for the
+        primary's disk (numlocal 1: its own AOF fsynced past this connection's last write)."""
+        commands: list[tuple[str | int, ...]] = []
         if self.wait_replicas > 0:
-            pipe.wait(self.wait_replicas, self.wait_timeout_ms)
+            commands.append(("WAIT", self.wait_replicas, self.wait_timeout_ms))
         if self.wait_aof:
-            pipe.execute_command("WAITAOF", 1, 0, self.wait_timeout_ms)
+            commands.append(("WAITAOF", 1, 0, self.wait_timeout_ms))
+        return commands
 
     def _check_durability(self, reply: ScriptReply, waited: Sequence[object]) -> None:
         """Raise NotDurable if an applied change did not reach its replicas or the disk in time. A
@@ -541,7 +543,10 @@ class RedisJobStore:
             return
         rest = list(waited)
         if self.wait_replicas > 0:
-            acked = int(str(rest.pop(0)))
+            acked = rest.pop(0)
+            if isinstance(acked, Exception):
+                raise acked
+            acked = int(str(acked))
             if acked < self.wait_replicas:
                 raise NotDurable(acked, self.wait_replicas, self.wait_timeout_ms)
         if self.wait_aof:
@@ -557,18 +562,76 @@ class RedisJobStore:
         spec = self._pass_spec(change)
         args = [change.wire(), spec[0]]
         if self._waits(change):
-            with self.redis.pipeline(transaction=False) as pipe:
-                self._commit(args=args, client=pipe)
-                self._wait_for_durability(pipe)
-                replies = pipe.execute(raise_on_error=False)
-            reply: ScriptReply = replies[0]
-            if isinstance(reply, Exception):
-                raise reply
-            self._check_durability(reply, replies[1:])
+            reply: ScriptReply = self._commit_durably(args)
         else:
             reply = self._commit(args=args)
         self._passed(change, spec, reply)
         return self._conflict(change, reply)
+
+    def _commit_durably(self, args: Sequence[str]) -> ScriptReply:
+        """The commit script, then its waits, each in its own round trip on one connection: WAITAOF
+        waits for its own connection's writes, and sent in the same packet as the write, Valkey 8.0
+        left it blocked until its next timer tick (100 ms per submit; 0.3 ms once the write was
+        answered: bench/NOTES.md, "Durable submits with WAITAOF")."""
+        pool = self.redis.connection_pool
+        conn = pool.get_connection()
+
+        def send(*command: str | int) -> object:
+            conn.send_command(*command)  # type: ignore[no-untyped-call]  # redis-py
+            return self.redis.parse_response(conn, str(command[0]))  # type: ignore[no-untyped-call]
+
+        try:
+            try:
+                reply = send("EVALSHA", self._commit.sha, 0, *args)
+            except NoScriptError:  # a restarted server: nothing ran; once more with the script
+                send("SCRIPT", "LOAD", self._commit_source)
+                reply = send("EVALSHA", self._commit.sha, 0, *args)
+            waited: list[object] = []
+            for command in self._wait_commands():
+                try:
+                    waited.append(send(*command))
+                except redis.ResponseError as exc:  # e.g. no WAITAOF: _check_durability says so
+                    waited.append(exc)
+        except redis.ResponseError:
+            raise
+        except BaseException:
+            # cut off mid-reply: the connection's next user must not read this one's answer
+            conn.disconnect()  # type: ignore[no-untyped-call]  # redis-py
+            raise
+        finally:
+            pool.release(conn)
+        assert isinstance(reply, list)
+        self._check_durability(reply, waited)
+        return reply
+
+    async def _acommit_durably(self, client: aioredis.Redis, sha: str, args: Sequence[str]) -> ScriptReply:
+        """``_commit_durably`` on an asyncio client (NoScriptError goes to the caller, which loads the
+        script and calls again)."""
+        pool = client.connection_pool
+        conn = await pool.get_connection()  # type: ignore[no-untyped-call]  # redis-py
+
+        async def send(*command: str | int) -> object:
+            await conn.send_command(*command)
+            return await client.parse_response(conn, str(command[0]))
+
+        try:
+            reply = await send("EVALSHA", sha, 0, *args)
+            waited: list[object] = []
+            for command in self._wait_commands():
+                try:
+                    waited.append(await send(*command))
+                except redis.ResponseError as exc:
+                    waited.append(exc)
+        except redis.ResponseError:
+            raise
+        except BaseException:
+            await conn.disconnect()
+            raise
+        finally:
+            await pool.release(conn)
+        assert isinstance(reply, list)
+        self._check_durability(reply, waited)
+        return reply
 
     def commit_each(self, changes: Sequence[Change]) -> list[Conflict | None]:
         if any(self._waits(c) for c in changes):
@@ -624,7 +687,7 @@ class RedisJobStore:
 
     async def acommit_placed(self, change: Change, job: Job | None) -> tuple[Conflict | None, int | None]:
         """One EVALSHA of the commit script that also reads the job's queue position after the write
-        (pipelined with WAIT / WAITAOF when the change must reach replicas or the disk): one round trip, one command. The
+        (then WAIT / WAITAOF on the same connection when the change must reach replicas or the disk): one round trip, one command. The
         script is not registered with a pipeline, which would cost a SCRIPT EXISTS round trip per
         call: a server that lacks it (restarted) answers NOSCRIPT, nothing ran, and the call goes
         again after loading it."""
@@ -637,14 +700,7 @@ class RedisJobStore:
         for attempt in range(2):
             try:
                 if wait:
-                    async with client.pipeline(transaction=False) as pipe:
-                        pipe.evalsha(script.sha, 0, wire, spec[0], place)
-                        self._wait_for_durability(pipe)
-                        replies = await pipe.execute(raise_on_error=False)
-                    if isinstance(replies[0], Exception):
-                        raise replies[0]
-                    reply = replies[0]
-                    self._check_durability(reply, replies[1:])
+                    reply = await self._acommit_durably(client, script.sha, [wire, spec[0], place])
                 else:
                     reply = await client.evalsha(script.sha, 0, wire, spec[0], place)
                 break
