@@ -122,3 +122,23 @@ def test_writes_are_atomic_under_concurrent_writers(backend: LocalBackend) -> No
     assert backend.get("jobs/j/blob") in payloads
     assert all(s in payloads for s in seen)
     assert sorted(p.name for p in (backend.root / "jobs" / "j").iterdir()) == ["blob"]
+
+
+def test_a_killed_writers_temp_file_goes_with_the_next_write(backend: LocalBackend) -> None:
+    """A writer killed before its replace leaves ``.name.<id>.omni-tmp``; the next successful write of
+    the key removes it, but not a temp file another writer is still writing (touched since)."""
+    backend.put("jobs/j/image.png", b"first")
+    folder = backend.root / "jobs" / "j"
+    abandoned = folder / ".image.png.0123abcd.omni-tmp"
+    abandoned.write_bytes(b"half")
+    os.utime(abandoned, (1_000_000_000, 1_000_000_000))  # last touched long before the next write
+    writing = folder / ".image.png.4567ef01.omni-tmp"
+    writing.write_bytes(b"still")
+    os.utime(writing, (4_000_000_000, 4_000_000_000))  # touched after the next write began
+    other = folder / ".text.json.89abcdef.omni-tmp"
+    other.write_bytes(b"another key's")
+    os.utime(other, (1_000_000_000, 1_000_000_000))
+    backend.put("jobs/j/image.png", b"second")
+    assert backend.get("jobs/j/image.png") == b"second"
+    assert sorted(p.name for p in folder.iterdir()) == [".image.png.4567ef01.omni-tmp", ".text.json.89abcdef.omni-tmp",
+                                                          "image.png"]

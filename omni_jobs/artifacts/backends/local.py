@@ -1,13 +1,18 @@
 """Local-directory backend: outputs and large intermediates on one machine (demo, tests, NFS).
 
 Writes are atomic (temp file in the same directory, fsync, os.replace), so a reader never sees a
-half-written artifact, even when a stage is retried while another copy of it is still writing.
+half-written artifact, even when a stage is retried while another copy of it is still writing. A
+writer killed before its replace leaves its temp file behind; the next write of the same key that
+succeeds removes the ones last touched before it began (a later attempt's write: the chaos run
+found two such files among 200 jobs), and retention removes any still left.
 """
 
 from __future__ import annotations
 
 import errno
+import glob
 import os
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +32,17 @@ from omni_jobs.artifacts.refs import BackendName
 
 _TMP_SUFFIX = ".omni-tmp"
 _TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.EDQUOT}
+
+
+def _remove_abandoned(path: Path, began: float) -> None:
+    """Remove the temp files of ``path`` that no write touched since ``began``: left by writers killed
+    before their replace (an earlier attempt). A writer still writing keeps touching its own."""
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*{_TMP_SUFFIX}"):
+        try:
+            if tmp.stat().st_mtime < began:
+                tmp.unlink()
+        except FileNotFoundError:
+            continue
 
 
 def _os_error(operation: str, key: str, exc: OSError) -> ArtifactError:
@@ -63,6 +79,7 @@ class LocalBackend:
         check_ttl(ttl_s)
         path = self.path(key)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
+        began = time.time()
         for attempt in range(3):
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -71,6 +88,7 @@ class LocalBackend:
                     fh.flush()
                     os.fsync(fh.fileno())
                 os.replace(tmp, path)
+                _remove_abandoned(path, began)
                 return
             except FileNotFoundError as exc:
                 # A concurrent delete pruned the (empty) parent between mkdir and open: redo.
