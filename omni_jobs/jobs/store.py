@@ -686,11 +686,11 @@ class RedisJobStore:
         return (await self.acommit_placed(change, None))[0]
 
     async def acommit_placed(self, change: Change, job: Job | None) -> tuple[Conflict | None, int | None]:
-        """One EVALSHA of the commit script that also reads the job's queue position after the write
-        (then WAIT / WAITAOF on the same connection when the change must reach replicas or the disk): one round trip, one command. The
-        script is not registered with a pipeline, which would cost a SCRIPT EXISTS round trip per
-        call: a server that lacks it (restarted) answers NOSCRIPT, nothing ran, and the call goes
-        again after loading it."""
+        """One EVALSHA of the commit script that also reads the job's queue position after the write:
+        one round trip, one command (then WAIT / WAITAOF on the same connection when the change must
+        reach replicas or the disk: ``_acommit_durably``). The script is not registered with a
+        pipeline, which would cost a SCRIPT EXISTS round trip per call: a server that lacks it
+        (restarted) answers NOSCRIPT, nothing ran, and the call goes again after loading it."""
         client, script = self._aclient()
         record = waiting_stage(job) if job is not None else None
         place = jsontext.dumps(position_keys(job, record) if job is not None and record is not None else [])
