@@ -5,6 +5,7 @@ waits for its own fsync. Real servers: a WAITAOF-capable one (Valkey, or Redis >
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.main import create_app
+from omni_jobs import keys
 from omni_jobs.checks import check_redis
 from omni_jobs.errors import NotDurable
 from omni_jobs.jobs.ledger import JobLedger
@@ -125,3 +127,25 @@ def test_waitaof_without_aof_is_named(tmp_path: Path, waitaof_server: RunningSer
         c.close()
     assert not check.ok
     assert "appendonly" in check.detail.lower()
+
+
+def test_a_submit_waits_for_a_replica_and_is_refused_without_one(tmp_path: Path) -> None:
+    """OMNI_REDIS_WAIT_REPLICAS=1 (WAIT, in its own round trip after the write): 202 once the replica
+    has the job; with the replica gone, NotDurable (the API's 503) after the timeout."""
+    with start_redis(data_dir=tmp_path / "primary") as primary, \
+            start_redis(data_dir=tmp_path / "replica", replica_of=primary.port) as replica:
+        client = redis.Redis.from_url(primary.url)
+        deadline = time.monotonic() + 20
+        while client.info("replication").get("slave0", {}).get("state") != "online":
+            assert time.monotonic() < deadline, "the replica did not come online"
+            time.sleep(0.05)
+        ledger = JobLedger(RedisJobStore(client, ttl_s=3600, wait_replicas=1, wait_timeout_ms=300))
+        job = new_job()
+        ledger.submit(job, ["ar"])
+        on_replica = redis.Redis.from_url(replica.url)
+        assert on_replica.exists(keys.job(job.id)) == 1  # WAIT answered: the replica has it
+        on_replica.close()
+        replica.stop()
+        with pytest.raises(NotDurable, match="0 of 1 replica"):
+            ledger.submit(new_job(), ["ar"])
+        client.close()
