@@ -13,8 +13,9 @@ Settings: no persistence (the floor: a crash loses everything), AOF ``everysec``
 up to a second of 202s), AOF ``always`` (fsync before each reply; Redis groups the fsyncs of
 concurrent clients), AOF ``everysec`` with ``WAITAOF`` per submit (a 202 waits for its own fsync,
 every other write for none; needs Valkey or Redis >= 7.2), and ``everysec`` plus a replica with
-``WAIT 1`` per submit (a 202 is on two machines; a crash of one loses nothing). Prints median submissions/s and p50/p99 latency, and
-ratios to ``always``. Absolute numbers are this machine's; compare the ratios.
+``WAIT 1`` per submit (a 202 is on two machines; a crash of one loses nothing). Prints median
+submissions/s and p50/p99 latency, and ratios to ``always``. Absolute numbers are this machine's;
+compare the ratios.
 """
 
 from __future__ import annotations
@@ -39,11 +40,10 @@ import redis
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.local.devservices import (
-    VALKEY_INSTALL_HINT,
     RunningService,
     exit_on_sigterm,
-    find_waitaof_server,
     free_port,
+    require_waitaof_server,
     start_redis,
 )
 from omni_jobs.pipelines.catalogue import load_catalogue
@@ -102,9 +102,7 @@ def measure(mode: Mode, args: argparse.Namespace, home: Path) -> dict[str, Arm]:
     arms = {"ledger": Arm(), "api": Arm()}
     spec = load_catalogue().get("text-to-text")
     with ExitStack() as stack:
-        binary = find_waitaof_server() if mode.wait_aof else None
-        if mode.wait_aof and binary is None:
-            raise SystemExit(f"'{mode.name}' needs Redis >= 7.2 or Valkey: {VALKEY_INSTALL_HINT}")
+        binary = require_waitaof_server() if mode.wait_aof else None
         primary = stack.enter_context(start_redis(data_dir=home / "primary", appendonly=mode.appendonly,
                                                   appendfsync=mode.appendfsync, binary=binary))
         wait = 0

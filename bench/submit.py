@@ -54,11 +54,10 @@ from bench.procfs import cpu_s
 from omni_jobs import keys
 from omni_jobs.auth import ApiKeys
 from omni_jobs.local.devservices import (
-    VALKEY_INSTALL_HINT,
     RunningService,
     exit_on_sigterm,
-    find_waitaof_server,
     free_port,
+    require_waitaof_server,
     start_redis,
 )
 
@@ -154,9 +153,7 @@ def measure_row(row: str, args: argparse.Namespace, home: Path) -> dict[str, Arm
     arms = {"bare": Arm(), "system": Arm(), **{name: Arm() for name in args.compare}}
     with ExitStack() as stack:
         waitaof = row == "waitaof"
-        binary = find_waitaof_server() if waitaof else None
-        if waitaof and binary is None:
-            raise SystemExit(f"the waitaof row needs Redis >= 7.2 or Valkey: {VALKEY_INSTALL_HINT}")
+        binary = require_waitaof_server() if waitaof else None
         server = stack.enter_context(start_redis(data_dir=home / "redis", appendonly=row in ("durable", "waitaof"),
                                                  appendfsync="always" if row == "durable" else "everysec",
                                                  binary=binary))

@@ -189,6 +189,11 @@ def _redact(url: str) -> str:
     return url
 
 
+def _redis_unreachable(name: str, url: str, exc: Exception) -> Check:
+    return Check("services", name, False, f"{_redact(url)} unreachable: {exc}",
+                 "start Redis or fix OMNI_REDIS_URL / OMNI_BROKER_URL (host, port, password)")
+
+
 def check_redis(client: redis.Redis, *, name: str = "redis", url: str = "", wait_aof: bool = False) -> Check:
     """Redis answers; with ``wait_aof`` (OMNI_REDIS_WAIT_AOF) it can also WAITAOF, which a durable
     submit needs (Redis >= 7.2 or Valkey, with appendonly yes): where it cannot, every submit would
@@ -200,8 +205,7 @@ def check_redis(client: redis.Redis, *, name: str = "redis", url: str = "", wait
         if isinstance(info, dict) and info.get("valkey_version"):
             version = f"{version}, Valkey {info['valkey_version']}"
     except Exception as exc:  # noqa: BLE001 - any failure is the answer
-        return Check("services", name, False, f"{_redact(url)} unreachable: {exc}",
-                     "start Redis or fix OMNI_REDIS_URL / OMNI_BROKER_URL (host, port, password)")
+        return _redis_unreachable(name, url, exc)
     if wait_aof:
         from redis.exceptions import ResponseError
 
@@ -212,8 +216,7 @@ def check_redis(client: redis.Redis, *, name: str = "redis", url: str = "", wait
                          "OMNI_REDIS_WAIT_AOF=true needs Redis >= 7.2 or Valkey with appendonly yes; or set "
                          "OMNI_REDIS_WAIT_AOF=false and run Redis with appendfsync always")
         except Exception as exc:  # noqa: BLE001 - any failure is the answer
-            return Check("services", name, False, f"{_redact(url)} unreachable: {exc}",
-                         "start Redis or fix OMNI_REDIS_URL / OMNI_BROKER_URL (host, port, password)")
+            return _redis_unreachable(name, url, exc)
         return Check("services", name, True, f"{_redact(url)} (Redis {version}; submits wait for its AOF)")
     return Check("services", name, True, f"{_redact(url)} (Redis {version})")
 

@@ -244,6 +244,14 @@ def find_waitaof_server() -> str | None:
     return None
 
 
+def require_waitaof_server() -> str:
+    """``find_waitaof_server()``, or a clear error naming what to install."""
+    found = find_waitaof_server()
+    if found is None:
+        raise ServiceError(f"no Redis server with WAITAOF (Redis >= 7.2 or Valkey) is installed: {VALKEY_INSTALL_HINT}")
+    return found
+
+
 def start_redis(
     *, port: int | None = None, data_dir: Path, appendonly: bool = False, appendfsync: str = "always",
     replica_of: int | None = None, start_timeout_s: float = 10.0, binary: str | None = None

@@ -19,12 +19,10 @@ import redis
 
 from omni_jobs.engines.allocator import engine_process_env
 from omni_jobs.local.devservices import (
-    VALKEY_INSTALL_HINT,
     RunningService,
-    ServiceError,
-    find_redis_server,
     find_waitaof_server,
     free_port,
+    require_waitaof_server,
     start_redis,
 )
 from omni_jobs.local.tiny import TINY_MODELS, ensure_tiny_model
@@ -75,11 +73,7 @@ def redis_durability(asked: str) -> tuple[str, str | None]:
         binary = None if turned_off else find_waitaof_server()
         return ("waitaof", binary) if binary else ("always", None)
     if asked == "waitaof":
-        binary = find_waitaof_server()
-        if binary is None:
-            raise ServiceError("redis durability 'waitaof' needs a server with WAITAOF: Redis >= 7.2 or Valkey "
-                               f"(found {find_redis_server()}, too old); {VALKEY_INSTALL_HINT}")
-        return "waitaof", binary
+        return "waitaof", require_waitaof_server()
     return asked, None
 
 

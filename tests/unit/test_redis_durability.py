@@ -52,7 +52,7 @@ def test_auto_takes_waitaof_where_a_server_can(monkeypatch: pytest.MonkeyPatch) 
 def test_without_such_a_server_auto_fsyncs_every_write(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMNI_REDIS_WAIT_AOF", raising=False)
     monkeypatch.setattr(embedded, "find_waitaof_server", lambda: None)
-    monkeypatch.setattr(embedded, "find_redis_server", lambda: "/usr/bin/redis-server")
+    monkeypatch.setattr(devservices, "find_waitaof_server", lambda: None)  # require_waitaof_server's
     assert redis_durability("auto") == ("always", None)
     with pytest.raises(ServiceError, match="valkey-server"):
         redis_durability("waitaof")
