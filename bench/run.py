@@ -212,7 +212,7 @@ class Bench:
                             redis_url="redis://unused")
         env = {"OMNI_PIPELINES_PATH": json.dumps([str(pipes_dir.resolve())]),
                "OMNI_STAGE_MAX_IN_FLIGHT": str(self.args.batch * 2), "OMNI_BATCH_MAX_SIZE": str(self.args.batch),
-               "OMNI_LOG_FORMAT": "text", "OMNI_PROGRESS_INTERVAL_S": "0.5", "OMNI_AUTH_ENABLED": "false",
+               "OMNI_LOG_FORMAT": "text", "OMNI_AUTH_ENABLED": "false",
                "OMNI_MAX_QUEUED_PER_QUEUE": "100000"}
         self.system = EmbeddedSystem(settings=settings, home=home.resolve(), extra_env=env, worker_queues=queues,
                                      with_flower=False, redis_durability=self.args.redis_durability)

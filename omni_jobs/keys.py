@@ -31,6 +31,12 @@ def job_followed(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}:followed"
 
 
+def job_looked_at(job_id: str) -> str:
+    """Present (with a short TTL) after a client looked at the job while it had not ended (a GET, a
+    cancel): its running stages write their progress often (omni_jobs.followed)."""
+    return f"{PREFIX}:job:{job_id}:looked-at"
+
+
 def job_webhooks(job_id: str) -> str:
     """Hash of the job's webhook messages: ``<message id>:<field>`` (event, status, attempts, lease)."""
     return f"{PREFIX}:job:{job_id}:webhooks"

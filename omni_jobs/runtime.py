@@ -24,7 +24,7 @@ from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.jobs.view import JobJSON, present_job
-from omni_jobs.jobs.watch import followed_jobs
+from omni_jobs.jobs.watch import job_readers
 from omni_jobs.leases import LeaseKeeper, Reaper, lease_owner
 from omni_jobs.limits import Limits
 from omni_jobs.net_guard import NetGuard
@@ -121,7 +121,8 @@ class Runtime:
     def stage_runner(self) -> StageRunner:
         s = self.settings
         limits = StageLimits(soft_time_limit_s=s.stage_soft_time_limit_s, time_limit_s=s.stage_time_limit_s,
-                             progress_interval_s=s.progress_interval_s)
+                             progress_interval_s=s.progress_interval_s,
+                             progress_unfollowed_interval_s=s.progress_unfollowed_interval_s)
         batching = BatchDefaults(max_batch_size=s.batch_max_size, wait_ms=s.batch_wait_ms,
                                  max_in_flight=s.stage_max_in_flight, idle_release_s=s.batch_idle_release_s,
                                  burst_fill=s.batch_burst_fill)
@@ -132,7 +133,7 @@ class Runtime:
                            run_journal=RunJournal(s.run_journal) if s.run_journal else None,
                            assemble_results=self.results if s.results_inline else None,
                            hard_limits=self.hard_time_limits, text_delta_interval_s=s.text_delta_interval_ms / 1000,
-                           followed=partial(followed_jobs, self.redis) if s.text_deltas == "followed" else None)
+                           followed=partial(job_readers, self.redis), text_deltas=s.text_deltas)
 
     @once_property
     def results(self) -> ResultsAssembler:

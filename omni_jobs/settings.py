@@ -130,7 +130,12 @@ class Settings(BaseSettings):
     stage_time_limit_s: float = Field(
         900, gt=0, description="Hard limit: the job fails and the worker process is replaced (per-stage override)."
     )
-    progress_interval_s: float = Field(0.2, ge=0, description="Least time between two progress writes of a stage.")
+    progress_interval_s: float = Field(
+        0.2, ge=0, description="Least time between two progress writes of a stage while a reader looks at its job "
+        "(an SSE stream, a GET of the running job, a cancel: omni_jobs.followed).")
+    progress_unfollowed_interval_s: float = Field(
+        1.0, ge=0, description="Least time between two progress writes of a stage whose job nobody looks at (its "
+        "list entry and `progress` webhooks move at this pace). The first and the last step are always written.")
     text_deltas: Literal["followed", "always"] = Field(
         "followed", description="When a running text stage publishes its output.delta events: 'followed', while "
         "a reader follows the job's events live (else its text goes out as the stage ends); 'always'."

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias, TypeVar
+from typing import Literal, Protocol, TypeAlias, TypeVar
 
 import redis
 
@@ -29,6 +29,7 @@ from omni_jobs.engines.batching import BatchDefaults, BatchPolicy, ar_batcher
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.engines.stage_exec import StageValues, execute_dit, execute_encode
 from omni_jobs.errors import JobAlreadyFinished, JobNotFound, StageError, TransientStageError
+from omni_jobs.followed import Ask, FollowedJobs
 from omni_jobs.input_files import load_input_image
 from omni_jobs.jobs.ledger import JobLedger, Lease, Refused
 from omni_jobs.jobs.models import EventType, Job, JobError, JobEvent, JobOutput, StageStatus, now
@@ -120,11 +121,13 @@ def job_error(stage_id: str | None, exc: BaseException) -> JobError:
 
 @dataclass(frozen=True)
 class StageLimits:
-    """Time limits (defaults for stages that set none) and how often progress is written."""
+    """Time limits (defaults for stages that set none) and how often progress is written: while a
+    reader looks at the job, and while nobody does (omni_jobs.followed)."""
 
     soft_time_limit_s: float = 600.0
     time_limit_s: float = 900.0
     progress_interval_s: float = 0.2
+    progress_unfollowed_interval_s: float = 1.0
 
     def for_stage(self, stage: StageSpec) -> tuple[float, float]:
         """(soft, hard) seconds for this stage."""
@@ -165,7 +168,7 @@ class StageRunner:
                  keeper: LeaseKeeper | None = None, retry_backoff_s: float = 1.0, store_wait_s: float = 600.0,
                  run_journal: RunJournal | None = None, assemble_results: InlineResults | None = None,
                  hard_limits: bool = False, text_delta_interval_s: float = DELTA_INTERVAL_S,
-                 followed: Callable[[Sequence[str]], set[str]] | None = None) -> None:
+                 followed: Ask | None = None, text_deltas: Literal["followed", "always"] = "followed") -> None:
         """``batching``: engine calls go through the per-engine batcher (stage workers); None calls the
         engine per job. ``cache_redis``: where stages with ``cache.enabled`` keep their outputs.
         ``keeper``: renews the leases of running attempts (workers; None in one process).
@@ -177,8 +180,11 @@ class StageRunner:
         process (omni_jobs.watchdog; worker processes only: the supervisor starts a fresh one).
         ``text_delta_interval_s``: the least time between two ``output.delta`` writes of one output
         while it runs (the last delta goes with the stage's result).
-        ``followed``: which jobs a reader follows now; given, a stage's text deltas go out only while
-        its job is followed, and the rest with the stage's result (TextStreams). None: always."""
+        ``followed``: asks who reads which jobs now (omni_jobs.followed). A running stage writes its
+        progress every ``limits.progress_interval_s`` while its job is followed or looked at, else
+        every ``progress_unfollowed_interval_s``; with ``text_deltas`` 'followed', its text deltas go
+        out only while a stream follows it, and the rest with the stage's result (TextStreams).
+        None: every job counts as followed."""
         self.ledger = ledger
         self.catalogue = catalogue
         self.artifacts = artifacts
@@ -198,8 +204,10 @@ class StageRunner:
         self._guard = threading.Lock()
         # Batched engines report for many jobs from one thread: write from another, never inline.
         self.progress = ProgressWriter(ledger, background=batching is not None)
+        self.followed = FollowedJobs(followed)
         self.text_streams = TextStreams(background=batching is not None, publish_many=self._publish_deltas,
-                                        interval_s=text_delta_interval_s, followed=followed)
+                                        interval_s=text_delta_interval_s,
+                                        followed=self.followed.followed_among if text_deltas == "followed" else None)
 
     def _patiently(self, call: Callable[[], T], what: str) -> T:
         return while_store_down(call, wait_s=self.store_wait_s, what=what)
@@ -221,6 +229,7 @@ class StageRunner:
             return StepOutcome("skipped", taken.reason)
         job, lease = taken.job, taken.lease
         self.progress.begin(lease)
+        self.followed.track(job.id)
         try:
             with self._hard_limit(job, lease, step):
                 if self.keeper is None:
@@ -229,6 +238,7 @@ class StageRunner:
                     with self.keeper.hold(lease, on_lost=lambda: self.progress.stop(lease, "lost")):
                         outcome, ended, early = self._attempt(job, lease, step, where, worker)
         finally:
+            self.followed.untrack(job.id)
             self.progress.finish(lease)
         if ended is not None and self.assemble_results is not None:
             held = Lease(AssembleResults(ended.id, ended.results.attempts), lease.owner)
@@ -469,11 +479,13 @@ class StageRunner:
         return self.ledger.publish_many(writes)
 
     def _progress_reporter(self, job: Job, stage: StageSpec, lease: Lease) -> ProgressFn:
-        """Called by the engine at every step/token: records progress (throttled) and is where a
-        running stage notices that its job was canceled, its lease lost, its deadline passed, or
+        """Called by the engine at every step/token: records progress (throttled: often while a
+        reader looks at the job, seldom otherwise; the first and the last step always) and is where
+        a running stage notices that its job was canceled, its lease lost, its deadline passed, or
         that it ran too long."""
         unit = "tokens" if stage.engine == "ar" else "steps"
         soft_limit_s, _hard = self.limits.for_stage(stage)
+        often, seldom = self.limits.progress_interval_s, self.limits.progress_unfollowed_interval_s
         started = time.monotonic()
         last_write = float("-inf")
 
@@ -495,7 +507,8 @@ class StageRunner:
             if job.deadline_at is not None and now() > job.deadline_at:
                 raise DeadlineExceeded(job.id)
             check()
-            if step < total and time.monotonic() - last_write < self.limits.progress_interval_s:
+            interval = often if self.followed.watched(job.id) else seldom
+            if step < total and time.monotonic() - last_write < interval:
                 return
             last_write = time.monotonic()
             self.progress.report(lease, job, step, total, unit)

@@ -23,6 +23,7 @@ from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound
 from omni_jobs.jobs.ledger import RequirementFailed
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.view import JobJSON, JobView, present_job
+from omni_jobs.jobs.watch import mark_looked_at
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"],  # every route takes the caller's tenant: authenticated
                    responses=errors(401, 503))
@@ -217,7 +218,10 @@ def list_jobs(
 
 @router.get("/{job_id}", summary="Get a job", responses=errors(404), **JOB)
 def get_job(job_id: str, ctx: Ctx, tenant: Tenant) -> Any:
-    return _present(ctx, ctx.runtime.jobs.require(job_id, tenant=tenant), queue_position=True)
+    job = ctx.runtime.jobs.require(job_id, tenant=tenant)
+    if not job.status.is_final:  # somebody polls it: its stages write their progress often for a while
+        mark_looked_at(ctx.runtime.redis, job.id)
+    return _present(ctx, job, queue_position=True)
 
 
 @router.post("/{job_id}/cancel", summary="Cancel a queued or running job",

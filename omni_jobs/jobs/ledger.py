@@ -28,6 +28,7 @@ from typing import Generic, TypeVar
 from omni_jobs import keys
 from omni_jobs.artifacts.refs import ArtifactRef
 from omni_jobs.errors import IdempotencyConflict, JobAlreadyFinished, JobNotFound, Overloaded, QuotaExceeded
+from omni_jobs.followed import LOOKED_AT_TTL_S
 from omni_jobs.jobs import codec, state
 from omni_jobs.jobs.change import Cap, Change, Conflict, Guard
 from omni_jobs.jobs.models import (
@@ -717,11 +718,15 @@ class JobLedger:
         return self._transition(job_id, decide, missing=lambda: False)
 
     def cancel(self, job_id: str, reason: str = "canceled by request") -> Job:
+        """End the job canceled. The same write marks it looked at, so that a worker running it
+        writes its progress at once, finds it canceled and stops (omni_jobs.followed)."""
+
         def decide(job: Job) -> _Decision[Job]:
             if job.status.is_final:
                 raise JobAlreadyFinished(job.id, job.status.value)
             after = job.clone()
-            return _Decision(after, after, state.job_canceled(after, now(), reason))
+            looked_at = Change().set(keys.job_looked_at(job.id), "1", LOOKED_AT_TTL_S)
+            return _Decision(after, after, state.job_canceled(after, now(), reason), extra=looked_at)
 
         return self._transition(job_id, decide, missing=lambda: _raise(JobNotFound(job_id)))
 

@@ -4,9 +4,10 @@ Async (redis.asyncio) because its readers hold a request open for a long time: t
 streams a job's events until it ends, and ``Prefer: wait=N`` blocks a POST until the job ends.
 Thousands of such waits cost the API an open socket each, not a thread each.
 
-A follower also marks the job as followed (``keys.job_followed``, with a TTL it renews): workers
-publish a running stage's text deltas only for followed jobs (``followed_jobs``; the rest goes out as
-the stage ends, see omni_jobs.text_stream).
+A follower also marks the job as followed (``keys.job_followed``, with a TTL it renews); a GET of a
+job not yet ended marks it looked at (``mark_looked_at``). Workers publish a running stage's text
+deltas only for followed jobs, and write its progress often only for followed or looked-at ones
+(``job_readers``, omni_jobs.followed).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import redis
 import redis.asyncio as aioredis
 
 from omni_jobs import keys
+from omni_jobs.followed import LOOKED_AT_TTL_S, Readers
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.models import FINAL_EVENTS, Job, JobEvent
 from omni_jobs.jobs.store import async_client_from_url, parse_stream
 
-__all__ = ["FOLLOWED_TTL_S", "MAX_BLOCK_S", "STREAM_ID", "JobWatcher", "followed_jobs"]
+__all__ = ["FOLLOWED_TTL_S", "MAX_BLOCK_S", "STREAM_ID", "JobWatcher", "job_readers", "mark_looked_at"]
 
 MAX_BLOCK_S = 15.0
 """Longest blocking read; callers' heartbeats and waits are cut into pieces no longer than this."""
@@ -103,12 +105,22 @@ class JobWatcher:
         await self.redis.aclose()
 
 
-def followed_jobs(client: redis.Redis, job_ids: Sequence[str]) -> set[str]:
-    """Which of these jobs a reader follows now (``JobWatcher.follow`` marks them): one round trip."""
+def job_readers(client: redis.Redis, job_ids: Sequence[str]) -> Readers:
+    """Which of these jobs a stream follows (``JobWatcher.follow`` marks them), and which a client
+    looked at otherwise (``mark_looked_at``, a cancel): one round trip."""
     if not job_ids:
-        return set()
+        return Readers(set(), set())
     with client.pipeline(transaction=False) as pipe:
         for job_id in job_ids:
             pipe.exists(keys.job_followed(job_id))
+            pipe.exists(keys.job_looked_at(job_id))
         found = pipe.execute()
-    return {job_id for job_id, n in zip(job_ids, found, strict=True) if n}
+    followed = {job_id for job_id, n in zip(job_ids, found[0::2], strict=True) if n}
+    looked_at = {job_id for job_id, n in zip(job_ids, found[1::2], strict=True) if n}
+    return Readers(followed, looked_at)
+
+
+def mark_looked_at(client: redis.Redis, job_id: str) -> None:
+    """A client looked at a job not yet ended (a poll): its running stages write their progress often
+    for the next ``LOOKED_AT_TTL_S``. Only a missing mark is written: a poller writes once per TTL."""
+    client.set(keys.job_looked_at(job_id), b"1", ex=LOOKED_AT_TTL_S, nx=True)

@@ -7,8 +7,10 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 from PIL import Image
 
+from omni_jobs import keys
 from tests.e2e.helpers import submit, wait_for_job
 
 
@@ -211,6 +213,24 @@ def test_unknown_job_is_404_and_finished_job_cannot_be_canceled(api: httpx.Clien
     job = wait_for_job(api, submit(api, "text-to-text", "done soon", {"ar": {"max_tokens": 2}})["id"])
     response = api.post(f"/v1/jobs/{job['id']}/cancel")
     assert response.status_code == 409 and "already succeeded" in response.json()["detail"]
+
+
+def test_a_look_at_a_job_not_yet_ended_asks_its_workers_for_frequent_progress(api: httpx.Client, system: Any) -> None:
+    """A GET of a job still queued or running, or a cancel, marks it looked at for 10 s (its workers
+    write its progress every OMNI_PROGRESS_INTERVAL_S, not every OMNI_PROGRESS_UNFOLLOWED_INTERVAL_S);
+    a GET of an ended job marks nothing."""
+    client = redis.Redis.from_url(system.redis_url)
+    job = submit(api, "text-to-text", "a long count", {"ar": {"max_tokens": 400}})
+    mark = keys.job_looked_at(job["id"])
+    assert client.exists(mark) == 0  # submitting is not looking
+    assert api.get(f"/v1/jobs/{job['id']}").json()["status"] in ("queued", "running")
+    assert 0 < client.ttl(mark) <= 10
+    client.delete(mark)
+    assert api.post(f"/v1/jobs/{job['id']}/cancel").json()["status"] == "canceled"
+    assert 0 < client.ttl(mark) <= 10  # written with the cancel: a running stage notices it at once
+    client.delete(mark)
+    assert api.get(f"/v1/jobs/{job['id']}").status_code == 200
+    assert client.exists(mark) == 0
 
 
 def test_pipelines_endpoint_describes_the_catalogue(api: httpx.Client) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from omni_jobs.errors import IdempotencyConflict
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import EventType, JobEvent, JobStatus, StageStatus, now
 from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.watch import job_readers, mark_looked_at
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, builtin_pipelines, parse_pipeline
 from omni_jobs.results import ResultsAssembler
 from omni_jobs.scheduling import Scheduler
@@ -139,6 +141,46 @@ def test_cancel_stops_a_dit_stage_at_the_next_step(parts: dict[str, Any]) -> Non
     assert steps and max(steps) < 200
     assert ledger.require(job.id).status is JobStatus.canceled
     assert_nothing_left(parts, job.id)
+
+
+def watching_runner(parts: dict[str, Any]) -> StageRunner:
+    """A runner that asks Redis which jobs are followed, as workers do: progress at every step while a
+    reader looks, else only the first and the last."""
+    base: StageRunner = parts["runner"]
+    return StageRunner(ledger=base.ledger, catalogue=base.catalogue, artifacts=base.artifacts, engines=base.engines,
+                       limits=StageLimits(progress_interval_s=0, progress_unfollowed_interval_s=3600),
+                       retry_backoff_s=BACKOFF_S, followed=partial(job_readers, parts["redis"]))
+
+
+def test_progress_is_written_often_only_while_somebody_looks_at_the_job(parts: dict[str, Any]) -> None:
+    runner = watching_runner(parts)
+    steps_of = {}
+    for looked_at in (False, True):
+        job = parts["submit"].submit("slow-image", {"prompt": f"looked at: {looked_at}"},
+                                     {"dit": {"num_inference_steps": 40}})
+        if looked_at:
+            mark_looked_at(parts["redis"], job.id)  # as GET /v1/jobs/{id} does for a job not yet ended
+        (step,) = dispatched(parts, job.id)
+        assert runner.run(step, worker="test", owner="test#1").status == "succeeded"
+        steps_of[looked_at] = [e.data["step"] for e in events_of(parts, job.id, EventType.stage_progress)]
+    assert steps_of[False] == [1, 40]  # the first and the last step: nobody looked
+    # looked at: every step once the worker asked (within FollowedJobs' 0.25 s; 40 steps take seconds)
+    assert len(steps_of[True]) >= 20 and steps_of[True][-1] == 40
+
+
+def test_a_cancel_stops_a_stage_that_nobody_follows_at_once(parts: dict[str, Any]) -> None:
+    """Unfollowed, a stage writes no progress between its first and last step, and that write is
+    where a cancel is noticed; the cancel marks the job followed, so the next step writes and stops."""
+    ledger, runner = parts["ledger"], watching_runner(parts)
+    job = parts["submit"].submit("slow-image", {"prompt": "slow"}, {"dit": {"num_inference_steps": 200}})
+    (step,) = dispatched(parts, job.id)
+    watcher = cancel_on_first_progress(ledger, job.id)
+    started = time.monotonic()
+    assert runner.run(step, worker="test", owner="test#1").status == "canceled"
+    watcher.join(5)
+    assert time.monotonic() - started < 10  # 200 steps of 256 px take far longer
+    assert [e.data["step"] for e in events_of(parts, job.id, EventType.stage_progress)] == [1]
+    assert ledger.require(job.id).status is JobStatus.canceled
 
 
 def test_soft_time_limit_fails_the_job_with_a_clear_reason(parts: dict[str, Any]) -> None:

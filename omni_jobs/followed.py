@@ -1,0 +1,104 @@
+"""Which of a worker's running jobs somebody is looking at now, known without asking on the engine's thread.
+
+A reader marks the job it looks at, with a TTL: an SSE stream marks it followed
+(``keys.job_followed``, omni_jobs.jobs.watch); a GET of a job not yet ended, or a cancel, marks it
+looked at (``keys.job_looked_at``). A worker spends Redis writes on what only a reader sees while
+somebody looks: a stage's frequent progress while its job is followed or looked at, its text deltas
+(which only a stream shows) while it is followed. The rest goes out at a slow pace, or with the
+stage's result.
+
+``FollowedJobs`` asks the store about all of the process's running jobs at once, every ``check_s``,
+from a thread of its own: the engine's thread, which reports for every member of its batch at every
+step, only reads a set.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+log = logging.getLogger(__name__)
+
+CHECK_S = 0.25
+"""How often a worker asks which of its running jobs are looked at: how soon a new reader (or a
+cancel) is noticed."""
+
+LOOKED_AT_TTL_S = 10
+"""How long a look that is not a stream (a GET of a job not yet ended, a cancel) lasts."""
+
+
+class Readers(NamedTuple):
+    """Of some jobs: those a stream follows, and those looked at otherwise (a poll, a cancel)."""
+
+    followed: set[str]
+    looked_at: set[str]
+
+
+Ask = Callable[[Sequence[str]], Readers]
+"""Who reads these jobs now (one round trip: ``omni_jobs.jobs.watch.job_readers``)."""
+
+
+class FollowedJobs:
+    """The watched ones among the jobs this process runs (``track``ed), asked every ``check_s``.
+
+    ``ask`` None: no store to ask (one process, tests); every job counts as followed."""
+
+    def __init__(self, ask: Ask | None, *, check_s: float = CHECK_S) -> None:
+        self.ask = ask
+        self.check_s = check_s
+        self._tracked: Counter[str] = Counter()
+        self._followed: frozenset[str] = frozenset()
+        self._watched: frozenset[str] = frozenset()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def track(self, job_id: str) -> None:
+        """A stage of this job starts running here (tracked until as many ``untrack``s)."""
+        if self.ask is None:
+            return
+        with self._cond:
+            self._tracked[job_id] += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="omni-followed", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def untrack(self, job_id: str) -> None:
+        if self.ask is None:
+            return
+        with self._cond:
+            self._tracked[job_id] -= 1
+            if self._tracked[job_id] <= 0:
+                del self._tracked[job_id]
+
+    def watched(self, job_id: str) -> bool:
+        """Somebody looks at the job (a stream, a poll, a cancel), as last asked: write its progress often."""
+        return self.ask is None or job_id in self._watched
+
+    def followed_among(self, job_ids: Iterable[str]) -> set[str]:
+        """Those of ``job_ids`` a stream follows, as last asked (no I/O): TextStreams' ``followed``."""
+        return set(job_ids) if self.ask is None else set(job_ids) & self._followed
+
+    def refresh(self) -> None:
+        """Ask now about every tracked job (the thread's pass; tests call it directly)."""
+        assert self.ask is not None
+        with self._cond:
+            jobs = sorted(self._tracked)
+        try:
+            readers = self.ask(jobs) if jobs else Readers(set(), set())
+        except Exception:  # the store may be down: keep the last answer, the writes report it
+            log.warning("could not tell which jobs are followed", exc_info=True)
+            return
+        self._followed = frozenset(readers.followed)
+        self._watched = frozenset(readers.followed | readers.looked_at)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._tracked))
+            self.refresh()
+            time.sleep(self.check_s)  # not woken by ``track``: a burst of starts shares one ask

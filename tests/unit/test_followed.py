@@ -1,0 +1,60 @@
+"""FollowedJobs: which running jobs a reader looks at, asked for all of them at once, off the engine's thread."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from omni_jobs.followed import FollowedJobs, Readers
+
+
+def test_without_a_store_every_job_counts_as_followed() -> None:
+    followed = FollowedJobs(None)
+    followed.track("job_a")
+    assert followed.watched("job_a") and followed.watched("job_b")
+    assert followed.followed_among(["job_a", "job_b"]) == {"job_a", "job_b"}
+
+
+def test_one_ask_covers_every_tracked_job_and_a_poll_is_not_a_stream() -> None:
+    asked: list[list[str]] = []
+
+    def ask(job_ids: Sequence[str]) -> Readers:
+        asked.append(list(job_ids))
+        return Readers(followed={"job_b"} & set(job_ids), looked_at={"job_a"} & set(job_ids))
+
+    followed = FollowedJobs(ask, check_s=3600)  # its thread asks once when the first job comes, then sleeps
+    followed.track("job_a")
+    followed.track("job_b")
+    followed.track("job_b")  # two stages of one job
+    followed.untrack("job_b")
+    followed.refresh()
+    assert asked[-1] == ["job_a", "job_b"]
+    assert followed.watched("job_a") and followed.watched("job_b") and not followed.watched("job_c")
+    assert followed.followed_among(["job_a", "job_b", "job_c"]) == {"job_b"}  # text deltas: streams only
+    followed.untrack("job_b")
+    followed.refresh()
+    assert asked[-1] == ["job_a"] and not followed.watched("job_b")
+
+
+def test_the_thread_asks_every_check_and_a_failed_ask_keeps_the_last_answer() -> None:
+    answers: list[Readers | Exception] = [Readers({"job_a"}, set()), RuntimeError("store down"), Readers(set(), set())]
+    calls: list[float] = []
+
+    def ask(job_ids: Sequence[str]) -> Readers:
+        calls.append(time.monotonic())
+        answer = answers[min(len(calls) - 1, len(answers) - 1)]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    followed = FollowedJobs(ask, check_s=0.05)
+    followed.track("job_a")
+    deadline = time.monotonic() + 5
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert followed.watched("job_a")  # the first answer, kept through the failed second ask
+    while len(calls) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.02)
+    assert not followed.watched("job_a")
+    assert calls[1] - calls[0] >= 0.04  # at most one ask per check
