@@ -31,8 +31,8 @@ from omni_jobs.engines.stage_exec import StageValues, execute_dit, execute_encod
 from omni_jobs.errors import JobAlreadyFinished, JobNotFound, StageError, TransientStageError
 from omni_jobs.followed import Ask, FollowedJobs
 from omni_jobs.input_files import load_input_image
-from omni_jobs.jobs.ledger import JobLedger, Lease, Refused
-from omni_jobs.jobs.models import EventType, Job, JobError, JobEvent, JobOutput, StageStatus, now
+from omni_jobs.jobs.ledger import JobLedger, Lease, Refused, WrittenOutputs
+from omni_jobs.jobs.models import EventType, Job, JobError, JobEvent, JobOutput, JobStatus, StageStatus, now
 from omni_jobs.jobs.patience import STORE_DOWN, while_store_down
 from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.leases import LeaseKeeper
@@ -64,6 +64,18 @@ class EarlyOutputs:
 
     made_from: list[dict[str, ArtifactRef]]
     writes: list[Future[JobOutput]]
+
+
+def _written(made_from: list[dict[str, ArtifactRef]], writes: Sequence[Future[JobOutput]]) -> WrittenOutputs | None:
+    """The final files begun for results inline, once all are written: the stage's completion then
+    ends the job in its own write. None if there are none, or one failed (the results step then
+    runs as usual and handles the error)."""
+    if not writes:
+        return None
+    wait(writes)
+    if any(f.exception() is not None for f in writes):
+        return None
+    return WrittenOutputs(made_from, [f.result() for f in writes])
 
 
 class InlineResults(Protocol):
@@ -306,18 +318,22 @@ class StageRunner:
         if cache is not None and digest:
             metrics["cache_hit"] = 1.0 if hit is not None else 0.0
         inline = worker if self.assemble_results is not None else None
-        done = self._patiently(lambda: self.ledger.complete_stage(lease, refs, metrics, snapshot=job,
-                                                                  results_worker=inline, first=tail), where)
+        made_from = [dict(refs) if r.id == step.stage_id else dict(r.outputs) for r in job.stages]
+        written = _written(made_from, writes)
+        done = self._patiently(lambda: self.ledger.complete_stage(lease, refs, metrics, snapshot=job, results_worker=inline,
+                                                                  first=tail, written=written), where)
         if isinstance(done, Refused):
             log.warning("%s: result discarded: %s", where, done.reason)
             return StepOutcome("discarded", done.reason), None, None
         if self.run_journal is not None:
             self.run_journal.record(lease, "engine.recorded")
+        if written is not None and done.status is JobStatus.succeeded and done.outputs == written.outputs:
+            log.info("%s: job succeeded with outputs %s (results inline)", where, [o.name for o in done.outputs])
+            return StepOutcome("succeeded", ""), None, None
         took_results = (inline is not None and done.results.status is StageStatus.running
                         and done.results.lease_owner == lease.owner)
         if not took_results or not writes:
             return StepOutcome("succeeded", ""), done if took_results else None, None
-        made_from = [dict(refs) if r.id == step.stage_id else dict(r.outputs) for r in job.stages]
         return StepOutcome("succeeded", ""), done, EarlyOutputs(made_from, list(writes))
 
     def _begin_outputs(self, job: Job, step: RunStage, encoded: CachedOutputs) -> list[Future[JobOutput]]:

@@ -108,6 +108,16 @@ class Refused:
 
 
 @dataclass(frozen=True)
+class WrittenOutputs:
+    """A job's final files, written already by the worker completing its last stage (results inline),
+    and the stage outputs they were made of: they end the job in that stage's own write if the job
+    then has those outputs."""
+
+    made_from: list[dict[str, ArtifactRef]]
+    outputs: list[JobOutput]
+
+
+@dataclass(frozen=True)
 class Quota:
     """A tenant's limits (0: none): jobs not finished at once, and jobs submitted per minute."""
 
@@ -625,7 +635,7 @@ class JobLedger:
     # --- a step ends ---
     def complete_stage(self, lease: Lease, outputs: dict[str, ArtifactRef], metrics: dict[str, float], *,
                        snapshot: Job | None = None, results_worker: str | None = None,
-                       first: Sequence[JobEvent] = ()) -> Job | Refused:
+                       first: Sequence[JobEvent] = (), written: WrittenOutputs | None = None) -> Job | Refused:
         """Record the stage's outputs and queue what became runnable (next stages, or the results step).
 
         ``first``: events of the attempt that go out with its result, before its own (the last
@@ -634,7 +644,11 @@ class JobLedger:
         ``results_worker``: when this was the job's last stage, that worker takes the results step in
         the same write, under this attempt's lease owner (results inline: no hop through the results
         queue). If it dies before the results are written, the results lease expires and the reaper
-        requeues the step to the results queue like any lost attempt."""
+        requeues the step to the results queue like any lost attempt.
+
+        ``written``: with ``results_worker``, the final files are written already: if they were made
+        of the outputs the job now has, this same write takes the results step and ends the job
+        succeeded (one write where there were two); else the results step is taken as above."""
         step = lease.step
         assert isinstance(step, RunStage)
 
@@ -657,8 +671,12 @@ class JobLedger:
                 state.results_queued(after, at)
                 if results_worker is not None:
                     state.results_started(after, results_worker)
-                    after.results.lease_owner, after.results.lease_until = lease.owner, at + self.lease_s
                     guard += ("results:status", "results:attempts")
+                    if written is not None and written.made_from == [r.outputs for r in after.stages]:
+                        after.outputs = list(written.outputs)
+                        events += state.job_succeeded(after, at)
+                    else:
+                        after.results.lease_owner, after.results.lease_until = lease.owner, at + self.lease_s
             return _Decision(after, after, events, guard)
 
         return self._transition(step.job_id, decide, missing=lambda: Refused("job is gone"), snapshot=snapshot)

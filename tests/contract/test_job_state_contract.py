@@ -12,7 +12,7 @@ from omni_jobs import keys
 from omni_jobs.artifacts.refs import ArtifactRef
 from omni_jobs.errors import IdempotencyConflict, JobAlreadyFinished, JobNotFound
 from omni_jobs.jobs.change import Change
-from omni_jobs.jobs.ledger import Acquired, JobLedger, Lease, Refused
+from omni_jobs.jobs.ledger import Acquired, JobLedger, Lease, Refused, WrittenOutputs
 from omni_jobs.jobs.models import (
     EventType,
     Job,
@@ -167,6 +167,34 @@ def test_the_last_stage_can_take_the_results_step_in_the_same_write(ledger: JobL
     final = ledger.complete_results(Lease(AssembleResults(job.id, 1), "dit@h#1"), [output])
     assert isinstance(final, Job) and final.status is JobStatus.succeeded and final.outputs == [output]
     assert store.leased_slots() == [] and store.queue_counts("results") == (0, 0)
+
+
+def test_the_last_stage_ends_the_job_in_its_own_write_once_its_files_are_written(
+        ledger: JobLedger, store: JobStore) -> None:
+    """Results inline, the final files written before the last stage's completion: that one write
+    records the stage, takes the results step and ends the job. Files made of other outputs than the
+    job has (a stage ran again meanwhile) end nothing: the results step is taken, as without them."""
+    output = JobOutput(name="image", type="image", media_type="image/png", size=1, artifact=ref("image"))
+    for made_of_text in ("text", "older text"):
+        job, _ = ledger.submit(two_stage_job(), ["ar"])
+        ledger.complete_stage(start(ledger, claim(store)[0]).lease, {"text": ref("text")}, {}, results_worker="ar@h")
+        dit = start(ledger, claim(store)[0], "dit@h#1")
+        written = WrittenOutputs([{"text": ref(made_of_text)}, {"image": ref("image")}], [output])
+        done = ledger.complete_stage(dit.lease, {"image": ref("image")}, {}, results_worker="dit@h", written=written)
+        assert isinstance(done, Job) and claim(store) == []
+        if made_of_text == "older text":
+            assert done.status is JobStatus.running and done.results.lease_owner == "dit@h#1"
+            assert store.leased_slots() == [f"results:{job.id}"]
+            continue
+        assert done.status is JobStatus.succeeded and done.outputs == [output]
+        assert done.results.status is StageStatus.succeeded and done.results.attempts == 1
+        assert done.results.lease_owner is None and store.leased_slots() == []
+        assert store.queue_counts("results") == (0, 0) and store.queue_counts("dit") == (0, 0)
+        assert [e.type for e in ledger.events(job.id)][-2:] == [EventType.stage_succeeded, EventType.job_succeeded]
+        assert ledger.require(job.id) == done
+        # the same write again (a retried call): the ended job, unchanged
+        assert ledger.complete_stage(dit.lease, {"image": ref("image")}, {}, results_worker="dit@h",
+                                     written=written) == done
 
 
 def test_results_decided_on_the_taken_job_end_it_or_see_a_later_write(ledger: JobLedger, store: JobStore) -> None:
