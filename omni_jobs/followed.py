@@ -1,8 +1,8 @@
 """Which of a worker's running jobs somebody is looking at now, known without asking on the engine's thread.
 
-A reader marks the job it looks at, with a TTL: an SSE stream marks it followed
-(``keys.job_followed``, omni_jobs.jobs.watch); a GET of a job not yet ended, or a cancel, marks it
-looked at (``keys.job_looked_at``). A worker spends Redis writes on what only a reader sees while
+A reader marks the job it looks at (``keys.job_followed``, with a TTL): an SSE stream as followed
+(``STREAM``, omni_jobs.jobs.watch); a GET of a job not yet ended, or a cancel, as looked at
+(``LOOK``; a stream's mark stays). A worker spends Redis writes on what only a reader sees while
 somebody looks: a stage's frequent progress while its job is followed or looked at, its text deltas
 (which only a stream shows) while it is followed. The rest goes out at a slow pace, or with the
 stage's result.
@@ -29,6 +29,8 @@ cancel) is noticed."""
 
 LOOKED_AT_TTL_S = 10
 """How long a look that is not a stream (a GET of a job not yet ended, a cancel) lasts."""
+STREAM, LOOK = b"stream", b"look"
+"""The values of a job's mark: a stream follows it; it was looked at otherwise."""
 
 
 class Readers(NamedTuple):

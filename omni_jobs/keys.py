@@ -26,15 +26,11 @@ def job_progress(job_id: str) -> str:
 
 
 def job_followed(job_id: str) -> str:
-    """Present (with a short TTL) while a reader follows the job's events live: its running text
-    stages publish their deltas as they come, not only when they end (omni_jobs.jobs.watch)."""
+    """Present (with a short TTL) while somebody looks at the job, and how: ``stream`` while a reader
+    follows its events live (its running text stages publish their deltas as they come, not only
+    when they end), ``look`` after a GET of it not yet ended or a cancel (its running stages write
+    their progress often). omni_jobs.followed, omni_jobs.jobs.watch."""
     return f"{PREFIX}:job:{job_id}:followed"
-
-
-def job_looked_at(job_id: str) -> str:
-    """Present (with a short TTL) after a client looked at the job while it had not ended (a GET, a
-    cancel): its running stages write their progress often (omni_jobs.followed)."""
-    return f"{PREFIX}:job:{job_id}:looked-at"
 
 
 def job_webhooks(job_id: str) -> str:

@@ -28,7 +28,7 @@ from typing import Generic, TypeVar
 from omni_jobs import keys
 from omni_jobs.artifacts.refs import ArtifactRef
 from omni_jobs.errors import IdempotencyConflict, JobAlreadyFinished, JobNotFound, Overloaded, QuotaExceeded
-from omni_jobs.followed import LOOKED_AT_TTL_S
+from omni_jobs.followed import LOOK, LOOKED_AT_TTL_S
 from omni_jobs.jobs import codec, state
 from omni_jobs.jobs.change import Cap, Change, Conflict, Guard
 from omni_jobs.jobs.models import (
@@ -743,7 +743,7 @@ class JobLedger:
             if job.status.is_final:
                 raise JobAlreadyFinished(job.id, job.status.value)
             after = job.clone()
-            looked_at = Change().set(keys.job_looked_at(job.id), "1", LOOKED_AT_TTL_S)
+            looked_at = Change().set(keys.job_followed(job.id), LOOK.decode(), LOOKED_AT_TTL_S)
             return _Decision(after, after, state.job_canceled(after, now(), reason), extra=looked_at)
 
         return self._transition(job_id, decide, missing=lambda: _raise(JobNotFound(job_id)))

@@ -5,7 +5,7 @@ streams a job's events until it ends, and ``Prefer: wait=N`` blocks a POST until
 Thousands of such waits cost the API an open socket each, not a thread each.
 
 A follower also marks the job as followed (``keys.job_followed``, with a TTL it renews); a GET of a
-job not yet ended marks it looked at (``mark_looked_at``). Workers publish a running stage's text
+job not yet ended marks it looked at (``mark_looked_at``), unless a stream's mark is there. Workers publish a running stage's text
 deltas only for followed jobs, and write its progress often only for followed or looked-at ones
 (``job_readers``, omni_jobs.followed).
 """
@@ -20,7 +20,7 @@ import redis
 import redis.asyncio as aioredis
 
 from omni_jobs import keys
-from omni_jobs.followed import LOOKED_AT_TTL_S, Readers
+from omni_jobs.followed import LOOK, LOOKED_AT_TTL_S, STREAM, Readers
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.models import FINAL_EVENTS, Job, JobEvent
 from omni_jobs.jobs.store import async_client_from_url, parse_stream
@@ -68,7 +68,7 @@ class JobWatcher:
         marked = float("-inf")
         while True:
             if time.monotonic() - marked > MAX_BLOCK_S:  # a reader follows: text stages publish as they go
-                await self.redis.set(keys.job_followed(job_id), b"1", ex=int(FOLLOWED_TTL_S))
+                await self.redis.set(keys.job_followed(job_id), STREAM, ex=int(FOLLOWED_TTL_S))
                 marked = time.monotonic()
             batch = await self.events(job_id, after=after)
             if not batch:
@@ -107,20 +107,17 @@ class JobWatcher:
 
 def job_readers(client: redis.Redis, job_ids: Sequence[str]) -> Readers:
     """Which of these jobs a stream follows (``JobWatcher.follow`` marks them), and which a client
-    looked at otherwise (``mark_looked_at``, a cancel): one round trip."""
+    looked at otherwise (``mark_looked_at``, a cancel): one MGET."""
     if not job_ids:
         return Readers(set(), set())
-    with client.pipeline(transaction=False) as pipe:
-        for job_id in job_ids:
-            pipe.exists(keys.job_followed(job_id))
-            pipe.exists(keys.job_looked_at(job_id))
-        found = pipe.execute()
-    followed = {job_id for job_id, n in zip(job_ids, found[0::2], strict=True) if n}
-    looked_at = {job_id for job_id, n in zip(job_ids, found[1::2], strict=True) if n}
+    marks = client.mget([keys.job_followed(job_id) for job_id in job_ids])
+    followed = {job_id for job_id, mark in zip(job_ids, marks, strict=True) if mark == STREAM}
+    looked_at = {job_id for job_id, mark in zip(job_ids, marks, strict=True) if mark is not None and mark != STREAM}
     return Readers(followed, looked_at)
 
 
 def mark_looked_at(client: redis.Redis, job_id: str) -> None:
     """A client looked at a job not yet ended (a poll): its running stages write their progress often
-    for the next ``LOOKED_AT_TTL_S``. Only a missing mark is written: a poller writes once per TTL."""
-    client.set(keys.job_looked_at(job_id), b"1", ex=LOOKED_AT_TTL_S, nx=True)
+    for the next ``LOOKED_AT_TTL_S``. Only a missing mark is written: a poller writes once per TTL,
+    and a stream's mark stays as it is."""
+    client.set(keys.job_followed(job_id), LOOK, ex=LOOKED_AT_TTL_S, nx=True)

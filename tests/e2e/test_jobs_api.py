@@ -221,13 +221,13 @@ def test_a_look_at_a_job_not_yet_ended_asks_its_workers_for_frequent_progress(ap
     a GET of an ended job marks nothing."""
     client = redis.Redis.from_url(system.redis_url)
     job = submit(api, "text-to-text", "a long count", {"ar": {"max_tokens": 400}})
-    mark = keys.job_looked_at(job["id"])
+    mark = keys.job_followed(job["id"])
     assert client.exists(mark) == 0  # submitting is not looking
     assert api.get(f"/v1/jobs/{job['id']}").json()["status"] in ("queued", "running")
-    assert 0 < client.ttl(mark) <= 10
+    assert 0 < client.ttl(mark) <= 10 and client.get(mark) == b"look"
     client.delete(mark)
     assert api.post(f"/v1/jobs/{job['id']}/cancel").json()["status"] == "canceled"
-    assert 0 < client.ttl(mark) <= 10  # written with the cancel: a running stage notices it at once
+    assert 0 < client.ttl(mark) <= 10 and client.get(mark) == b"look"  # written with the cancel: a running stage notices it at once
     client.delete(mark)
     assert api.get(f"/v1/jobs/{job['id']}").status_code == 200
     assert client.exists(mark) == 0

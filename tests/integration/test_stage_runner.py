@@ -22,6 +22,7 @@ from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, ArtifactStoreUnavailable, LocalBackend, RedisBackend
 from omni_jobs.cancellation import cancel_job
 from omni_jobs.errors import IdempotencyConflict
+from omni_jobs.followed import Readers
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import EventType, JobEvent, JobStatus, StageStatus, now
 from omni_jobs.jobs.store import RedisJobStore
@@ -150,6 +151,15 @@ def watching_runner(parts: dict[str, Any]) -> StageRunner:
     return StageRunner(ledger=base.ledger, catalogue=base.catalogue, artifacts=base.artifacts, engines=base.engines,
                        limits=StageLimits(progress_interval_s=0, progress_unfollowed_interval_s=3600),
                        retry_backoff_s=BACKOFF_S, followed=partial(job_readers, parts["redis"]))
+
+
+def test_a_poll_marks_a_job_looked_at_and_leaves_a_streams_mark_as_it_is(parts: dict[str, Any]) -> None:
+    client = parts["redis"]
+    client.set(keys.job_followed("job_streamed"), b"stream", ex=35)  # as JobWatcher.follow marks it
+    for job_id in ("job_streamed", "job_polled"):
+        mark_looked_at(client, job_id)
+    assert job_readers(client, ["job_streamed", "job_polled", "job_alone"]) == Readers({"job_streamed"}, {"job_polled"})
+    assert client.ttl(keys.job_followed("job_streamed")) > 10 and 0 < client.ttl(keys.job_followed("job_polled")) <= 10
 
 
 def test_progress_is_written_often_only_while_somebody_looks_at_the_job(parts: dict[str, Any]) -> None:
