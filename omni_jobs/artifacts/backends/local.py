@@ -10,7 +10,6 @@ found two such files among 200 jobs), and retention removes any still left.
 from __future__ import annotations
 
 import errno
-import glob
 import os
 import time
 import uuid
@@ -36,13 +35,18 @@ _TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EIO, errno.ESTALE, errno.ETIMEDOUT, err
 
 def _remove_abandoned(path: Path, began: float) -> None:
     """Remove the temp files of ``path`` that no write touched since ``began``: left by writers killed
-    before their replace (an earlier attempt). A writer still writing keeps touching its own."""
-    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*{_TMP_SUFFIX}"):
-        try:
-            if tmp.stat().st_mtime < began:
-                tmp.unlink()
-        except FileNotFoundError:
-            continue
+    before their replace (an earlier attempt). A writer still writing keeps touching its own.
+    (One scandir of the directory: pathlib's glob cost ~0.1 ms of Python per write.)"""
+    prefix = f".{path.name}."
+    with os.scandir(path.parent) as entries:
+        for entry in entries:
+            if not (entry.name.startswith(prefix) and entry.name.endswith(_TMP_SUFFIX)):
+                continue
+            try:
+                if entry.stat().st_mtime < began:
+                    os.unlink(entry.path)
+            except FileNotFoundError:
+                continue
 
 
 def _os_error(operation: str, key: str, exc: OSError) -> ArtifactError:
