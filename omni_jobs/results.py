@@ -107,6 +107,9 @@ def text_and_image_output(store: ArtifactStore, job_id: str, name: str, parts: S
     return _entry(name, "text+image", ref, text=text, width=info["width"], height=info["height"])
 
 
+VERBATIM_TYPES = frozenset({"image", "audio", "video", *TENSOR_MODALITIES})
+"""Output types whose file holds its stage output's bytes unchanged (their handlers add nothing)."""
+
 OUTPUT_HANDLERS: dict[str, OutputHandler] = {
     "text": text_output,
     "image": image_output,
@@ -206,6 +209,15 @@ class ResultsAssembler:
         parts = [fresh[(s.source, s.port)] if (s.source, s.port) in fresh
                  else self.artifacts.get(job.stage_record(s.source).outputs[s.port]) for s in out.sources]
         return OUTPUT_HANDLERS[spec.output_type(out)](self.artifacts, job.id, out.name, parts)
+
+    @staticmethod
+    def verbatim_ports(spec: PipelineSpec, stage_id: str) -> dict[str, str]:
+        """The ports of ``stage_id`` whose bytes an output's file holds as they are (an image, a clip,
+        a tensor: written as the stage wrote it), port -> output name. Results inline, that file is
+        the port's stored copy: the stage's output is not stored a second time."""
+        return {out.sources[0].port: out.name for out in spec.outputs
+                if len(out.sources) == 1 and out.sources[0].source == stage_id
+                and spec.output_type(out) in VERBATIM_TYPES}
 
     @staticmethod
     def _early_outputs(job: Job, early: EarlyOutputs) -> list[JobOutput] | None:

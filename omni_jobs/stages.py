@@ -66,7 +66,7 @@ class EarlyOutputs:
     writes: list[Future[JobOutput]]
 
 
-def _written(made_from: list[dict[str, ArtifactRef]], writes: Sequence[Future[JobOutput]]) -> WrittenOutputs | None:
+def _finished(writes: Sequence[Future[JobOutput]]) -> list[JobOutput] | None:
     """The final files begun for results inline, once all are written: the stage's completion then
     ends the job in its own write. None if there are none, or one failed (the results step then
     runs as usual and handles the error)."""
@@ -75,7 +75,7 @@ def _written(made_from: list[dict[str, ArtifactRef]], writes: Sequence[Future[Jo
     wait(writes)
     if any(f.exception() is not None for f in writes):
         return None
-    return WrittenOutputs(made_from, [f.result() for f in writes])
+    return [f.result() for f in writes]
 
 
 class InlineResults(Protocol):
@@ -88,6 +88,10 @@ class InlineResults(Protocol):
 
     def run_held(self, job: Job, lease: Lease, early: EarlyOutputs | None = None) -> StepOutcome:
         """The results step of a job whose results lease this process holds."""
+        ...
+
+    def verbatim_ports(self, spec: PipelineSpec, stage_id: str) -> dict[str, str]:
+        """The ports of this stage whose bytes an output's file holds as they are: port -> output name."""
         ...
 
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ArtifactStoreUnavailable, TransientStageError, *STORE_DOWN)
@@ -294,7 +298,15 @@ class StageRunner:
                 engine_s = time.perf_counter() - started
                 encoded = self._encode_outputs(stage, values)
             writes += self._begin_outputs(job, step, encoded)
-            refs = self._put_encoded(job.id, stage, encoded, step.attempt)
+            # Results inline: a port whose bytes an output file holds as they are is not stored twice.
+            verbatim = self.assemble_results.verbatim_ports(spec, stage.id) if writes and self.assemble_results else {}
+            refs = self._put_encoded(job.id, stage, encoded, step.attempt, [p for p in stage.outputs if p not in verbatim])
+            files = _finished(writes)
+            if verbatim and files is None:  # a file failed: the results step will need the stage's copy
+                refs.update(self._put_encoded(job.id, stage, encoded, step.attempt, list(verbatim)))
+            elif verbatim and files is not None:
+                in_files = {o.name: o.artifact for o in files}
+                refs.update({port: in_files[name] for port, name in verbatim.items()})
             if hit is None and cache is not None and digest:
                 cache.put(f"{spec.name}.{stage.id}", digest, encoded.data, encoded.media_types)
         except JobCanceled as exc:
@@ -319,7 +331,7 @@ class StageRunner:
             metrics["cache_hit"] = 1.0 if hit is not None else 0.0
         inline = worker if self.assemble_results is not None else None
         made_from = [dict(refs) if r.id == step.stage_id else dict(r.outputs) for r in job.stages]
-        written = _written(made_from, writes)
+        written = WrittenOutputs(made_from, files) if files is not None else None
         done = self._patiently(lambda: self.ledger.complete_stage(lease, refs, metrics, snapshot=job, results_worker=inline,
                                                                   first=tail, written=written), where)
         if isinstance(done, Refused):
@@ -548,8 +560,12 @@ class StageRunner:
         media = {port: FORMATS[modality].media_type for port, modality in stage.outputs.items()}
         return CachedOutputs(data=data, media_types=media)
 
-    def _put_encoded(self, job_id: str, stage: StageSpec, encoded: CachedOutputs, attempt: int) -> dict[str, ArtifactRef]:
-        ports = list(stage.outputs)
+    def _put_encoded(self, job_id: str, stage: StageSpec, encoded: CachedOutputs, attempt: int,
+                     ports: Sequence[str] | None = None) -> dict[str, ArtifactRef]:
+        """Store the stage's outputs (``ports``: these of them) as intermediates; their refs by port."""
+        ports = list(stage.outputs) if ports is None else list(ports)
+        if not ports:
+            return {}
         items = [(keys.intermediate_artifact(job_id, stage.id, f"{port}.{FORMATS[stage.outputs[port]].extension}", attempt),
                   encoded.data[port], encoded.media_types[port]) for port in ports]
         return dict(zip(ports, self.artifacts.put_intermediates(items), strict=True))

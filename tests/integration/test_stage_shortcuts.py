@@ -14,7 +14,7 @@ import pytest
 import redis
 from PIL import Image
 
-from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
+from omni_jobs.artifacts import ArtifactStore, ArtifactStoreUnavailable, LocalBackend, RedisBackend
 from omni_jobs.jobs.ledger import JobLedger, Lease
 from omni_jobs.jobs.models import Job, JobStatus, StageStatus, now
 from omni_jobs.jobs.store import RedisJobStore
@@ -38,11 +38,15 @@ class RecordingDisk(LocalBackend):
         self.begun = threading.Event()
         self.started: list[str] = []
         self.ended: list[str] = []
+        self.fail_next = 0
 
     def put(self, key: str, data: bytes, **kwargs: Any) -> None:
         if "/outputs/" in key:
             self.started.append(key)
             self.begun.set()
+            if self.fail_next:
+                self.fail_next -= 1
+                raise ArtifactStoreUnavailable("local", "put", key, OSError(28, "No space left on device"))
         super().put(key, data, **kwargs)
         if "/outputs/" in key:
             self.ended.append(key)
@@ -132,6 +136,27 @@ def test_the_last_stage_begins_the_final_files_before_its_completion_commits(par
     assert parts["disk"].started == parts["disk"].ended == [f"jobs/{job.id}/outputs/image.png"]  # written once
     assert done.stage_record("dit").outputs["image"].key not in read_in_run, \
         "the final file was made from the stage's outputs read back from the store, not from its own bytes"
+    # the stage's image is stored once: its recorded output is the job's file, no copy went to Redis
+    assert done.stage_record("dit").outputs["image"] == image.artifact
+    assert parts["artifacts"].delete_job_intermediates(job.id) == 0
+
+
+def test_a_final_file_that_fails_leaves_the_results_step_to_write_it_from_the_stages_stored_copy(
+        parts: dict[str, Any]) -> None:
+    """The early write of the image fails: the stage's image is stored as an intermediate after all,
+    the completion takes the results step (it cannot end the job), and that step writes the file again."""
+    parts["disk"].fail_next = 1
+    job = parts["submit"].submit("inline-image", {"prompt": "a full disk"})
+    outcome = parts["runner"].run(first_step(parts, job), worker="dit@h", owner="dit@h#1")
+    assert outcome.status == "succeeded"
+    done = parts["ledger"].require(job.id)
+    assert done.status is JobStatus.succeeded and done.results.attempts == 1
+    (image,) = done.outputs
+    stored = done.stage_record("dit").outputs["image"]
+    assert stored != image.artifact and stored.backend == "redis"  # the stage's own copy, read back for the file
+    assert parts["small"].read == [stored.key]
+    assert parts["artifacts"].get(image.artifact) == parts["artifacts"].get(stored)
+    assert parts["disk"].started == [f"jobs/{job.id}/outputs/image.png"] * 2
 
 
 def test_files_begun_for_a_completion_that_is_refused_end_with_the_attempt(parts: dict[str, Any]) -> None:
