@@ -566,19 +566,23 @@ class Bench:
         """Queue overhead per hop on an idle system: jobs one at a time through the multi-stage pipeline
         (with --ab, the system's and the B arm's jobs alternate, so both see the same machine)."""
         arms = {"system": "b-multi", **({"b": "b-multi-b"} if self.args.ab else {})}
-        hops: dict[str, list[tuple[float, float, float]]] = {arm: [] for arm in arms}
+        hops: dict[str, list[tuple[float, float, float, float]]] = {arm: [] for arm in arms}
         for i in range(self.args.hop_jobs):
             for arm, pipeline in (arms.items() if i % 2 else reversed(arms.items())):
                 (job,) = self.run_jobs(pipeline, [f"hop {i}"])
                 ar, dit = job.stage_record("ar"), job.stage_record("dit")
                 assert ar.started_at and ar.finished_at and dit.started_at and dit.finished_at and job.completed_at
+                # the last hop from the DiT's engine end: results inline end the job in the stage's own
+                # write (its finished_at), after its outputs are encoded, stored and written
+                engine_end = dit.started_at + dit.metrics.get("engine_s", 0.0)
                 hops[arm].append((ar.started_at - job.created_at, dit.started_at - ar.finished_at,
-                                  job.completed_at - dit.finished_at))
+                                  job.completed_at - dit.finished_at, job.completed_at - engine_end))
         for arm, seen in hops.items():
             self.results["hops" if arm == "system" else "hops_b"] = {
                 "api_to_worker_p50_ms": 1000 * statistics.median(h[0] for h in seen),
                 "worker_to_next_stage_p50_ms": 1000 * statistics.median(h[1] for h in seen),
                 "stage_to_results_done_p50_ms": 1000 * statistics.median(h[2] for h in seen),
+                "engine_end_to_done_p50_ms": 1000 * statistics.median(h[3] for h in seen),
                 "n": len(seen),
             }
 
@@ -759,7 +763,8 @@ def table(results: dict[str, Any]) -> str:
         if h:
             lines.append(f"per-hop queue overhead, {label} (p50 of {h['n']} jobs, idle system): API->worker "
                          f"{h['api_to_worker_p50_ms']:.1f} ms, worker->next stage {h['worker_to_next_stage_p50_ms']:.1f} "
-                         f"ms, last stage->results done {h['stage_to_results_done_p50_ms']:.1f} ms")
+                         f"ms, last stage->results done {h['stage_to_results_done_p50_ms']:.1f} ms (its engine's "
+                         f"end->done {h.get('engine_end_to_done_p50_ms', float('nan')):.1f} ms)")
     c = results.get("cache") or {}
     if "stage_cache" in c:
         s = c["stage_cache"]
