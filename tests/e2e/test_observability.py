@@ -95,13 +95,12 @@ def test_worker_metrics_follow_the_job_through_each_stage(traced_job: dict[str, 
                  device="cpu") > 200 * 2**20  # vLLM in the process: hundreds of MiB
     small = sum(ref["size"] for ref in ar["outputs"].values() if ref["backend"] == "redis")
     assert small > 0 and delta(traced_job, "ar", "omni_jobs_artifact_bytes_total", backend="redis", op="put") == small
-    # The DiT worker: its image intermediate went to S3 (larger than the 2048-byte Redis threshold), and
-    # so did the job's final files, which it wrote inline (OMNI_RESULTS_INLINE) as the last stage's worker.
+    # The DiT worker wrote the job's final files to S3, inline (OMNI_RESULTS_INLINE) as the last stage's
+    # worker; its image is stored once: the stage's recorded output is the job's image file.
     image_ref = dit["outputs"]["image"]
-    assert image_ref["backend"] == "s3"
+    assert image_ref["backend"] == "s3" and image_ref["key"] == f"jobs/{job['id']}/outputs/image.png"
     final_files = sum(o["size"] for o in job["outputs"])
-    assert delta(traced_job, "dit", "omni_jobs_artifact_bytes_total", backend="s3",
-                 op="put") == image_ref["size"] + final_files
+    assert delta(traced_job, "dit", "omni_jobs_artifact_bytes_total", backend="s3", op="put") == final_files
     assert delta(traced_job, "dit", "omni_jobs_engine_batch_size_count", engine="dit") == 1
     assert delta(traced_job, "dit", "omni_jobs_stage_duration_seconds_count", pipeline=p, stage="dit", engine="dit",
                  outcome="succeeded") == 1
@@ -134,7 +133,8 @@ def test_logs_carry_the_job_id_stage_and_task_id_everywhere(traced_job: dict[str
         assert f"Task {name}[{task_ids[node]}] received" in (system.logs / f"worker-{node}.log").read_text()
     # The results were written inline by the worker of the last stage (OMNI_RESULTS_INLINE), inside its task.
     dit_lines = log_lines(system, "worker-dit", job_id)
-    assert any("results assembled inline: succeeded" in e.get("message", "") for e in dit_lines), dit_lines[-3:]
+    assert any("job succeeded with outputs" in e.get("message", "") and "(results inline)" in e.get("message", "")
+               for e in dit_lines), dit_lines[-3:]
     assert not [e for e in log_lines(system, "worker-results", job_id) if e.get("job_id") == job_id]
 
     # Flower finds every task of the job by its id. (Flower takes the name from whichever of the

@@ -165,8 +165,11 @@ def test_sigkill_ar_worker_mid_stage(faults: FaultSystem, api: httpx.Client) -> 
 
 
 def test_sigkill_dit_worker_during_an_s3_upload(faults: FaultSystem, api: httpx.Client) -> None:
+    """The last stage's worker uploads the job's image (results inline: the stage's own copy is that
+    file) before the one write that records the stage and ends the job: killed mid-upload, nothing
+    was recorded, and the stage runs again."""
     job = submit(api, "text-to-image", "upload kill", image_params(seed=4, steps=4, size=128))
-    faults.gate.hold(rf"PUT /{BUCKET}/jobs/{job['id']}/stages/dit/")
+    faults.gate.hold(rf"PUT /{BUCKET}/jobs/{job['id']}/outputs/image")
     assert faults.gate.wait_held(120), "the DiT stage never uploaded its image"
     worker = faults.process("worker-dit")
     worker.kill()  # the image is half-sent: the attempt never recorded it
@@ -176,30 +179,26 @@ def test_sigkill_dit_worker_during_an_s3_upload(faults: FaultSystem, api: httpx.
     done = wait_for_job(api, job["id"], timeout_s=180)
     assert done["status"] == "succeeded" and done["stages"][1]["attempts"] == 2
     recorded = done["stages"][1]["outputs"]["image"]["key"]
-    assert "/attempt-2/" in recorded  # the outputs of the attempt that finished, never the torn one
+    assert recorded == f"jobs/{job['id']}/outputs/image.png"  # the whole file the second attempt wrote
     duplicated = duplicates(faults, [done], outputs_per_job=2)
     assert duplicated == 0
     report("SIGKILL DiT worker during an S3 upload", [done], duplicated, done["completed_at"] - killed_at)
 
 
 def test_sigkill_mid_assembly(faults: FaultSystem, api: httpx.Client) -> None:
-    """The results are written inline by the last stage's worker (OMNI_RESULTS_INLINE): killed while it
-    uploads them, its restarted node gives the results step back to the results queue, whose worker
-    writes them again; the completed webhook goes out once."""
+    """The results are written inline by the last stage's worker (OMNI_RESULTS_INLINE), before the one
+    write that records its stage and ends the job: killed while it uploads them, the stage runs again
+    on its restarted node and writes them again, under the same keys; the completed webhook goes out
+    once."""
     url = faults.receiver.script("/results-kill", [])
     response = api.post("/v1/jobs", json={"pipeline": "text-to-image", "input": {"prompt": "assembly kill"},
                                           "params": image_params(seed=6, steps=2, size=64),
                                           "webhook": url, "webhook_events_filter": ["completed"]})
     assert response.status_code == 202
     job = response.json()
-    faults.gate.hold(rf"PUT /{BUCKET}/jobs/{job['id']}/outputs/")
+    faults.gate.hold(rf"PUT /{BUCKET}/jobs/{job['id']}/outputs/text")  # the second file: the image may be up
     assert faults.gate.wait_held(120), "the results step never wrote an output"
-    # The files are begun while the stage's completion commits (omni_jobs.stages.EarlyOutputs): kill
-    # once that write holds the results step, so it is the results step that must be taken back.
-    deadline = time.monotonic() + 30
-    while api.get(f"/v1/jobs/{job['id']}").json()["stages"][-1]["status"] != "succeeded":
-        assert time.monotonic() < deadline, "the last stage was never recorded"
-        time.sleep(0.05)
+    assert api.get(f"/v1/jobs/{job['id']}").json()["stages"][-1]["status"] == "running"  # nothing recorded yet
     worker = faults.process("worker-dit")  # the last stage's worker, assembling inline
     worker.kill()
     killed_at = time.time()
@@ -207,6 +206,7 @@ def test_sigkill_mid_assembly(faults: FaultSystem, api: httpx.Client) -> None:
     worker.start()
     done = wait_for_job(api, job["id"], timeout_s=180)
     assert done["status"] == "succeeded" and {o["name"] for o in done["outputs"]} == {"image", "text"}
+    assert done["stages"][-1]["attempts"] == 2
     assert faults.output_files(job["id"]) == [f"jobs/{job['id']}/outputs/image.png",
                                               f"jobs/{job['id']}/outputs/text.json"]
     faults.receiver.wait_until(lambda: bool(faults.receiver.at("/results-kill")), what="the completed webhook")
