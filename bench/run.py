@@ -192,7 +192,7 @@ class Bench:
         self.start_system([AR_MODEL, DIT_SMALL, DIT_LARGE, DIT_TEST],
                           pipelines(self.args.batch, self.args.ar_tokens, self.args.steps),
                           {**WORKER_QUEUES, "ar-naive": "solo", "dit-naive": "solo"})  # as `omni-jobs up`, plus the naive twins
-        if self.args.ab:
+        if self.args.ab is not None:
             assert self.system
             self.start_b_workers(self.system.extra_env)
 
@@ -228,6 +228,9 @@ class Bench:
         but with these settings, so that one run compares both side by side."""
         assert self.system
         overrides = dict(kv.split("=", 1) for kv in self.args.ab)
+        tree = self.args.ab_tree.resolve() if self.args.ab_tree is not None else None
+        if tree is not None:  # another checkout's code: its workers start there and import from there
+            overrides["PYTHONPATH"] = str(tree)
         for queue in ("ar-b", "dit-b"):
             node = queue
             self.system.metrics_ports[node] = free_port()
@@ -235,7 +238,7 @@ class Bench:
                     "-c", env["OMNI_STAGE_MAX_IN_FLIGHT"], "-n", f"{node}@%h", "--loglevel", "INFO"]
             self.system._spawn(f"worker-{node}", argv, 0, lambda: True,
                                env=self.system.worker_env({"OMNI_METRICS_PORT": str(self.system.metrics_ports[node]),
-                                                           **overrides}))
+                                                           **overrides}), cwd=tree)
         self.system.wait_for_workers({"ar-b", "dit-b"})
 
     def stop(self) -> None:
@@ -508,7 +511,7 @@ class Bench:
         self.run_jobs(w.pipeline, [f"warm up {t}" for t in prompts(min(self.args.batch, self.n), 998)])
         self.run_jobs(w.pipeline + "-naive", ["warm up two"])
         direct, system, naive, b = Arm(), Arm(), Arm(), Arm()
-        if self.args.ab:
+        if self.args.ab is not None:
             self.run_jobs(w.pipeline + "-b", [f"warm up {t}" for t in prompts(min(self.args.batch, self.n), 997)])
         with self.direct_process(w) as child:
             for rep in range(self.reps):
@@ -522,15 +525,15 @@ class Bench:
                 direct.cpu_s.setdefault("direct", []).append(d["cpu_s"])
                 for k, v in d["stage_s"].items():
                     direct.stage_s.setdefault(k, []).append(v)
-                if self.args.ab and rep % 2:  # alternate which of the two goes first
+                if self.args.ab is not None and rep % 2:  # alternate which of the two goes first
                     self.system_rep(w.pipeline + "-b", rep, b)
                 self.system_rep(w.pipeline, rep, system)
-                if self.args.ab and not rep % 2:
+                if self.args.ab is not None and not rep % 2:
                     self.system_rep(w.pipeline + "-b", rep, b)
                 if not self.args.no_naive:
                     self.system_rep(w.pipeline + "-naive", rep, naive)
                 print(f"  rep {rep + 1}: direct {direct.jobs_per_s[-1]:.2f}, system {system.jobs_per_s[-1]:.2f}, "
-                      + (f"B {b.jobs_per_s[-1]:.2f}, " if self.args.ab else "")
+                      + (f"B {b.jobs_per_s[-1]:.2f}, " if self.args.ab is not None else "")
                       + (f"naive {naive.jobs_per_s[-1]:.2f} " if naive.jobs_per_s else "") + "jobs/s", flush=True)
             direct.rss_mib = child.close()["rss_mib"]
         system.rss_mib = {q: round(self.worker_rss(q), 1) for q in queues}
@@ -565,7 +568,7 @@ class Bench:
     def hops(self) -> None:
         """Queue overhead per hop on an idle system: jobs one at a time through the multi-stage pipeline
         (with --ab, the system's and the B arm's jobs alternate, so both see the same machine)."""
-        arms = {"system": "b-multi", **({"b": "b-multi-b"} if self.args.ab else {})}
+        arms = {"system": "b-multi", **({"b": "b-multi-b"} if self.args.ab is not None else {})}
         hops: dict[str, list[tuple[float, float, float, float]]] = {arm: [] for arm in arms}
         for i in range(self.args.hop_jobs):
             for arm, pipeline in (arms.items() if i % 2 else reversed(arms.items())):
@@ -758,7 +761,9 @@ def table(results: dict[str, Any]) -> str:
         if row.get("cpu_direct_over_system") is not None:
             lines.append(f"  {'':32} sys/direct {row['system_over_direct']:.2f} = CPU {row['cpu_direct_over_system']:.2f}"
                          f" x busy cores {row['busy_cores_system_over_direct']:.2f}")
-    for arm, label in (("hops", "system"), ("hops_b", f"B {' '.join(results.get('config', {}).get('ab') or [])}")):
+    config = results.get("config", {})
+    b_label = " ".join([*(config.get("ab") or []), *([f"code of {config['ab_tree']}"] if config.get("ab_tree") else [])])
+    for arm, label in (("hops", "system"), ("hops_b", f"B {b_label}")):
         h = results.get(arm) or {}
         if h:
             lines.append(f"per-hop queue overhead, {label} (p50 of {h['n']} jobs, idle system): API->worker "
@@ -793,12 +798,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ab", nargs="+", default=None, metavar="KEY=VALUE",
                    help="a B arm: the same system arm on twin workers with these settings (e.g. "
                         "OMNI_BATCH_FILL_WAIT_MS=0), paired with the system arm in every repetition")
+    p.add_argument("--ab-tree", type=Path, default=None, metavar="PATH",
+                   help="a B arm running another checkout's code (e.g. `git worktree add /tmp/base HEAD~3`) with the "
+                        "same settings (or --ab's): two versions paired in every repetition. The API, Redis and "
+                        "the other workers stay this checkout's")
     p.add_argument("--no-naive", action="store_true", help="skip the naive arm (shorter A/B runs)")
     p.add_argument("--hops", action="store_true", help="measure only the per-hop overhead (with --ab: both arms)")
     p.add_argument("--redis-durability", choices=("auto", "always", "waitaof", "everysec"), default="auto",
                    help="how the system's Redis keeps a 202 (auto: as `omni-jobs up`; see EmbeddedSystem)")
     p.add_argument("--direct", default=None, help=argparse.SUPPRESS)  # internal: one direct arm, JSON out
     args = p.parse_args(argv)
+    if args.ab_tree is not None:
+        if not (args.ab_tree / "workers" / "app.py").is_file():
+            p.error(f"--ab-tree {args.ab_tree}: no omni-jobs checkout there (workers/app.py is missing)")
+        args.ab = args.ab or []
     args.jobs = args.jobs or (8 if args.quick else 64)
     args.reps = args.reps or (1 if args.quick else 3)
     args.batch = args.batch or (8 if args.quick else 32)

@@ -255,9 +255,10 @@ class EmbeddedSystem:
         return WORKER_CONCURRENCY.get(queue, 1)
 
     def _spawn(self, name: str, argv: list[str], port: int, ready: Callable[[], bool],
-               env: dict[str, str] | None = None) -> RunningService:
+               env: dict[str, str] | None = None, cwd: Path | None = None) -> RunningService:
+        """Start one process of this system (``cwd``: where it runs, this process's by default)."""
         service = RunningService(name, argv, port, f"{name}:{port}", ready, log_path=self.logs / f"{name}.log",
-                                 start_timeout_s=120, cwd=Path.cwd(), env={**self.child_env(), **(env or {})})
+                                 start_timeout_s=120, cwd=cwd or Path.cwd(), env={**self.child_env(), **(env or {})})
         service.start()
         self.processes.append(service)
         return service
