@@ -298,15 +298,7 @@ class StageRunner:
                 engine_s = time.perf_counter() - started
                 encoded = self._encode_outputs(stage, values)
             writes += self._begin_outputs(job, step, encoded)
-            # Results inline: a port whose bytes an output file holds as they are is not stored twice.
-            verbatim = self.assemble_results.verbatim_ports(spec, stage.id) if writes and self.assemble_results else {}
-            refs = self._put_encoded(job.id, stage, encoded, step.attempt, [p for p in stage.outputs if p not in verbatim])
-            files = _finished(writes)
-            if verbatim and files is None:  # a file failed: the results step will need the stage's copy
-                refs.update(self._put_encoded(job.id, stage, encoded, step.attempt, list(verbatim)))
-            elif verbatim and files is not None:
-                in_files = {o.name: o.artifact for o in files}
-                refs.update({port: in_files[name] for port, name in verbatim.items()})
+            refs, files = self._store_outputs(spec, stage, job.id, step.attempt, encoded, writes)
             if hit is None and cache is not None and digest:
                 cache.put(f"{spec.name}.{stage.id}", digest, encoded.data, encoded.media_types)
         except JobCanceled as exc:
@@ -332,8 +324,9 @@ class StageRunner:
         inline = worker if self.assemble_results is not None else None
         made_from = [dict(refs) if r.id == step.stage_id else dict(r.outputs) for r in job.stages]
         written = WrittenOutputs(made_from, files) if files is not None else None
-        done = self._patiently(lambda: self.ledger.complete_stage(lease, refs, metrics, snapshot=job, results_worker=inline,
-                                                                  first=tail, written=written), where)
+        done = self._patiently(lambda: self.ledger.complete_stage(lease, refs, metrics, snapshot=job,
+                                                                  results_worker=inline, first=tail, written=written),
+                               where)
         if isinstance(done, Refused):
             log.warning("%s: result discarded: %s", where, done.reason)
             return StepOutcome("discarded", done.reason), None, None
@@ -347,6 +340,23 @@ class StageRunner:
         if not took_results or not writes:
             return StepOutcome("succeeded", ""), done if took_results else None, None
         return StepOutcome("succeeded", ""), done, EarlyOutputs(made_from, list(writes))
+
+    def _store_outputs(self, spec: PipelineSpec, stage: StageSpec, job_id: str, attempt: int, encoded: CachedOutputs,
+                       writes: Sequence[Future[JobOutput]]) -> tuple[dict[str, ArtifactRef], list[JobOutput] | None]:
+        """The stage's outputs stored, by port, and the job's files begun for results inline once all
+        are written (None: none begun, or one failed). A port whose bytes such a file holds as they
+        are is that file, not a second copy; if a file failed, it is stored after all (the results
+        step will read it)."""
+        verbatim = self.assemble_results.verbatim_ports(spec, stage.id) if writes and self.assemble_results else {}
+        refs = self._put_encoded(job_id, stage, encoded, attempt, [p for p in stage.outputs if p not in verbatim])
+        files = _finished(writes)
+        if verbatim:
+            if files is None:
+                refs.update(self._put_encoded(job_id, stage, encoded, attempt, list(verbatim)))
+            else:
+                in_files = {o.name: o.artifact for o in files}
+                refs.update({port: in_files[name] for port, name in verbatim.items()})
+        return refs, files
 
     def _begin_outputs(self, job: Job, step: RunStage, encoded: CachedOutputs) -> list[Future[JobOutput]]:
         """Results inline, and this is the job's last stage to finish: begin its final files now, from

@@ -5,9 +5,9 @@ streams a job's events until it ends, and ``Prefer: wait=N`` blocks a POST until
 Thousands of such waits cost the API an open socket each, not a thread each.
 
 A follower also marks the job as followed (``keys.job_followed``, with a TTL it renews); a GET of a
-job not yet ended marks it looked at (``mark_looked_at``), unless a stream's mark is there. Workers publish a running stage's text
-deltas only for followed jobs, and write its progress often only for followed or looked-at ones
-(``job_readers``, omni_jobs.followed).
+job not yet ended marks it looked at (``mark_looked_at``), unless a stream's mark is there. Workers
+publish a running stage's text deltas only for followed jobs, and write its progress often only for
+followed or looked-at ones (``job_readers``, omni_jobs.followed).
 """
 
 from __future__ import annotations
