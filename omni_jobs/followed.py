@@ -27,6 +27,10 @@ CHECK_S = 0.25
 """How often a worker asks which of its running jobs are looked at: how soon a new reader (or a
 cancel) is noticed."""
 
+GATHER_S = 0.02
+"""How long the thread waits, once a new job starts, before it asks: the starts of a batch share one
+ask, and a job looked at before its stage started gets its progress at full pace from its first steps."""
+
 LOOKED_AT_TTL_S = 10
 """How long a look that is not a stream (a GET of a job not yet ended, a cancel) lasts."""
 STREAM, LOOK = b"stream", b"look"
@@ -55,6 +59,7 @@ class FollowedJobs:
         self._tracked: Counter[str] = Counter()
         self._followed: frozenset[str] = frozenset()
         self._watched: frozenset[str] = frozenset()
+        self._new = False  # a job started since the last ask
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -63,6 +68,7 @@ class FollowedJobs:
         if self.ask is None:
             return
         with self._cond:
+            self._new = self._new or job_id not in self._tracked
             self._tracked[job_id] += 1
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="omni-followed", daemon=True)
@@ -102,5 +108,9 @@ class FollowedJobs:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._tracked))
+                self._new = False
             self.refresh()
-            time.sleep(self.check_s)  # not woken by ``track``: a burst of starts shares one ask
+            with self._cond:
+                started = self._cond.wait_for(lambda: self._new, timeout=self.check_s)
+            if started:
+                time.sleep(GATHER_S)  # the rest of a burst of starts shares this ask

@@ -58,3 +58,27 @@ def test_the_thread_asks_every_check_and_a_failed_ask_keeps_the_last_answer() ->
     time.sleep(0.02)
     assert not followed.watched("job_a")
     assert calls[1] - calls[0] >= 0.04  # at most one ask per check
+
+
+def test_a_job_that_starts_is_asked_about_at_once_not_at_the_next_check() -> None:
+    asked: list[tuple[float, list[str]]] = []
+
+    def ask(job_ids: Sequence[str]) -> Readers:
+        asked.append((time.monotonic(), list(job_ids)))
+        return Readers(set(), set(job_ids))
+
+    followed = FollowedJobs(ask, check_s=3600)
+    followed.track("job_a")
+    deadline = time.monotonic() + 5
+    while not followed.watched("job_a") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    started = time.monotonic()
+    followed.track("job_b")  # the thread sleeps for an hour's check: the start wakes it
+    followed.track("job_c")  # the same burst: one ask for both
+    while not followed.watched("job_c") and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert followed.watched("job_b") and time.monotonic() - started < 1
+    assert [jobs for _, jobs in asked] == [["job_a"], ["job_a", "job_b", "job_c"]]
+    followed.track("job_b")  # another stage of a tracked job: nothing new to ask
+    time.sleep(0.1)
+    assert len(asked) == 2
