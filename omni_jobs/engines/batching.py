@@ -352,15 +352,24 @@ class Batcher(Generic[R, O]):
         (the derivative of (n + t/gap) / (t + a + b*(n + t/gap)) at t = 0). So a burst reaching an idle
         worker over a few hundred ms runs as one full batch instead of its first few members and then
         the rest; a lone request, a burst that stopped, or a trickle too slow to pay starts at once. The
-        wait never passes ``a`` (no newcomer can pay for more) nor ``burst_fill`` of the group's longest recent run."""
+        wait never passes ``a`` (no newcomer can pay for more) nor ``burst_fill`` of the group's longest recent run.
+
+        Until two batch sizes were seen ``a`` cannot be fitted: ``burst_fill`` of the longest run stands
+        in for it (a fresh worker's first batches are often all of one size, a warm-up's or a full
+        one's; without it, the first burst after them split 18 + 14 + 32 where 32 + 32 came). Before
+        any run of the group nothing is known, and a batch starts after the fill wait."""
         if self.policy.burst_fill <= 0:
             return
         key = self.group_key(self._pending[0].request)
         runs = self._runs.get(key, [])
-        fixed_s = fixed_cost_s(runs)
-        if fixed_s is None or fixed_s <= 0:  # not known yet (one batch size seen), or nothing to amortise
+        if not runs:
             return
-        deadline = self._pending[0].enqueued_at + min(fixed_s, self.policy.burst_fill * max(t for _, t in runs))
+        longest_s = max(t for _, t in runs)
+        fitted_s = fixed_cost_s(runs)
+        fixed_s = fitted_s if fitted_s is not None else self.policy.burst_fill * longest_s
+        if fixed_s <= 0:  # nothing to amortise
+            return
+        deadline = self._pending[0].enqueued_at + min(fixed_s, self.policy.burst_fill * longest_s)
         while True:
             arrived = [m.enqueued_at for m in self._pending if self.group_key(m.request) == key]
             at = time.monotonic()

@@ -312,3 +312,20 @@ def test_policy_and_defaults_validate_and_resolve():
     assert defaults.in_flight(stage) == 9
     plain = stage.model_copy(update={"batching": type(stage.batching)()})
     assert defaults.policy(plain) == BatchPolicy(max_batch_size=32, wait_ms=7, idle_release_s=2.5, burst_fill=0.3)
+
+
+def test_before_its_fixed_cost_is_known_a_batch_still_waits_for_a_burst():
+    """A fresh worker's batches were all one size (its warm-up): no fit yet, so a fraction of the
+    longest run stands in for the fixed cost, and a burst still arriving runs as one batch."""
+    run = CostRecorder(fixed_s=0.3, per_member_s=0.01)
+    batcher: Batcher[int, int] = Batcher(run, BatchPolicy(max_batch_size=8, wait_ms=60, burst_fill=1.0))
+    assert submit_all(batcher, [0] * 8) == [0] * 8  # one size seen: fixed_cost_s is None
+    assert submit_paced(batcher, list(range(1, 9)), gap_s=0.02) == [i * i for i in range(1, 9)]
+    assert run.calls[1:] == [list(range(1, 9))]
+
+
+def test_the_first_batch_of_a_group_does_not_wait_for_a_burst():
+    run = CostRecorder(fixed_s=0.3, per_member_s=0.01)
+    batcher: Batcher[int, int] = Batcher(run, BatchPolicy(max_batch_size=8, wait_ms=60, burst_fill=1.0))
+    submit_paced(batcher, list(range(1, 9)), gap_s=0.02)
+    assert len(run.calls[0]) < 8  # nothing known of its cost: what came within the window
