@@ -18,7 +18,7 @@ from celery import Celery
 
 from omni_jobs.queueing import celery_config
 from omni_jobs.settings import get_settings
-from workers import broker_fix, handoff
+from workers import broker_fix, handoff, quiet_cluster
 
 broker_fix.install()  # threads-pool workers must survive a broker restart (see workers/broker_fix.py)
 handoff.install(get_settings().worker_handoff_ms)  # a task's thread starts before the consumer goes on
@@ -36,6 +36,7 @@ ENGINE_MALLOC = tune_engine_malloc(get_settings().engine_malloc)
 app = Celery("omni_jobs")
 app.conf.update(celery_config(get_settings()))
 app.conf.update(include=["workers.tasks"])
+quiet_cluster.install(app)  # no gossip, no mingle (workers/quiet_cluster.py)
 
 # JSON logs with job/stage/task ids and the metrics port: connected before Celery sets up logging.
 import workers.observability  # noqa: F401
