@@ -159,9 +159,10 @@ class Settings(BaseSettings):
         1.0, ge=0, description="How long an engine's batcher thread waits without work before it hands back its "
         "OpenMP team (CPU engines: an idle engine's helper threads slow every other engine of the worker); 0: never.")
     worker_switch_interval_ms: float = Field(
-        1.0, gt=0, description="The Python interpreter's thread switch interval in worker processes (Python's "
-        "default is 5 ms): how long an engine thread back from a torch op may wait for the GIL while the "
-        "worker's other threads (Celery's consumer, tasks recording results, the writers) hold it.")
+        5.0, gt=0, description="The Python interpreter's thread switch interval in worker processes (Python's "
+        "own default, 5 ms): how long an engine thread back from a torch op may wait for the GIL while the "
+        "worker's other threads (Celery's consumer, tasks recording results, the writers) hold it. Shorter "
+        "hands the GIL back sooner, at the cost of more forced switches (bench/NOTES.md, 'Switch interval').")
     worker_handoff_ms: float = Field(
         0.2, ge=0, le=5, description="How long a worker's Celery consumer pauses after handing a task to its "
         "thread, so that the task's thread takes the interpreter at once and starts the step (workers/handoff.py; "

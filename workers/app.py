@@ -24,9 +24,10 @@ broker_fix.install()  # threads-pool workers must survive a broker restart (see 
 handoff.install(get_settings().worker_handoff_ms)  # a task's thread starts before the consumer goes on
 
 # The engine thread gives up the GIL at every torch op and takes it back from whichever of the worker's
-# other threads holds it, after up to the switch interval: 5 ms by default, many times per diffusers
-# step. 1 ms (OMNI_WORKER_SWITCH_INTERVAL_MS): DiT 32px small faster than 5 ms in 13 of 13 paired reps
-# (bench --ab; the size is within the bench's noise, see bench/NOTES.md); AR unchanged.
+# other threads holds it, after up to the switch interval (OMNI_WORKER_SWITCH_INTERVAL_MS). 1 ms was
+# faster than Python's 5 for DiT 32px small on an earlier machine and code; on the 2026-12-05 machine
+# and code 5 ms used 3-5% less worker CPU in three paired runs, one of them mirrored, with AR unchanged
+# (bench/NOTES.md, "Switch interval"): the default is Python's own again.
 sys.setswitchinterval(get_settings().worker_switch_interval_ms / 1000)
 
 # tcmalloc when the launcher preloaded it, else glibc's malloc with thresholds that keep a DiT's freed
