@@ -71,3 +71,35 @@ def test_a_failed_write_is_raised_after_the_others_have_ended(tmp_path: Path) ->
     with pytest.raises(Exception, match="disk full"):
         results.write_outputs(job)
     assert backend.written[-1] == "image.png"  # the other write finished before the error came back
+
+
+class ThreadRecordingLocal(LocalBackend):
+    """Records which thread wrote each output, and may fail it."""
+
+    def __init__(self, root: Path, fail: bool = False) -> None:
+        super().__init__(root)
+        self.fail = fail
+        self.threads: list[int] = []
+
+    def put(self, key: str, data: bytes, **kwargs: object) -> None:  # type: ignore[override]
+        self.threads.append(threading.get_ident())
+        if self.fail:
+            raise OSError(f"disk full writing {key}")
+        super().put(key, data)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_lone_output_begun_early_is_written_on_the_calling_thread(tmp_path: Path, fail: bool) -> None:
+    """Results inline, the last stage begins its job's files before its own outputs are stored; with
+    one output there is nothing to write beside it, so no writer thread is handed the work."""
+    backend = ThreadRecordingLocal(tmp_path, fail=fail)
+    store = ArtifactStore(backend)
+    spec = CATALOGUE.get("image-to-image")
+    job = build_job(spec, {"image": "unused", "prompt": "a fox"}, resolve_params(spec, None))
+    results = ResultsAssembler(ledger=JobLedger(MemoryJobStore()), catalogue=CATALOGUE, artifacts=store)
+    (written,) = results.start_outputs(job, {("dit", "image"): encode_png(Image.new("RGB", (8, 4), "red"))})
+    assert written.done() and backend.threads == [threading.get_ident()]
+    if fail:
+        assert isinstance(written.exception(), Exception) and "disk full" in str(written.exception())
+    else:
+        assert (written.result().name, written.result().width, written.result().height) == ("image", 8, 4)
