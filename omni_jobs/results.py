@@ -188,10 +188,8 @@ class ResultsAssembler:
 
         Several outputs are written at once: each write waits for its storage (an fsync on local
         disk, ~1.4 ms here; an upload to S3), and those waits overlap (bench --hops: a two-output
-        job's last stage -> results done). The first error is raised once all have ended."""
-        spec = self.catalogue.get(job.pipeline)
-        if len(spec.outputs) == 1:
-            return [self._write_output(spec, job, spec.outputs[0], {})]
+        job's last stage -> results done); a lone one on this thread (``start_outputs``). The first
+        error is raised once all have ended."""
         running = self.start_outputs(job)
         wait(running)  # all ended before an error is raised: no write outlives its attempt
         return [f.result() for f in running]
