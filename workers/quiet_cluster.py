@@ -15,18 +15,17 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery, bootsteps
-
-GOSSIP = "celery.worker.consumer.gossip.Gossip"
-MINGLE = "celery.worker.consumer.mingle.Mingle"
+from celery.worker.consumer.gossip import Gossip
+from celery.worker.consumer.mingle import Mingle
 
 
 class QuietCluster(bootsteps.StartStopStep):
-    """A consumer step made after Gossip and Mingle that turns them off before they start."""
+    """A consumer step made after Gossip (which comes after Mingle) that turns both off before they start."""
 
-    requires = ("celery.worker.consumer.gossip:Gossip",)
+    requires = (Gossip,)
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
-        for name in (GOSSIP, MINGLE):
+        for name in (Gossip.name, Mingle.name):
             step = parent.blueprint.steps.get(name)
             if step is not None:
                 step.enabled = False
