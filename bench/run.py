@@ -37,6 +37,7 @@ import httpx
 import redis
 import yaml
 
+from bench.lean_http import JobPoster
 from bench.procfs import cpu_s, memory_mib
 from omni_jobs import keys
 from omni_jobs.engines.allocator import engine_process_env, loaded_tcmalloc, malloc_choice, tune_engine_malloc
@@ -183,7 +184,7 @@ class Bench:
         self.reps: int = args.reps
         self.models_dir = (ROOT / "models").resolve()
         self.system: EmbeddedSystem | None = None
-        self.api: httpx.Client | None = None
+        self.poster: JobPoster | None = None
         self.store: RedisJobStore | None = None
         self.results: dict[str, Any] = {"config": vars(args), "rows": {}, "hops": {}, "cache": {}, "previews": {}}
 
@@ -220,7 +221,7 @@ class Bench:
         self.system.start(say=lambda m: print(f"  [system] {m}", flush=True))
         assert self.system.redis_url
         headers = {"Authorization": f"Bearer {self.system.api_key}"} if self.system.api_key else {}
-        self.api = httpx.Client(base_url=self.system.api_url, timeout=60, headers=headers)
+        self.poster = JobPoster(self.system.api_url, headers)  # a lean client: see bench.lean_http
         self.store = RedisJobStore(redis.Redis.from_url(self.system.redis_url), ttl_s=3600)
 
     def start_b_workers(self, env: dict[str, str]) -> None:
@@ -281,14 +282,14 @@ class Bench:
 
     def run_jobs(self, pipeline: str, texts: list[str], params: dict[str, Any] | None = None) -> list[Job]:
         """POST every job through the API, then wait for all; returns the final jobs (from Redis)."""
-        assert self.api and self.store
-        api = self.api
+        assert self.poster and self.store
+        poster = self.poster
 
         def post(t: str) -> str:
-            r = api.post("/v1/jobs", json={"pipeline": pipeline, "input": {"prompt": t}, "params": params or {}})
-            if r.status_code != 202:
-                raise RuntimeError(f"submit {pipeline}: {r.status_code} {r.text}")
-            return str(r.json()["id"])
+            code, body = poster.post("/v1/jobs", {"pipeline": pipeline, "input": {"prompt": t}, "params": params or {}})
+            if code != 202:
+                raise RuntimeError(f"submit {pipeline}: {code} {body.decode(errors='replace')}")
+            return str(json.loads(body)["id"])
 
         from concurrent.futures import ThreadPoolExecutor
 
