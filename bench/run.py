@@ -79,6 +79,10 @@ class Arm:
     """CPU seconds (user + system) per process and repetition: where the machine's time went."""
     batch_mean: dict[str, list[float]] = field(default_factory=dict)
     """Mean requests per engine call (admissions for AR) per worker and repetition, from its metrics."""
+    engine_run_s: dict[str, list[float]] = field(default_factory=dict)
+    """Seconds the worker's batches ran per repetition (its batcher's batches, from its metrics)."""
+    batch_wait_s: dict[str, list[float]] = field(default_factory=dict)
+    """Mean time a batch's first request waited for it to start, per worker and repetition."""
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -91,6 +95,8 @@ class Arm:
             "cpu_s": {k: statistics.median(v) for k, v in self.cpu_s.items()},
             "submit_span_s": statistics.median(self.submit_span_s) if self.submit_span_s else None,
             "batch_mean": {k: [round(x, 2) for x in v] for k, v in self.batch_mean.items()},
+            "engine_run_s": {k: [round(x, 3) for x in v] for k, v in self.engine_run_s.items()},
+            "batch_wait_s": {k: [round(x, 4) for x in v] for k, v in self.batch_wait_s.items()},
         }
 
 
@@ -254,22 +260,24 @@ class Bench:
                 return memory_mib(proc.pid, "VmHWM")
         return float("nan")
 
-    def batch_counts(self, node: str) -> tuple[float, float]:
-        """(requests, engine calls) the worker ``node`` counted so far (omni_jobs_engine_batch_size)."""
+    def batch_counts(self, node: str) -> dict[str, float]:
+        """What the worker ``node`` counted of its batches so far: requests and engine calls
+        (omni_jobs_engine_batch_size), batcher batches, their run and first-request wait seconds
+        (omni_jobs_engine_batch_run_seconds, _wait_seconds); summed over its engines."""
         assert self.system
+        totals = dict.fromkeys(_BATCH_SERIES.values(), 0.0)
         port = self.system.metrics_ports.get(node)
         if port is None:
-            return (0.0, 0.0)
+            return totals
         try:
             text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
         except httpx.HTTPError:
-            return (0.0, 0.0)
-        total = {"sum": 0.0, "count": 0.0}
+            return totals
         for line in text.splitlines():
-            for part in total:
-                if line.startswith(f"omni_jobs_engine_batch_size_{part}{{"):
-                    total[part] += float(line.rsplit(" ", 1)[1])
-        return (total["sum"], total["count"])
+            series = _BATCH_SERIES.get(line.split("{", 1)[0])
+            if series is not None:
+                totals[series] += float(line.rsplit(" ", 1)[1])
+        return totals
 
     def cpu_times(self) -> dict[str, float]:
         """CPU seconds used so far by each process of the system (Redis, API, workers) and this driver."""
@@ -331,9 +339,13 @@ class Bench:
         jobs = self.run_jobs(pipeline, texts, params)
         cpu_after = self.cpu_times()
         for n in nodes:
-            (s1, c1), (s0, c0) = self.batch_counts(n), batches_before[n]
-            if c1 > c0:
-                arm.batch_mean.setdefault(n, []).append((s1 - s0) / (c1 - c0))
+            after, before = self.batch_counts(n), batches_before[n]
+            d = {k: after[k] - before[k] for k in after}
+            if d["calls"] > 0:
+                arm.batch_mean.setdefault(n, []).append(d["requests"] / d["calls"])
+            if d["batches"] > 0:
+                arm.engine_run_s.setdefault(n, []).append(d["run_s"])
+                arm.batch_wait_s.setdefault(n, []).append(d["wait_s"] / d["batches"])
         for name, cpu in cpu_after.items():
             arm.cpu_s.setdefault(name, []).append(cpu - cpu_before.get(name, 0.0))
         start = min(j.created_at for j in jobs)
@@ -548,6 +560,8 @@ class Bench:
         print(f"  mean batch: system {system.summary()['batch_mean']}"
               + (f", B {b.summary()['batch_mean']}" if b.jobs_per_s else ""), flush=True)
         print(f"  naive  cpu {_cpu_line(naive.summary()['cpu_s'])}", flush=True)
+        for line in _engine_time_lines(system, direct):
+            print(f"  {line}", flush=True)
         over_direct, over_naive = _ratios(system.jobs_per_s, direct.jobs_per_s), _ratios(system.jobs_per_s, naive.jobs_per_s)
         cpu_ratio, busy_ratio = _cpu_split(system, direct, self.n)
         self.results["rows"][w.name] = {
@@ -719,6 +733,35 @@ def _cpu_split(system: Arm, direct: Arm, n: int) -> tuple[float, float]:
 
     pairs = list(zip(per_rep(system), per_rep(direct), strict=True))
     return (statistics.median(d[0] / s[0] for s, d in pairs), statistics.median(s[1] / d[1] for s, d in pairs))
+
+
+_BATCH_SERIES = {
+    "omni_jobs_engine_batch_size_sum": "requests", "omni_jobs_engine_batch_size_count": "calls",
+    "omni_jobs_engine_batch_run_seconds_count": "batches", "omni_jobs_engine_batch_run_seconds_sum": "run_s",
+    "omni_jobs_engine_batch_wait_seconds_sum": "wait_s",
+}
+"""The worker metrics the benchmark reads around each repetition (Bench.batch_counts), by series name."""
+
+
+def _engine_time_lines(system: Arm, direct: Arm) -> list[str]:
+    """Where each system repetition's time went, per worker: its span (first job created to last done),
+    the time its engine ran batches, and the rest (the engine idle: before the first batch could
+    start, between batches, after the last one). Beside it, the direct arm's engine call for the same
+    work: run/direct above 1 is the same batches running slower beside the system's other work (its
+    threads and processes take a core from the engine's OpenMP team). Where two engines share the
+    cores (multi-stage), each one's idle time includes the other's turns."""
+    lines = []
+    for node, runs in system.engine_run_s.items():
+        direct_s = direct.stage_s.get(node, [])
+        parts = []
+        for i, (run, rate) in enumerate(zip(runs, system.jobs_per_s, strict=False)):
+            span = len(system.latencies) / len(system.jobs_per_s) / rate  # jobs per rep / jobs/s
+            text = f"span {span:.3f} = engine {run:.3f} + idle {span - run:.3f} s"
+            if i < len(direct_s):
+                text += f" (direct {direct_s[i]:.3f}: run/direct {run / direct_s[i]:.3f})"
+            parts.append(text)
+        lines.append(f"engine time, {node}: " + "; ".join(parts))
+    return lines
 
 
 def _cpu_line(cpu_s: dict[str, float]) -> str:

@@ -75,6 +75,14 @@ BATCH_SIZE = Histogram(
     "omni_jobs_engine_batch_size", "Requests per engine call (one vLLM generate, one diffusers pipeline call).",
     ["engine"], buckets=BATCH_BUCKETS,
 )
+BATCH_WAIT = Histogram(
+    "omni_jobs_engine_batch_wait_seconds", "Time the first request of a batch waited for the batch to start: the "
+    "batcher's window, its fill wait, and the engine's previous batch.", ["engine"], buckets=DURATION_BUCKETS,
+)
+BATCH_RUN = Histogram(
+    "omni_jobs_engine_batch_run_seconds", "Time a batch ran on its engine (for AR, until the last request that "
+    "joined it finished).", ["engine"], buckets=DURATION_BUCKETS,
+)
 CACHE_REQUESTS = Counter(
     "omni_jobs_cache_requests_total", "Cache lookups by cache and result (hit or miss); 'engine' is the per-process "
     "engine pool (a miss loads a model), 'stage' the stage-output cache.", ["cache", "result"],
@@ -159,6 +167,12 @@ def observe_batch(engine: str, size: int) -> None:
     BATCH_SIZE.labels(engine).observe(size)
 
 
+def observe_batch_ran(engine: str, waited_s: float, run_s: float) -> None:
+    """One batcher batch: how long its first request waited for it, and how long it ran."""
+    BATCH_WAIT.labels(engine).observe(waited_s)
+    BATCH_RUN.labels(engine).observe(run_s)
+
+
 def cache_lookup(cache: str, hit: bool) -> None:
     """One lookup in a named cache: ``engine`` (the engine pool) or ``stage`` (the stage-output cache)."""
     CACHE_REQUESTS.labels(cache, "hit" if hit else "miss").inc()
@@ -183,6 +197,9 @@ class PrometheusListener(telemetry.Listener):
 
     def batch(self, engine: str, size: int) -> None:
         observe_batch(engine, size)
+
+    def batch_ran(self, batcher: str, waited_s: float, run_s: float) -> None:
+        observe_batch_ran(batcher, waited_s, run_s)
 
     def cache_lookup(self, cache: str, hit: bool) -> None:
         cache_lookup(cache, hit)

@@ -26,6 +26,10 @@ class Listener:
     def batch(self, engine: str, size: int) -> None:
         """One engine call with ``size`` requests (``engine``: ar, ar-encode, dit)."""
 
+    def batch_ran(self, batcher: str, waited_s: float, run_s: float) -> None:
+        """A batcher's batch ran for ``run_s``, after its first request had waited ``waited_s`` for it
+        (``batcher``: dit, ar, ar-encode)."""
+
     def cache_lookup(self, cache: str, hit: bool) -> None:
         """One lookup in a named cache (``engine``: the engine pool; ``stage``: the stage-output cache)."""
 
@@ -65,6 +69,10 @@ def _each(call: str, *args: object) -> None:
 
 def batch(engine: str, size: int) -> None:
     _each("batch", engine, size)
+
+
+def batch_ran(batcher: str, waited_s: float, run_s: float) -> None:
+    _each("batch_ran", batcher, waited_s, run_s)
 
 
 def cache_lookup(cache: str, hit: bool) -> None:

@@ -29,6 +29,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
+from omni_jobs import telemetry
 from omni_jobs.engines.openmp import release_thread_team
 
 if TYPE_CHECKING:
@@ -396,7 +397,9 @@ class Batcher(Generic[R, O]):
                 finally:
                     for m in batch:
                         m.done.set()
-                    self._ran(key, len(batch), time.monotonic() - started)
+                    run_s = time.monotonic() - started
+                    self._ran(key, len(batch), run_s)
+                    telemetry.batch_ran(self.name, started - batch[0].enqueued_at, run_s)
 
     def _ran(self, key: Hashable, size: int, run_s: float) -> None:
         """Remember a group's recent batches (the last 16 of each of the last 64 groups)."""

@@ -102,6 +102,10 @@ def test_worker_metrics_follow_the_job_through_each_stage(traced_job: dict[str, 
     final_files = sum(o["size"] for o in job["outputs"])
     assert delta(traced_job, "dit", "omni_jobs_artifact_bytes_total", backend="s3", op="put") == final_files
     assert delta(traced_job, "dit", "omni_jobs_engine_batch_size_count", engine="dit") == 1
+    # its one batch: it ran within the stage's time, and its request waited at most the stage's time for it
+    assert delta(traced_job, "dit", "omni_jobs_engine_batch_run_seconds_count", engine="dit") == 1
+    assert 0 < delta(traced_job, "dit", "omni_jobs_engine_batch_run_seconds_sum", engine="dit") <= dit["duration_s"]
+    assert 0 <= delta(traced_job, "dit", "omni_jobs_engine_batch_wait_seconds_sum", engine="dit") <= dit["duration_s"]
     assert delta(traced_job, "dit", "omni_jobs_stage_duration_seconds_count", pipeline=p, stage="dit", engine="dit",
                  outcome="succeeded") == 1
     # The DiT worker ended the job too (results inline); the results worker had nothing to do.

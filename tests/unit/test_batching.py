@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from omni_jobs import telemetry
 from omni_jobs.engines.batching import BatchDefaults, Batcher, BatchPolicy, Member, burst_wait_pays, fixed_cost_s
 
 
@@ -53,6 +54,33 @@ def test_concurrent_requests_share_one_call_and_each_gets_its_own_result():
     assert results == [i * i for i in range(8)]
     assert len(run.calls) == 1 and sorted(run.calls[0]) == list(range(8))
     assert batcher.batches == [8]
+
+
+def test_each_batch_reports_how_long_its_first_request_waited_and_how_long_it_ran():
+    """What omni_jobs_engine_batch_wait_seconds and _run_seconds count: the first request waits out
+    the 150 ms window (the batch never fills), the second batch's first waits for the first batch."""
+    seen: list[tuple[str, float, float]] = []
+
+    class Timings(telemetry.Listener):
+        def batch_ran(self, batcher: str, waited_s: float, run_s: float) -> None:
+            seen.append((batcher, waited_s, run_s))
+
+    listener = Timings()
+    telemetry.add_listener(listener)
+    try:
+        batcher: Batcher[int, int] = Batcher(Recorder(delay_s=0.2), BatchPolicy(max_batch_size=2, wait_ms=150),
+                                             name="dit")
+        first = threading.Thread(target=batcher.submit, args=(1,))
+        first.start()
+        time.sleep(0.25)  # the first batch (of 1) is running
+        assert batcher.submit(2) == 4
+        first.join()
+    finally:
+        telemetry.remove_listener(listener)
+    (name1, wait1, run1), (name2, wait2, run2) = seen
+    assert name1 == name2 == "dit"
+    assert 0.14 <= wait1 < 0.25 and 0.19 <= run1 < 0.4
+    assert 0.05 <= wait2 < 0.3 and 0.19 <= run2 < 0.4  # the first batch's rest, then (at most) its window
 
 
 def test_a_full_batch_does_not_wait_for_the_window():
