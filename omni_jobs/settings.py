@@ -135,7 +135,8 @@ class Settings(BaseSettings):
         "(an SSE stream, a GET of the running job, a cancel: omni_jobs.followed).")
     progress_unfollowed_interval_s: float = Field(
         1.0, ge=0, description="Least time between two progress writes of a stage whose job nobody looks at (its "
-        "list entry and `progress` webhooks move at this pace). The first and the last step are always written.")
+        "list entry and `progress` webhooks move at this pace), counted from its first step: a stage shorter than this "
+        "writes none. While a reader looks, the first and the last step are always written.")
     text_deltas: Literal["followed", "always"] = Field(
         "followed", description="When a running text stage publishes its output.delta events: 'followed', while "
         "a reader follows the job's events live (else its text goes out as the stage ends); 'always'."
