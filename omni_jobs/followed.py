@@ -59,6 +59,7 @@ class FollowedJobs:
         self._tracked: Counter[str] = Counter()
         self._followed: frozenset[str] = frozenset()
         self._watched: frozenset[str] = frozenset()
+        self._unasked: frozenset[str] = frozenset()  # tracked, and no answer covers them yet
         self._new = False  # a job started since the last ask
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -68,7 +69,9 @@ class FollowedJobs:
         if self.ask is None:
             return
         with self._cond:
-            self._new = self._new or job_id not in self._tracked
+            if job_id not in self._tracked:
+                self._new = True
+                self._unasked = self._unasked | {job_id}
             self._tracked[job_id] += 1
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="omni-followed", daemon=True)
@@ -82,10 +85,13 @@ class FollowedJobs:
             self._tracked[job_id] -= 1
             if self._tracked[job_id] <= 0:
                 del self._tracked[job_id]
+                self._unasked = self._unasked - {job_id}
 
     def watched(self, job_id: str) -> bool:
-        """Somebody looks at the job (a stream, a poll, a cancel), as last asked: write its progress often."""
-        return self.ask is None or job_id in self._watched
+        """Somebody looks at the job (a stream, a poll, a cancel), as last asked: write its progress often.
+        A job started since the last ask counts as watched until an answer covers it: a stream opened
+        with the submit sees the first and last step of a stage that ends before the ask returns."""
+        return self.ask is None or job_id in self._watched or job_id in self._unasked
 
     def followed_among(self, job_ids: Iterable[str]) -> set[str]:
         """Those of ``job_ids`` a stream follows, as last asked (no I/O): TextStreams' ``followed``."""
@@ -103,6 +109,8 @@ class FollowedJobs:
             return
         self._followed = frozenset(readers.followed)
         self._watched = frozenset(readers.followed | readers.looked_at)
+        with self._cond:
+            self._unasked = self._unasked - set(jobs)
 
     def _loop(self) -> None:
         while True:
