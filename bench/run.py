@@ -260,7 +260,7 @@ class Bench:
                 return memory_mib(proc.pid, "VmHWM")
         return float("nan")
 
-    def batch_counts(self, node: str) -> dict[str, float]:
+    def batch_totals(self, node: str) -> dict[str, float]:
         """What the worker ``node`` counted of its batches so far: requests and engine calls
         (omni_jobs_engine_batch_size), batcher batches, their run and first-request wait seconds
         (omni_jobs_engine_batch_run_seconds, _wait_seconds); summed over its engines."""
@@ -332,14 +332,14 @@ class Bench:
         # arm runs in its own process, so no arm finds another's prompts in its prefix cache.
         texts = prompts(self.n, rep + salt)
         nodes = [] if pipeline.endswith("-naive") else (["ar-b", "dit-b"] if pipeline.endswith("-b") else ["ar", "dit"])
-        batches_before = {n: self.batch_counts(n) for n in nodes}
-        # the CPU counted is the jobs' alone: reading the workers' /metrics (batch_counts) cost the driver
+        batches_before = {n: self.batch_totals(n) for n in nodes}
+        # the CPU counted is the jobs' alone: reading the workers' /metrics (batch_totals) cost the driver
         # ~25 ms per read and the worker its render, outside the repetition's window
         cpu_before = self.cpu_times()
         jobs = self.run_jobs(pipeline, texts, params)
         cpu_after = self.cpu_times()
         for n in nodes:
-            after, before = self.batch_counts(n), batches_before[n]
+            after, before = self.batch_totals(n), batches_before[n]
             d = {k: after[k] - before[k] for k in after}
             if d["calls"] > 0:
                 arm.batch_mean.setdefault(n, []).append(d["requests"] / d["calls"])
@@ -560,7 +560,7 @@ class Bench:
         print(f"  mean batch: system {system.summary()['batch_mean']}"
               + (f", B {b.summary()['batch_mean']}" if b.jobs_per_s else ""), flush=True)
         print(f"  naive  cpu {_cpu_line(naive.summary()['cpu_s'])}", flush=True)
-        for line in _engine_time_lines(system, direct):
+        for line in _engine_time_lines(system, direct, self.n):
             print(f"  {line}", flush=True)
         over_direct, over_naive = _ratios(system.jobs_per_s, direct.jobs_per_s), _ratios(system.jobs_per_s, naive.jobs_per_s)
         cpu_ratio, busy_ratio = _cpu_split(system, direct, self.n)
@@ -740,11 +740,11 @@ _BATCH_SERIES = {
     "omni_jobs_engine_batch_run_seconds_count": "batches", "omni_jobs_engine_batch_run_seconds_sum": "run_s",
     "omni_jobs_engine_batch_wait_seconds_sum": "wait_s",
 }
-"""The worker metrics the benchmark reads around each repetition (Bench.batch_counts), by series name."""
+"""The worker metrics the benchmark reads around each repetition (Bench.batch_totals), by series name."""
 
 
-def _engine_time_lines(system: Arm, direct: Arm) -> list[str]:
-    """Where each system repetition's time went, per worker: its span (first job created to last done),
+def _engine_time_lines(system: Arm, direct: Arm, n: int) -> list[str]:
+    """Where each system repetition of ``n`` jobs went, per worker: its span (first job created to last done),
     the time its engine ran batches, and the rest (the engine idle: before the first batch could
     start, between batches, after the last one). Beside it, the direct arm's engine call for the same
     work: run/direct above 1 is the same batches running slower beside the system's other work (its
@@ -755,7 +755,7 @@ def _engine_time_lines(system: Arm, direct: Arm) -> list[str]:
         direct_s = direct.stage_s.get(node, [])
         parts = []
         for i, (run, rate) in enumerate(zip(runs, system.jobs_per_s, strict=False)):
-            span = len(system.latencies) / len(system.jobs_per_s) / rate  # jobs per rep / jobs/s
+            span = n / rate
             text = f"span {span:.3f} = engine {run:.3f} + idle {span - run:.3f} s"
             if i < len(direct_s):
                 text += f" (direct {direct_s[i]:.3f}: run/direct {run / direct_s[i]:.3f})"

@@ -28,7 +28,7 @@ class Listener:
 
     def batch_ran(self, batcher: str, waited_s: float, run_s: float) -> None:
         """A batcher's batch ran for ``run_s``, after its first request had waited ``waited_s`` for it
-        (``batcher``: dit, ar, ar-encode)."""
+        (``batcher``: dit, ar)."""
 
     def cache_lookup(self, cache: str, hit: bool) -> None:
         """One lookup in a named cache (``engine``: the engine pool; ``stage``: the stage-output cache)."""

@@ -81,9 +81,9 @@ def test_the_poster_refuses_what_it_cannot_reach_plainly() -> None:
 
 def test_each_repetition_reads_as_engine_time_plus_idle_beside_the_direct_call() -> None:
     system, direct = Arm(), Arm()
-    system.jobs_per_s, system.latencies = [32.0, 25.6], [1.0] * 128  # 64 jobs a repetition: spans 2.0 and 2.5 s
+    system.jobs_per_s = [32.0, 25.6]  # 64 jobs a repetition: spans 2.0 and 2.5 s
     system.engine_run_s = {"dit": [1.9, 2.2]}
     direct.stage_s = {"dit": [1.8, 2.0]}
-    (line,) = _engine_time_lines(system, direct)
+    (line,) = _engine_time_lines(system, direct, 64)
     assert line == ("engine time, dit: span 2.000 = engine 1.900 + idle 0.100 s (direct 1.800: run/direct 1.056); "
                     "span 2.500 = engine 2.200 + idle 0.300 s (direct 2.000: run/direct 1.100)")
