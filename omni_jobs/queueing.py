@@ -2,8 +2,9 @@
 
 The core does not import Celery; both shells build their app from this dict. JSON only, acks
 late (a worker holds no more messages than it runs: what a killed worker held comes back through
-the reaper, see omni_jobs.leases), reject on worker lost, one task prefetched per slot, events on
-for Flower. The broker's visibility timeout is only a last resort: leases decide who runs a step.
+the reaper, see omni_jobs.leases), reject on worker lost, one task prefetched per slot, task events
+once Flower asks for them (OMNI_WORKER_TASK_EVENTS: from the start). The broker's visibility
+timeout is only a last resort: leases decide who runs a step.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def celery_config(settings: Settings) -> dict[str, object]:
         "task_reject_on_worker_lost": True,
         "task_acks_on_failure_or_timeout": True,
         "worker_prefetch_multiplier": 1,
-        "worker_send_task_events": True,
+        "worker_send_task_events": settings.worker_task_events,  # else only once Flower asks
         "task_send_sent_event": True,
         "task_default_queue": RESULTS_QUEUE,
         "task_routes": {ASSEMBLE_RESULTS_TASK: {"queue": RESULTS_QUEUE}, CLEANUP_TASK: {"queue": RESULTS_QUEUE},

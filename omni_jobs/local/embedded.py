@@ -164,6 +164,8 @@ class EmbeddedSystem:
         env.setdefault("OMNI_WEBHOOK_SECRET", self.webhook_secret)
         if self.with_flower:
             env.setdefault("OMNI_UI_FLOWER_URL", self.flower_url)  # the web console's header links to it
+            # Flower would turn the workers' task events on within 5 s; on from the start, it sees the first job too.
+            env.setdefault("OMNI_WORKER_TASK_EVENTS", "true")
         env.update(self.extra_env)
         return env
 
