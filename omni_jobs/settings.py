@@ -170,9 +170,9 @@ class Settings(BaseSettings):
         "0: no pause).")
     worker_task_events: bool = Field(
         False, description="Workers send Celery's task events (received, started, succeeded: what Flower shows) "
-        "from their start. Off, they send them only once a monitor asks: Flower does every 5 s while it runs "
-        "(`celery control enable_events` too), so Flower still sees every task. Off saves the workers ~2% "
-        "of their throughput while nobody watches (bench/NOTES.md, 'Task events nobody reads').")
+        "from their start. Off, they send them only once a monitor asks: Flower does within 5 s of its start and "
+        "every 5 s after (`celery control enable_events` too), so Flower sees every task from then on. Off saves "
+        "the workers ~2% of their throughput while nobody watches (bench/NOTES.md, 'Task events nobody reads').")
     stage_max_in_flight: int = Field(
         16, ge=1, description="Tasks one AR/DiT worker process runs at once (its threads; per-stage override)."
     )

@@ -5,7 +5,8 @@ Real Celery worker processes on the session Redis, started with a plain command 
 - a worker subscribes to no other worker's events (its only pattern subscription is its control
   mailbox), does not search for neighbours at start, and still answers Flower's and ``celery
   inspect``'s broadcast;
-- it sends no task events until a monitor asks (Flower's ``enable_events``), and then does.
+- it sends no task events until a monitor asks (``enable_events``), and then does: a Flower started
+  beside it shows its tasks.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Self
 
+import httpx
 import redis
 from celery import Celery
 
-from omni_jobs.local.devservices import RunningService
+from omni_jobs.local.devservices import RunningService, free_port
 from omni_jobs.queueing import celery_config
 from omni_jobs.settings import Settings
 from omni_jobs.steps import CLEANUP_TASK
@@ -122,12 +124,18 @@ class TaskEvents:
 
 def run_task(control: Celery, queue: str, log_path: Path) -> str:
     """The retention task, run by the worker on ``queue``; its id once the worker logged it done."""
-    task_id = f"cleanup-{uuid.uuid4().hex[:8]}"
-    control.send_task(CLEANUP_TASK, queue=queue, task_id=task_id)
+    task_id = send_task(control, queue)
     deadline = time.monotonic() + 60
     while f"[{task_id}] succeeded" not in log_path.read_text():
         assert time.monotonic() < deadline, log_path.read_text()[-2000:]
         time.sleep(0.2)
+    return task_id
+
+
+def send_task(control: Celery, queue: str) -> str:
+    """The retention task, sent to the worker on ``queue``; its id."""
+    task_id = f"cleanup-{uuid.uuid4().hex[:8]}"
+    control.send_task(CLEANUP_TASK, queue=queue, task_id=task_id)
     return task_id
 
 
@@ -144,4 +152,37 @@ def test_task_events_go_out_once_a_monitor_asks(redis_service: RunningService, t
             time.sleep(0.1)
     assert events.of(unwatched, f"{queue}@") == set()
     assert {"task-received", "task-started", "task-succeeded"} <= events.of(watched, f"{queue}@")
+    redis.Redis.from_url(url).flushdb()
+
+
+def test_flower_started_beside_a_worker_shows_its_tasks(redis_service: RunningService, tmp_path: Path) -> None:
+    """Flower asks for task events within 5 s of its start (and every 5 s after): a task the worker runs
+    from then on is in Flower's task list, succeeded."""
+    url = f"redis://127.0.0.1:{redis_service.port}/{QUIET_DB}"
+    queue = f"flower-{uuid.uuid4().hex[:6]}"
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_")}
+    env.update(OMNI_REDIS_URL=url, OMNI_VERSION_CHECK="false")
+    with plain_worker(url, queue, tmp_path, pool="threads") as (_log_path, control):
+        with (tmp_path / "flower.log").open("w") as log:
+            flower = subprocess.Popen([sys.executable, "-m", "celery", "-A", "workers.app:app", "flower",
+                                       "--address=127.0.0.1", f"--port={port}", "--basic-auth=u:p"],
+                                      cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            client = httpx.Client(base_url=f"http://127.0.0.1:{port}", auth=("u", "p"), timeout=5)
+            shown: dict[str, Any] = {}
+            sent: list[str] = []
+            deadline = time.monotonic() + 30
+            while not any(t.get("state") == "SUCCESS" for t in shown.values()) and time.monotonic() < deadline:
+                sent.append(send_task(control, queue))
+                time.sleep(1.0)
+                try:
+                    shown = client.get("/api/tasks").json()
+                except httpx.HTTPError:
+                    continue  # Flower still starting
+            assert any(shown.get(task_id, {}).get("state") == "SUCCESS" for task_id in sent), (
+                shown, (tmp_path / "flower.log").read_text()[-2000:])
+        finally:
+            flower.terminate()
+            flower.wait(timeout=30)
     redis.Redis.from_url(url).flushdb()
