@@ -1,0 +1,110 @@
+"""What other work costs a running DiT engine: a thread of its own process against another process.
+
+    python -m bench.wakeups                              # 80 wake-ups a second of 0.08 ms each
+    python -m bench.wakeups --burst-ms 0.64 --gap-ms 96  # the same CPU in 8x fewer, longer wake-ups
+
+One process loads the benchmark's small DiT (32 px, batches of 32, 20 steps, its OpenMP team on every
+core) and times the same batches three ways, in turns: alone; beside a thread of the same process
+that wakes every ``--gap-ms`` and runs Python for ``--burst-ms``; beside another process doing the
+same. Both take the same CPU. A stage worker's Python (its tasks, Celery's consumer) is the first
+kind; a Redis command, the API, the driver are the second. It prints each arm's median batch time
+over ``alone``, beside the share of a core the other work used (bench/NOTES.md, "Another process's
+wake-ups").
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from bench.run import DIT_SMALL, ROOT, generate_images, prompts
+from omni_jobs.engines.allocator import engine_process_env, loaded_tcmalloc, malloc_choice, tune_engine_malloc
+from omni_jobs.engines.library_env import apply_engine_library_defaults
+from omni_jobs.local.devservices import exit_on_sigterm
+
+ARMS = ("alone", "thread", "process")
+
+
+class Flag(Protocol):
+    def is_set(self) -> bool: ...
+    def set(self) -> None: ...
+
+
+def busy(stop: Flag, burst_s: float, gap_s: float, nice: int = 0) -> None:
+    """Wake every ``gap_s`` and hold a core (and the interpreter) for ``burst_s``, until ``stop``."""
+    if nice:
+        os.nice(nice)
+    while not stop.is_set():
+        began = time.perf_counter()
+        while time.perf_counter() - began < burst_s:
+            pass
+        time.sleep(gap_s)
+
+
+def beside(arm: str, burst_s: float, gap_s: float, nice: int) -> Callable[[], None]:
+    """Start the other work of ``arm``; returns what stops it."""
+    flag: Flag
+    if arm == "thread":
+        flag = threading.Event()
+        worker: threading.Thread | Any = threading.Thread(target=busy, args=(flag, burst_s, gap_s), daemon=True)
+    elif arm == "process":
+        flag = mp.get_context("fork").Event()
+        worker = mp.get_context("fork").Process(target=busy, args=(flag, burst_s, gap_s, nice), daemon=True)
+    else:
+        return lambda: None
+    worker.start()
+    time.sleep(0.2)
+
+    def stop() -> None:
+        flag.set()
+        worker.join()
+
+    return stop
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--burst-ms", type=float, default=0.08, help="CPU of each wake-up of the other work")
+    p.add_argument("--gap-ms", type=float, default=12.0, help="sleep between two wake-ups")
+    p.add_argument("--rounds", type=int, default=3, help="turns of the three arms (2 batches of 32 each)")
+    p.add_argument("--nice", type=int, default=0, help="the other process's niceness")
+    args = p.parse_args(argv)
+    exit_on_sigterm()
+    env = engine_process_env(apply_engine_library_defaults(dict(os.environ)))
+    if env.get("LD_PRELOAD", "") != os.environ.get("LD_PRELOAD", "") and not loaded_tcmalloc():
+        os.execve(sys.executable, [sys.executable, "-m", "bench.wakeups", *(argv if argv is not None else sys.argv[1:])], env)
+    apply_engine_library_defaults()
+    tune_engine_malloc(malloc_choice())
+    from omni_jobs.engines.dit import DiTEngine
+    from omni_jobs.engines.model_source import resolve_model
+
+    engine = DiTEngine(resolve_model(DIT_SMALL, (ROOT / "models").resolve()), pipeline_class="PixArtSigmaPipeline")
+    generate_images(engine, prompts(32, 999), 32, 20, 32)  # warm: the first call at a batch size allocates
+    burst_s, gap_s = args.burst_ms / 1000, args.gap_ms / 1000
+    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    for r in range(args.rounds):
+        for arm in ARMS:
+            stop = beside(arm, burst_s, gap_s, args.nice)
+            began = time.perf_counter()
+            generate_images(engine, prompts(64, r), 32, 20, 32)
+            times[arm].append(time.perf_counter() - began)
+            stop()
+            print(f"  round {r + 1} {arm:8s} {times[arm][-1]:.3f} s", flush=True)
+    alone = statistics.median(times["alone"])
+    share = burst_s / (burst_s + gap_s)
+    print(f"\nother work: {1 / (burst_s + gap_s):.0f} wake-ups/s of {args.burst_ms:g} ms, {share:.1%} of a core")
+    for arm in ARMS:
+        median = statistics.median(times[arm])
+        print(f"{arm:8s} {median:.3f} s  x{median / alone:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
