@@ -4,10 +4,12 @@
     python -m bench.wakeups --burst-ms 0.64 --gap-ms 96  # the same CPU in 8x fewer, longer wake-ups
 
 One process loads the benchmark's small DiT (32 px, batches of 32, 20 steps, its OpenMP team on every
-core) and times the same batches three ways, in turns: alone; beside a thread of the same process
+core) and times the same batches in turns: alone; beside a thread of the same process
 that wakes every ``--gap-ms`` and runs Python for ``--burst-ms``; beside another process doing the
 same. Both take the same CPU. A stage worker's Python (its tasks, Celery's consumer) is the first
-kind; a Redis command, the API, the driver are the second. It prints each arm's median batch time
+kind; a Redis command, the API, the driver are the second. A fourth arm is the worker's own pattern:
+a thread of the engine's process that sends Redis a PING at each wake-up (another process, Redis,
+wakes to answer it). It prints each arm's median batch time
 over ``alone``, beside the share of a core the other work used (bench/NOTES.md, "Another process's
 wake-ups").
 """
@@ -29,7 +31,7 @@ from omni_jobs.engines.allocator import engine_process_env, loaded_tcmalloc, mal
 from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.local.devservices import exit_on_sigterm
 
-ARMS = ("alone", "thread", "process")
+ARMS = ("alone", "thread", "process", "redis")
 
 
 class Flag(Protocol):
@@ -48,12 +50,26 @@ def busy(stop: Flag, burst_s: float, gap_s: float, nice: int = 0) -> None:
         time.sleep(gap_s)
 
 
-def beside(arm: str, burst_s: float, gap_s: float, nice: int) -> Callable[[], None]:
+def ping(stop: Flag, url: str, gap_s: float) -> None:
+    """Send Redis a command every ``gap_s`` (a stage worker's round trip), until ``stop``."""
+    import redis
+
+    client = redis.Redis.from_url(url)
+    while not stop.is_set():
+        client.ping()
+        time.sleep(gap_s)
+    client.close()
+
+
+def beside(arm: str, burst_s: float, gap_s: float, nice: int, redis_url: str) -> Callable[[], None]:
     """Start the other work of ``arm``; returns what stops it."""
     flag: Flag
-    if arm == "thread":
+    if arm == "redis":
         flag = threading.Event()
-        worker: threading.Thread | Any = threading.Thread(target=busy, args=(flag, burst_s, gap_s), daemon=True)
+        worker: threading.Thread | Any = threading.Thread(target=ping, args=(flag, redis_url, gap_s), daemon=True)
+    elif arm == "thread":
+        flag = threading.Event()
+        worker = threading.Thread(target=busy, args=(flag, burst_s, gap_s), daemon=True)
     elif arm == "process":
         flag = mp.get_context("fork").Event()
         worker = mp.get_context("fork").Process(target=busy, args=(flag, burst_s, gap_s, nice), daemon=True)
@@ -75,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gap-ms", type=float, default=12.0, help="sleep between two wake-ups")
     p.add_argument("--rounds", type=int, default=3, help="turns of the three arms (2 batches of 32 each)")
     p.add_argument("--nice", type=int, default=0, help="the other process's niceness")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                   help="the 'redis' arm: a thread of this process sends this Redis a PING every --gap-ms")
     args = p.parse_args(argv)
     exit_on_sigterm()
     env = engine_process_env(apply_engine_library_defaults(dict(os.environ)))
@@ -91,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     for r in range(args.rounds):
         for arm in ARMS:
-            stop = beside(arm, burst_s, gap_s, args.nice)
+            stop = beside(arm, burst_s, gap_s, args.nice, args.redis_url)
             began = time.perf_counter()
             generate_images(engine, prompts(64, r), 32, 20, 32)
             times[arm].append(time.perf_counter() - began)

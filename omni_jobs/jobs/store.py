@@ -27,6 +27,7 @@ from omni_jobs import jsontext, keys
 from omni_jobs.errors import NotDurable
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.change import Change, Conflict, Guard, OutboxEntry, ReleasePass
+from omni_jobs.jobs.group_commit import GroupCommit
 from omni_jobs.jobs.models import Job, JobEvent, JobStatus, StageRecord, StageStatus, now
 from omni_jobs.redis_replies import members, text, text_hash
 from omni_jobs.steps import (
@@ -428,6 +429,9 @@ class RedisJobStore:
         self.wait_timeout_ms = wait_timeout_ms
         self.wait_aof = wait_aof
         self._commit = client.register_script(self._commit_source)
+        self.commits: GroupCommit[list[str], ScriptReply] = GroupCommit(
+            lambda args: self._commit(args=args), self._commit_many)
+        """Commits of this process's threads, sent together when they come together (omni_jobs.jobs.group_commit)."""
         self._claim = client.register_script(_CLAIM)
         self._release = client.register_script(_RELEASE)
         self._release_and_claim = client.register_script(_RELEASE_AND_CLAIM.replace(_NO_TEMPLATES, prelude, 1))
@@ -564,7 +568,7 @@ class RedisJobStore:
         if self._waits(change):
             reply: ScriptReply = self._commit_durably(args)
         else:
-            reply = self._commit(args=args)
+            reply = self.commits.call(args)
         self._passed(change, spec, reply)
         return self._conflict(change, reply)
 
@@ -638,21 +642,27 @@ class RedisJobStore:
             return [self.commit(c) for c in changes]  # each waits for its replicas or the disk
         if not changes:
             return []
+        replies = self._commit_many([[change.wire()] for change in changes])
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return [self._conflict(c, r) for c, r in zip(changes, replies, strict=True)]  # type: ignore[arg-type]
+
+    def _commit_many(self, args: Sequence[Sequence[str]]) -> list[ScriptReply | Exception]:
+        """The commit script once per ``args``, pipelined in one round trip: each its own script (applied or
+        refused alone), its reply or its error in order."""
         sha = self._commit.sha
         for attempt in range(2):
             with self.redis.pipeline(transaction=False) as pipe:
-                for change in changes:
-                    pipe.evalsha(sha, 0, change.wire())
+                for one in args:
+                    pipe.evalsha(sha, 0, *one)
                 replies = pipe.execute(raise_on_error=False)
             if not any(isinstance(r, NoScriptError) for r in replies):
                 break
             if attempt:  # the server lost its scripts twice in a row: give up as commit would
                 raise next(r for r in replies if isinstance(r, NoScriptError))
             self.redis.script_load(self._commit_source)  # a restarted server: nothing ran; once more with the script
-        for reply in replies:
-            if isinstance(reply, Exception):
-                raise reply
-        return [self._conflict(c, r) for c, r in zip(changes, replies, strict=True)]
+        return list(replies)
 
     @staticmethod
     def _conflict(change: Change, reply: ScriptReply) -> Conflict | None:

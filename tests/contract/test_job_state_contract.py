@@ -574,3 +574,47 @@ def test_renewals_and_progress_of_many_leases_go_together_and_each_is_judged_on_
     steps = {j.id: [e.data["step"] for e in ledger.events(j.id) if e.type is EventType.stage_progress] for j in jobs}
     assert [steps[t.lease.job_id] for t in taken] == [[5], [], [5]]
     assert store.commit_each([]) == []
+
+
+def test_starts_and_completions_made_at_once_each_get_their_own_answer(ledger: JobLedger, store: JobStore) -> None:
+    """A batch's members start and finish together from many threads (the Redis store sends such
+    commits together: omni_jobs.jobs.group_commit). Each start is judged on its own: every job's
+    awaited attempt starts once, a second worker's try at the same step is refused, and each thread
+    gets its own job's answer back."""
+    jobs = [ledger.submit(two_stage_job(), ["ar"])[0] for _ in range(16)]
+    steps = [s for s in claim(store) if isinstance(s, RunStage)]
+    assert len(steps) == 16
+    taken: dict[tuple[str, str], Acquired | Refused] = {}
+    gate = threading.Barrier(32)
+
+    def take(step: RunStage, owner: str) -> None:
+        gate.wait(10)
+        taken[(step.job_id, owner)] = ledger.acquire(step, worker=owner.split("#")[0], owner=owner)
+
+    threads = [threading.Thread(target=take, args=(s, o)) for s in steps for o in ("w1#1", "w2#1")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for job in jobs:
+        answers = [taken[(job.id, o)] for o in ("w1#1", "w2#1")]
+        won = [a for a in answers if isinstance(a, Acquired)]
+        assert len(won) == 1 and won[0].job.id == job.id and won[0].lease.job_id == job.id, answers
+        assert sum(isinstance(a, Refused) for a in answers) == 1
+
+    finished: dict[str, Job | Refused] = {}
+
+    def finish(acquired: Acquired) -> None:
+        gate.wait(10)
+        finished[acquired.job.id] = ledger.complete_stage(acquired.lease, {"text": ref("t")}, {})
+
+    gate = threading.Barrier(16)
+    winners = [a for a in taken.values() if isinstance(a, Acquired)]
+    threads = [threading.Thread(target=finish, args=(a,)) for a in winners]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert {job_id: done.id for job_id, done in finished.items() if isinstance(done, Job)} == {j.id: j.id for j in jobs}
+    assert sorted(s.job_id for s in claim(store) if isinstance(s, RunStage) and s.stage_id == "dit") == \
+        sorted(j.id for j in jobs)
