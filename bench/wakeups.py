@@ -20,15 +20,12 @@ import argparse
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from bench.run import DIT_SMALL, ROOT, generate_images, prompts
-from omni_jobs.engines.allocator import engine_process_env, loaded_tcmalloc, malloc_choice, tune_engine_malloc
-from omni_jobs.engines.library_env import apply_engine_library_defaults
+from bench.run import DIT_SMALL, ROOT, as_engine_process, generate_images, prompts
 from omni_jobs.local.devservices import exit_on_sigterm
 
 ARMS = ("alone", "thread", "process", "redis")
@@ -71,8 +68,9 @@ def beside(arm: str, burst_s: float, gap_s: float, nice: int, redis_url: str) ->
         flag = threading.Event()
         worker = threading.Thread(target=busy, args=(flag, burst_s, gap_s), daemon=True)
     elif arm == "process":
-        flag = mp.get_context("fork").Event()
-        worker = mp.get_context("fork").Process(target=busy, args=(flag, burst_s, gap_s, nice), daemon=True)
+        fork = mp.get_context("fork")
+        flag = fork.Event()
+        worker = fork.Process(target=busy, args=(flag, burst_s, gap_s, nice), daemon=True)
     else:
         return lambda: None
     worker.start()
@@ -95,11 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the 'redis' arm: a thread of this process sends this Redis a PING every --gap-ms")
     args = p.parse_args(argv)
     exit_on_sigterm()
-    env = engine_process_env(apply_engine_library_defaults(dict(os.environ)))
-    if env.get("LD_PRELOAD", "") != os.environ.get("LD_PRELOAD", "") and not loaded_tcmalloc():
-        os.execve(sys.executable, [sys.executable, "-m", "bench.wakeups", *(argv if argv is not None else sys.argv[1:])], env)
-    apply_engine_library_defaults()
-    tune_engine_malloc(malloc_choice())
+    as_engine_process()  # the engines' library settings and malloc, as a worker's
     from omni_jobs.engines.dit import DiTEngine
     from omni_jobs.engines.model_source import resolve_model
 
