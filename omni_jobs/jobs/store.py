@@ -642,11 +642,12 @@ class RedisJobStore:
             return [self.commit(c) for c in changes]  # each waits for its replicas or the disk
         if not changes:
             return []
-        replies = self._commit_many([[change.wire()] for change in changes])
-        for reply in replies:
+        conflicts: list[Conflict | None] = []
+        for change, reply in zip(changes, self._commit_many([[c.wire()] for c in changes]), strict=True):
             if isinstance(reply, Exception):
                 raise reply
-        return [self._conflict(c, r) for c, r in zip(changes, replies, strict=True)]  # type: ignore[arg-type]
+            conflicts.append(self._conflict(change, reply))
+        return conflicts
 
     def _commit_many(self, args: Sequence[Sequence[str]]) -> list[ScriptReply | Exception]:
         """The commit script once per ``args``, pipelined in one round trip: each its own script (applied or
