@@ -18,3 +18,18 @@ def memory_mib(pid: int, field: str) -> float:
         if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def wakeups(pid: int) -> int:
+    """Times the threads of a process (those alive now) went to sleep and were woken: the sum of their
+    voluntary context switches. Each one is a wake-up of that process on the machine's cores."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            text = (task / "status").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        for line in text.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                total += int(line.split()[1])
+    return total

@@ -38,7 +38,9 @@ import redis
 import yaml
 
 from bench.lean_http import JobPoster
-from bench.procfs import cpu_s, memory_mib
+from bench.procfs import cpu_s, memory_mib, wakeups
+from bench.redis_calls import RedisCalls
+from bench.redis_calls import snapshot as redis_snapshot
 from omni_jobs import keys
 from omni_jobs.engines.allocator import engine_process_env, loaded_tcmalloc, malloc_choice, tune_engine_malloc
 from omni_jobs.engines.library_env import apply_engine_library_defaults
@@ -83,6 +85,11 @@ class Arm:
     """Seconds the worker's batches ran per repetition (its batcher's batches, from its metrics)."""
     batch_wait_s: dict[str, list[float]] = field(default_factory=dict)
     """Mean time a batch's first request waited for it to start, per worker and repetition."""
+    redis_calls: RedisCalls = field(default_factory=RedisCalls)
+    """The commands Redis ran during the arm's repetitions (the driver's polls included)."""
+    jobs_run: int = 0
+    wakeups: dict[str, int] = field(default_factory=dict)
+    """Wake-ups (voluntary context switches of all threads) per process over the arm's repetitions."""
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -288,6 +295,20 @@ class Bench:
                 out[proc.name.removeprefix("worker-")] = cpu_s(proc.pid)
         return out
 
+    def wakeups(self) -> dict[str, int]:
+        """Wake-ups so far of each process of the system and this driver (bench.procfs.wakeups)."""
+        assert self.system
+        out = {"driver": wakeups(os.getpid())}
+        out.update({p.name.removeprefix("worker-"): wakeups(p.pid) for p in self.system.processes if p.pid})
+        return out
+
+    def redis_calls(self) -> RedisCalls:
+        """Redis's command counts now, its clients named by process (bench.redis_calls)."""
+        assert self.system and self.store
+        names = {os.getpid(): "driver"}
+        names.update({p.pid: p.name.removeprefix("worker-") for p in self.system.processes if p.pid})
+        return redis_snapshot(self.store.redis, names)
+
     def run_jobs(self, pipeline: str, texts: list[str], params: dict[str, Any] | None = None) -> list[Job]:
         """POST every job through the API, then wait for all; returns the final jobs (from Redis)."""
         assert self.poster and self.store
@@ -335,9 +356,14 @@ class Bench:
         batches_before = {n: self.batch_totals(n) for n in nodes}
         # the CPU counted is the jobs' alone: reading the workers' /metrics (batch_totals) cost the driver
         # ~25 ms per read and the worker its render, outside the repetition's window
+        calls_before, wakeups_before = self.redis_calls(), self.wakeups()
         cpu_before = self.cpu_times()
         jobs = self.run_jobs(pipeline, texts, params)
         cpu_after = self.cpu_times()
+        arm.redis_calls += self.redis_calls() - calls_before
+        for proc, woken in self.wakeups().items():
+            arm.wakeups[proc] = arm.wakeups.get(proc, 0) + woken - wakeups_before.get(proc, 0)
+        arm.jobs_run += len(jobs)
         for n in nodes:
             after, before = self.batch_totals(n), batches_before[n]
             d = {k: after[k] - before[k] for k in after}
@@ -528,8 +554,11 @@ class Bench:
             self.run_jobs(w.pipeline + "-b", [f"warm up {t}" for t in prompts(min(self.args.batch, self.n), 997)])
         with self.direct_process(w) as child:
             for rep in range(self.reps):
-                idle_before = self.cpu_times()
+                idle_before, woken_before = self.cpu_times(), {**self.wakeups(), "direct": wakeups(child.pid)}
                 d = child.rep(rep)
+                for proc, woken in {**self.wakeups(), "direct": wakeups(child.pid)}.items():
+                    direct.wakeups[proc] = direct.wakeups.get(proc, 0) + woken - woken_before.get(proc, 0)
+                direct.jobs_run += self.n
                 for proc, cpu in self.cpu_times().items():  # the system's processes, idle meanwhile: both arms pay them
                     if proc != "driver":
                         direct.cpu_s.setdefault(proc, []).append(cpu - idle_before.get(proc, 0.0))
@@ -560,6 +589,13 @@ class Bench:
         print(f"  mean batch: system {system.summary()['batch_mean']}"
               + (f", B {b.summary()['batch_mean']}" if b.jobs_per_s else ""), flush=True)
         print(f"  naive  cpu {_cpu_line(naive.summary()['cpu_s'])}", flush=True)
+        for label, arm in (("direct", direct), ("system", system), ("B", b)):
+            if arm.redis_calls.by_command:
+                print(f"  redis, {label}: {arm.redis_calls.per_job(arm.jobs_run)}", flush=True)
+            if arm.jobs_run:
+                ranked = sorted(((v / arm.jobs_run, k) for k, v in arm.wakeups.items()), reverse=True)
+                print(f"  wake-ups a job, {label}: " + ", ".join(f"{k} {v:.1f}" for v, k in ranked if v >= 0.05),
+                      flush=True)
         for line in _engine_time_lines(system, direct, self.n):
             print(f"  {line}", flush=True)
         over_direct, over_naive = _ratios(system.jobs_per_s, direct.jobs_per_s), _ratios(system.jobs_per_s, naive.jobs_per_s)
@@ -659,6 +695,10 @@ class DirectProcess:
                                           text=True, bufsize=1,
                                           env=engine_process_env(apply_engine_library_defaults(dict(os.environ))))
         self._read()  # {"ready": true} once loaded and warmed up
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     def __enter__(self) -> Self:
         return self
