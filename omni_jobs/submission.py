@@ -407,7 +407,7 @@ class JobSubmitter:
                            webhook=webhook, webhook_events_filter=webhook_events_filter, tenant=tenant,
                            priority=priority)
         files = self._prepare_files(new.spec, new.job.input, tenant)
-        if new.claim is not None:
+        if new.claim is not None and files:  # a replay stores no files; without files the write's guard finds it
             earlier = self.ledger.store.idempotency(tenant, new.claim[0])
             if earlier is not None:  # a replay: answer it before any check that could refuse it
                 if earlier.fingerprint != new.claim[1]:
@@ -429,9 +429,10 @@ class JobSubmitter:
                                  priority: object = None, api_key_id: str | None = None,
                                  requires: Sequence[Guard] = ()) -> Submitted:
         """``submit_idempotent`` for an event loop (the API): the same checks and the same one write,
-        through the store's async client. A job without file inputs costs one Redis round trip (two
-        with an Idempotency-Key) and no thread; file inputs are read and stored in a thread. The
-        answer also carries the job's queue position, read in the same round trip. ``requires``:
+        through the store's async client. A job without file inputs costs one Redis round trip, with
+        an Idempotency-Key too (the write's guard finds a replay), and no thread; file inputs are read
+        and stored in a thread. The answer also carries the job's queue position, read in the same
+        round trip. ``requires``:
         guards the write must find true (JobLedger.asubmit)."""
         accept = functools.partial(self._accept, pipeline, input_, params, cancel_after_s=cancel_after_s,
                                    idempotency_key=idempotency_key, webhook=webhook,
@@ -441,7 +442,7 @@ class JobSubmitter:
         new = await asyncio.to_thread(accept) if webhook is not None and self.net_guard is not None else accept()
         files = await asyncio.to_thread(self._prepare_files, new.spec, new.job.input, tenant) \
             if self._has_files(new.spec, new.job.input) else {}
-        if new.claim is not None:
+        if new.claim is not None and files:  # a replay stores no files; without files the write's guard finds it
             earlier = await self.ledger.store.aidempotency(tenant, new.claim[0])
             if earlier is not None:  # a replay: answer it before any check that could refuse it
                 if earlier.fingerprint != new.claim[1]:

@@ -384,9 +384,10 @@ class JobLedger:
         """Store a new job, its idempotency record and its first dispatches in one write.
 
         ``idempotency``: (key, request fingerprint). A key used before returns (that job, False), or
-        IdempotencyConflict when the body differed. ``quota``: the tenant's limits, and
-        ``queue_limits``: how many steps may wait on each entry queue, both checked in the same
-        write (QuotaExceeded, Overloaded: nothing is written).
+        IdempotencyConflict when the body differed. The write's guards go before its caps, so a replay
+        is found (and answered) even where a new job would be refused, with no read before the write.
+        ``quota``: the tenant's limits, and ``queue_limits``: how many steps may wait on each entry
+        queue, both checked in the same write (QuotaExceeded, Overloaded: nothing is written).
         """
         plan = self._plan_submit(job, entry_stages, idempotency, idempotency_ttl_s, quota, queue_limits)
         conflict = self.store.commit(plan.change)

@@ -92,6 +92,34 @@ def test_a_full_entry_queue_refuses_the_job_in_the_same_write(ledger: JobLedger,
     assert store.queue_counts("ar") == (2, 0) and len(ledger.page(limit=10).jobs) == 2
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_replay_is_answered_where_a_new_job_would_be_refused(ledger: JobLedger, store: JobStore, mode: str) -> None:
+    """The write finds an Idempotency-Key's replay (no read before it); a full queue or a spent quota
+    still answers the replay with its job, and a different body with IdempotencyConflict."""
+    limit, quota = [QueueLimit("ar", 1, 7)], Quota(max_active=1)
+
+    def submit(fingerprint: str) -> tuple[str, bool]:
+        if mode == "sync":
+            job, created = ledger.submit(two_stage_job(), ["ar"], idempotency=("k", fingerprint), quota=quota,
+                                         queue_limits=limit)
+            return job.id, created
+        done = run(store, lambda: ledger.asubmit(two_stage_job(), ["ar"], idempotency=("k", fingerprint),
+                                                   quota=quota, queue_limits=limit))
+        return done.job.id, done.created
+
+    first, created = submit("fp-a")
+    assert created
+    assert submit("fp-a") == (first, False)  # the queue is full and the quota spent: a new job is refused
+    with pytest.raises(Overloaded):
+        if mode == "sync":
+            ledger.submit(two_stage_job(), ["ar"], quota=quota, queue_limits=limit)
+        else:
+            run(store, lambda: ledger.asubmit(two_stage_job(), ["ar"], quota=quota, queue_limits=limit))
+    with pytest.raises(IdempotencyConflict, match=first):
+        submit("fp-b")
+    assert store.queue_counts("ar") == (1, 0) and len(ledger.page(limit=10).jobs) == 1
+
+
 def test_acommit_answers_as_commit(store: JobStore) -> None:
     key = f"{keys.PREFIX}:test:acommit"
     assert run(store, lambda: store.acommit(Change().expect(key, "v", None).hset(key, {"v": "1"}))) is None

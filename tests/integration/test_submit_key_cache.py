@@ -64,3 +64,23 @@ def test_the_submit_headers_keep_their_limits_and_meaning(app_client: TestClient
     assert timed.status_code == 202 and timed.json()["deadline_at"] is not None
     again = app_client.post("/v1/jobs", json=BODY, headers={**auth, "cancel-after": "5m", "idempotency-key": "k" * 255})
     assert again.headers["idempotent-replayed"] == "true" and again.json()["id"] == timed.json()["id"]
+
+
+def test_a_keyed_submit_is_one_round_trip_and_its_replay_finds_the_job(
+        app_client: TestClient, redis_client: redis.Redis) -> None:
+    """An Idempotency-Key costs no read before the write: the write's own guard finds a replay."""
+    key, _ = ApiKeys(redis_client).create("acme")
+    auth = {"authorization": f"Bearer {key}", "idempotency-key": "one-trip"}
+    app_client.post("/v1/jobs", json=BODY, headers={"authorization": f"Bearer {key}"})  # the key is cached now
+
+    def hgetalls() -> int:
+        return int(redis_client.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0))
+
+    before = hgetalls()
+    first = app_client.post("/v1/jobs", json=BODY, headers=auth)
+    assert first.status_code == 202 and hgetalls() == before  # the record was not read: one write
+    replay = app_client.post("/v1/jobs", json=BODY, headers=auth)
+    assert replay.status_code == 202 and replay.json()["id"] == first.json()["id"]
+    assert replay.headers["idempotent-replayed"] == "true"
+    other = app_client.post("/v1/jobs", json={**BODY, "input": {"prompt": "else"}}, headers=auth)
+    assert other.status_code == 409
