@@ -32,6 +32,9 @@ class RedisCalls:
     by_command: Counter[str] = field(default_factory=Counter)
     by_process: Counter[str] = field(default_factory=Counter)
     reads: int = 0
+    usec: Counter[str] = field(default_factory=Counter)
+    """Redis's time in each command (a script's includes the commands it calls, which count again
+    under their own names)."""
 
     def __sub__(self, before: RedisCalls) -> RedisCalls:
         commands = Counter({k: v - before.by_command.get(k, 0) for k, v in self.by_command.items()})
@@ -39,11 +42,12 @@ class RedisCalls:
         closed = sum(commands.values()) - sum(processes.values())
         if self.by_process and closed > 0:
             processes["closed"] = closed
-        return RedisCalls(+commands, +processes, self.reads - before.reads)
+        usec = Counter({k: v - before.usec.get(k, 0) for k, v in self.usec.items()})
+        return RedisCalls(+commands, +processes, self.reads - before.reads, +usec)
 
     def __add__(self, other: RedisCalls) -> RedisCalls:
         return RedisCalls(self.by_command + other.by_command, self.by_process + other.by_process,
-                          self.reads + other.reads)
+                          self.reads + other.reads, self.usec + other.usec)
 
     def per_job(self, jobs: int, top: int = 8) -> str:
         """One line: round trips a job, commands a job in all, by process, then the ``top`` commands."""
@@ -55,7 +59,10 @@ class RedisCalls:
         text = f"{self.reads / jobs:.1f} round trips a job; {total / jobs:.1f} commands a job"
         if self.by_process:
             text += f", by process: {part(self.by_process, None)}"
-        return text + f"; by command: {part(self.by_command, top)}"
+        text += f"; by command: {part(self.by_command, top)}"
+        if self.usec:
+            text += f"; us a job (a script's include its calls): {part(self.usec, top)}"
+        return text
 
 
 def snapshot(client: Any, names: Mapping[int, str]) -> RedisCalls:
@@ -65,6 +72,7 @@ def snapshot(client: Any, names: Mapping[int, str]) -> RedisCalls:
     reads = int(client.info("stats")["total_reads_processed"])
     stats = client.info("commandstats")
     commands = Counter({k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()})
+    usec = Counter({k.removeprefix("cmdstat_"): int(v["usec"]) for k, v in stats.items()})
     listing = client.client_list()
     processes: Counter[str] = Counter()
     if listing and "tot-cmds" in listing[0]:
@@ -72,7 +80,7 @@ def snapshot(client: Any, names: Mapping[int, str]) -> RedisCalls:
         for c in listing:
             port = int(c["addr"].rsplit(":", 1)[1])
             processes[names.get(owners.get(port, -1), "other")] += int(c["tot-cmds"])
-    return RedisCalls(commands, processes, reads)
+    return RedisCalls(commands, processes, reads, usec)
 
 
 def _port_owners(redis_port: int) -> dict[int, int]:
