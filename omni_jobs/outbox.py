@@ -3,8 +3,9 @@
 A transition never publishes: it writes its dispatches into the outbox in the same atomic write
 as the state change (omni_jobs.jobs.ledger). A relay in each process that writes (the API, every
 worker) wakes up at once after its own commits (one that only made steps ready, when the
-scheduler's pass could release one), and every ``poll_s`` anyway, runs the scheduler's pass and
-claims the due
+scheduler's pass could release one), and every ``poll_s`` anyway while its passes find work (each
+empty pass doubles the wait, up to ``idle_poll_s``, never past the time the outbox's next entry comes
+due), runs the scheduler's pass and claims the due
 entries (each claim holds an entry for ``hold_s``, so two relays do not publish it together),
 publishes them through the transport, and removes them. A relay that dies after claiming leaves
 its entries to the others once the hold runs out; one that dies after publishing but before
@@ -34,16 +35,24 @@ Publish = Callable[[list[Step], list[str]], None]
 
 class OutboxRelay:
     def __init__(self, store: JobStore, publish: Publish, *, hold_s: float = 5.0, poll_s: float = 0.5,
-                 batch: int = 200, scheduler: Scheduler | None = None) -> None:
+                 idle_poll_s: float | None = None, batch: int = 200, scheduler: Scheduler | None = None) -> None:
         """``scheduler``: its pass (omni_jobs.scheduling) runs first, in the same script as the
         claim: it moves the stages whose turn came from their queue's ready lists into the outbox. A
         commit that only made steps ready wakes the relay where it could release one
-        (Scheduler.may_release)."""
+        (Scheduler.may_release).
+
+        ``idle_poll_s``: the longest wait between passes that find nothing (None: ``poll_s``, no
+        backing off). The pass says when the outbox's next entry comes due (a retry's backoff, an
+        entry another relay claimed and did not publish), and the relay wakes for it, so backing
+        off delays nothing that is written to the outbox: only a step that becomes ready without a
+        commit that runs a pass (none does, where the store is the broker) waits up to that long."""
         self.store = store
         self.publish = publish
         self.scheduler = scheduler
         self.hold_s = hold_s
         self.poll_s = poll_s
+        self.idle_poll_s = max(poll_s, idle_poll_s) if idle_poll_s is not None else poll_s
+        self._next_due: float | None = None  # from the last pass; None: unknown or nothing due
         self.batch = batch
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -56,11 +65,13 @@ class OutboxRelay:
         """Publish what is due now; returns how many entries went out."""
         entries: list[OutboxEntry]
         published = 0  # entries the script pushed onto the broker itself (a store that is the broker)
+        self._next_due = None
         if self.scheduler is not None:
             done, entries = self.store.release_and_claim(self.scheduler.windows(), now=now(), limit=self.batch,
                                                          hold_s=self.hold_s)
             self.scheduler.passed(done)
             published = done.published
+            self._next_due = done.next_due if done.next_due is not None else float("inf")
         else:
             entries = self.store.claim_outbox(now=now(), limit=self.batch, hold_s=self.hold_s)
         if not entries:
@@ -118,8 +129,18 @@ class OutboxRelay:
                 return True
         return False
 
+    def next_wait(self, last_s: float, *, busy: bool) -> float:
+        """How long to wait before the next pass: ``poll_s`` after one that published (or was woken),
+        else twice the last wait, up to ``idle_poll_s``; never past the next entry's due time."""
+        if busy or self._next_due is None:
+            return self.poll_s
+        wait = min(max(2 * last_s, self.poll_s), self.idle_poll_s)
+        return max(min(wait, self._next_due - now()), 0.05)  # an entry due now: soon, not in a busy loop
+
     def _loop(self) -> None:
+        wait_s = self.poll_s
         while not self._stop.is_set():
+            woken = self._wake.is_set()
             self._wake.clear()
             try:
                 sent = self.run_once()
@@ -132,6 +153,8 @@ class OutboxRelay:
                     log.warning("outbox relay: cannot publish (%s: %s); retrying every %.1fs",
                                 type(exc).__name__, exc, self.poll_s)
                 sent = 0
+                self._next_due = None  # retry at the base pace
             if sent >= self.batch:
                 continue
-            self._wake.wait(self.poll_s)
+            wait_s = self.next_wait(wait_s, busy=sent > 0 or woken)
+            self._wake.wait(wait_s)

@@ -150,7 +150,7 @@ class Runtime:
         """This process's outbox relay (one per process), woken by every commit that dispatches."""
         if self._relay is None:
             self._relay = OutboxRelay(self.store, publish, poll_s=self.settings.outbox_poll_s,
-                                      scheduler=self.scheduler)
+                                      idle_poll_s=self.settings.outbox_idle_poll_s, scheduler=self.scheduler)
             self.ledger.outbox_listeners.append(self._relay.wake)
         return self._relay
 

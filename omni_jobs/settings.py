@@ -196,7 +196,11 @@ class Settings(BaseSettings):
         True, description="The worker whose stage completes a job writes its final outputs at once (no hop through "
         "the results queue). Turn off where stage workers cannot reach the output store; results workers then do it.")
     outbox_poll_s: float = Field(0.5, gt=0, description="How often a relay looks for due outbox entries besides "
-                                 "being woken by its own process's commits.")
+                                 "being woken by its own process's commits, while its looks find work.")
+    outbox_idle_poll_s: float = Field(
+        4.0, gt=0, description="The longest a relay waits between looks that find nothing (each empty look doubles "
+        "the wait from OMNI_OUTBOX_POLL_S). It also wakes when the outbox's next entry comes due (a retry's backoff) "
+        "and after its own process's commits; an idle process wakes Redis ~0.3 times a second for it instead of 2.")
     store_wait_s: float = Field(
         600, gt=0, description="How long a worker waits for an unreachable job store before giving up on a step "
         "(the step comes back through the reaper once Redis answers).")

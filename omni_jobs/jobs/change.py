@@ -63,6 +63,9 @@ class ReleasePass:
     """Outbox entries put straight onto their broker queue in the same step (a store that is the broker)."""
     queues: frozenset[str] = field(default=frozenset(), compare=False)
     """The queues the pass looked at (``full`` is among them): what a pass in a commit tells the scheduler about."""
+    next_due: float | None = field(default=None, compare=False)
+    """When the outbox's next entry comes due after the pass (None: the outbox is empty; a claimed
+    entry counts at the end of its hold): how long the relay may sleep (``release_and_claim`` only)."""
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import itertools
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import assert_never
 
 from omni_jobs import keys
@@ -270,7 +271,8 @@ class MemoryJobStore:
                           hold_s: float) -> tuple[ReleasePass, list[OutboxEntry]]:
         """``release``, then ``claim_outbox`` (one script on Redis; two steps under the lock here)."""
         done = self.release(windows, now=now, limit=limit)
-        return done, self.claim_outbox(now=now, limit=limit, hold_s=hold_s)
+        entries = self.claim_outbox(now=now, limit=limit, hold_s=hold_s)
+        return replace(done, next_due=self.next_outbox_due()), entries
 
     def _release_queue(self, queue: str, window: int, now: float, limit: int) -> tuple[list[tuple[str, str]], bool]:
         """(released, whether the window is left full)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, TypeAlias, TypedDict
 
 import redis
@@ -368,7 +368,8 @@ _RELEASE_AND_CLAIM = _PUBLISH_FUNCTION + _CLAIM_FUNCTION + _RELEASE_FUNCTION + "
 -- release makes due is claimed (or published) with the rest.
 local out, full = release(KEYS[1], KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV, 6)
 local claimed, sent = claim(KEYS[1], KEYS[2], ARGV[1], ARGV[3], tonumber(ARGV[4]), '', ARGV[5] == '1')
-return {out, full, claimed, sent}
+local first = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')  -- when the next entry comes due
+return {out, full, claimed, sent, first[2] or ''}
 """
 
 
@@ -785,10 +786,11 @@ class RedisJobStore:
         """``release`` then ``claim_outbox`` (up to ``limit`` of each), in one script: the relay's pass."""
         given, args, closed = self._release_args(windows)
         direct = "1" if self.broker_templates is not None else "0"
-        pairs, full, claimed, sent = self._release_and_claim(
+        pairs, full, claimed, sent, first = self._release_and_claim(
             keys=[keys.OUTBOX, keys.OUTBOX_ITEMS], args=[repr(now), limit, repr(now + hold_s), limit, direct, *args])
         entries = [OutboxEntry(from_json(claimed[i + 1]), now) for i in range(0, len(claimed), 2)][:limit]
-        return self._release_pass(given, closed, pairs, full, int(sent)), entries
+        done = self._release_pass(given, closed, pairs, full, int(sent))
+        return replace(done, next_due=float(first) if first else None), entries
 
     @staticmethod
     def _release_args(windows: Mapping[str, int]) -> tuple[list[str], list[str | int], frozenset[str]]:

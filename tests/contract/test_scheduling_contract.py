@@ -134,11 +134,13 @@ def test_a_rate_quota_says_when_the_oldest_submission_leaves_the_minute(ledger: 
 
 def test_the_relays_pass_releases_and_claims_in_one_step(ledger: JobLedger, store: JobStore) -> None:
     jobs = [ledger.submit(dit_job("a"), ["dit"])[0].id for _ in range(3)]
-    done, claimed = store.release_and_claim({"dit": 2}, now=now(), limit=10, hold_s=30)
+    at = now()
+    done, claimed = store.release_and_claim({"dit": 2}, now=at, limit=10, hold_s=30)
     assert [entry.split(":")[1] for entry, _ in done.released] == jobs[:2] and done.full == {"dit"}
     assert sorted(e.step.job_id for e in claimed) == sorted(jobs[:2])  # what it released is claimed with it
+    assert done.next_due == pytest.approx(at + 30)  # the next due: a claimed entry at the end of its hold
     again, held = store.release_and_claim({"dit": 2}, now=now(), limit=10, hold_s=30)
     assert again == ReleasePass([], frozenset({"dit"})) and held == []  # held by the first claim
     store.ack_outbox([e.id for e in claimed])
     nothing, none = store.release_and_claim({}, now=now(), limit=10, hold_s=30)
-    assert nothing == ReleasePass([], frozenset()) and none == []
+    assert nothing == ReleasePass([], frozenset()) and none == [] and nothing.next_due is None  # nothing due

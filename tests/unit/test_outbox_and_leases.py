@@ -237,3 +237,40 @@ def test_a_commit_that_ends_a_running_step_frees_its_place_and_wakes_the_relay()
     woken.clear()
     assert ledger.fail(submitted.id, JobError(type="EngineError", message="boom"), lease=taken.lease)
     assert woken and woken[-1] == {"ar"}
+
+
+def test_an_idle_relay_backs_off_and_still_wakes_when_a_delayed_entry_comes_due() -> None:
+    """Empty passes double the wait (an idle process seldom wakes Redis); the pass says when the
+    outbox's next entry comes due, and the relay is there for it, however long it had backed off."""
+    store = MemoryJobStore()
+    ledger = JobLedger(store)
+    transport = Transport()
+    scheduler = Scheduler(store, None)
+    passes = Counter[str]()
+    windows = scheduler.windows
+
+    def counted_windows() -> dict[str, int]:  # once per pass
+        passes["pass"] += 1
+        return windows()
+
+    scheduler.windows = counted_windows  # type: ignore[method-assign]
+    idle = OutboxRelay(store, transport.publish, poll_s=0.02, idle_poll_s=0.32, scheduler=scheduler).start()
+    time.sleep(1.5)
+    idle.stop()
+    assert 4 <= passes["pass"] <= 12  # at a fixed 0.02 s: ~75
+    relay = OutboxRelay(store, transport.publish, poll_s=0.3, idle_poll_s=30.0, scheduler=Scheduler(store, None))
+    ledger.outbox_listeners.append(relay.wake)
+    submitted = ledger.submit(job(), ["ar"])[0]
+    deadline = time.monotonic() + 2
+    while not transport.published and time.monotonic() < deadline:
+        time.sleep(0.005)
+    taken = ledger.acquire(RunStage(submitted.id, "ar", 1, "ar"), worker="w", owner="w#1")
+    assert isinstance(taken, Acquired)
+    retried_at = time.monotonic()
+    assert ledger.retry_later(taken.lease, JobError(type="TransientError", message="blip"), 1.0) == "retrying"
+    while len(transport.published) < 2 and time.monotonic() < retried_at + 5:
+        time.sleep(0.005)
+    published_after = time.monotonic() - retried_at
+    relay.stop()
+    assert transport.published == [f"stage:{submitted.id}:ar:1", f"stage:{submitted.id}:ar:2"]
+    assert 0.95 <= published_after < 1.3  # backed off to 0.6 s and more, it woke for the due time
