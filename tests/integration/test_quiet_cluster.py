@@ -186,3 +186,42 @@ def test_flower_started_beside_a_worker_shows_its_tasks(redis_service: RunningSe
             flower.terminate()
             flower.wait(timeout=30)
     redis.Redis.from_url(url).flushdb()
+
+
+def test_an_idle_worker_asks_its_empty_queue_every_few_seconds_not_every_second(redis_service: RunningService,
+                                                                                tmp_path: Path) -> None:
+    """kombu's BRPOP waits OMNI_BROKER_IDLE_WAIT_S (5 s) on an empty queue, not its own 1 s; a task sent
+    meanwhile is taken at once all the same."""
+    url = f"redis://127.0.0.1:{redis_service.port}/{QUIET_DB}"
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    queue = f"idle-{uuid.uuid4().hex[:6]}"
+    with plain_worker(url, queue, tmp_path) as (_log_path, control):
+        asks: list[float] = []
+        stop = threading.Event()
+
+        def watch() -> None:
+            with client.monitor() as monitor:
+                for command in monitor.listen():
+                    if stop.is_set():
+                        return
+                    if command["command"].startswith("BRPOP") and queue in command["command"]:
+                        asks.append(time.monotonic())
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        started = time.monotonic()
+        while time.monotonic() - started < 11:
+            client.ping()  # keeps the monitor's stream flowing
+            time.sleep(0.5)
+        sent = time.monotonic()
+        control.send_task(CLEANUP_TASK, queue=queue)  # answered by the BRPOP waiting now
+        while len(asks) < 5 and time.monotonic() - sent < 5:
+            client.ping()
+            time.sleep(0.05)
+        stop.set()
+        client.ping()
+        watcher.join(5)
+    idle = [t for t in asks if t < sent]
+    assert 2 <= len(idle) <= 4, f"{len(idle)} BRPOPs in 11 s idle (at kombu's 1 s: 11)"
+    assert any(sent < t < sent + 1.0 for t in asks), "the task was not taken at once"
