@@ -35,6 +35,19 @@ class Transport:
             self.published.extend(ids)
 
 
+def counting_passes(scheduler: Scheduler) -> Counter[str]:
+    """``["release"]``: the relay's passes so far (each reads the scheduler's windows once)."""
+    passes = Counter[str]()
+    windows = scheduler.windows
+
+    def counted_windows() -> dict[str, int]:
+        passes["release"] += 1
+        return windows()
+
+    scheduler.windows = counted_windows  # type: ignore[method-assign]
+    return passes
+
+
 def test_the_relay_publishes_a_commit_at_once_and_each_entry_once() -> None:
     store = MemoryJobStore()
     ledger = JobLedger(store)
@@ -56,14 +69,7 @@ def test_a_commit_that_only_makes_steps_ready_wakes_the_relay_only_where_a_pass_
     transport = Transport()
     capacity = {"ar": 0}  # the live workers' concurrency per queue: none yet
     scheduler = Scheduler(store, lambda: dict(capacity), slack=0, refresh_s=0.0)
-    passes = Counter[str]()
-    windows = scheduler.windows
-
-    def counted_windows() -> dict[str, int]:  # once per pass
-        passes["release"] += 1
-        return windows()
-
-    scheduler.windows = counted_windows  # type: ignore[method-assign]
+    passes = counting_passes(scheduler)
     relay = OutboxRelay(store, transport.publish, poll_s=5.0, scheduler=scheduler)
     ledger.outbox_listeners.append(relay.wake)
 
@@ -246,18 +252,11 @@ def test_an_idle_relay_backs_off_and_still_wakes_when_a_delayed_entry_comes_due(
     ledger = JobLedger(store)
     transport = Transport()
     scheduler = Scheduler(store, None)
-    passes = Counter[str]()
-    windows = scheduler.windows
-
-    def counted_windows() -> dict[str, int]:  # once per pass
-        passes["pass"] += 1
-        return windows()
-
-    scheduler.windows = counted_windows  # type: ignore[method-assign]
+    passes = counting_passes(scheduler)
     idle = OutboxRelay(store, transport.publish, poll_s=0.02, idle_poll_s=0.32, scheduler=scheduler).start()
     time.sleep(1.5)
     idle.stop()
-    assert 4 <= passes["pass"] <= 12  # at a fixed 0.02 s: ~75
+    assert 4 <= passes["release"] <= 12  # at a fixed 0.02 s: ~75
     relay = OutboxRelay(store, transport.publish, poll_s=0.3, idle_poll_s=30.0, scheduler=Scheduler(store, None))
     ledger.outbox_listeners.append(relay.wake)
     submitted = ledger.submit(job(), ["ar"])[0]
