@@ -43,9 +43,10 @@ class OutboxRelay:
 
         ``idle_poll_s``: the longest wait between passes that find nothing (None: ``poll_s``, no
         backing off). The pass says when the outbox's next entry comes due (a retry's backoff, an
-        entry another relay claimed and did not publish), and the relay wakes for it, so backing
-        off delays nothing that is written to the outbox: only a step that becomes ready without a
-        commit that runs a pass (none does, where the store is the broker) waits up to that long."""
+        entry another relay claimed and did not publish), and the relay wakes for it. What a live
+        process writes, its own relay publishes at once (woken by the commit), so backing off delays
+        only an entry whose writer died before its relay published it: another relay's next pass,
+        up to ``idle_poll_s`` later instead of ``poll_s``."""
         self.store = store
         self.publish = publish
         self.scheduler = scheduler

@@ -432,8 +432,7 @@ class JobSubmitter:
         through the store's async client. A job without file inputs costs one Redis round trip, with
         an Idempotency-Key too (the write's guard finds a replay), and no thread; file inputs are read
         and stored in a thread. The answer also carries the job's queue position, read in the same
-        round trip. ``requires``:
-        guards the write must find true (JobLedger.asubmit)."""
+        round trip. ``requires``: guards the write must find true (JobLedger.asubmit)."""
         accept = functools.partial(self._accept, pipeline, input_, params, cancel_after_s=cancel_after_s,
                                    idempotency_key=idempotency_key, webhook=webhook,
                                    webhook_events_filter=webhook_events_filter, tenant=tenant, priority=priority)
