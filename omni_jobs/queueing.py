@@ -67,9 +67,6 @@ def celery_config(settings: Settings) -> dict[str, object]:
             # taking and on acknowledging it), each fsynced with a durable Redis: ~1.8 ms of every hop
             # (bench --hops). A warm shutdown still hands back what the worker held (in memory).
             "ack_emulation": False,
-            # How long a consumer's BRPOP waits on its empty queues before asking again (kombu's
-            # default, 1 s, made every idle worker wake itself and Redis once a second).
-            "polling_interval": settings.broker_idle_wait_s,
         },
         "worker_hijack_root_logger": False,
     }

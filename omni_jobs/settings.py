@@ -197,10 +197,6 @@ class Settings(BaseSettings):
         "the results queue). Turn off where stage workers cannot reach the output store; results workers then do it.")
     outbox_poll_s: float = Field(0.5, gt=0, description="How often a relay looks for due outbox entries besides "
                                  "being woken by its own process's commits, while its looks find work.")
-    broker_idle_wait_s: float = Field(
-        5.0, gt=0, le=60, description="How long a worker's consumer waits on its empty queues before asking Redis "
-        "again (kombu's BRPOP timeout, its polling_interval; kombu's default is 1 s). A message pushed meanwhile "
-        "is answered at once; only an idle worker's wake-ups depend on it.")
     outbox_idle_poll_s: float = Field(
         4.0, gt=0, description="The longest a relay waits between looks that find nothing (each empty look doubles "
         "the wait from OMNI_OUTBOX_POLL_S). It also wakes when the outbox's next entry comes due (a retry's backoff) "
