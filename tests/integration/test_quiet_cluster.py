@@ -6,8 +6,7 @@ Real Celery worker processes on the session Redis, started with a plain command 
   mailbox), does not search for neighbours at start, and still answers Flower's and ``celery
   inspect``'s broadcast;
 - it sends no task events until a monitor asks (``enable_events``), and then does: a Flower started
-  beside it shows its tasks;
-- idle, it asks its empty queue every OMNI_BROKER_IDLE_WAIT_S, not every second.
+  beside it shows its tasks.
 """
 
 from __future__ import annotations
