@@ -91,6 +91,11 @@ class Arm:
     wakeups: dict[str, int] = field(default_factory=dict)
     """Wake-ups (voluntary context switches of all threads) per process over the arm's repetitions."""
 
+    def add_wakeups(self, before: dict[str, int], after: dict[str, int]) -> None:
+        """Add each process's wake-ups between two readings (Bench.wakeups)."""
+        for proc, woken in after.items():
+            self.wakeups[proc] = self.wakeups.get(proc, 0) + woken - before.get(proc, 0)
+
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
         return {
@@ -286,28 +291,25 @@ class Bench:
                 totals[series] += float(line.rsplit(" ", 1)[1])
         return totals
 
-    def cpu_times(self) -> dict[str, float]:
-        """CPU seconds used so far by each process of the system (Redis, API, workers) and this driver."""
+    def processes(self) -> dict[str, int]:
+        """Name -> pid of each process of the system (Redis, API, workers: ``ar``, ``dit``...) and this driver."""
         assert self.system
-        out = {"driver": cpu_s(os.getpid())}
-        for proc in self.system.processes:
-            if proc.pid:
-                out[proc.name.removeprefix("worker-")] = cpu_s(proc.pid)
+        out = {"driver": os.getpid()}
+        out.update({p.name.removeprefix("worker-"): p.pid for p in self.system.processes if p.pid})
         return out
+
+    def cpu_times(self) -> dict[str, float]:
+        """CPU seconds used so far by each process of the system and this driver."""
+        return {name: cpu_s(pid) for name, pid in self.processes().items()}
 
     def wakeups(self) -> dict[str, int]:
         """Wake-ups so far of each process of the system and this driver (bench.procfs.wakeups)."""
-        assert self.system
-        out = {"driver": wakeups(os.getpid())}
-        out.update({p.name.removeprefix("worker-"): wakeups(p.pid) for p in self.system.processes if p.pid})
-        return out
+        return {name: wakeups(pid) for name, pid in self.processes().items()}
 
     def redis_calls(self) -> RedisCalls:
         """Redis's command counts now, its clients named by process (bench.redis_calls)."""
-        assert self.system and self.store
-        names = {os.getpid(): "driver"}
-        names.update({p.pid: p.name.removeprefix("worker-") for p in self.system.processes if p.pid})
-        return redis_snapshot(self.store.redis, names)
+        assert self.store
+        return redis_snapshot(self.store.redis, {pid: name for name, pid in self.processes().items()})
 
     def run_jobs(self, pipeline: str, texts: list[str], params: dict[str, Any] | None = None) -> list[Job]:
         """POST every job through the API, then wait for all; returns the final jobs (from Redis)."""
@@ -361,8 +363,7 @@ class Bench:
         jobs = self.run_jobs(pipeline, texts, params)
         cpu_after = self.cpu_times()
         arm.redis_calls += self.redis_calls() - calls_before
-        for proc, woken in self.wakeups().items():
-            arm.wakeups[proc] = arm.wakeups.get(proc, 0) + woken - wakeups_before.get(proc, 0)
+        arm.add_wakeups(wakeups_before, self.wakeups())
         arm.jobs_run += len(jobs)
         for n in nodes:
             after, before = self.batch_totals(n), batches_before[n]
@@ -556,8 +557,7 @@ class Bench:
             for rep in range(self.reps):
                 idle_before, woken_before = self.cpu_times(), {**self.wakeups(), "direct": wakeups(child.pid)}
                 d = child.rep(rep)
-                for proc, woken in {**self.wakeups(), "direct": wakeups(child.pid)}.items():
-                    direct.wakeups[proc] = direct.wakeups.get(proc, 0) + woken - woken_before.get(proc, 0)
+                direct.add_wakeups(woken_before, {**self.wakeups(), "direct": wakeups(child.pid)})
                 direct.jobs_run += self.n
                 for proc, cpu in self.cpu_times().items():  # the system's processes, idle meanwhile: both arms pay them
                     if proc != "driver":
