@@ -352,7 +352,10 @@ def test_another_tenant_sees_none_of_these_jobs(sign_in: Callable[[str], Any], t
     assert answer.status == 404
 
 
-def test_webhook_deliveries_are_listed_on_the_job_page(sign_in: Callable[[str], Any]) -> None:
+def test_webhook_deliveries_are_listed_on_the_job_page(sign_in: Callable[[str], Any], tenant_keys: dict[str, str],
+                                                       ui_system: EmbeddedSystem) -> None:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     page = sign_in("alpha")
     with WebhookReceiver() as receiver:
         url = receiver.url("/ui-hook")
@@ -365,9 +368,17 @@ def test_webhook_deliveries_are_listed_on_the_job_page(sign_in: Callable[[str], 
         receiver.wait_until(lambda: any(r.headers.get("omni-webhook-event") == "completed"
                                         for r in receiver.at("/ui-hook")), what="the completed webhook")
         # Deliveries are recorded after the job ends; the page keeps following them a while.
-        page.wait_for_function("""() => [...document.querySelectorAll('#webhook-deliveries tbody tr')]
-            .some(tr => tr.cells[1].textContent === 'completed' && tr.cells[4].textContent === '200')""",
-                               timeout=30_000)
+        try:
+            page.wait_for_function("""() => [...document.querySelectorAll('#webhook-deliveries tbody tr')]
+                .some(tr => tr.cells[1].textContent === 'completed' && tr.cells[4].textContent === '200')""",
+                                   timeout=30_000)
+        except PlaywrightTimeout as exc:  # say what the page and the API saw: this timed out in CI, uncaught
+            with api_client(ui_system, tenant_keys["alpha"]) as api:
+                webhook = api.get(f"/v1/jobs/{job_id}").json().get("webhook")
+            pytest.fail(f"{exc}\npage stream: {page.get_attribute('[data-job-stream]', 'data-live')}\n"
+                        f"page webhook section: {page.locator('#job-webhook').inner_html()}\n"
+                        f"API's webhook: {json.dumps(webhook)}\nreceived: "
+                        f"{[(r.headers.get('omni-webhook-event'), r.answered, r.at) for r in receiver.at('/ui-hook')]}")
     assert page.evaluate("window.__notReloaded === true")
     events = {row.split("\t")[1] for row in page.locator("#webhook-deliveries tbody tr").all_inner_texts()}
     assert {"start", "completed"} <= events, events
