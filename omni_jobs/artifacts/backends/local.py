@@ -1,10 +1,12 @@
 """Local-directory backend: outputs and large intermediates on one machine (demo, tests, NFS).
 
-Writes are atomic (temp file in the same directory, fsync, os.replace), so a reader never sees a
-half-written artifact, even when a stage is retried while another copy of it is still writing. A
-writer killed before its replace leaves its temp file behind; the next write of the same key that
-succeeds removes the ones last touched before it began (a later attempt's write: the chaos run
-found two such files among 200 jobs), and retention removes any still left.
+Writes are atomic (temp file in the same directory, os.replace), so a reader never sees a
+half-written artifact, even when a stage is retried while another copy of it is still writing, and
+durable before ``put`` returns: a sync shared with the writers beside it (group_sync), where Linux
+has ``syncfs``; else an fsync of the file before its rename. A writer killed before its replace
+leaves its temp file behind; the next write of the same key that succeeds removes the ones last
+touched before it began (a later attempt's write: the chaos run found two such files among 200
+jobs), and retention removes any still left.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from omni_jobs.artifacts.backends.base import (
     validate_key,
     validate_prefix,
 )
+from omni_jobs.artifacts.backends.group_sync import PROCESS_SYNC, GroupSync
 from omni_jobs.artifacts.refs import BackendName
 
 _TMP_SUFFIX = ".omni-tmp"
@@ -58,10 +61,11 @@ def _os_error(operation: str, key: str, exc: OSError) -> ArtifactError:
 class LocalBackend:
     """Artifacts as files under ``root``; TTLs are not enforced (``delete_job`` cleans up)."""
 
-    def __init__(self, root: Path | str, *, name: BackendName = "local") -> None:
+    def __init__(self, root: Path | str, *, name: BackendName = "local", sync: GroupSync = PROCESS_SYNC) -> None:
         # ``name`` lets a test stand a directory in for another backend (e.g. routing tests).
         self._root = Path(root).resolve()
         self._name: BackendName = name
+        self._sync = sync
 
     @property
     def name(self) -> BackendName:
@@ -87,11 +91,14 @@ class LocalBackend:
         for attempt in range(3):
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                with open(tmp, "wb") as fh:
+                with self._sync.writing(), open(tmp, "wb") as fh:
                     fh.write(data)
                     fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, path)
+                    if not self._sync.shared:
+                        os.fsync(fh.fileno())
+                    os.replace(tmp, path)
+                    if self._sync.shared:  # one sync for what concurrent writers wrote, names included
+                        self._sync.sync(fh.fileno())
                 _remove_abandoned(path, began)
                 return
             except FileNotFoundError as exc:
