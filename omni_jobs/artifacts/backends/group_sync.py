@@ -73,7 +73,7 @@ class GroupSync:
         self._filesystems: dict[int, _Filesystem] = {}
         self._writing = 0
         self.syncs = 0
-        """Syncs made (a test and the benchmark read it)."""
+        """Syncs made (the tests read it)."""
 
     @property
     def shared(self) -> bool:

@@ -3,7 +3,7 @@
 Writes are atomic (temp file in the same directory, os.replace), so a reader never sees a
 half-written artifact, even when a stage is retried while another copy of it is still writing, and
 durable before ``put`` returns: a sync shared with the writers beside it (group_sync), where Linux
-has ``syncfs``; else an fsync of the file before its rename. A writer killed before its replace
+has ``syncfs``; else an fsync of the file. A writer killed before its replace
 leaves its temp file behind; the next write of the same key that succeeds removes the ones last
 touched before it began (a later attempt's write: the chaos run found two such files among 200
 jobs), and retention removes any still left.
@@ -94,11 +94,8 @@ class LocalBackend:
                 with self._sync.writing(), open(tmp, "wb") as fh:
                     fh.write(data)
                     fh.flush()
-                    if not self._sync.shared:
-                        os.fsync(fh.fileno())
                     os.replace(tmp, path)
-                    if self._sync.shared:  # one sync for what concurrent writers wrote, names included
-                        self._sync.sync(fh.fileno())
+                    self._sync.sync(fh.fileno())  # shared with the writers beside it (group_sync)
                 _remove_abandoned(path, began)
                 return
             except FileNotFoundError as exc:
