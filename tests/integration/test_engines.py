@@ -237,6 +237,39 @@ def test_dit_batched_close_to_single(dit: DiTEngine) -> None:
         assert np.abs(np.asarray(o.image, dtype=np.int16) - single).max() <= 1
 
 
+def test_dit_encodes_a_negative_prompt_once_and_makes_the_pipelines_own_images(dit: DiTEngine) -> None:
+    """The pipeline would encode a batch's negative prompt once per member, every batch: the engine
+    keeps it (DiTEngine._text_conditioning). Same pixels; the text encoder sees each negative once."""
+    import numpy as np
+
+    rows: list[int] = []
+    hook = dit.pipe.text_encoder.register_forward_pre_hook(lambda _m, args: rows.append(int(args[0].shape[0])))
+
+    def batch(negative: str | None) -> list[Any]:
+        return [np.asarray(o.image) for o in dit.generate(
+            [_req(f"n{i}", i, prompt=p, negative=negative) for i, p in enumerate(["a red cat", "the sea", "a house"])])]
+
+    try:
+        assert dit._negative_once  # PixArt-Sigma: prompts as embeddings beside masks
+        dit._negatives.clear()
+        kept = {neg: batch(neg) for neg in (None, "blurry, low quality")}
+        again = batch("blurry, low quality")
+        encoded_kept = list(rows)
+        rows.clear()
+        dit._negative_once = False  # the pipeline's own encoding, for comparison
+        own = {neg: batch(neg) for neg in (None, "blurry, low quality")}
+        encoded_own = list(rows)
+    finally:
+        dit._negative_once = True
+        hook.remove()
+    for neg, images in kept.items():
+        assert all(np.array_equal(a, b) for a, b in zip(images, own[neg], strict=True)), neg
+    assert all(np.array_equal(a, b) for a, b in zip(again, kept["blurry, low quality"], strict=True))
+    # kept: each negative once (1 row), then the batch's 3 prompts; the pipeline: 3 prompts + 3 negative rows
+    assert encoded_kept == [1, 3, 1, 3, 3]
+    assert encoded_own == [3, 3, 3, 3]
+
+
 def test_two_batchers_of_one_dit_engine_taking_turns_serve_every_request(dit: DiTEngine, tmp_path: Path) -> None:
     """Two stages' policies give one engine two batchers; each waits for the engine and its turn
     before its batch is final, in the order a direct call takes them, so neither waits on the other
