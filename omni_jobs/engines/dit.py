@@ -385,9 +385,14 @@ class DiTEngine:
         PixArt's ``encode_prompt`` (PixArt-Alpha, PixArt-Sigma): then a batch's negative prompt is encoded
         once and kept, where the pipeline would encode it again for every member of every batch (an
         empty negative through T5: half a batch's text encoding, 90-100 ms of a 32-image batch here)."""
+        import diffusers
+
+        # PixArt's encode_prompt and what it returns (others differ: Chroma's returns six values)
+        pixart = tuple(c for c in (getattr(diffusers, n, None) for n in ("PixArtAlphaPipeline", "PixArtSigmaPipeline"))
+                       if c is not None)
         wanted = {"prompt_embeds", "prompt_attention_mask", "negative_prompt_embeds", "negative_prompt_attention_mask"}
         encode = getattr(self.pipe, "encode_prompt", None)
-        if encode is None or not wanted <= self._params:
+        if not pixart or not isinstance(self.pipe, pixart) or encode is None or not wanted <= self._params:
             return False
         takes = set(inspect.signature(encode).parameters)
         if not {"prompt", "do_classifier_free_guidance", "num_images_per_prompt", "device"} <= takes:
