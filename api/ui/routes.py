@@ -315,8 +315,12 @@ NOTICES = {
 @router.get("/jobs/{job_id}")
 def job_page(job_id: str, request: Request, ctx: Ctx, who: Viewer, notice: str | None = None) -> Response:
     job = _present_one(ctx, job_id, who.tenant)
+    # A job's webhooks are delivered after it ends: a page opened on a finished job follows them too,
+    # until the final one is answered (the stream ends at once where nothing is left to send).
+    hook = job.get("webhook")
+    follow_webhooks = hook is not None and not _delivered(hook.get("deliveries"))
     return templating.render(request, "job.html", viewer=who, notice=NOTICES.get(notice or ""),
-                             **views.job_context(job))
+                             follow_webhooks=follow_webhooks, **views.job_context(job))
 
 
 def render_sections(job: dict[str, Any], token: str) -> dict[str, str]:
