@@ -592,7 +592,7 @@ class DiTEngine:
             if negative not in self._negatives:
                 embeds, mask, _, _ = self.pipe.encode_prompt(negative or "", do_classifier_free_guidance=False,
                                                              num_images_per_prompt=1, device=self.device, **encode_args)
-                if len(self._negatives) >= 16:  # a few negatives recur; any other is encoded once per batch
+                if len(self._negatives) >= 16:  # the 16 latest: a few negatives recur (most jobs give none)
                     del self._negatives[next(iter(self._negatives))]
                 self._negatives[negative] = (embeds, mask)
             embeds, mask, _, _ = self.pipe.encode_prompt([r.prompt for r in batch], do_classifier_free_guidance=False,
