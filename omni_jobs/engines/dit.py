@@ -239,8 +239,7 @@ class DiTEngine:
         self._params = set(inspect.signature(self.pipe.__call__).parameters)
         self._call_args: dict[str, object] = {**self._default_call_args(), **dict(call_args or {})}
         self._lock = threading.RLock()  # pipelines keep per-call state (scheduler timesteps)
-        self._encode_defaults: dict[str, object] = {}
-        self._negative_once = self._encodes_negative_once()
+        self._pixart_encoding = self._pixart_encode_defaults()
         self._negatives: dict[str | None, tuple[Any, Any]] = {}  # negative prompt -> its embeddings, mask (batch 1)
         self.cache_type: str | None = None
         self._projection: LatentProjection | None = None
@@ -380,28 +379,21 @@ class DiTEngine:
             defaults["clean_caption"] = False  # its result depends on whether bs4/ftfy are installed
         return defaults
 
-    def _encodes_negative_once(self) -> bool:
-        """Whether this pipeline takes every prompt as embeddings beside a mask, and encodes them with
-        PixArt's ``encode_prompt`` (PixArt-Alpha, PixArt-Sigma): then a batch's negative prompt is encoded
-        once and kept, where the pipeline would encode it again for every member of every batch (an
-        empty negative through T5: half a batch's text encoding, 90-100 ms of a 32-image batch here)."""
+    def _pixart_encode_defaults(self) -> dict[str, object] | None:
+        """For a PixArt pipeline (Alpha, Sigma), what its call would hand its ``encode_prompt`` where the
+        call's arguments do not say; None for any other (Chroma's ``encode_prompt``, say, returns six
+        values). With PixArt the engine encodes prompts itself and each negative prompt once, where the
+        pipeline would encode it again for every member of every batch (an empty negative through T5:
+        half a batch's text encoding, 90-100 ms of a 32-image batch here)."""
         import diffusers
 
-        # PixArt's encode_prompt and what it returns (others differ: Chroma's returns six values)
         pixart = tuple(c for c in (getattr(diffusers, n, None) for n in ("PixArtAlphaPipeline", "PixArtSigmaPipeline"))
                        if c is not None)
-        wanted = {"prompt_embeds", "prompt_attention_mask", "negative_prompt_embeds", "negative_prompt_attention_mask"}
-        encode = getattr(self.pipe, "encode_prompt", None)
-        if not pixart or not isinstance(self.pipe, pixart) or encode is None or not wanted <= self._params:
-            return False
-        takes = set(inspect.signature(encode).parameters)
-        if not {"prompt", "do_classifier_free_guidance", "num_images_per_prompt", "device"} <= takes:
-            return False
-        # what the pipeline's call would hand its encode_prompt where the call's arguments do not say
+        if not pixart or not isinstance(self.pipe, pixart):
+            return None
         call = inspect.signature(self.pipe.__call__).parameters
-        self._encode_defaults = {k: call[k].default for k in ("clean_caption", "max_sequence_length")
-                                 if k in call and k in takes}
-        return True
+        takes = inspect.signature(self.pipe.encode_prompt).parameters
+        return {k: call[k].default for k in ("clean_caption", "max_sequence_length") if k in call and k in takes}
 
     # --- generation ---
     def _resolve_size(self, r: DiTRequest) -> DiTRequest:
@@ -557,8 +549,8 @@ class DiTEngine:
         import torch
 
         first = batch[0]
-        if first.prompt_embeds is None and self._negative_once and first.guidance_scale > 1:
-            return self._text_conditioning(batch)
+        if first.prompt_embeds is None and self._pixart_encoding is not None and first.guidance_scale > 1:
+            return self._text_conditioning(batch, self._pixart_encoding)
         if first.prompt_embeds is None:
             kwargs: dict[str, object] = {"prompt": [r.prompt for r in batch]}
             if first.negative_prompt is not None:
@@ -580,13 +572,13 @@ class DiTEngine:
         kwargs.update({k: v for k, v in optional.items() if k in self._params})
         return kwargs
 
-    def _text_conditioning(self, batch: list[DiTRequest]) -> dict[str, object]:
+    def _text_conditioning(self, batch: list[DiTRequest], defaults: dict[str, object]) -> dict[str, object]:
         """The batch's prompts encoded as the pipeline would, and its negative prompt's embeddings from the
         kept ones (encoded on first use; rows of a text encoder do not see each other, so a batch's
         negative rows are the same row repeated)."""
         import torch
 
-        encode_args = {k: self._call_args.get(k, default) for k, default in self._encode_defaults.items()}
+        encode_args = {k: self._call_args.get(k, default) for k, default in defaults.items()}
         negative = batch[0].negative_prompt
         with engine_turn(), torch.no_grad():  # inside the pipeline's call the encoding ran in its turn, untracked
             if negative not in self._negatives:

@@ -250,17 +250,18 @@ def test_dit_encodes_a_negative_prompt_once_and_makes_the_pipelines_own_images(d
             [_req(f"n{i}", i, prompt=p, negative=negative) for i, p in enumerate(["a red cat", "the sea", "a house"])])]
 
     try:
-        assert dit._negative_once  # PixArt-Sigma: prompts as embeddings beside masks
+        pixart = dit._pixart_encoding
+        assert pixart is not None  # PixArt-Sigma: prompts as embeddings beside masks
         dit._negatives.clear()
         kept = {neg: batch(neg) for neg in (None, "blurry, low quality")}
         again = batch("blurry, low quality")
         encoded_kept = list(rows)
         rows.clear()
-        dit._negative_once = False  # the pipeline's own encoding, for comparison
+        dit._pixart_encoding = None  # the pipeline's own encoding, for comparison
         own = {neg: batch(neg) for neg in (None, "blurry, low quality")}
         encoded_own = list(rows)
     finally:
-        dit._negative_once = True
+        dit._pixart_encoding = pixart
         hook.remove()
     for neg, images in kept.items():
         assert all(np.array_equal(a, b) for a, b in zip(images, own[neg], strict=True)), neg
