@@ -224,6 +224,13 @@ def find_redis_server() -> str:
 WAITAOF_SINCE = (7, 2)
 """The first Redis with WAITAOF (Valkey forked from 7.2.4: every Valkey has it)."""
 
+WAITAOF_HZ = 100
+"""The timer rate (``hz``) of a server whose submits wait with WAITAOF. Its main thread learns that a
+background fsync ended when it next wakes: with every client waiting, at its next timer tick, every
+100 ms at Redis's default 10. At 100, ``python -m bench.submit --rows waitaof`` (16 clients) had p99
+14-16 ms against 17-58 at 10, at the same rate; a running CPU engine beside it was no slower (x0.99,
+7 paired rounds of the DiT small batches, 20k keys with a TTL). bench/NOTES.md, "WAITAOF's timer tick"."""
+
 
 def server_version(binary: str) -> tuple[int, int]:
     """(major, minor) of a redis-server or valkey-server binary, from ``--version`` ((0, 0) if unknown)."""
@@ -254,12 +261,13 @@ def require_waitaof_server() -> str:
 
 def start_redis(
     *, port: int | None = None, data_dir: Path, appendonly: bool = False, appendfsync: str = "always",
-    replica_of: int | None = None, start_timeout_s: float = 10.0, binary: str | None = None
+    replica_of: int | None = None, start_timeout_s: float = 10.0, binary: str | None = None, hz: int | None = None
 ) -> RunningService:
     """A private redis-server on 127.0.0.1 (no RDB snapshots; AOF when ``appendonly``, fsynced per
     ``appendfsync``: 'always' before each reply, so an acknowledged write survives a crash, or
     'everysec'; see README "Reliability"). ``replica_of``: the port of a primary to replicate.
-    ``binary``: the server to run (e.g. ``find_waitaof_server()``); default redis-server."""
+    ``binary``: the server to run (e.g. ``find_waitaof_server()``); default redis-server. ``hz``: its
+    timer rate (``WAITAOF_HZ`` where submits wait with WAITAOF); default the server's own (10)."""
     binary = binary or find_redis_server()
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -278,6 +286,8 @@ def start_redis(
         ]  # fmt: skip
         if replica_of is not None:
             argv += ["--replicaof", "127.0.0.1", str(replica_of)]
+        if hz is not None:
+            argv += ["--hz", str(hz)]
         return RunningService(
             "redis-server",
             argv,

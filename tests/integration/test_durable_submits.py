@@ -23,11 +23,13 @@ from omni_jobs.jobs.models import Job, JobStatus, StageRecord
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.local.devservices import (
     VALKEY_INSTALL_HINT,
+    WAITAOF_HZ,
     RunningService,
     find_waitaof_server,
     server_version,
     start_redis,
 )
+from omni_jobs.local.embedded import start_job_redis
 from omni_jobs.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -42,7 +44,7 @@ def waitaof_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running
             pytest.fail(message)  # scripts/bootstrap installs one: CI must run these tests
         pytest.skip(message)
     with start_redis(data_dir=tmp_path_factory.mktemp("waitaof"), appendonly=True, appendfsync="everysec",
-                     binary=binary) as service:
+                     binary=binary, hz=WAITAOF_HZ) as service:
         yield service
 
 
@@ -148,4 +150,23 @@ def test_a_submit_waits_for_a_replica_and_is_refused_without_one(tmp_path: Path)
         replica.stop()
         with pytest.raises(NotDurable, match="0 of 1 replica"):
             ledger.submit(new_job(), ["ar"])
+        client.close()
+
+
+def test_omni_jobs_ups_redis_ticks_faster_only_where_submits_wait_with_waitaof(
+        tmp_path: Path, waitaof_server: RunningService) -> None:
+    """A WAITAOF wait ends when the server's main thread next wakes; with every client waiting, that is
+    its timer tick (README "Reliability"). `omni-jobs up` runs a WAITAOF server at WAITAOF_HZ, and an
+    `always` one at the server's default."""
+    service, mode = start_job_redis(tmp_path / "waitaof", "waitaof")
+    with service:
+        client = redis.Redis.from_url(service.url)
+        assert mode == "waitaof" and client.config_get("hz") == {"hz": str(WAITAOF_HZ)}
+        assert client.config_get("appendfsync") == {"appendfsync": "everysec"}
+        client.close()
+    service, mode = start_job_redis(tmp_path / "always", "always")
+    with service:
+        client = redis.Redis.from_url(service.url)
+        assert mode == "always" and client.config_get("hz") == {"hz": "10"}
+        assert client.config_get("appendfsync") == {"appendfsync": "always"}
         client.close()
