@@ -55,9 +55,12 @@ def test_a_jobs_deltas_join_to_its_text_output_and_a_resumed_stream_replays_the_
     assert "".join(d.data["text"] for d in deltas) == text
     assert [d.data["index"] for d in deltas] == list(range(len(deltas)))
     assert all((d.data["stage"], d.data["output"], d.data["attempt"]) == ("ar", "text", 1) for d in deltas)
-    # at most one write per 50 ms while it runs; the last goes with the stage's result, without waiting
+    # at most one write per 50 ms while it runs; the rest goes with the stage's result, without waiting.
+    # Where the writer's own tick took the end of the text just before the stage ended, nothing is left
+    # for the result, and the stage's last progress can come between: never another delta.
     assert min(b.at - a.at for a, b in itertools.pairwise(deltas[:-1])) >= 0.045
-    assert history[history.index(deltas[-1]) + 1].type == "stage.succeeded"
+    after_last = [e.type for e in history[history.index(deltas[-1]) + 1:]]
+    assert set(after_last[:after_last.index("stage.succeeded")]) <= {"stage.progress"}, after_last
     types = [e.type for e in history]
     started, succeeded = types.index("stage.started"), types.index("stage.succeeded")
     at = [i for i, t in enumerate(types) if t == "output.delta"]
