@@ -40,7 +40,6 @@ import redis
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.local.devservices import (
-    WAITAOF_HZ,
     RunningService,
     exit_on_sigterm,
     free_port,
@@ -106,7 +105,7 @@ def measure(mode: Mode, args: argparse.Namespace, home: Path) -> dict[str, Arm]:
         binary = require_waitaof_server() if mode.wait_aof else None
         primary = stack.enter_context(start_redis(data_dir=home / "primary", appendonly=mode.appendonly,
                                                   appendfsync=mode.appendfsync, binary=binary,
-                                                  hz=WAITAOF_HZ if mode.wait_aof else None))
+                                                  waitaof=mode.wait_aof))
         wait = 0
         if mode.replica:
             stack.enter_context(start_redis(data_dir=home / "replica", appendonly=True, appendfsync=mode.appendfsync,

@@ -54,7 +54,6 @@ from bench.procfs import cpu_s
 from omni_jobs import keys
 from omni_jobs.auth import ApiKeys
 from omni_jobs.local.devservices import (
-    WAITAOF_HZ,
     RunningService,
     exit_on_sigterm,
     free_port,
@@ -157,7 +156,7 @@ def measure_row(row: str, args: argparse.Namespace, home: Path) -> dict[str, Arm
         binary = require_waitaof_server() if waitaof else None
         server = stack.enter_context(start_redis(data_dir=home / "redis", appendonly=row in ("durable", "waitaof"),
                                                  appendfsync="always" if row == "durable" else "everysec",
-                                                 binary=binary, hz=WAITAOF_HZ if waitaof else None))
+                                                 binary=binary, waitaof=waitaof))
         key, _info = ApiKeys(redis.Redis.from_url(server.url)).create("bench", "bench.submit")
         env = {**system_env(server.url, home), **({"OMNI_REDIS_WAIT_AOF": "true"} if waitaof else {})}
         system = start_uvicorn("api", "api.main:app", env, home)

@@ -261,13 +261,13 @@ def require_waitaof_server() -> str:
 
 def start_redis(
     *, port: int | None = None, data_dir: Path, appendonly: bool = False, appendfsync: str = "always",
-    replica_of: int | None = None, start_timeout_s: float = 10.0, binary: str | None = None, hz: int | None = None
+    replica_of: int | None = None, start_timeout_s: float = 10.0, binary: str | None = None, waitaof: bool = False
 ) -> RunningService:
     """A private redis-server on 127.0.0.1 (no RDB snapshots; AOF when ``appendonly``, fsynced per
     ``appendfsync``: 'always' before each reply, so an acknowledged write survives a crash, or
     'everysec'; see README "Reliability"). ``replica_of``: the port of a primary to replicate.
-    ``binary``: the server to run (e.g. ``find_waitaof_server()``); default redis-server. ``hz``: its
-    timer rate (``WAITAOF_HZ`` where submits wait with WAITAOF); default the server's own (10)."""
+    ``binary``: the server to run (e.g. ``find_waitaof_server()``); default redis-server. ``waitaof``:
+    submits will wait on it with WAITAOF, so it ticks at ``WAITAOF_HZ`` instead of the server's own 10."""
     binary = binary or find_redis_server()
     data_dir = Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -286,8 +286,8 @@ def start_redis(
         ]  # fmt: skip
         if replica_of is not None:
             argv += ["--replicaof", "127.0.0.1", str(replica_of)]
-        if hz is not None:
-            argv += ["--hz", str(hz)]
+        if waitaof:
+            argv += ["--hz", str(WAITAOF_HZ)]
         return RunningService(
             "redis-server",
             argv,

@@ -19,7 +19,6 @@ import redis
 
 from omni_jobs.engines.allocator import engine_process_env
 from omni_jobs.local.devservices import (
-    WAITAOF_HZ,
     RunningService,
     find_waitaof_server,
     free_port,
@@ -84,7 +83,7 @@ def start_job_redis(data_dir: Path, durability: str) -> tuple[RunningService, st
     mode, binary = redis_durability(durability)
     service = start_redis(data_dir=data_dir, appendonly=True, binary=binary,
                           appendfsync="always" if mode == "always" else "everysec",
-                          hz=WAITAOF_HZ if mode == "waitaof" else None)
+                          waitaof=mode == "waitaof")
     return service, mode
 
 

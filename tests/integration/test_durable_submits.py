@@ -44,7 +44,7 @@ def waitaof_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running
             pytest.fail(message)  # scripts/bootstrap installs one: CI must run these tests
         pytest.skip(message)
     with start_redis(data_dir=tmp_path_factory.mktemp("waitaof"), appendonly=True, appendfsync="everysec",
-                     binary=binary, hz=WAITAOF_HZ) as service:
+                     binary=binary, waitaof=True) as service:
         yield service
 
 
