@@ -23,6 +23,7 @@ from celery.exceptions import Reject
 
 from omni_jobs import metrics
 from omni_jobs.engines.batching import arrivals
+from omni_jobs.engines.frozen_heap import freeze_loaded_objects
 from omni_jobs.engines.gloo_device import destroy_process_groups
 from omni_jobs.engines.model_source import load_model_sources
 from omni_jobs.engines.stage_exec import load_stage_engine
@@ -142,6 +143,8 @@ def on_worker_ready(sender: Any = None, **_: Any) -> None:
     log.info("engines' malloc: %s (OMNI_ENGINE_MALLOC=%s)", ENGINE_MALLOC, settings.engine_malloc)
     if settings.preload_engines:
         startup.check_models(name, preload_engines(set(queues)), settings)
+        if settings.freeze_engine_objects:
+            freeze_loaded_objects()  # before the first task: the collector's full passes skip the engines
     rt.relay(partial(publish_steps, app)).start()
     rt.reaper.start()
     concurrency = worker_concurrency(sender)  # the scheduler's window counts it
