@@ -23,6 +23,7 @@ from api.schemas import JobRequest, job_request_schemas
 from api.ui import router as ui_router
 from omni_jobs import openai_compat
 from omni_jobs.artifacts import ArtifactStoreUnavailable
+from omni_jobs.collector import set_young_threshold
 from omni_jobs.engines.model_source import load_model_sources
 from omni_jobs.errors import (
     IdempotencyConflict,
@@ -169,6 +170,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         configure_logging(settings.log_format, settings.log_level, service="api")  # JSON lines with job ids
+        set_young_threshold(settings.api_gc_young_threshold)  # the collector took ~6% of a submit (omni_jobs.collector)
         load_model_sources(settings.model_sources)  # tiny:NAME ids (validation knows their sizes)
         ctx = ApiContext(Runtime(settings, worker="api"))
         ctx.runtime.catalogue.names()  # load and validate pipelines at start: a bad YAML stops the API here

@@ -96,9 +96,13 @@ class Settings(BaseSettings):
         "(required: `omni-jobs up` refuses to start without it; Debian: apt-get install libtcmalloc-minimal4), "
         "glibc (tuned), system (as the process has it).")
     preload_engines: bool = Field(True, description="Workers load their stages' engines at start, not on first task.")
+    api_gc_young_threshold: int = Field(
+        20_000, ge=0, description="The API collects Python's youngest garbage generation once this many more container "
+        "objects were made than freed (omni_jobs.collector; 0: Python's default, 700). At 700 the collector took ~6% of "
+        "the API's CPU: a submit makes ~1,000 such objects, most freed by their reference counts soon after.")
     freeze_engine_objects: bool = Field(
         True, description="Once a worker has preloaded its engines, their objects are frozen out of Python's cyclic "
-        "garbage collector (omni_jobs.engines.frozen_heap): its full passes then walk only the jobs' objects, where "
+        "garbage collector (omni_jobs.collector): its full passes then walk only the jobs' objects, where "
         "each walked the engines' millions of objects too, holding the interpreter for ~0.2-0.35 s.")
 
     # --- Worker start-up checks (omni_jobs.checks) ---

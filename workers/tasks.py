@@ -22,8 +22,8 @@ from celery import Task, signals
 from celery.exceptions import Reject
 
 from omni_jobs import metrics
+from omni_jobs.collector import freeze_loaded_objects
 from omni_jobs.engines.batching import arrivals
-from omni_jobs.engines.frozen_heap import freeze_loaded_objects
 from omni_jobs.engines.gloo_device import destroy_process_groups
 from omni_jobs.engines.model_source import load_model_sources
 from omni_jobs.engines.stage_exec import load_stage_engine

@@ -1,5 +1,5 @@
-"""omni_jobs.engines.frozen_heap: what is alive when a worker's engines are loaded leaves the
-collector's passes; what the jobs make afterwards is still collected."""
+"""omni_jobs.collector: what is alive when a worker's engines are loaded leaves the collector's
+passes, and what the jobs make afterwards is still collected; the API's young generation."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from omni_jobs.engines.frozen_heap import freeze_loaded_objects
+from omni_jobs.collector import freeze_loaded_objects, set_young_threshold
 
 
 class Node:
@@ -53,7 +53,7 @@ def test_garbage_made_after_the_freeze_is_still_collected() -> None:
     for _ in range(100):
         _cycle()  # a job's garbage: cycles only the collector frees
     gc.collect()
-    assert not any(isinstance(o, Node) for o in gc.get_objects())  # the 100 cycles are gone
+    assert not any(type(o) is Node for o in gc.get_objects())  # the 100 cycles are gone
 
 
 @pytest.mark.usefixtures("unfrozen")
@@ -62,4 +62,25 @@ def test_what_loading_left_as_garbage_is_collected_before_the_freeze() -> None:
         _cycle()  # garbage cycles left by a load, not yet collected
     freeze_loaded_objects()
     gc.unfreeze()  # what was frozen goes back to the collector's oldest generation
-    assert not any(isinstance(o, Node) for o in gc.get_objects())  # none of it was frozen
+    assert not any(type(o) is Node for o in gc.get_objects())  # none of it was frozen
+
+
+@pytest.fixture
+def thresholds() -> Iterator[None]:
+    before = gc.get_threshold()
+    yield
+    gc.set_threshold(*before)
+
+
+@pytest.mark.usefixtures("thresholds")
+def test_the_young_generation_waits_for_its_threshold_and_the_older_ones_keep_pythons() -> None:
+    gc.set_threshold(700, 10, 10)
+    set_young_threshold(20_000)
+    assert gc.get_threshold() == (20_000, 10, 10)
+    gc.collect()
+    young_collections = gc.get_stats()[0]["collections"]
+    kept = [[i] for i in range(5_000)]  # 5,000 container objects made, none freed: under 20,000
+    assert gc.get_stats()[0]["collections"] == young_collections
+    assert len(kept) == 5_000
+    set_young_threshold(0)  # 0 leaves the threshold as it is
+    assert gc.get_threshold() == (20_000, 10, 10)
