@@ -142,3 +142,24 @@ def test_a_killed_writers_temp_file_goes_with_the_next_write(backend: LocalBacke
     assert backend.get("jobs/j/image.png") == b"second"
     assert sorted(p.name for p in folder.iterdir()) == [".image.png.4567ef01.omni-tmp", ".text.json.89abcdef.omni-tmp",
                                                           "image.png"]
+
+
+def test_a_symlink_that_stays_inside_the_root_is_followed(backend: LocalBackend) -> None:
+    (backend.root / "real").mkdir(parents=True)
+    os.symlink(backend.root / "real", backend.root / "alias")
+    backend.put("alias/j/a.png", b"x")
+    assert (backend.root / "real" / "j" / "a.png").read_bytes() == b"x"
+    assert backend.get("alias/j/a.png") == b"x" and backend.path("alias/j/a.png") == backend.root / "real/j/a.png"
+
+
+def test_the_symlink_guard_looks_only_below_the_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new job's output costs the same few system calls however deep the root is: each one hands the
+    interpreter's lock away, in a worker where 32 threads write a batch's outputs at once."""
+    backend = LocalBackend(tmp_path.joinpath(*"abcdefghij") / "artifacts")
+    backend.put("jobs/first/a.png", b"1")
+    looked: list[str] = []
+    real_lstat = os.lstat
+    monkeypatch.setattr(os, "lstat", lambda p, *a, **k: looked.append(str(p)) or real_lstat(p, *a, **k))
+    backend.put("jobs/second/outputs/a.png", b"2")
+    assert looked == [f"{backend.root}/jobs", f"{backend.root}/jobs/second"]
+    assert backend.get("jobs/second/outputs/a.png") == b"2"

@@ -12,7 +12,9 @@ jobs), and retention removes any still left.
 from __future__ import annotations
 
 import errno
+import itertools
 import os
+import stat
 import time
 import uuid
 from collections.abc import Sequence
@@ -33,6 +35,9 @@ from omni_jobs.artifacts.backends.group_sync import PROCESS_SYNC, GroupSync
 from omni_jobs.artifacts.refs import BackendName
 
 _TMP_SUFFIX = ".omni-tmp"
+_WRITER = uuid.uuid4().hex[:8]
+"""Tells this process's temp files from another host's with the same pid (a shared directory, NFS)."""
+_TEMP_NUMBERS = itertools.count()
 _TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EAGAIN, errno.EDQUOT}
 
 
@@ -52,6 +57,12 @@ def _remove_abandoned(path: Path, began: float) -> None:
                 continue
 
 
+def _temp_path(path: Path) -> Path:
+    """A name no other writer uses: the process (pid, and ``_WRITER`` for other hosts) and a count,
+    with no system call (``uuid4`` reads the kernel's random numbers on every write)."""
+    return path.with_name(f".{path.name}.{os.getpid():x}-{_WRITER}-{next(_TEMP_NUMBERS)}{_TMP_SUFFIX}")
+
+
 def _os_error(operation: str, key: str, exc: OSError) -> ArtifactError:
     if exc.errno in _TRANSIENT_ERRNOS:
         return ArtifactStoreUnavailable("local", operation, key, exc)
@@ -64,6 +75,7 @@ class LocalBackend:
     def __init__(self, root: Path | str, *, name: BackendName = "local", sync: GroupSync = PROCESS_SYNC) -> None:
         # ``name`` lets a test stand a directory in for another backend (e.g. routing tests).
         self._root = Path(root).resolve()
+        self._root_text = str(self._root).rstrip("/")  # "" for "/": every path below is f"{it}/{key}"
         self._name: BackendName = name
         self._sync = sync
 
@@ -77,30 +89,72 @@ class LocalBackend:
 
     def path(self, key: str) -> Path:
         """The file that holds ``key`` (for serving it directly); refuses keys escaping the root."""
+        return self._locate(key)[0]
+
+    def _locate(self, key: str) -> tuple[Path, int | None]:
+        """``key``'s file, and how many of its directories exist already, from the root down (None:
+        not known, a symlink was followed). Refuses keys escaping the root.
+
+        Only what is below the (resolved) root is checked, one ``lstat`` a part, down to the first
+        part missing: with no symlink on the way the file is inside the root. A symlink sends the key
+        to a full ``resolve()`` and its check. ``resolve()`` on every call lstat-ed every part from
+        ``/`` down (~10 system calls an output), and each system call gives the interpreter's lock
+        away: in a DiT worker finishing a batch of 32 at once, 0.48 ms of CPU an output."""
         validate_key(key)
-        path = (self._root / key).resolve()
-        if not path.is_relative_to(self._root):
-            raise InvalidArtifactKey(f"artifact key {key!r} resolves outside {self._root} (via a symlink)")
-        return path
+        parts = key.split("/")
+        current = self._root_text
+        for index, part in enumerate(parts):
+            current = f"{current}/{part}"
+            try:
+                mode = os.lstat(current).st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                return Path(f"{self._root_text}/{key}"), min(index, len(parts) - 1)
+            if stat.S_ISLNK(mode):
+                path = (self._root / key).resolve()
+                if not path.is_relative_to(self._root):
+                    raise InvalidArtifactKey(f"artifact key {key!r} resolves outside {self._root} (via a symlink)")
+                return path, None
+        return Path(current), len(parts) - 1
+
+    def _make_parents(self, key: str, path: Path, existing: int | None) -> bool:
+        """Make the directories of ``key`` that ``_locate`` found missing; returns whether this call
+        made the file's own directory (then no earlier writer can have left a temp file in it)."""
+        if existing is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return False
+        parts = key.split("/")[:-1]
+        made = False
+        for depth in range(existing, len(parts)):
+            try:
+                os.mkdir(f"{self._root_text}/{'/'.join(parts[:depth + 1])}")
+                made = True
+            except FileExistsError:  # another writer made it meanwhile
+                made = False
+            except FileNotFoundError:  # the root itself is missing, or a delete pruned a parent meanwhile
+                path.parent.mkdir(parents=True, exist_ok=True)
+                return False
+        return made
 
     def put(self, key: str, data: bytes, *, ttl_s: int | None = None, media_type: str | None = None) -> None:
         check_ttl(ttl_s)
-        path = self.path(key)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}{_TMP_SUFFIX}")
+        path, existing = self._locate(key)
+        tmp = _temp_path(path)
         began = time.time()
         for attempt in range(3):
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
+                made_directory = self._make_parents(key, path, existing)
                 with self._sync.writing(), open(tmp, "wb") as fh:
                     fh.write(data)
                     fh.flush()
                     os.replace(tmp, path)
                     self._sync.sync(fh.fileno())  # shared with the writers beside it (group_sync)
-                _remove_abandoned(path, began)
+                if not made_directory:
+                    _remove_abandoned(path, began)
                 return
             except FileNotFoundError as exc:
                 # A concurrent delete pruned the (empty) parent between mkdir and open: redo.
                 tmp.unlink(missing_ok=True)
+                existing = None  # what was found is stale: make every directory again
                 if attempt == 2:
                     raise _os_error("put", key, exc) from exc
             except OSError as exc:
