@@ -240,3 +240,9 @@ def test_media_types_and_extensions() -> None:
     assert codecs.extension_for(codecs.MEDIA_WAV) == ".wav"
     assert codecs.extension_for(codecs.MEDIA_SAFETENSORS) == ".safetensors"
     assert codecs.extension_for("application/x-unknown") == ".bin"
+
+
+@pytest.mark.parametrize("mode", ["L", "RGB", "P", "LA", "RGBA", "1", "I;16"])
+def test_png_info_reads_the_same_as_pil(mode: str) -> None:
+    data = encode_png(Image.new(mode, (7, 5)))
+    assert png_info(data) == {"width": 7, "height": 5, "mode": Image.open(io.BytesIO(data)).mode}
