@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -78,8 +80,16 @@ def start_metrics(port: int) -> None:
     log.info("serving Prometheus metrics on port %d", port)
 
 
+STAGE_MEMORY_EVERY_S = 1.0
+"""A stage's engine-memory gauge is read again at most this often (a scrape comes every 15 s or so)."""
+_memory_read: dict[tuple[str, str], float] = {}
+_memory_lock = threading.Lock()
+
+
 def record_stage_memory(rt: Runtime, job_id: str, stage_id: str, snapshot: Job | None = None) -> None:
-    """After a stage ran here: what its engine's worker holds, labelled by pipeline and stage.
+    """After a stage ran here: what its engine's worker holds, labelled by pipeline and stage; once a
+    ``STAGE_MEMORY_EVERY_S`` per pipeline and stage (reading /proc after each of a batch's 32 jobs cost
+    the DiT worker 0.17 ms of CPU a job, three system calls each handing the interpreter's lock away).
 
     The labels come from ``snapshot`` (the job its task message carried) where there is one: a
     pipeline's name and a stage's engine never change, so reading the job again for them only cost a
@@ -88,6 +98,11 @@ def record_stage_memory(rt: Runtime, job_id: str, stage_id: str, snapshot: Job |
         job = snapshot if snapshot is not None and snapshot.id == job_id else rt.ledger.get(job_id)
         if job is None:
             return
+        now, labels = time.monotonic(), (job.pipeline, stage_id)
+        with _memory_lock:
+            if now - _memory_read.get(labels, -STAGE_MEMORY_EVERY_S) < STAGE_MEMORY_EVERY_S:
+                return
+            _memory_read[labels] = now
         record = job.stage_record(stage_id)
         metrics.record_engine_memory(job.pipeline, stage_id, record.engine)
     except Exception:  # metrics never fail a stage

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,24 @@ def test_prefork_children_are_summed_in_multiprocess_mode(tmp_path: Path) -> Non
     assert values['omni_jobs_engine_batch_size_count{"engine": "dit"}'] == 2
     assert values['omni_jobs_engine_batch_size_sum{"engine": "dit"}'] == 5
     assert values['omni_jobs_cache_requests_total{"cache": "engine", "result": "hit"}'] == 2
+
+
+def test_a_stages_engine_memory_is_read_at_most_once_a_second(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's 32 jobs end at once: /proc is read for the first of them, not for each."""
+    from types import SimpleNamespace
+
+    from workers import observability
+
+    read: list[tuple[str, str]] = []
+    monkeypatch.setattr(observability.metrics, "record_engine_memory",
+                        lambda pipeline, stage, engine: read.append((pipeline, stage)) or {})
+    rt = SimpleNamespace(ledger=None)
+    first, second = new_job("metrics-often"), new_job("metrics-often")
+    for job in (first, second, first):
+        observability.record_stage_memory(rt, job.id, "dit", job)  # type: ignore[arg-type]
+    observability.record_stage_memory(rt, first.id, "ar", first)  # type: ignore[arg-type]
+    assert read == [("metrics-often", "dit"), ("metrics-often", "ar")]
+    real = time.monotonic
+    monkeypatch.setattr(observability.time, "monotonic", lambda: real() + 1.5)
+    observability.record_stage_memory(rt, second.id, "dit", second)  # type: ignore[arg-type]
+    assert read[-1] == ("metrics-often", "dit") and len(read) == 3
