@@ -23,7 +23,12 @@ def memory_mib(pid: int, field: str) -> float:
 def wakeups(pid: int) -> int:
     """Times the threads of a process (those alive now) went to sleep and were woken: the sum of their
     voluntary context switches. Each one is a wake-up of that process on the machine's cores."""
-    total = 0
+    return sum(thread_wakeups(pid).values())
+
+
+def thread_wakeups(pid: int) -> dict[int, int]:
+    """Each live thread's voluntary context switches so far (its sleeps, each ended by a wake-up), by id."""
+    out: dict[int, int] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             text = (task / "status").read_text()
@@ -31,8 +36,8 @@ def wakeups(pid: int) -> int:
             continue
         for line in text.splitlines():
             if line.startswith("voluntary_ctxt_switches:"):
-                total += int(line.split()[1])
-    return total
+                out[int(task.name)] = int(line.split()[1])
+    return out
 
 
 def thread_cpu_s(pid: int) -> dict[int, float]:

@@ -25,7 +25,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from bench.procfs import thread_cpu_s
+from bench.procfs import thread_cpu_s, thread_wakeups
 from bench.run import WORKLOADS, Bench, parse, prompts
 from omni_jobs.local.devservices import exit_on_sigterm
 
@@ -81,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             bench.run_jobs(workload.pipeline, prompts(args.jobs, 900 + rep))
         pid = bench.processes()[worker]
         names = thread_names(py_spy_dump(pid))
-        procs_before, threads_before = bench.cpu_times(), thread_cpu_s(pid)
+        procs_before, threads_before, woken_before = bench.cpu_times(), thread_cpu_s(pid), thread_wakeups(pid)
         for rep in range(args.reps):
             bench.run_jobs(workload.pipeline, prompts(args.jobs, rep))
-        procs_after, threads_after = bench.cpu_times(), thread_cpu_s(pid)
+        procs_after, threads_after, woken_after = bench.cpu_times(), thread_cpu_s(pid), thread_wakeups(pid)
     finally:
         bench.stop()
     n = args.jobs * args.reps
@@ -92,11 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     by_process = {k: v - procs_before.get(k, 0.0) for k, v in procs_after.items()}
     print("by process: " + ", ".join(f"{k} {1000 * v / n:.2f}"
                                      for k, v in sorted(by_process.items(), key=lambda kv: -kv[1])))
-    print(f"the threads of {worker}:")
+    print(f"the threads of {worker}: CPU ms and wake-ups (voluntary context switches) a job")
     groups = by_group(threads_before, threads_after, names)
+    woken = by_group({t: float(v) for t, v in woken_before.items()}, {t: float(v) for t, v in woken_after.items()},
+                     names)
     for name, (spent, count) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
         if spent * 1000 / n >= 0.005:
-            print(f"  {1000 * spent / n:8.3f}  {name}" + (f" ({count} threads)" if count > 1 else ""))
+            print(f"  {1000 * spent / n:8.3f} {woken.get(name, (0.0, 0))[0] / n:7.1f}  {name}"
+                  + (f" ({count} threads)" if count > 1 else ""))
     return 0
 
 
