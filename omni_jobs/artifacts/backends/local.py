@@ -18,6 +18,7 @@ import stat
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 from omni_jobs.artifacts.backends.base import (
@@ -63,7 +64,7 @@ def _temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid():x}-{_WRITER}-{next(_TEMP_NUMBERS)}{_TMP_SUFFIX}")
 
 
-def _write_file(path: Path, data: bytes, then: Callable[[int], object]) -> None:
+def _write_file(path: Path, data: bytes, then: Callable[[int], None]) -> None:
     """Write ``data`` to a new file at ``path``, call ``then`` with its descriptor, close it. Plain
     descriptor calls: ``open()`` adds an fstat, an ioctl and an lseek a file, each a system call that
     hands the interpreter's lock away."""
@@ -158,7 +159,7 @@ class LocalBackend:
             try:
                 made_directory = self._make_parents(key, path, existing)
                 with self._sync.writing():
-                    _write_file(tmp, data, lambda fd: (os.replace(tmp, path), self._sync.sync(fd)))
+                    _write_file(tmp, data, partial(self._publish, tmp, path))
                 if not made_directory:
                     _remove_abandoned(path, began)
                 return
@@ -171,6 +172,12 @@ class LocalBackend:
             except OSError as exc:
                 tmp.unlink(missing_ok=True)
                 raise _os_error("put", key, exc) from exc
+
+    def _publish(self, tmp: Path, path: Path, fd: int) -> None:
+        """The written temp file takes its name, and both are made durable (a sync shared with the
+        writers beside it: group_sync)."""
+        os.replace(tmp, path)
+        self._sync.sync(fd)
 
     def put_many(self, items: Sequence[PutItem], *, ttl_s: int | None = None) -> None:
         put_each(self, items, ttl_s=ttl_s)
