@@ -100,7 +100,8 @@ def record_stage_memory(rt: Runtime, job_id: str, stage_id: str, snapshot: Job |
             return
         now, labels = time.monotonic(), (job.pipeline, stage_id)
         with _memory_lock:
-            if now - _memory_read.get(labels, -STAGE_MEMORY_EVERY_S) < STAGE_MEMORY_EVERY_S:
+            last = _memory_read.get(labels)
+            if last is not None and now - last < STAGE_MEMORY_EVERY_S:
                 return
             _memory_read[labels] = now
         record = job.stage_record(stage_id)

@@ -17,8 +17,7 @@ import os
 import stat
 import time
 import uuid
-from collections.abc import Callable, Sequence
-from functools import partial
+from collections.abc import Sequence
 from pathlib import Path
 
 from omni_jobs.artifacts.backends.base import (
@@ -62,20 +61,6 @@ def _temp_path(path: Path) -> Path:
     """A name no other writer uses: the process (pid, and ``_WRITER`` for other hosts) and a count,
     with no system call (``uuid4`` reads the kernel's random numbers on every write)."""
     return path.with_name(f".{path.name}.{os.getpid():x}-{_WRITER}-{next(_TEMP_NUMBERS)}{_TMP_SUFFIX}")
-
-
-def _write_file(path: Path, data: bytes, then: Callable[[int], None]) -> None:
-    """Write ``data`` to a new file at ``path``, call ``then`` with its descriptor, close it. Plain
-    descriptor calls: ``open()`` adds an fstat, an ioctl and an lseek a file, each a system call that
-    hands the interpreter's lock away."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        then(fd)
-    finally:
-        os.close(fd)
 
 
 def _os_error(operation: str, key: str, exc: OSError) -> ArtifactError:
@@ -158,8 +143,18 @@ class LocalBackend:
         for attempt in range(3):
             try:
                 made_directory = self._make_parents(key, path, existing)
+                # Plain descriptor calls: open() adds an fstat, an ioctl and an lseek a file, each a
+                # system call that hands the interpreter's lock away.
                 with self._sync.writing():
-                    _write_file(tmp, data, partial(self._publish, tmp, path))
+                    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+                    try:
+                        view = memoryview(data)
+                        while view:
+                            view = view[os.write(fd, view):]
+                        os.replace(tmp, path)
+                        self._sync.sync(fd)  # shared with the writers beside it (group_sync)
+                    finally:
+                        os.close(fd)
                 if not made_directory:
                     _remove_abandoned(path, began)
                 return
@@ -172,12 +167,6 @@ class LocalBackend:
             except OSError as exc:
                 tmp.unlink(missing_ok=True)
                 raise _os_error("put", key, exc) from exc
-
-    def _publish(self, tmp: Path, path: Path, fd: int) -> None:
-        """The written temp file takes its name, and both are made durable (a sync shared with the
-        writers beside it: group_sync)."""
-        os.replace(tmp, path)
-        self._sync.sync(fd)
 
     def put_many(self, items: Sequence[PutItem], *, ttl_s: int | None = None) -> None:
         put_each(self, items, ttl_s=ttl_s)
