@@ -215,6 +215,15 @@ def test_without_burst_filling_the_burst_splits():
     assert len(run.calls[2]) < 8 and len(run.calls) > 3  # what came within the window, then the rest
 
 
+def test_a_batch_of_a_linear_engine_does_not_wait_for_a_burst():
+    """No fixed cost per batch (a compute-bound DiT on the CPU: bench.batch_curve): a part batch costs
+    the engine nothing, so the batch starts after its window and the rest of the burst runs next."""
+    run = CostRecorder(fixed_s=0.0, per_member_s=0.02)
+    batcher = burst_batcher(run, wait_ms=60)  # ran 1 and 2 in 20 and 40 ms: a = 0
+    assert submit_paced(batcher, list(range(1, 9)), gap_s=0.02) == [i * i for i in range(1, 9)]
+    assert len(run.calls[2]) < 8 and sorted(x for call in run.calls[2:] for x in call) == list(range(1, 9))
+
+
 def test_a_lone_request_and_a_finished_burst_do_not_wait():
     run = CostRecorder(fixed_s=0.3, per_member_s=0.01)
     batcher = burst_batcher(run)
