@@ -10,8 +10,8 @@ the machine's drift, and each size's least time stands for it, as in the batcher
 How to read it. A batch costs ``a + b * n``. Where ``a`` is well above 0 a part batch wastes it, and
 a batch that takes no newcomers once it runs waits for a burst still arriving
 (``Batcher._wait_for_burst``). Where ``a`` is about 0 the engine is linear in the batch: a part
-batch costs no engine time, the burst wait starts at once, and a larger ``max_batch_size`` buys only
-latency. On a GPU host: ``--device cuda`` (the default where one is visible).
+batch costs no engine time, the burst wait starts at once, and a larger ``max_batch_size`` buys no
+throughput while each member waits for its whole batch. On a GPU host: ``--device cuda`` (the default where one is visible).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.run import ROOT, WORKLOADS, as_engine_process, prompts
+from bench.run import ROOT, WORKLOADS, as_engine_process, generate_images, prompts
 from omni_jobs.engines.batching import fixed_cost_s
-from omni_jobs.engines.dit import DiTEngine, DiTRequest
+from omni_jobs.engines.dit import DiTEngine
 from omni_jobs.local.devservices import exit_on_sigterm
 from omni_jobs.local.tiny import resolve_model
 
@@ -48,10 +48,9 @@ def curve(engine: DiTEngine, size: int, batches: list[int], reps: int, steps: in
     times: dict[int, list[float]] = {n: [] for n in batches}
     for rep in range(reps):
         for n in batches:
-            requests = [DiTRequest(f"c{rep}-{n}-{i}", prompt=p, height=size, width=size, num_inference_steps=steps,
-                                   seed=i) for i, p in enumerate(prompts(n, 100 + rep))]
+            texts = prompts(n, 100 + rep)
             started = time.perf_counter()
-            engine.generate(requests)
+            generate_images(engine, texts, size, steps, n)  # one engine call of n images
             times[n].append(time.perf_counter() - started)
     return times
 
@@ -110,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     for model, size in targets:
         engine = DiTEngine(str(resolve_model(model, models_dir)), pipeline_class="PixArtSigmaPipeline",
                            torch_dtype=args.dtype, device=device)
-        engine.generate([DiTRequest("warm", prompt="warm-up", height=size, width=size,
-                                    num_inference_steps=args.steps, seed=0)])  # first-call costs out of the way
+        generate_images(engine, prompts(1, 99), size, args.steps, 1)  # first-call costs out of the way
         s = summary(curve(engine, size, batches, args.reps, args.steps))
         label = f"{model} at {size}px on {device}, {args.steps} steps, least of {args.reps} reps"
         results["rows"][label] = s

@@ -351,8 +351,8 @@ class Batcher(Generic[R, O]):
         measures an engine's): a DiT batch of 8 took 117 ms per image on one CPU, one of 32 took 82; where
         ``a`` is about 0 (a compute-bound DiT) a part batch costs nothing and no wait pays. Starting now
         serves ``n`` requests per ``a + b*n``; while requests arrive every ``gap`` seconds, waiting serves
-        more per second as long as ``n * gap < a``
-        (the derivative of (n + t/gap) / (t + a + b*(n + t/gap)) at t = 0). So a burst reaching an idle
+        more per second as long as ``n * gap < a`` (the derivative of (n + t/gap) / (t + a + b*(n + t/gap))
+        at t = 0). So a burst reaching an idle
         worker over a few hundred ms runs as one full batch instead of its first few members and then
         the rest; a lone request, a burst that stopped, or a trickle too slow to pay starts at once. The
         wait never passes ``a`` (no newcomer can pay for more) nor ``burst_fill`` of the group's longest recent run.
