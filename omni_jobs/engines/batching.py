@@ -250,7 +250,8 @@ class Batcher(Generic[R, O]):
         self.arrivals.watch(self)
         self.filled_s: list[float] = []
         """Time each batch waited past its window to fill (the last 1000), for tests and the benchmark."""
-        self._runs: dict[Hashable, list[tuple[int, float]]] = {}  # per group: recent (size, run time)
+        self._runs: dict[Hashable, list[tuple[int, float]]] = {}  # per group: recent warm (size, run time)
+        self._sizes: dict[Hashable, set[int]] = {}  # per group: the batch sizes it has run (``_ran``)
 
     def submit(self, request: R, progress: ProgressFn | None = None) -> O:
         """Block until this request has run in some batch; return its output or raise its own error."""
@@ -328,11 +329,21 @@ class Batcher(Generic[R, O]):
 
     def _fill(self) -> None:
         """Past the window with room left: wait up to ``fill_wait_ms`` while more requests are on their
-        way, then for a burst that is still arriving (``_wait_for_burst``)."""
+        way, then for a burst that is still arriving (``_wait_for_burst``).
+
+        A batch that takes no newcomers once it runs (``burst_fill`` > 0) waits for neither past its
+        group's fixed cost per batch: a request that comes later costs one more batch, that is, that
+        fixed cost and no more. Until that cost can be fitted, a batch of a group that has run starts
+        after its window, and its size teaches the fit (``_wait_for_burst``)."""
         if len(self._pending) >= self.policy.max_batch_size:
             return
         started = time.monotonic()
         fill_s = self.arrivals.fill_wait_ms / 1000
+        if self.policy.burst_fill > 0:
+            runs = self._runs.get(self.group_key(self._pending[0].request), [])
+            if runs:
+                fitted_s = fixed_cost_s(runs)
+                fill_s = min(fill_s, fitted_s if fitted_s is not None else 0.0)
         deadline = started + fill_s
         while fill_s > 0 and len(self._pending) < self.policy.max_batch_size:
             left = deadline - time.monotonic()
@@ -357,10 +368,12 @@ class Batcher(Generic[R, O]):
         the rest; a lone request, a burst that stopped, or a trickle too slow to pay starts at once. The
         wait never passes ``a`` (no newcomer can pay for more) nor ``burst_fill`` of the group's longest recent run.
 
-        Until two batch sizes were seen ``a`` cannot be fitted: ``burst_fill`` of the longest run stands
-        in for it (a fresh worker's first batches are often all of one size, a warm-up's or a full
-        one's; without it, the first burst after them split 18 + 14 + 32 where 32 + 32 came). Before
-        any run of the group nothing is known, and a batch starts after the fill wait."""
+        The fit counts warm runs only (``_ran``). Until it has two sizes, ``a`` is unknown and the batch
+        starts: a size other than the one seen is what lets the fit form. At worst that costs a fresh
+        worker's first bursts one more fixed cost each, until a size repeats. A stand-in for ``a``
+        (``burst_fill`` of the longest run) held every burst to full batches instead, so a worker whose
+        batches were all full never learnt its cost. Before any warm run of the group nothing is known,
+        and a batch starts after the fill wait."""
         if self.policy.burst_fill <= 0:
             return
         key = self.group_key(self._pending[0].request)
@@ -368,9 +381,8 @@ class Batcher(Generic[R, O]):
         if not runs:
             return
         longest_s = max(t for _, t in runs)
-        fitted_s = fixed_cost_s(runs)
-        fixed_s = fitted_s if fitted_s is not None else self.policy.burst_fill * longest_s
-        if fixed_s <= 0:  # nothing to amortise
+        fixed_s = fixed_cost_s(runs)
+        if fixed_s is None or fixed_s <= 0:  # unknown yet (see above), or nothing to amortise
             return
         deadline = self._pending[0].enqueued_at + min(fixed_s, self.policy.burst_fill * longest_s)
         while True:
@@ -404,7 +416,18 @@ class Batcher(Generic[R, O]):
                     telemetry.batch_ran(self.name, started - batch[0].enqueued_at, run_s)
 
     def _ran(self, key: Hashable, size: int, run_s: float) -> None:
-        """Remember a group's recent batches (the last 16 of each of the last 64 groups)."""
+        """Remember a group's recent batches (the last 16 of each of the last 64 groups), bar each size's
+        first: the first call at a batch size allocates for it (oneDNN's primitives for its shapes, the
+        allocator's pools), and a worker's cold batches of 26 and 23 took 6.2 and 4.4 s where a warm 32
+        took 1.9. Counted, they made the fit's fixed cost 0.48 s where the engine's is 0.033
+        (``python -m bench.batch_curve``), and every burst waited to fill its batches."""
+        sizes = self._sizes.pop(key, set())
+        self._sizes[key] = sizes
+        if len(self._sizes) > 64:
+            del self._sizes[next(iter(self._sizes))]
+        if size not in sizes:
+            sizes.add(size)
+            return
         runs = self._runs.pop(key, [])
         self._runs[key] = [*runs[-15:], (size, run_s)]
         if len(self._runs) > 64:
