@@ -98,6 +98,15 @@ class Member(Generic[R, O]):
             self.result = outcome
 
 
+@dataclass
+class _GroupRuns:
+    """A batcher's record of one group's batches: every size it has run, and its recent warm runs."""
+
+    sizes: set[int] = field(default_factory=set)
+    warm: list[tuple[int, float]] = field(default_factory=list)
+    """(size, run time) of its last 16 batches, bar each size's first (``Batcher._ran``)."""
+
+
 class _Wakeable(Protocol):
     def wake(self) -> None: ...
 
@@ -250,8 +259,7 @@ class Batcher(Generic[R, O]):
         self.arrivals.watch(self)
         self.filled_s: list[float] = []
         """Time each batch waited past its window to fill (the last 1000), for tests and the benchmark."""
-        self._runs: dict[Hashable, list[tuple[int, float]]] = {}  # per group: recent warm (size, run time)
-        self._sizes: dict[Hashable, set[int]] = {}  # per group: the batch sizes it has run (``_ran``)
+        self._groups: dict[Hashable, _GroupRuns] = {}  # what each group's batches took (``_ran``)
 
     def submit(self, request: R, progress: ProgressFn | None = None) -> O:
         """Block until this request has run in some batch; return its output or raise its own error."""
@@ -339,23 +347,25 @@ class Batcher(Generic[R, O]):
             return
         started = time.monotonic()
         fill_s = self.arrivals.fill_wait_ms / 1000
-        if self.policy.burst_fill > 0:
-            runs = self._runs.get(self.group_key(self._pending[0].request), [])
-            if runs:
-                fitted_s = fixed_cost_s(runs)
-                fill_s = min(fill_s, fitted_s if fitted_s is not None else 0.0)
+        key = self.group_key(self._pending[0].request)
+        group = self._groups.get(key)
+        runs = group.warm if group is not None else []
+        fixed_s = fixed_cost_s(runs) if runs else None
+        if self.policy.burst_fill > 0 and runs:
+            fill_s = min(fill_s, fixed_s if fixed_s is not None else 0.0)
         deadline = started + fill_s
         while fill_s > 0 and len(self._pending) < self.policy.max_batch_size:
             left = deadline - time.monotonic()
             if left <= 0 or self.arrivals.expected() <= 0:
                 break
             self._cond.wait(min(left, 0.005))  # submits wake it; queued messages turn into arrivals unseen
-        self._wait_for_burst()
+        self._wait_for_burst(key, runs, fixed_s)
         if time.monotonic() - started > 0.0005:
             self.filled_s = [*self.filled_s[-999:], time.monotonic() - started]
 
-    def _wait_for_burst(self) -> None:
-        """Wait while the first request's group keeps arriving and each newcomer is worth its wait.
+    def _wait_for_burst(self, key: Hashable, runs: Sequence[tuple[int, float]], fixed_s: float | None) -> None:
+        """Wait while the first request's group ``key`` keeps arriving and each newcomer is worth its wait
+        (``runs``: the group's recent warm batches; ``fixed_s``: the fixed cost fitted from them).
 
         A batch that takes no newcomers once it runs costs a fixed part ``a`` plus a part per member
         (fitted from the group's recent batches, ``fixed_cost_s``; ``python -m bench.batch_curve``
@@ -374,16 +384,9 @@ class Batcher(Generic[R, O]):
         (``burst_fill`` of the longest run) held every burst to full batches instead, so a worker whose
         batches were all full never learnt its cost. Before any warm run of the group nothing is known,
         and a batch starts after the fill wait."""
-        if self.policy.burst_fill <= 0:
-            return
-        key = self.group_key(self._pending[0].request)
-        runs = self._runs.get(key, [])
-        if not runs:
+        if self.policy.burst_fill <= 0 or fixed_s is None or fixed_s <= 0:  # no fit yet (above), or nothing to amortise
             return
         longest_s = max(t for _, t in runs)
-        fixed_s = fixed_cost_s(runs)
-        if fixed_s is None or fixed_s <= 0:  # unknown yet (see above), or nothing to amortise
-            return
         deadline = self._pending[0].enqueued_at + min(fixed_s, self.policy.burst_fill * longest_s)
         while True:
             arrived = [m.enqueued_at for m in self._pending if self.group_key(m.request) == key]
@@ -421,17 +424,14 @@ class Batcher(Generic[R, O]):
         allocator's pools), and a worker's cold batches of 26 and 23 took 6.2 and 4.4 s where a warm 32
         took 1.9. Counted, they made the fit's fixed cost 0.48 s where the engine's is 0.033
         (``python -m bench.batch_curve``), and every burst waited to fill its batches."""
-        sizes = self._sizes.pop(key, set())
-        self._sizes[key] = sizes
-        if len(self._sizes) > 64:
-            del self._sizes[next(iter(self._sizes))]
-        if size not in sizes:
-            sizes.add(size)
+        group = self._groups.pop(key, None) or _GroupRuns()
+        self._groups[key] = group  # the most recent last: the least recently run group goes first
+        if len(self._groups) > 64:
+            del self._groups[next(iter(self._groups))]
+        if size not in group.sizes:
+            group.sizes.add(size)
             return
-        runs = self._runs.pop(key, [])
-        self._runs[key] = [*runs[-15:], (size, run_s)]
-        if len(self._runs) > 64:
-            del self._runs[next(iter(self._runs))]
+        group.warm = [*group.warm[-15:], (size, run_s)]
 
     def _run(self, batch: list[Member[R, O]]) -> None:
         try:
