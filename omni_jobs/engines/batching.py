@@ -412,11 +412,13 @@ class Batcher(Generic[R, O]):
                 try:
                     self._run(batch)
                 finally:
-                    for m in batch:
-                        m.done.set()
-                    run_s = time.monotonic() - started
-                    self._ran(key, len(batch), run_s)
-                    telemetry.batch_ran(self.name, started - batch[0].enqueued_at, run_s)
+                    try:  # recorded before its members go on: what they read next counts this batch
+                        run_s = time.monotonic() - started
+                        self._ran(key, len(batch), run_s)
+                        telemetry.batch_ran(self.name, started - batch[0].enqueued_at, run_s)
+                    finally:
+                        for m in batch:
+                            m.done.set()
 
     def _ran(self, key: Hashable, size: int, run_s: float) -> None:
         """Remember a group's recent batches (the last 16 of each of the last 64 groups), bar each size's

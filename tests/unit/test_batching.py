@@ -174,6 +174,28 @@ def ran_twice(batcher: Batcher[int, int]) -> None:
         assert batcher.submit(0) == 0 and submit_all(batcher, [0, 0]) == [0, 0]
 
 
+def test_a_batch_is_recorded_before_its_callers_go_on():
+    """A caller back from ``submit`` finds its batch counted (the telemetry listeners, the batcher's
+    record): the members were woken after it, so a slow listener cannot leave them a step ahead."""
+    seen: list[float] = []
+
+    class SlowListener(telemetry.Listener):
+        def batch_ran(self, batcher: str, waited_s: float, run_s: float) -> None:
+            time.sleep(0.05)
+            seen.append(run_s)
+
+    listener = SlowListener()
+    telemetry.add_listener(listener)
+    try:
+        batcher: Batcher[int, int] = Batcher(Recorder(delay_s=0.01), BatchPolicy(max_batch_size=4, wait_ms=0))
+        assert batcher.submit(3) == 9
+        assert len(seen) == 1 and batcher.batches == [1]
+        assert submit_all(batcher, [1, 2]) == [1, 4]
+        assert len(seen) == 1 + len(batcher.batches[1:])
+    finally:
+        telemetry.remove_listener(listener)
+
+
 def test_the_fixed_cost_of_a_batch_is_fitted_from_its_sizes_and_times():
     assert fixed_cost_s([]) is None and fixed_cost_s([(32, 2.6), (32, 2.7)]) is None  # one size: unknown
     # the DiT 32px small engine on this machine: 8, 16, 24, 32 images in 0.94, 1.62, 2.21, 2.63 s
