@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from omni_jobs.engines.batching import Arrivals, Batcher, BatchPolicy, Member
+from tests.unit.test_batching import CostRecorder, ran_twice
 
 
 def square(batch: Sequence[Member[Any, Any]]) -> list[Any]:
@@ -104,38 +105,13 @@ def test_a_received_task_that_never_starts_expires():
     assert arrivals.arriving() == 0
 
 
-class Timed:
-    """A DiT-like batch function: ``fixed_s`` a call plus ``per_member_s`` a member."""
-
-    def __init__(self, fixed_s: float, per_member_s: float) -> None:
-        self.fixed_s, self.per_member_s = fixed_s, per_member_s
-
-    def __call__(self, batch: Sequence[Member[Any, Any]]) -> list[Any]:
-        time.sleep(self.fixed_s + self.per_member_s * len(batch))
-        return square(batch)
-
-
-def submit_together(batcher: Batcher[int, int], requests: list[int]) -> list[int]:
-    """Each request from its own thread, all at once."""
-    barrier = threading.Barrier(len(requests))
-
-    def one(r: int) -> int:
-        barrier.wait()
-        return batcher.submit(r)
-
-    with ThreadPoolExecutor(len(requests)) as pool:
-        return list(pool.map(one, requests))
-
-
-def dit_like(run: Timed, arrivals: Arrivals) -> Batcher[int, int]:
+def dit_like(run: CostRecorder, arrivals: Arrivals) -> Batcher[int, int]:
     """A batcher whose running batch takes no newcomers (burst filling on), that ran batches of 1 and
     2, twice each: it knows its fixed cost per batch (a size's first run is cold, and not fitted). Its
     window (30 ms) holds the two requests made at once."""
     batcher: Batcher[int, int] = Batcher(run, BatchPolicy(max_batch_size=4, wait_ms=30, burst_fill=1.0),
                                          arrivals=arrivals)
-    for _ in range(2):
-        assert batcher.submit(0) == 0
-        assert submit_together(batcher, [1, 1]) == [1, 1]
+    ran_twice(batcher)
     assert batcher.batches == [1, 2, 1, 2]
     return batcher
 
@@ -144,7 +120,7 @@ def test_a_linear_engines_batch_does_not_wait_for_tasks_on_their_way():
     """No fixed cost per batch (bench.batch_curve: the CPU DiTs): a task that comes later runs in the
     next batch at no cost, so the batch starts with what is there."""
     arrivals = Arrivals(fill_wait_ms=5_000)
-    batcher = dit_like(Timed(fixed_s=0.0, per_member_s=0.05), arrivals)
+    batcher = dit_like(CostRecorder(fixed_s=0.0, per_member_s=0.05), arrivals)
     assert run_tasks(batcher, arrivals, [0.0, 0.3, 0.3, 0.3]) == [0, 1, 4, 9]
     assert batcher.batches[4] == 1
 
@@ -152,7 +128,7 @@ def test_a_linear_engines_batch_does_not_wait_for_tasks_on_their_way():
 def test_the_fill_wait_of_a_batch_with_a_fixed_cost_is_bounded_by_that_cost():
     """A task more than one fixed cost away is not waited for: running it in the next batch costs that much."""
     arrivals = Arrivals(fill_wait_ms=5_000)
-    batcher = dit_like(Timed(fixed_s=0.2, per_member_s=0.01), arrivals)
+    batcher = dit_like(CostRecorder(fixed_s=0.2, per_member_s=0.01), arrivals)
     assert run_tasks(batcher, arrivals, [0.0, 0.05, 0.1, 0.8]) == [0, 1, 4, 9]
     assert batcher.batches[4:] == [3, 1]
     assert 0.05 < max(batcher.filled_s) < 0.4  # waited for the two within reach, not for the third
