@@ -350,7 +350,7 @@ class Batcher(Generic[R, O]):
         key = self.group_key(self._pending[0].request)
         group = self._groups.get(key)
         runs = group.warm if group is not None else []
-        fixed_s = fixed_cost_s(runs) if runs else None
+        fixed_s = fixed_cost_s(runs)
         if self.policy.burst_fill > 0 and runs:
             fill_s = min(fill_s, fixed_s if fixed_s is not None else 0.0)
         deadline = started + fill_s
