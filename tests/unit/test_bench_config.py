@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench.run import WORKLOADS, Arm, _cpu_split, pipelines, table
+from bench.run import WORKLOADS, Arm, _cpu_split, parse, pipelines, table
 from omni_jobs.local import tiny
 from omni_jobs.pipelines.catalogue import parse_pipeline
 
@@ -86,3 +86,18 @@ def test_the_gpu_benchmark_reads_where_jobs_waited_from_their_records() -> None:
     jobs = [job(0.0, 0.010, 1.0, 1.002), job(0.1, 0.130, 1.0, 1.004), job(0.2, 0.600, 1.0, 1.001)]
     assert waits(jobs) == pytest.approx({"to_start_p50": 30.0, "to_start_max": 400.0,
                                          "after_stage_p50": 2.0, "after_stage_max": 4.0})
+
+
+def test_rows_only_runs_the_rows_without_hops_or_caches_and_says_so_when_asked_for_both(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse(["--rows-only", "--jobs", "256", "--only", "text-to-text"])
+    assert (args.rows_only, args.jobs, args.reps, args.hops) == (True, 256, 3, False)
+    assert parse([]).rows_only is False
+    for other in (["--hops"], ["--previews"]):
+        with pytest.raises(SystemExit):
+            parse(["--rows-only", *other])
+        assert "--rows-only runs the workload rows" in capsys.readouterr().err
+    arm = {"jobs_per_s": 10.0, "p50_s": 1.0, "p95_s": 2.0, "stage_s": {}, "peak_rss_mib": {}, "cpu_s": {}}
+    row = {"direct": arm, "system": arm, "naive": arm, "system_over_direct": 1.0, "system_over_naive": 1.0}
+    out = table({"rows": {"text-to-text": row}, "hops": {}, "cache": {}})  # what a --rows-only run leaves
+    assert "text-to-text" in out and "per-hop" not in out and "cache" not in out
