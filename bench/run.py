@@ -817,6 +817,9 @@ def table(results: dict[str, Any]) -> str:
     header = (f"{'workload':32} {'arm':7} {'jobs/s':>8} {'p50 s':>7} {'p95 s':>7} {'stage s (median/job)':24} "
               f"{'peak RSS MiB':22} {'sys/direct':>10} {'sys/naive':>9}")
     lines = [header] if results["rows"] else []
+    engine_cores = (results.get("config") or {}).get("engine_cores")
+    if engine_cores:
+        lines.insert(0, f"engines: {engine_cores} thread(s) each, in both arms (--engine-cores); the other cores the system's")
     for name, row in results["rows"].items():
         for arm in ("direct", "system", "naive"):
             a = row[arm]
@@ -891,10 +894,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rows-only", action="store_true",
                    help="only the workload rows: no per-hop overhead or cache effects after them (A/B and "
                         "steady-state runs, e.g. --jobs 256, ~3 minutes shorter)")
+    p.add_argument("--engine-cores", type=int, default=None, metavar="N",
+                   help="each engine, in both arms, runs N threads (vLLM's bound to cores 0..N-1), so that the "
+                        "other cores are the system's: its cost where the CPU is not the engine's, as on a GPU "
+                        "host (default: the engines use every core)")
     p.add_argument("--redis-durability", choices=("auto", "always", "waitaof", "everysec"), default="auto",
                    help="how the system's Redis keeps a 202 (auto: as `omni-jobs up`; see EmbeddedSystem)")
     p.add_argument("--direct", default=None, help=argparse.SUPPRESS)  # internal: one direct arm, JSON out
     args = p.parse_args(argv)
+    cores = os.cpu_count() or 1
+    if args.engine_cores is not None and not 1 <= args.engine_cores < cores:
+        p.error(f"--engine-cores {args.engine_cores}: give the engines 1 to {cores - 1} of this machine's {cores} "
+                "cores, leaving at least one to the system")
     if args.rows_only and (args.hops or args.previews is not None):
         p.error("--rows-only runs the workload rows, which --hops and --previews skip: choose one")
     if args.ab_tree is not None:
@@ -906,6 +917,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.batch = args.batch or (8 if args.quick else 32)
     args.hop_jobs = 5 if args.quick else 15 if not args.hops else 31
     return args
+
+
+def engine_cores_env(n: int) -> dict[str, str]:
+    """The environment that gives an engine process n threads: torch's (diffusers) through OpenMP's count,
+    vLLM's CPU engine through its own binding (it sets OpenMP's count and pins the threads to those cores).
+    Both arms' engine processes inherit it from the benchmark's process."""
+    return {"OMP_NUM_THREADS": str(n), "VLLM_CPU_OMP_THREADS_BIND": "0" if n == 1 else f"0-{n - 1}"}
 
 
 def as_engine_process() -> None:
@@ -930,6 +948,8 @@ def main(argv: list[str] | None = None) -> int:
         bench.serve_direct(w)
         return 0
     started = time.time()
+    if args.engine_cores is not None:
+        os.environ.update(engine_cores_env(args.engine_cores))  # before the workers and the direct child start
     try:
         bench.start()
         if args.previews is not None:

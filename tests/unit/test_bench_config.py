@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench.run import WORKLOADS, Arm, _cpu_split, parse, pipelines, table
+from bench.run import WORKLOADS, Arm, _cpu_split, engine_cores_env, parse, pipelines, table
 from omni_jobs.local import tiny
 from omni_jobs.pipelines.catalogue import parse_pipeline
 
@@ -101,3 +101,21 @@ def test_rows_only_runs_the_rows_without_hops_or_caches_and_says_so_when_asked_f
     row = {"direct": arm, "system": arm, "naive": arm, "system_over_direct": 1.0, "system_over_naive": 1.0}
     out = table({"rows": {"text-to-text": row}, "hops": {}, "cache": {}})  # what a --rows-only run leaves
     assert "text-to-text" in out and "per-hop" not in out and "cache" not in out
+
+
+def test_engine_cores_leave_the_system_a_core_and_reach_both_engine_libraries(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("os.cpu_count", lambda: 4)
+    assert parse(["--engine-cores", "3"]).engine_cores == 3
+    assert parse([]).engine_cores is None
+    for n in ("0", "4"):
+        with pytest.raises(SystemExit):
+            parse(["--engine-cores", n])
+        assert "give the engines 1 to 3 of this machine's 4 cores" in capsys.readouterr().err
+    assert engine_cores_env(1) == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert engine_cores_env(3) == {"OMP_NUM_THREADS": "3", "VLLM_CPU_OMP_THREADS_BIND": "0-2"}
+    arm = {"jobs_per_s": 10.0, "p50_s": 1.0, "p95_s": 2.0, "stage_s": {}, "peak_rss_mib": {}, "cpu_s": {}}
+    row = {"direct": arm, "system": arm, "naive": arm, "system_over_direct": 1.0, "system_over_naive": 1.0}
+    out = table({"config": {"engine_cores": 1}, "rows": {"text-to-text": row}})
+    assert out.splitlines()[0].startswith("engines: 1 thread(s) each, in both arms")
+    assert "engines:" not in table({"config": {}, "rows": {"text-to-text": row}})
