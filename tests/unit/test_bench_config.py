@@ -88,6 +88,12 @@ def test_the_gpu_benchmark_reads_where_jobs_waited_from_their_records() -> None:
                                          "after_stage_p50": 2.0, "after_stage_max": 4.0})
 
 
+def bare_row() -> dict[str, Any]:
+    """One workload's results with every arm the same and nothing but what ``table`` needs."""
+    arm = {"jobs_per_s": 10.0, "p50_s": 1.0, "p95_s": 2.0, "stage_s": {}, "peak_rss_mib": {}, "cpu_s": {}}
+    return {"direct": arm, "system": arm, "naive": arm, "system_over_direct": 1.0, "system_over_naive": 1.0}
+
+
 def test_rows_only_runs_the_rows_without_hops_or_caches_and_says_so_when_asked_for_both(
         capsys: pytest.CaptureFixture[str]) -> None:
     args = parse(["--rows-only", "--jobs", "256", "--only", "text-to-text"])
@@ -97,8 +103,7 @@ def test_rows_only_runs_the_rows_without_hops_or_caches_and_says_so_when_asked_f
         with pytest.raises(SystemExit):
             parse(["--rows-only", *other])
         assert "--rows-only runs the workload rows" in capsys.readouterr().err
-    arm = {"jobs_per_s": 10.0, "p50_s": 1.0, "p95_s": 2.0, "stage_s": {}, "peak_rss_mib": {}, "cpu_s": {}}
-    row = {"direct": arm, "system": arm, "naive": arm, "system_over_direct": 1.0, "system_over_naive": 1.0}
+    row = bare_row()
     out = table({"rows": {"text-to-text": row}, "hops": {}, "cache": {}})  # what a --rows-only run leaves
     assert "text-to-text" in out and "per-hop" not in out and "cache" not in out
 
@@ -114,8 +119,7 @@ def test_engine_cores_leave_the_system_a_core_and_reach_both_engine_libraries(
         assert "give the engines 1 to 3 of this machine's 4 cores" in capsys.readouterr().err
     assert engine_cores_env(1) == {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
     assert engine_cores_env(3) == {"OMP_NUM_THREADS": "3", "VLLM_CPU_OMP_THREADS_BIND": "0-2"}
-    arm = {"jobs_per_s": 10.0, "p50_s": 1.0, "p95_s": 2.0, "stage_s": {}, "peak_rss_mib": {}, "cpu_s": {}}
-    row = {"direct": arm, "system": arm, "naive": arm, "system_over_direct": 1.0, "system_over_naive": 1.0}
+    row = bare_row()
     out = table({"config": {"engine_cores": 1}, "rows": {"text-to-text": row}})
     assert out.splitlines()[0].startswith("engines: 1 thread(s) each, in both arms")
     assert "engines:" not in table({"config": {}, "rows": {"text-to-text": row}})
