@@ -74,7 +74,7 @@ def run_demo_job(api_url: str, out_dir: Path, prompt: str, timeout_s: float = 30
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from omni_jobs.local.embedded import EmbeddedSystem
+    from omni_jobs.local.embedded import EmbeddedSystem, HomeInUse
 
     settings = Settings()
     home = Path(args.home)
@@ -100,6 +100,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"API key:   {system.api_key}   (tenant {system.demo_tenant}; also in "
                   f"{system.api_key_file.resolve()}; send it as 'Authorization: Bearer <key>')")
         print(f"logs:      {system.logs.resolve()}")
+        print(f"CLI:       . {system.cli_env_file.resolve()}   (in another shell: then omni-jobs list, doctor, "
+              "keys ... use this system)")
         print(f"metrics:   {system.api_url}/metrics, workers: "
               + ", ".join(f"{node} http://127.0.0.1:{port}/metrics" for node, port in system.metrics_ports.items()))
         job = run_demo_job(system.api_url, home / "demo", args.prompt, api_key=system.api_key)
@@ -117,6 +119,9 @@ def cmd_up(args: argparse.Namespace) -> int:
             # Like compose's restart policy: a worker that ended itself (hard time limit) or was
             # killed, the API, or this system's Redis (from its AOF) starts again.
             system.supervise(say=lambda msg: print(msg, file=sys.stderr))
+    except HomeInUse as exc:
+        print(f"omni-jobs up: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("\nstopping ...")
         return 0

@@ -6,8 +6,10 @@ with one command; a user who already runs Redis points OMNI_REDIS_URL at it and 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
+import shlex
 import sys
 import time
 import urllib.request
@@ -87,6 +89,10 @@ def start_job_redis(data_dir: Path, durability: str) -> tuple[RunningService, st
     return service, mode
 
 
+class HomeInUse(RuntimeError):
+    """Another running system holds this home: two would share one Redis data directory and its files."""
+
+
 @dataclass
 class EmbeddedSystem:
     """Owns the processes it started; ``stop()`` ends them in reverse order."""
@@ -117,6 +123,8 @@ class EmbeddedSystem:
     api_key: str | None = field(default=None, repr=False)
     """The demo's API key (tenant ``demo_tenant``), made at start when auth is on; in ``home/api-key`` (0600)."""
     demo_tenant: str = "demo"
+    _home_lock: int | None = field(default=None, repr=False)
+    """The open lock file while this system holds its home (the kernel drops it if the process dies)."""
 
     @property
     def auth_enabled(self) -> bool:
@@ -180,6 +188,29 @@ class EmbeddedSystem:
         return env
 
     @property
+    def cli_env_file(self) -> Path:
+        """Shell exports that point the ``omni-jobs`` commands of another shell at this system (0600)."""
+        return self.home / "env"
+
+    def cli_env(self) -> dict[str, str]:
+        """The OMNI_ settings this system's processes run with, and its API's URL and demo key.
+
+        `omni-jobs doctor` and `keys` read Redis and the artifact store from these, `list` and
+        `submit` the API: without them a second shell would check the default Redis, not this one."""
+        env = {k: v for k, v in self.child_env().items() if k.startswith("OMNI_")}
+        env["OMNI_API_URL"] = self.api_url
+        if self.api_key:
+            env["OMNI_API_KEY"] = self.api_key
+        return env
+
+    def write_cli_env(self) -> Path:
+        path = self.cli_env_file
+        path.touch(mode=0o600, exist_ok=True)
+        path.chmod(0o600)  # it holds the demo key and the webhook secret
+        path.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(self.cli_env().items())))
+        return path
+
+    @property
     def webhook_secret_file(self) -> Path:
         return self.home / "webhook-secret"
 
@@ -191,7 +222,23 @@ class EmbeddedSystem:
         path.touch(mode=0o600, exist_ok=True)
         path.write_text(self.child_env().get("OMNI_WEBHOOK_SECRET", "") + "\n")
 
+    def claim_home(self) -> None:
+        """Hold ``home`` for this system until stop(), so that no second one starts its Redis on the same data."""
+        self.home.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.home / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise HomeInUse(f"another omni-jobs system (pid {holder}) is running in {self.home}: stop it, "
+                            "or start this one with another --home") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self._home_lock = fd
+
     def start(self, say: Callable[[str], None] = print) -> None:
+        self.claim_home()
         self.logs.mkdir(parents=True, exist_ok=True)
         self._keep_webhook_secret()
         if self.redis_url:
@@ -222,6 +269,7 @@ class EmbeddedSystem:
                         self.flower_port, _http_ok(f"{self.flower_url}/healthcheck"))
         say("waiting for the workers to load their engines ...")
         self.wait_for_workers(set(self.worker_queues))
+        self.write_cli_env()
 
     def start_worker(self, queue: str, *, name: str | None = None, env: dict[str, str] | None = None,
                      pool: str | None = None) -> RunningService:
@@ -295,3 +343,7 @@ class EmbeddedSystem:
         for proc in reversed(self.processes):
             proc.stop(timeout_s=20)
         self.processes.clear()
+        if self._home_lock is not None:  # not when start() found the home another system's
+            self.cli_env_file.unlink(missing_ok=True)  # its ports and Redis are gone
+            os.close(self._home_lock)
+            self._home_lock = None

@@ -31,6 +31,8 @@ def test_up_once_runs_a_text_to_image_job_and_stops_everything(tmp_path: Path) -
     assert re.search(r"started Redis at redis://127\.0\.0\.1:\d+/0", out)
     assert re.search(r"API: +http://127\.0\.0\.1:\d+ +\(docs: http://127\.0\.0\.1:\d+/docs\)", out)
     assert re.search(r"Flower: +http://127\.0\.0\.1:\d+ +\(user admin, password \S+\)", out)
+    assert re.search(rf"CLI: +\. {re.escape(str((home / 'env').resolve()))} ", out)
+    assert not (home / "env").exists()  # gone with the system it pointed at
     png_path = Path(re.search(r"image: +(\S+\.png)", out).group(1))  # type: ignore[union-attr]
     json_path = Path(re.search(r"job JSON: +(\S+\.json)", out).group(1))  # type: ignore[union-attr]
     job = json.loads(json_path.read_text())
