@@ -46,6 +46,20 @@ def parse_params(items: list[str]) -> dict[str, dict[str, Any]]:
     return params
 
 
+def stage_params(as_json: str | None, items: list[str]) -> dict[str, dict[str, Any]]:
+    """``--params`` (one JSON object of stages), then each ``--param STAGE.KEY=VALUE`` over it."""
+    try:
+        params = json.loads(as_json) if as_json else {}
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--params is not valid JSON: {exc}") from None
+    if not isinstance(params, dict) or not all(isinstance(v, dict) for v in params.values()):
+        raise argparse.ArgumentTypeError(f"--params takes a JSON object of stages, e.g. '{{\"dit\": {{\"seed\": 3}}}}'; "
+                                         f"got {as_json}")
+    for stage, values in parse_params(items).items():
+        params[stage] = {**params.get(stage, {}), **values}
+    return params
+
+
 def parse_inputs(items: list[str]) -> tuple[dict[str, Any], dict[str, Path]]:
     """``--input`` values: the JSON inputs, and the files to upload.
 
@@ -105,7 +119,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     inputs, files = parse_inputs(args.input or [])
     if args.prompt is not None:
         inputs["prompt"] = args.prompt
-    params = parse_params(args.param or [])
+    params = stage_params(args.params, args.param or [])
     with _client(args) as omni:
         job = omni.submit(args.pipeline, inputs, params=params or None, webhook=args.webhook,
                           webhook_events_filter=args.webhook_events or None, files=files or None)
@@ -251,10 +265,12 @@ def add_job_commands(sub: Any) -> None:
     s = sub.add_parser("submit", parents=[common], help="submit a job; --wait shows progress and downloads outputs")
     s.add_argument("pipeline")
     s.add_argument("--prompt", help="the prompt (input.prompt)")
-    s.add_argument("--input", action="append", metavar="KEY=VALUE",
+    s.add_argument("-i", "--input", action="append", metavar="KEY=VALUE",
                    help="another input field (repeatable); KEY=@FILE (or the path of an existing file) uploads it")
     s.add_argument("--param", action="append", metavar="STAGE.KEY=VALUE",
                    help="a stage parameter, e.g. dit.seed=7 (repeatable)")
+    s.add_argument("--params", help='stage parameters as one JSON object, e.g. \'{"dit": {"seed": 3}}\' '
+                   "(--param over it)")
     s.add_argument("--wait", action="store_true", help="follow the job's progress, then download its outputs")
     s.add_argument("--out", default="omni-outputs", help="where --wait saves outputs (in OUT/<job id>/)")
     s.add_argument("--webhook", help="URL that receives signed webhooks for this job")

@@ -1,8 +1,9 @@
 """``omni-jobs run``: one job of any pipeline in this process (omni_jobs.Omni), outputs saved as files.
 
 No Redis, no workers: the quickest way to try a pipeline YAML you are writing, with the same stage
-code and engines the workers use. ``--input name=value`` sets a job input (for an image input the
-value is a file path); ``--params`` takes per-stage overrides as JSON.
+code and engines the workers use. Its flags are `omni-jobs submit`'s where they mean the same:
+``--prompt``, ``-i/--input name=value`` (for an image input the value is a file path) and ``--param
+stage.key=value``; ``--params`` also takes per-stage overrides as one JSON object.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from omni_jobs.cli.jobs import stage_params
 from omni_jobs.errors import InvalidRequest, PipelineSpecError, UnknownPipeline
 from omni_jobs.settings import Settings
 
@@ -22,8 +24,11 @@ EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE = 0, 1, 2
 def add_run_command(sub: Any) -> None:
     run = sub.add_parser("run", help="run one job of a pipeline in this process (no Redis, no workers)")
     run.add_argument("pipeline", help="a pipeline name, or the path of a pipeline YAML file")
+    run.add_argument("--prompt", help="the prompt (input.prompt)")
     run.add_argument("-i", "--input", action="append", default=[], metavar="NAME=VALUE",
                      help="a job input (repeatable); for an image input, VALUE is a file path")
+    run.add_argument("--param", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                     help="a stage parameter, e.g. dit.seed=7 (repeatable; over --params)")
     run.add_argument("--params", default=None, help='per-stage overrides as JSON, e.g. \'{"dit": {"seed": 3}}\'')
     run.add_argument("--pipelines", action="append", default=[], metavar="PATH",
                      help="extra pipeline YAML files or directories (added to OMNI_PIPELINES_PATH)")
@@ -53,13 +58,15 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"--input takes NAME=VALUE, got {bad}", file=sys.stderr)
             return EXIT_USAGE
         inputs = _inputs(args.input, runner.spec.file_inputs())
-        params = json.loads(args.params) if args.params else None
-        result = runner.generate(inputs, params)
+        if args.prompt is not None:
+            inputs["prompt"] = args.prompt
+        params = stage_params(args.params, args.param)
+        result = runner.generate(inputs, params or None)
     except (PipelineSpecError, UnknownPipeline, InvalidRequest) as exc:
         print(exc, file=sys.stderr)
         return EXIT_USAGE
-    except json.JSONDecodeError as exc:
-        print(f"--params is not valid JSON: {exc}", file=sys.stderr)
+    except argparse.ArgumentTypeError as exc:
+        print(exc, file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:
         print(f"cannot read an input file: {exc}", file=sys.stderr)

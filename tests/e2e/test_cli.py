@@ -123,3 +123,28 @@ def test_submit_with_a_missing_file_fails_before_any_request(system: EmbeddedSys
     assert run.returncode == 2
     assert f"--input image=@{missing}: no such file" in run.stderr
 
+
+
+def test_sourcing_the_systems_env_file_points_a_second_shell_at_it(
+        system: EmbeddedSystem, api: httpx.Client, tmp_path: Path) -> None:
+    """`. <home>/env` in a shell that knows nothing of the system (elsewhere, no OMNI_ settings of its
+    own), as `omni-jobs up` tells its user: the doctor checks this system's Redis, store and workers,
+    and a job goes to its API with its key."""
+    shell_env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "OMNI_REDIS_URL": "redis://127.0.0.1:1/0"}
+
+    def shell(command: str) -> str:
+        run = subprocess.run(["bash", "-c", f". {system.cli_env_file} && {sys.executable} -m omni_jobs.cli {command}"],
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path, env=shell_env, check=False)
+        assert run.returncode == 0, run.stdout + run.stderr
+        return run.stdout
+
+    report = json.loads(shell("doctor --no-devices --json"))
+    checks = {(c["section"], c["name"]): c for c in report["checks"]}
+    assert report["ok"]
+    assert system.redis_url and system.redis_url.split("/")[2] in checks[("services", "redis")]["detail"]
+    assert "s3" in checks[("services", "artifact store")]["detail"].lower()  # the system's S3, not a local dir
+    assert all(checks[("workers", q)]["ok"] for q in ("ar", "dit", "results"))
+
+    job_id, status = shell("submit text-to-text --prompt 'from another shell' --param ar.max_tokens=4").split()
+    assert status == "queued"
+    assert wait_for_job(api, job_id)["status"] == "succeeded"  # the demo tenant's job, seen with its key

@@ -226,3 +226,11 @@ def test_cli_run_writes_the_outputs(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert written.name.endswith("-text.json") and str(written) in capsys.readouterr().out
     assert main(["run", "text-to-text", "--params", '{"ar": {"max_tokens": 0}}']) == 2
     assert "params.ar.max_tokens" in capsys.readouterr().err
+    # the flags of `omni-jobs submit`: --prompt and --param (over --params)
+    out2 = tmp_path / "out2"
+    assert main(["run", "text-to-text", "--prompt", "Once upon a time", "--params", '{"ar": {"max_tokens": 0}}',
+                 "--param", "ar.max_tokens=4", "--out", str(out2)]) == 0
+    (again,) = out2.iterdir()
+    assert again.read_bytes() == written.read_bytes()  # the same job: greedy, same prompt, 4 tokens
+    assert main(["run", "text-to-text", "--prompt", "hi", "--param", "max_tokens=4"]) == 2
+    assert "expected STAGE.KEY=VALUE" in capsys.readouterr().err

@@ -3,6 +3,7 @@ small parsers around webhooks, SSE and Prefer (no services)."""
 
 from __future__ import annotations
 
+import argparse
 import base64
 import email.utils
 import io
@@ -12,7 +13,7 @@ import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from api.prefer import prefer_wait
-from omni_jobs.cli.jobs import parse_params
+from omni_jobs.cli.jobs import parse_params, stage_params
 from omni_jobs.cli.progress import ProgressDisplay
 from omni_jobs.client import JobEventInfo
 from omni_jobs.client.sse import SseParser
@@ -174,6 +175,18 @@ def test_cli_param_parsing() -> None:
         "dit": {"seed": 7, "guidance_scale": 4.5}, "ar": {"prompt_template": "Say: {prompt}"}}
     with pytest.raises(Exception, match="STAGE.KEY=VALUE"):
         parse_params(["seed=7"])
+
+
+def test_cli_params_json_then_each_param_over_it() -> None:
+    """`omni-jobs submit` and `omni-jobs run` read stage parameters alike: --params, then --param."""
+    assert stage_params('{"dit": {"seed": 3, "height": 64}, "ar": {"max_tokens": 8}}', ["dit.seed=7"]) == {
+        "dit": {"seed": 7, "height": 64}, "ar": {"max_tokens": 8}}
+    assert stage_params(None, ["ar.max_tokens=4"]) == {"ar": {"max_tokens": 4}}
+    assert stage_params(None, []) == {}
+    with pytest.raises(argparse.ArgumentTypeError, match="--params is not valid JSON"):
+        stage_params("{dit: 3}", [])
+    with pytest.raises(argparse.ArgumentTypeError, match=r"--params takes a JSON object of stages.*got \{\"seed\": 3\}"):
+        stage_params('{"seed": 3}', [])
 
 
 def test_progress_display_on_a_terminal_redraws_one_line_per_stage() -> None:
