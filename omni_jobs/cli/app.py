@@ -74,7 +74,7 @@ def run_demo_job(api_url: str, out_dir: Path, prompt: str, timeout_s: float = 30
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from omni_jobs.local.embedded import EmbeddedSystem, HomeInUse
+    from omni_jobs.local.embedded import EmbeddedSystem, HomeInUse, RedisUnreachable
 
     settings = Settings()
     home = Path(args.home)
@@ -119,7 +119,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             # Like compose's restart policy: a worker that ended itself (hard time limit) or was
             # killed, the API, or this system's Redis (from its AOF) starts again.
             system.supervise(say=lambda msg: print(msg, file=sys.stderr))
-    except HomeInUse as exc:
+    except (HomeInUse, RedisUnreachable) as exc:
         print(f"omni-jobs up: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

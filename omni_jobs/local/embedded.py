@@ -89,8 +89,25 @@ def start_job_redis(data_dir: Path, durability: str) -> tuple[RunningService, st
     return service, mode
 
 
+def _check_reachable(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url, socket_connect_timeout=3, socket_timeout=3)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise RedisUnreachable(
+            f"cannot reach Redis at {redis_url} (OMNI_REDIS_URL): {str(exc).rstrip('.')}. Start it, or "
+            "unset OMNI_REDIS_URL to have one started here (a shell that sourced a stopped system's env "
+            "file still has its URL)") from None
+    finally:
+        client.close()
+
+
 class HomeInUse(RuntimeError):
     """Another running system holds this home: two would share one Redis data directory and its files."""
+
+
+class RedisUnreachable(RuntimeError):
+    """The Redis given by OMNI_REDIS_URL does not answer (nothing is started then)."""
 
 
 @dataclass
@@ -243,6 +260,7 @@ class EmbeddedSystem:
         self._keep_webhook_secret()
         if self.redis_url:
             say(f"using Redis at {self.redis_url}")
+            _check_reachable(self.redis_url)
         else:
             # A job answered 202 is on disk either way (README "Reliability").
             service, mode = start_job_redis(self.home / "redis", self.redis_durability)

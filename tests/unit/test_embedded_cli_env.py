@@ -1,4 +1,4 @@
-"""What `omni-jobs up` leaves in its home: the exports for a second shell, and the claim on the home itself."""
+"""`omni-jobs up`'s home: the exports for a second shell, the claim on the home, and what is refused before any start."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_jobs.local.embedded import EmbeddedSystem, HomeInUse
+from omni_jobs.local.embedded import EmbeddedSystem, HomeInUse, RedisUnreachable
 from omni_jobs.settings import Settings
 
 
@@ -78,3 +78,14 @@ def test_a_second_system_in_the_same_home_is_refused_until_the_first_stops(tmp_p
     first.stop()
     second.claim_home()  # the home is free again
     second.stop()
+
+
+def test_a_redis_url_that_does_not_answer_is_refused_with_the_fix(tmp_path: Path) -> None:
+    """As after sourcing the env file of a system that has stopped: one line, nothing started."""
+    system = a_started_system(tmp_path)
+    system.redis_url = "redis://127.0.0.1:1/0"  # nothing listens on port 1
+    with pytest.raises(RedisUnreachable, match=r"cannot reach Redis at redis://127\.0\.0\.1:1/0 \(OMNI_REDIS_URL\): "
+                                               r".*unset OMNI_REDIS_URL"):
+        system.start(say=lambda _msg: None)
+    assert system.processes == []
+    system.stop()
