@@ -184,20 +184,22 @@ def test_a_finished_jobs_page_follows_its_webhooks_until_the_last_is_answered(se
     """Webhooks are delivered after the job ends: a page opened on a finished job must still follow them
     (CI once saw a page stay at "No delivery attempt yet" while the receiver had every event)."""
     acme = signed_in(create_app(settings.model_copy(update={"webhook_secret": SecretStr(generate_secret()), "webhook_allow_hosts": ["127.0.0.1"]})), keys["acme"])
+    try:
+        def finished_page(**fields: str) -> tuple[str, str]:
+            response = submit(acme, "text-to-text", **fields)
+            assert response.status_code == 303, field_errors(response.text)
+            job_page = response.headers["location"]
+            token = CSRF.search(acme.get(job_page, headers=HTML).text).group(1)  # type: ignore[union-attr]
+            acme.post(f"{job_page}/cancel", data={"csrf_token": token})
+            return job_page.rsplit("/", 1)[1], acme.get(job_page, headers=HTML).text
 
-    def finished_page(**fields: str) -> tuple[str, str]:
-        response = submit(acme, "text-to-text", **fields)
-        assert response.status_code == 303, field_errors(response.text)
-        job_page = response.headers["location"]
-        token = CSRF.search(acme.get(job_page, headers=HTML).text).group(1)  # type: ignore[union-attr]
-        acme.post(f"{job_page}/cancel", data={"csrf_token": token})
-        return job_page.rsplit("/", 1)[1], acme.get(job_page, headers=HTML).text
-
-    job_id, page = finished_page(webhook="http://127.0.0.1:9/hook")
-    assert 'data-status="canceled"' in page
-    assert f'data-job-stream="/ui/jobs/{job_id}/stream"' in page  # its webhook's deliveries are still to come
-    _, page = finished_page()
-    assert 'data-status="canceled"' in page and 'data-job-stream=""' in page  # nothing more will change
+        job_id, page = finished_page(webhook="http://127.0.0.1:9/hook")
+        assert 'data-status="canceled"' in page
+        assert f'data-job-stream="/ui/jobs/{job_id}/stream"' in page  # its webhook's deliveries are still to come
+        _, page = finished_page()
+        assert 'data-status="canceled"' in page and 'data-job-stream=""' in page  # nothing more will change
+    finally:
+        acme.__exit__(None, None, None)  # the app's lifespan: its outbox relay stops
 
 
 def test_a_double_submit_makes_one_job(acme: TestClient) -> None:
