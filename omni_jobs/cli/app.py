@@ -157,10 +157,19 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_pipelines(args: argparse.Namespace) -> int:
     try:
         if args.action == "check":
-            for path in args.files:
-                spec = load_pipeline_file(Path(path))
+            if not args.files:
+                print("omni-jobs pipelines check: name the YAML files to check", file=sys.stderr)
+                return 2
+            invalid = 0
+            for path in args.files:  # every file's problems in one run, not the first file's alone
+                try:
+                    spec = load_pipeline_file(Path(path))
+                except PipelineSpecError as exc:
+                    print(exc, file=sys.stderr)
+                    invalid += 1
+                    continue
                 print(f"{path}: ok ({spec.name}: {' -> '.join(s.id for s in spec.stages)})")
-            return 0
+            return 2 if invalid else 0
         for spec in load_catalogue([*Settings().pipelines_path, *(Path(p) for p in args.pipelines)]):
             print(f"{spec.name:<24} {' -> '.join(f'{s.id}[{s.engine}]' for s in spec.stages)}")
         return 0

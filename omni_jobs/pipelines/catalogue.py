@@ -37,6 +37,25 @@ def _describe_loc(loc: tuple[int | str, ...], data: object) -> str:
     return "".join(parts) or "(top level)"
 
 
+_SHAPES = {
+    "list_type": "expected a list ([a, b], or a '- item' line each)",
+    "tuple_type": "expected a list ([a, b], or a '- item' line each)",
+    "dict_type": "expected a mapping (name: value)",
+    "model_type": "expected a mapping (name: value)",
+    "model_attributes_type": "expected a mapping (name: value)",
+    "string_type": "expected text",
+}
+"""pydantic's error type -> what the YAML should hold there (its own words name Python types)."""
+
+
+def _shape_of(value: object) -> str:
+    if isinstance(value, dict):
+        return f"a mapping {{{', '.join(map(str, list(value)[:3]))}{', ...' if len(value) > 3 else ''}}}"
+    if isinstance(value, list):
+        return "a list"
+    return f"{type(value).__name__} {value!r}"[:80]
+
+
 def parse_pipeline(data: object, *, source: str) -> PipelineSpec:
     """Validate already-parsed YAML (whatever it holds); ``source`` names where it came from in errors."""
     if not isinstance(data, dict):
@@ -46,7 +65,9 @@ def parse_pipeline(data: object, *, source: str) -> PipelineSpec:
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            msg = err["msg"].removeprefix("Value error, ")
+            msg = _SHAPES.get(err["type"]) or err["msg"].removeprefix("Value error, ")
+            if err["type"] in _SHAPES:
+                msg += f", got {_shape_of(err['input'])}"
             problems.append(f"{_describe_loc(tuple(err['loc']), data)}: {msg}")
         raise PipelineSpecError(source, problems) from None
 

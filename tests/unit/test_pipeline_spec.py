@@ -390,3 +390,30 @@ def test_cli_flag_points_at_user_pipelines(tmp_path: Path, capsys: pytest.Captur
     err = capsys.readouterr().err
     assert str(bad) in err and "stages[0] (stage 'enc'): task:" in err
     assert not (tmp_path / "home").exists()
+
+
+def test_a_wrong_yaml_shape_says_what_belongs_there_and_what_was_found(tmp_path: Path) -> None:
+    """pydantic says 'Input should be a valid tuple': a YAML author needs the YAML word and what they wrote."""
+    data = broken()
+    data["stages"][0]["outputs"] = {"text": "text"}  # a mapping where a list of output names goes
+    data["inputs"] = ["prompt"]
+    data["outputs"] = "image"
+    _, problems = problems_of(tmp_path, data)
+    assert "inputs: expected a mapping (name: value), got a list" in problems, problems
+    assert "outputs: expected a list ([a, b], or a '- item' line each), got str 'image'" in problems, problems
+    assert any(p.startswith("stages[0] (stage ") and p.endswith(
+        ".outputs: expected a list ([a, b], or a '- item' line each), got a mapping {text}") for p in problems), problems
+
+
+def test_cli_check_reports_every_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from omni_jobs.cli import main
+
+    bad_one = write(tmp_path, broken(stages=[]), name="one.yaml")
+    good = write(tmp_path, LLM_IMAGE, name="good.yaml")
+    bad_two = write(tmp_path, "name: [", name="two.yaml")
+    assert main(["pipelines", "check", str(bad_one), str(good), str(bad_two)]) == 2
+    out, err = capsys.readouterr()
+    assert f"invalid pipeline {bad_one}" in err and f"{bad_two}" in err  # both bad files, not the first alone
+    assert f"{good}: ok (my-llm-image: enc -> dit)" in out
+    assert main(["pipelines", "check"]) == 2
+    assert "name the YAML files to check" in capsys.readouterr().err
