@@ -89,6 +89,12 @@ def start_job_redis(data_dir: Path, durability: str) -> tuple[RunningService, st
     return service, mode
 
 
+def _write_private(path: Path, text: str) -> None:
+    """A file only its owner reads (a key, a secret): made 0600 before anything is written to it."""
+    path.touch(mode=0o600, exist_ok=True)
+    path.write_text(text)
+
+
 def _check_reachable(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url, socket_connect_timeout=3, socket_timeout=3)
     try:
@@ -170,8 +176,7 @@ class EmbeddedSystem:
             return
         if self.api_key is None:
             self.api_key = self.create_api_key(self.demo_tenant, "omni-jobs up")
-        self.api_key_file.touch(mode=0o600, exist_ok=True)
-        self.api_key_file.write_text(self.api_key + "\n")
+        _write_private(self.api_key_file, self.api_key + "\n")
 
     @property
     def api_url(self) -> str:
@@ -221,11 +226,9 @@ class EmbeddedSystem:
         return env
 
     def write_cli_env(self) -> Path:
-        path = self.cli_env_file
-        path.touch(mode=0o600, exist_ok=True)
-        path.chmod(0o600)  # it holds the demo key and the webhook secret
-        path.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(self.cli_env().items())))
-        return path
+        exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(self.cli_env().items()))
+        _write_private(self.cli_env_file, exports)  # it holds the demo key and the webhook secret
+        return self.cli_env_file
 
     @property
     def webhook_secret_file(self) -> Path:
@@ -236,8 +239,7 @@ class EmbeddedSystem:
         path = self.webhook_secret_file
         if path.exists() and "OMNI_WEBHOOK_SECRET" not in os.environ:
             self.webhook_secret = path.read_text().strip() or self.webhook_secret
-        path.touch(mode=0o600, exist_ok=True)
-        path.write_text(self.child_env().get("OMNI_WEBHOOK_SECRET", "") + "\n")
+        _write_private(path, self.child_env().get("OMNI_WEBHOOK_SECRET", "") + "\n")
 
     def claim_home(self) -> None:
         """Hold ``home`` for this system until stop(), so that no second one starts its Redis on the same data."""

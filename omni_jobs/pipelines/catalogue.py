@@ -37,12 +37,14 @@ def _describe_loc(loc: tuple[int | str, ...], data: object) -> str:
     return "".join(parts) or "(top level)"
 
 
+_A_LIST = "expected a list ([a, b], or a '- item' line each)"
+_A_MAPPING = "expected a mapping (name: value)"
 _SHAPES = {
-    "list_type": "expected a list ([a, b], or a '- item' line each)",
-    "tuple_type": "expected a list ([a, b], or a '- item' line each)",
-    "dict_type": "expected a mapping (name: value)",
-    "model_type": "expected a mapping (name: value)",
-    "model_attributes_type": "expected a mapping (name: value)",
+    "list_type": _A_LIST,
+    "tuple_type": _A_LIST,
+    "dict_type": _A_MAPPING,
+    "model_type": _A_MAPPING,
+    "model_attributes_type": _A_MAPPING,
     "string_type": "expected text",
 }
 """pydantic's error type -> what the YAML should hold there (its own words name Python types)."""
@@ -65,9 +67,8 @@ def parse_pipeline(data: object, *, source: str) -> PipelineSpec:
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            msg = _SHAPES.get(err["type"]) or err["msg"].removeprefix("Value error, ")
-            if err["type"] in _SHAPES:
-                msg += f", got {_shape_of(err['input'])}"
+            shape = _SHAPES.get(err["type"])
+            msg = f"{shape}, got {_shape_of(err['input'])}" if shape else err["msg"].removeprefix("Value error, ")
             problems.append(f"{_describe_loc(tuple(err['loc']), data)}: {msg}")
         raise PipelineSpecError(source, problems) from None
 
