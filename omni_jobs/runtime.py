@@ -109,7 +109,7 @@ class Runtime:
     @once_property
     def engines(self) -> EnginePool:
         s = self.settings
-        turns.configure(turns.lock_file(s.engine_turns, s.device))  # engines on shared CPU cores take turns
+        turns.configure(turns.lock_file(s.engine_turns, s.device, s.engine_cpus))  # engines on shared CPU cores take turns
         return EnginePool(s.models_dir, kv_cache_bytes=s.ar_kv_cache_bytes, max_model_len=s.ar_max_model_len,
                            device=s.device)
 

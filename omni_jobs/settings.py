@@ -14,6 +14,7 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from omni_jobs.engines.allocator import MallocChoice
+from omni_jobs.engines.cpu_layout import parse_cpus
 
 MiB = 1024 * 1024
 
@@ -89,6 +90,10 @@ class Settings(BaseSettings):
         "auto", description="Engines of one host's workers take turns at its CPU cores, one step at a time, instead of "
         "slowing each other down: auto (when the engines run on the CPU), off, or the path of the lock file they "
         "share (default /dev/shm/omni-jobs-engine-turns; see omni_jobs.engines.turns).")
+    engine_cpus: str = Field(
+        "", description="The CPUs this worker's engines run on ('0', '2-3', '0,2'); empty: every CPU. It sets their "
+        "thread count and vLLM's binding, and they take turns (engine_turns) only with engines on the same CPUs. "
+        "`omni-jobs up --engine-workers N` gives each of N workers per stage its own (omni_jobs.engines.cpu_layout).")
     engine_malloc: MallocChoice = Field(
         "auto", description="The malloc of engine processes (omni_jobs.engines.allocator): auto (tcmalloc where "
         "installed, else glibc's with fixed thresholds: a DiT batch on the CPU faults its activations in again at every "
@@ -288,6 +293,14 @@ class Settings(BaseSettings):
     def _empty_secret_is_none(cls, value: object) -> object:
         """An empty OMNI_WEBHOOK_SECRET (as compose passes an unset one) means: no webhooks."""
         return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("engine_cpus")
+    @classmethod
+    def _cpu_list(cls, value: str) -> str:
+        """A typo in OMNI_ENGINE_CPUS is named at start, not found later in vLLM's binding."""
+        if value.strip():
+            parse_cpus(value)
+        return value.replace(" ", "")
 
     @property
     def effective_broker_url(self) -> str:

@@ -89,7 +89,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         extra_env["OMNI_PIPELINES_PATH"] = json.dumps([str(p) for p in paths])
     system = EmbeddedSystem(settings=settings, home=home, api_port=args.api_port, flower_port=args.flower_port,
                             redis_url=settings.redis_url if "OMNI_REDIS_URL" in os.environ else None,
-                            extra_env=extra_env)
+                            extra_env=extra_env, engine_workers=args.engine_workers)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         system.start()
@@ -178,6 +178,16 @@ def cmd_pipelines(args: argparse.Namespace) -> int:
         return 2
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number, 1 or more")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-jobs", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -190,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--once", action="store_true", help="stop after the demo job instead of waiting for Ctrl-C")
     up.add_argument("--pipelines", action="append", default=[], metavar="PATH",
                     help="your pipeline YAML files or directories (repeatable; added to OMNI_PIPELINES_PATH)")
+    up.add_argument("--engine-workers", type=_positive_int, default=1, metavar="N",
+                    help="worker processes per stage queue (ar, dit), each on its own share of the CPUs: on a CPU "
+                         "host one per core gives the most jobs a second (a model copy each; a single job runs on "
+                         "its share). Default 1: one worker per queue on every CPU")
     up.set_defaults(func=cmd_up)
 
     t = sub.add_parser("tiny", help="build the small random-weight models used by the demo and tests")

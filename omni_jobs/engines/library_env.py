@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
+from omni_jobs.engines.cpu_layout import cpus_env
+
 ENGINE_LIBRARY_DEFAULTS: dict[str, str] = {
     # oneDNN (torch's CPU matmuls) keeps a compiled primitive per matmul shape, 1,024 of them by default,
     # and a CPU AR worker meets a new shape with almost every batch: it held 200-360 MB more after 2,000
@@ -26,8 +28,9 @@ ENGINE_LIBRARY_DEFAULTS: dict[str, str] = {
 
 
 def apply_engine_library_defaults(env: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
-    """Set each default in ``env`` (this process's environment when None) unless it has a value; returns it."""
+    """Set each default in ``env`` (this process's environment when None) unless it has a value; returns it.
+    A worker given its CPUs (``OMNI_ENGINE_CPUS``) also gets the thread count and binding they imply."""
     target: MutableMapping[str, str] = os.environ if env is None else env
-    for name, value in ENGINE_LIBRARY_DEFAULTS.items():
+    for name, value in {**ENGINE_LIBRARY_DEFAULTS, **cpus_env(target.get("OMNI_ENGINE_CPUS", ""))}.items():
         target.setdefault(name, value)
     return target

@@ -101,18 +101,24 @@ DEFAULT_FILE = Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettem
 _turns: EngineTurns | None = None
 
 
-def lock_file(setting: str, device: str) -> Path | None:
+def lock_file(setting: str, device: str, cpus: str = "") -> Path | None:
     """The lock file that ``OMNI_ENGINE_TURNS`` names: 'off' none; 'auto' the host's default file
-    when the engines run on the CPU (``device``: OMNI_DEVICE), none on a GPU; else that path."""
+    when the engines run on the CPU (``device``: OMNI_DEVICE), none on a GPU; else that path.
+    Engines given CPUs of their own (``cpus``: OMNI_ENGINE_CPUS) take turns only with the engines on
+    the same CPUs: each list of CPUs has its own file."""
     if setting == "off":
         return None
-    if setting != "auto":
-        return Path(setting)
-    if device == "auto":
-        import torch
+    path = Path(setting) if setting != "auto" else DEFAULT_FILE
+    if setting == "auto":
+        if device == "auto":
+            import torch
 
-        return None if torch.cuda.is_available() else DEFAULT_FILE
-    return DEFAULT_FILE if device == "cpu" else None
+            if torch.cuda.is_available():
+                return None
+        elif device != "cpu":
+            return None
+    spec = cpus.replace(" ", "")
+    return path.with_name(f"{path.name}.cpus-{spec}") if spec else path
 
 
 def configure(path: Path | None) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import redis
 
 from omni_jobs.engines.allocator import engine_process_env
+from omni_jobs.engines.cpu_layout import engine_slice, host_cores
 from omni_jobs.local.devservices import (
     RunningService,
     find_waitaof_server,
@@ -138,6 +139,10 @@ class EmbeddedSystem:
     extra_env: dict[str, str] = field(default_factory=dict)
     worker_queues: dict[str, str] = field(default_factory=lambda: dict(WORKER_QUEUES))
     with_flower: bool = True
+    engine_workers: int = 1
+    """Worker processes per stage queue (ar, dit), each with its own slice of the cores
+    (omni_jobs.engines.cpu_layout): on a CPU host, one per core is the fastest layout; 1 runs one worker
+    per queue on every core (one model copy, and a single job runs on all of them)."""
     metrics_ports: dict[str, int] = field(default_factory=dict)
     """Worker node name -> the port its Prometheus metrics are served on (the API serves /metrics)."""
     webhook_secret: str = field(default_factory=generate_secret, repr=False)
@@ -281,7 +286,8 @@ class EmbeddedSystem:
         self._spawn("api", [sys.executable, "-m", "uvicorn", "api.main:app", "--host", "127.0.0.1",
                             "--port", str(self.api_port)], self.api_port, _http_ok(f"{self.api_url}/healthz"))
         for queue in self.worker_queues:
-            self.start_worker(queue)
+            for node, env in self.worker_nodes(queue):
+                self.start_worker(queue, name=node, env=env)
         if self.with_flower:
             self._spawn("flower", [sys.executable, "-m", "celery", "-A", "workers.app:app", "flower",
                                "--address=127.0.0.1", f"--port={self.flower_port}",
@@ -301,6 +307,15 @@ class EmbeddedSystem:
         self.metrics_ports[node] = free_port()
         return self._spawn(f"worker-{node}", argv, 0, lambda: True, env=self.worker_env(
             {"OMNI_METRICS_PORT": str(self.metrics_ports[node]), **(env or {})}))
+
+    def worker_nodes(self, queue: str) -> list[tuple[str, dict[str, str]]]:
+        """Node name and environment of each worker process ``queue`` gets: one, or for a stage queue
+        ``engine_workers`` of them (``ar``, ``ar-2``, ...), each on its own cores."""
+        if queue not in STAGE_QUEUES or self.engine_workers == 1:
+            return [(queue, {})]
+        cores = host_cores()
+        return [(queue if i == 0 else f"{queue}-{i + 1}", {"OMNI_ENGINE_CPUS": engine_slice(i, self.engine_workers, cores)})
+                for i in range(self.engine_workers)]
 
     def worker_env(self, overrides: dict[str, str]) -> dict[str, str]:
         """A worker's environment: this system's, then ``overrides``, with the engines' malloc preloaded
@@ -348,7 +363,8 @@ class EmbeddedSystem:
         missing = sorted(queues)
         try:
             while time.monotonic() < deadline:
-                missing = sorted(queues - set(live_workers(client)))
+                live = live_workers(client)
+                missing = [q for q in sorted(queues) if len(live.get(q, [])) < self._workers_expected(q)]
                 if not missing:
                     return
                 for proc in self.processes:
@@ -358,6 +374,9 @@ class EmbeddedSystem:
         finally:
             client.close()
         raise TimeoutError(f"no worker came up for queues {missing}; see the logs in {self.logs}")
+
+    def _workers_expected(self, queue: str) -> int:
+        return len(self.worker_nodes(queue)) if queue in self.worker_queues else 1
 
     def stop(self) -> None:
         for proc in reversed(self.processes):

@@ -1,0 +1,66 @@
+"""How engine workers on one CPU host share its cores: one OpenMP team across all, or a worker per slice.
+
+torch (diffusers) and vLLM's CPU backend run every op on an OpenMP team of threads that meet at a
+barrier after each op. When another process takes one core for a moment (the API, Redis, a worker's
+own Celery threads), the whole team waits for that thread at its next barrier: the system's bookkeeping
+costs the engine about its own length again (bench/NOTES.md, "Where the rest of the gap goes"). Worker
+processes that each own a slice of the cores do not wait for each other: the same work is only the CPU
+it takes. On a 2-core host two single-threaded engines made the benchmark's 64 images 1.14x as fast as
+one two-threaded engine, and its 64 texts 1.13x (bench/NOTES.md, "An engine worker per core").
+
+A worker's slice is its ``OMNI_ENGINE_CPUS``: it sets the engines' thread count, vLLM's binding, and
+which engines take turns with them (omni_jobs.engines.turns: those on the same CPUs). The price of a
+worker per slice is a model copy each (memory) and a single job's latency (it runs on one slice), so it
+is a choice (``omni-jobs up --engine-workers N``), not the default.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+_CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
+
+
+def parse_cpus(spec: str) -> tuple[int, ...]:
+    """The CPUs of a list such as ``2``, ``0-3`` or ``0,2,4-5`` (Linux's cpuset notation, as vLLM's
+    VLLM_CPU_OMP_THREADS_BIND takes it), in order, each once."""
+    text = spec.replace(" ", "")
+    if not _CPU_LIST.match(text):
+        raise ValueError(f"OMNI_ENGINE_CPUS={spec!r}: expected CPUs such as '0', '2-3' or '0,2,4-5'")
+    cpus: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        lo, hi = int(first), int(last or first)
+        if hi < lo:
+            raise ValueError(f"OMNI_ENGINE_CPUS={spec!r}: the range {part} runs backwards; write {hi}-{lo}")
+        cpus += [c for c in range(lo, hi + 1) if c not in cpus]
+    return tuple(cpus)
+
+
+def cpus_env(spec: str) -> dict[str, str]:
+    """What the engine libraries of a worker on these CPUs read before they load: torch's OpenMP thread
+    count, and vLLM's binding (vLLM pins its threads; without distinct CPUs every worker's would pile
+    onto the same ones). Empty for an empty spec: every CPU, the libraries' own defaults."""
+    if not spec.strip():
+        return {}
+    return {"OMP_NUM_THREADS": str(len(parse_cpus(spec))), "VLLM_CPU_OMP_THREADS_BIND": spec.replace(" ", "")}
+
+
+def host_cores() -> int:
+    """CPUs this process may run on (a container's cpuset, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def engine_slice(index: int, workers: int, cores: int) -> str:
+    """The CPUs (``OMNI_ENGINE_CPUS``) of engine worker ``index`` of ``workers`` on a host of ``cores``
+    CPUs: an equal share each; workers beyond the cores share them round robin, one CPU each."""
+    if workers < 1 or not 0 <= index < workers:
+        raise ValueError(f"engine worker {index} of {workers}: need 0 <= index < workers and workers >= 1")
+    per = max(1, cores // workers)
+    first = (index * per) % max(cores, 1)
+    last = min(first + per, cores) - 1
+    return str(first) if last <= first else f"{first}-{last}"
