@@ -204,7 +204,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "results" / "gpu-dit.json")
     args = p.parse_args(argv)
     # what bench.run's Bench reads
-    args.ar_tokens, args.redis_durability, args.ab = 16, "auto", None
+    args.ar_tokens, args.redis_durability, args.ab, args.engine_workers = 16, "auto", None, 1
     return args
 
 

@@ -43,6 +43,7 @@ from bench.redis_calls import RedisCalls
 from bench.redis_calls import snapshot as redis_snapshot
 from omni_jobs import keys
 from omni_jobs.engines.allocator import engine_process_env, loaded_tcmalloc, malloc_choice, tune_engine_malloc
+from omni_jobs.engines.cpu_layout import engine_slice, host_cores
 from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.store import RedisJobStore
@@ -208,9 +209,11 @@ class Bench:
 
     # --- the system under test ---
     def start(self) -> None:
+        # as `omni-jobs up`, plus the naive twins where their arm runs: idle, the two took ~0.35 ms of CPU a
+        # job of the DiT row from the engines' cores (python -m bench.worker_threads)
+        naive = {} if self.args.no_naive else {"ar-naive": "solo", "dit-naive": "solo"}
         self.start_system([AR_MODEL, DIT_SMALL, DIT_LARGE, DIT_TEST],
-                          pipelines(self.args.batch, self.args.ar_tokens, self.args.steps),
-                          {**WORKER_QUEUES, "ar-naive": "solo", "dit-naive": "solo"})  # as `omni-jobs up`, plus the naive twins
+                          pipelines(self.args.batch, self.args.ar_tokens, self.args.steps), {**WORKER_QUEUES, **naive})
         if self.args.ab is not None:
             assert self.system
             self.start_b_workers(self.system.extra_env)
@@ -229,12 +232,15 @@ class Bench:
         shutil.rmtree(home / "redis", ignore_errors=True)  # every run starts from an empty Redis
         settings = Settings(models_dir=self.models_dir, artifacts_dir=(home / "artifacts").resolve(),
                             redis_url="redis://unused")
+        # each worker holds its share of the 2 batches in flight, at least one whole batch
+        in_flight = max(self.args.batch, self.args.batch * 2 // self.args.engine_workers)
         env = {"OMNI_PIPELINES_PATH": json.dumps([str(pipes_dir.resolve())]),
-               "OMNI_STAGE_MAX_IN_FLIGHT": str(self.args.batch * 2), "OMNI_BATCH_MAX_SIZE": str(self.args.batch),
+               "OMNI_STAGE_MAX_IN_FLIGHT": str(in_flight), "OMNI_BATCH_MAX_SIZE": str(self.args.batch),
                "OMNI_LOG_FORMAT": "text", "OMNI_AUTH_ENABLED": "false",
                "OMNI_MAX_QUEUED_PER_QUEUE": "100000"}
         self.system = EmbeddedSystem(settings=settings, home=home.resolve(), extra_env=env, worker_queues=queues,
-                                     with_flower=False, redis_durability=self.args.redis_durability)
+                                     with_flower=False, redis_durability=self.args.redis_durability,
+                                     engine_workers=self.args.engine_workers)
         os.environ.setdefault("OMNI_AUTH_ENABLED", "false")
         self.system.start(say=lambda m: print(f"  [system] {m}", flush=True))
         assert self.system.redis_url
@@ -259,6 +265,11 @@ class Bench:
                                env=self.system.worker_env({"OMNI_METRICS_PORT": str(self.system.metrics_ports[node]),
                                                            **overrides}), cwd=tree)
         self.system.wait_for_workers({"ar-b", "dit-b"})
+
+    def stage_nodes(self, queues: tuple[str, ...] | list[str]) -> list[str]:
+        """The worker nodes of these stage queues: ``ar``, or ``ar``, ``ar-2``... with --engine-workers."""
+        assert self.system
+        return [node for q in queues for node, _ in self.system.worker_nodes(q)]
 
     def stop(self) -> None:
         if self.system is not None:
@@ -354,7 +365,8 @@ class Bench:
         # every arm of a row gets the same prompts in a repetition (direct_rep too): the same work. Each
         # arm runs in its own process, so no arm finds another's prompts in its prefix cache.
         texts = prompts(self.n, rep + salt)
-        nodes = [] if pipeline.endswith("-naive") else (["ar-b", "dit-b"] if pipeline.endswith("-b") else ["ar", "dit"])
+        nodes = [] if pipeline.endswith("-naive") else (["ar-b", "dit-b"] if pipeline.endswith("-b") else
+                                                        self.stage_nodes(("ar", "dit")))
         batches_before = {n: self.batch_totals(n) for n in nodes}
         # the CPU counted is the jobs' alone: reading the workers' /metrics (batch_totals) cost the driver
         # ~25 ms per read and the worker its render, outside the repetition's window
@@ -475,12 +487,20 @@ class Bench:
                 "preview_share_of_engine_cpu": share}
 
     # --- the limit: direct engine calls, in a child process per workload ---
-    def direct_process(self, w: Workload) -> DirectProcess:
+    def direct_process(self, w: Workload) -> DirectGroup:
         """vLLM pins the threads of the process that loads it, which would slow a diffusers pipeline
-        run after it in the same process (and peak RSS would mix): each workload gets a fresh one."""
-        argv = [sys.executable, "-m", "bench.run", "--direct", w.name, "--jobs", str(self.n),  # reps: one per request
-                "--batch", str(self.args.batch), "--ar-tokens", str(self.args.ar_tokens), "--steps", str(self.args.steps)]
-        return DirectProcess(argv, ROOT / "logs" / "direct.log")
+        run after it in the same process (and peak RSS would mix): each workload gets a fresh one.
+        With --engine-workers N, N of them, each on the cores a system worker of that index gets, each
+        doing its share of the jobs: the engines laid out as the system's."""
+        parts = self.args.engine_workers
+        children = []
+        for part in range(parts):
+            argv = [sys.executable, "-m", "bench.run", "--direct", w.name, "--jobs", str(self.n),  # reps: one per request
+                    "--batch", str(self.args.batch), "--ar-tokens", str(self.args.ar_tokens),
+                    "--steps", str(self.args.steps), "--direct-part", f"{part}/{parts}"]
+            env = {"OMNI_ENGINE_CPUS": engine_slice(part, parts, host_cores())} if parts > 1 else {}
+            children.append(DirectProcess(argv, ROOT / "logs" / f"direct-{part}.log", env))
+        return DirectGroup(children)
 
     def serve_direct(self, w: Workload) -> None:
         """The child's side of DirectProcess: load and warm up, then one repetition per request line."""
@@ -500,7 +520,8 @@ class Bench:
 
     def direct_rep(self, w: Workload, dit: Any, rep: int) -> dict[str, Any]:
         """One repetition of the same work as N jobs, by direct engine calls."""
-        texts = prompts(self.n, rep)  # the system arm's prompts of this repetition (system_rep)
+        part, parts = map(int, self.args.direct_part.split("/"))
+        texts = prompts(self.n, rep)[part::parts]  # the system arm's prompts of this repetition (system_rep)
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         stage: dict[str, float] = {}
@@ -517,7 +538,7 @@ class Bench:
             stage["dit"] = time.perf_counter() - t1
         elapsed = time.perf_counter() - t0
         # every job of a direct batch ends with the batch: its latency is the whole call
-        return {"jobs_per_s": self.n / elapsed, "latency": elapsed, "stage_s": stage,
+        return {"jobs_per_s": len(texts) / elapsed, "latency": elapsed, "stage_s": stage,
                 "cpu_s": time.process_time() - cpu0}
 
     def _warm_up(self, w: Workload, dit: Any) -> None:
@@ -549,15 +570,17 @@ class Bench:
         queues = {"ar": ["ar"], "dit": ["dit"], "multi": ["ar", "dit"]}[w.kind]
         # warm-up: a full batch through the system, a job through the naive path: no arm pays first-call costs
         self.run_jobs(w.pipeline, [f"warm up {t}" for t in prompts(min(self.args.batch, self.n), 998)])
-        self.run_jobs(w.pipeline + "-naive", ["warm up two"])
+        if not self.args.no_naive:
+            self.run_jobs(w.pipeline + "-naive", ["warm up two"])
         direct, system, naive, b = Arm(), Arm(), Arm(), Arm()
         if self.args.ab is not None:
             self.run_jobs(w.pipeline + "-b", [f"warm up {t}" for t in prompts(min(self.args.batch, self.n), 997)])
         with self.direct_process(w) as child:
             for rep in range(self.reps):
-                idle_before, woken_before = self.cpu_times(), {**self.wakeups(), "direct": wakeups(child.pid)}
+                idle_before = self.cpu_times()
+                woken_before = {**self.wakeups(), "direct": sum(wakeups(pid) for pid in child.pids)}
                 d = child.rep(rep)
-                direct.add_wakeups(woken_before, {**self.wakeups(), "direct": wakeups(child.pid)})
+                direct.add_wakeups(woken_before, {**self.wakeups(), "direct": sum(wakeups(pid) for pid in child.pids)})
                 direct.jobs_run += self.n
                 for proc, cpu in self.cpu_times().items():  # the system's processes, idle meanwhile: both arms pay them
                     if proc != "driver":
@@ -578,7 +601,7 @@ class Bench:
                       + (f"B {b.jobs_per_s[-1]:.2f}, " if self.args.ab is not None else "")
                       + (f"naive {naive.jobs_per_s[-1]:.2f} " if naive.jobs_per_s else "") + "jobs/s", flush=True)
             direct.rss_mib = child.close()["rss_mib"]
-        system.rss_mib = {q: round(self.worker_rss(q), 1) for q in queues}
+        system.rss_mib = {node: round(self.worker_rss(node), 1) for node in self.stage_nodes(queues)}
         if naive.jobs_per_s:
             naive.rss_mib = {f"{q}-naive": round(self.worker_rss(f"{q}-naive"), 1) for q in queues}
         else:
@@ -684,7 +707,7 @@ class DirectProcess:
     """The direct arm in a child process that loads its engines once and then runs one repetition
     per request (lines on its stdin; JSON answers on its stdout behind a marker, since engines log there)."""
 
-    def __init__(self, argv: list[str], log_path: Path) -> None:
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         import subprocess
 
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -693,7 +716,8 @@ class DirectProcess:
             # the engine libraries set up as in a worker (OpenMP's spin, oneDNN's cache, the malloc): the same engine
             self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                                           text=True, bufsize=1,
-                                          env=engine_process_env(apply_engine_library_defaults(dict(os.environ))))
+                                          env=engine_process_env(apply_engine_library_defaults(
+                                              {**os.environ, **(env or {})})))
         self._read()  # {"ready": true} once loaded and warmed up
 
     @property
@@ -739,6 +763,42 @@ class DirectProcess:
             if line.startswith(_REPLY):
                 return dict(json.loads(line[len(_REPLY):]))
         raise RuntimeError(f"the direct arm exited with {self._proc.wait()} before answering; see {self.log_path}")
+
+
+class DirectGroup:
+    """The direct arm's children (one, or one per engine worker with --engine-workers), started on a
+    repetition together: its time is the last one's, its CPU all of theirs."""
+
+    def __init__(self, children: list[DirectProcess]) -> None:
+        self.children = children
+
+    @property
+    def pids(self) -> list[int]:
+        return [c.pid for c in self.children]
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for c in self.children:
+            c.__exit__(*exc)
+
+    def rep(self, rep: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        for c in self.children:
+            c.send(str(rep))
+        answers = [c.answer() for c in self.children]
+        elapsed = time.perf_counter() - started
+        jobs = sum(a["jobs_per_s"] * a["latency"] for a in answers)
+        stages = {k for a in answers for k in a["stage_s"]}
+        return {"jobs_per_s": jobs / elapsed, "latency": elapsed, "cpu_s": sum(a["cpu_s"] for a in answers),
+                "stage_s": {k: max(a["stage_s"].get(k, 0.0) for a in answers) for k in stages}}
+
+    def close(self) -> dict[str, Any]:
+        peaks = [c.close()["rss_mib"]["driver"] for c in self.children]
+        if len(peaks) == 1:
+            return {"rss_mib": {"driver": peaks[0]}}
+        return {"rss_mib": {f"driver-{i + 1}": p for i, p in enumerate(peaks)}}
 
 
 _REPLY = "BENCH-DIRECT "
@@ -820,6 +880,10 @@ def table(results: dict[str, Any]) -> str:
     engine_cores = (results.get("config") or {}).get("engine_cores")
     if engine_cores:
         lines.insert(0, f"engines: {engine_cores} thread(s) each, in both arms (--engine-cores); the other cores the system's")
+    engine_workers = (results.get("config") or {}).get("engine_workers") or 1
+    if engine_workers > 1:
+        lines.insert(0, f"engines: {engine_workers} workers per stage queue, each on its own cores, and the direct arm "
+                        f"as {engine_workers} engine processes laid out alike (--engine-workers)")
     for name, row in results["rows"].items():
         for arm in ("direct", "system", "naive"):
             a = row[arm]
@@ -898,11 +962,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="each engine, in both arms, runs N threads (vLLM's bound to cores 0..N-1), so that the "
                         "other cores are the system's: its cost where the CPU is not the engine's, as on a GPU "
                         "host (default: the engines use every core)")
+    p.add_argument("--engine-workers", type=int, default=1, metavar="N",
+                   help="N worker processes per stage queue in the system, each on its own slice of the cores "
+                        "(omni-jobs up --engine-workers), and the direct arm as N engine processes laid out alike, "
+                        "each doing its share of the jobs (default 1: one engine on every core)")
     p.add_argument("--redis-durability", choices=("auto", "always", "waitaof", "everysec"), default="auto",
                    help="how the system's Redis keeps a 202 (auto: as `omni-jobs up`; see EmbeddedSystem)")
     p.add_argument("--direct", default=None, help=argparse.SUPPRESS)  # internal: one direct arm, JSON out
+    p.add_argument("--direct-part", default="0/1", help=argparse.SUPPRESS)  # internal: which share of the jobs
     args = p.parse_args(argv)
     cores = os.cpu_count() or 1
+    if args.engine_workers < 1:
+        p.error(f"--engine-workers {args.engine_workers}: give 1 or more")
+    if args.engine_workers > 1 and args.engine_cores is not None:
+        p.error("--engine-workers and --engine-cores: choose one (each lays out the engines' cores its own way)")
     if args.engine_cores is not None and not 1 <= args.engine_cores < cores:
         p.error(f"--engine-cores {args.engine_cores}: give the engines 1 to {cores - 1} of this machine's {cores} "
                 "cores, leaving at least one to the system")

@@ -71,10 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=6, help="measured repetitions (after 2 unmeasured ones)")
     p.add_argument("--process", default=None, help="whose threads to list (default: the workload's stage worker; "
                    "e.g. ar, results, api: what a process that has no part in the jobs spends meanwhile)")
+    p.add_argument("--engine-workers", type=int, default=1, metavar="N",
+                   help="N workers per stage queue, as `python -m bench --engine-workers N`; the threads listed are "
+                        "the first one's, per job it ran (~1/N of them)")
     args = p.parse_args(argv)
     (workload,) = [w for w in WORKLOADS if args.only in w.name]
     worker = args.process or {"ar": "ar", "dit": "dit", "multi": "dit"}[workload.kind]
-    bench = Bench(parse(["--jobs", str(args.jobs), "--no-naive"]))
+    bench = Bench(parse(["--jobs", str(args.jobs), "--no-naive", "--engine-workers", str(args.engine_workers)]))
     try:
         bench.start()
         for rep in range(2):  # warm: first calls at each batch size, the prefix caches of the prompts
@@ -92,13 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     by_process = {k: v - procs_before.get(k, 0.0) for k, v in procs_after.items()}
     print("by process: " + ", ".join(f"{k} {1000 * v / n:.2f}"
                                      for k, v in sorted(by_process.items(), key=lambda kv: -kv[1])))
-    print(f"the threads of {worker}: CPU ms and wake-ups (voluntary context switches) a job")
+    n_worker = n / args.engine_workers if worker in ("ar", "dit") and args.process is None else n
+    print(f"the threads of {worker}: CPU ms and wake-ups (voluntary context switches) a job"
+          + (f" it ran (~{n_worker:.0f})" if n_worker != n else ""))
     groups = by_group(threads_before, threads_after, names)
     woken = by_group({t: float(v) for t, v in woken_before.items()}, {t: float(v) for t, v in woken_after.items()},
                      names)
     for name, (spent, count) in sorted(groups.items(), key=lambda kv: -kv[1][0]):
-        if spent * 1000 / n >= 0.005:
-            print(f"  {1000 * spent / n:8.3f} {woken.get(name, (0.0, 0))[0] / n:7.1f}  {name}"
+        if spent * 1000 / n_worker >= 0.005:
+            print(f"  {1000 * spent / n_worker:8.3f} {woken.get(name, (0.0, 0))[0] / n_worker:7.1f}  {name}"
                   + (f" ({count} threads)" if count > 1 else ""))
     return 0
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench.run import WORKLOADS, Arm, _cpu_split, engine_cores_env, parse, pipelines, table
+from bench.run import WORKLOADS, Arm, DirectGroup, _cpu_split, engine_cores_env, parse, pipelines, table
 from omni_jobs.local import tiny
 from omni_jobs.pipelines.catalogue import parse_pipeline
 
@@ -123,3 +123,41 @@ def test_engine_cores_leave_the_system_a_core_and_reach_both_engine_libraries(
     out = table({"config": {"engine_cores": 1}, "rows": {"text-to-text": row}})
     assert out.splitlines()[0].startswith("engines: 1 thread(s) each, in both arms")
     assert "engines:" not in table({"config": {}, "rows": {"text-to-text": row}})
+
+
+def test_engine_workers_lay_out_both_arms_alike(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse(["--engine-workers", "2"]).engine_workers == 2
+    assert parse([]).engine_workers == 1
+    with pytest.raises(SystemExit):
+        parse(["--engine-workers", "0"])
+    assert "--engine-workers 0: give 1 or more" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["--engine-workers", "2", "--engine-cores", "1"])
+    assert "choose one" in capsys.readouterr().err
+    row = bare_row()
+    out = table({"config": {"engine_workers": 2}, "rows": {"text-to-text": row}})
+    assert out.splitlines()[0].startswith("engines: 2 workers per stage queue, each on its own cores")
+    assert "engines:" not in table({"config": {"engine_workers": 1}, "rows": {"text-to-text": row}})
+
+
+class _Child:
+    """A direct child that answers at once: ``jobs`` in ``latency`` seconds."""
+
+    def __init__(self, jobs: int, latency: float, cpu: float, stage: float) -> None:
+        self.answer_ = {"jobs_per_s": jobs / latency, "latency": latency, "cpu_s": cpu, "stage_s": {"dit": stage}}
+        self.sent: list[str] = []
+
+    def send(self, line: str) -> None:
+        self.sent.append(line)
+
+    def answer(self) -> dict[str, object]:
+        return self.answer_
+
+
+def test_the_direct_arms_children_count_all_their_jobs_and_cpu_and_the_slowest_stage() -> None:
+    children = [_Child(32, 1.5, 1.4, 1.5), _Child(32, 1.7, 1.6, 1.7)]
+    rep = DirectGroup(children).rep(3)  # type: ignore[arg-type]
+    assert [c.sent for c in children] == [["3"], ["3"]]  # both started on the same repetition
+    assert rep["cpu_s"] == pytest.approx(3.0)
+    assert rep["stage_s"] == {"dit": 1.7}
+    assert rep["jobs_per_s"] * rep["latency"] == pytest.approx(64)  # every job of both, over the arm's own time
