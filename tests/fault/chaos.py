@@ -139,7 +139,8 @@ def _client_submit(api: httpx.Client, body: dict[str, Any], result: ChaosResult,
     raise RuntimeError(f"could not submit {body['pipeline']} in 120 s")
 
 
-def run(jobs: int = 200, seed: int = 7, home: Path | None = None, say: Any = print) -> ChaosResult:
+def run(jobs: int = 200, seed: int = 7, home: Path | None = None, say: Any = print,
+        engine_workers: int = 1) -> ChaosResult:
     rng = random.Random(seed)
     home = (home or REPO / "var" / "chaos").resolve()
     shutil.rmtree(home, ignore_errors=True)
@@ -151,7 +152,7 @@ def run(jobs: int = 200, seed: int = 7, home: Path | None = None, say: Any = pri
     with WebhookReceiver() as receiver:
         hook = receiver.script("/chaos", [])
         system = EmbeddedSystem(settings=settings, home=home, api_port=free_port(), with_flower=False,
-                                extra_env={"OMNI_RUN_JOURNAL": str(journal),
+                                engine_workers=engine_workers, extra_env={"OMNI_RUN_JOURNAL": str(journal),
                                            "OMNI_WEBHOOK_ALLOW_HOSTS": '["127.0.0.1"]'})
         system.start(say=lambda m: say(f"  [system] {m}"))
         held_down: set[str] = set()
@@ -172,7 +173,9 @@ def run(jobs: int = 200, seed: int = 7, home: Path | None = None, say: Any = pri
         try:
             started = time.monotonic()
             submit_window = max(20.0, jobs / 6)
-            schedule = sorted((rng.uniform(3.0, submit_window), name) for name in FAULTS)
+            # with a worker per core, each stage queue's second worker is killed too
+            faults = FAULTS + [f"worker-{q}-{i + 1}" for q in ("dit", "ar") for i in range(1, engine_workers)]
+            schedule = sorted((rng.uniform(3.0, submit_window), name) for name in faults)
             result.faults = [Fault(name, at) for at, name in schedule]
 
             def chaos_monkey() -> None:
@@ -313,8 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=200)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--home", type=Path, default=REPO / "var" / "chaos")
+    parser.add_argument("--engine-workers", type=int, default=1, metavar="N",
+                        help="N workers per stage queue, each on its own cores (omni-jobs up --engine-workers)")
     args = parser.parse_args(argv)
-    result = run(args.jobs, args.seed, args.home)
+    result = run(args.jobs, args.seed, args.home, engine_workers=args.engine_workers)
     print("\n" + result.table())
     print("\nPASS" if result.ok else "\nFAIL")
     return 0 if result.ok else 1
