@@ -43,7 +43,7 @@ from bench.redis_calls import RedisCalls
 from bench.redis_calls import snapshot as redis_snapshot
 from omni_jobs import keys
 from omni_jobs.engines.allocator import engine_process_env, loaded_tcmalloc, malloc_choice, tune_engine_malloc
-from omni_jobs.engines.cpu_layout import engine_slice, host_cores
+from omni_jobs.engines.cpu_layout import engine_slice, host_cpus
 from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.store import RedisJobStore
@@ -498,7 +498,7 @@ class Bench:
             argv = [sys.executable, "-m", "bench.run", "--direct", w.name, "--jobs", str(self.n),  # reps: one per request
                     "--batch", str(self.args.batch), "--ar-tokens", str(self.args.ar_tokens),
                     "--steps", str(self.args.steps), "--direct-part", f"{part}/{parts}"]
-            env = {"OMNI_ENGINE_CPUS": engine_slice(part, parts, host_cores())} if parts > 1 else {}
+            env = {"OMNI_ENGINE_CPUS": engine_slice(part, parts, host_cpus())} if parts > 1 else {}
             children.append(DirectProcess(argv, ROOT / "logs" / f"direct-{part}.log", env))
         return DirectGroup(children)
 

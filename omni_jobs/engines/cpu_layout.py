@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 
 _CPU_LIST = re.compile(r"^\d+(-\d+)?(,\d+(-\d+)?)*$")
 
@@ -47,20 +48,32 @@ def cpus_env(spec: str) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(len(parse_cpus(spec))), "VLLM_CPU_OMP_THREADS_BIND": spec.replace(" ", "")}
 
 
-def host_cores() -> int:
-    """CPUs this process may run on (a container's cpuset, not the host's count)."""
+def host_cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on, by number (a container's cpuset, such as 4-7, not 0..N-1)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return tuple(sorted(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
+        return tuple(range(os.cpu_count() or 1))
 
 
-def engine_slice(index: int, workers: int, cores: int) -> str:
-    """The CPUs (``OMNI_ENGINE_CPUS``) of engine worker ``index`` of ``workers`` on a host of ``cores``
-    CPUs: an equal share each; workers beyond the cores share them round robin, one CPU each."""
+def cpu_spec(cpus: Sequence[int]) -> str:
+    """``cpus`` in the notation ``parse_cpus`` reads: consecutive runs as ranges (``0-3,6``)."""
+    runs: list[list[int]] = []
+    for cpu in sorted(set(cpus)):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in runs)
+
+
+def engine_slice(index: int, workers: int, cpus: Sequence[int]) -> str:
+    """The CPUs (``OMNI_ENGINE_CPUS``) of engine worker ``index`` of ``workers`` on a host whose CPUs are
+    ``cpus``: an equal share each, in order; workers beyond the CPUs share them round robin, one each."""
     if workers < 1 or not 0 <= index < workers:
         raise ValueError(f"engine worker {index} of {workers}: need 0 <= index < workers and workers >= 1")
-    per = max(1, cores // workers)
-    first = (index * per) % max(cores, 1)
-    last = min(first + per, cores) - 1
-    return str(first) if last <= first else f"{first}-{last}"
+    if not cpus:
+        raise ValueError("no CPUs to share")
+    per = max(1, len(cpus) // workers)
+    first = (index * per) % len(cpus)
+    return cpu_spec(cpus[first:first + per])

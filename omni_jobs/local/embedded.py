@@ -20,7 +20,7 @@ from pathlib import Path
 import redis
 
 from omni_jobs.engines.allocator import engine_process_env
-from omni_jobs.engines.cpu_layout import engine_slice, host_cores
+from omni_jobs.engines.cpu_layout import engine_slice, host_cpus
 from omni_jobs.local.devservices import (
     RunningService,
     find_waitaof_server,
@@ -313,8 +313,8 @@ class EmbeddedSystem:
         ``engine_workers`` of them (``ar``, ``ar-2``, ...), each on its own cores."""
         if queue not in STAGE_QUEUES or self.engine_workers == 1:
             return [(queue, {})]
-        cores = host_cores()
-        return [(queue if i == 0 else f"{queue}-{i + 1}", {"OMNI_ENGINE_CPUS": engine_slice(i, self.engine_workers, cores)})
+        cpus = host_cpus()
+        return [(queue if i == 0 else f"{queue}-{i + 1}", {"OMNI_ENGINE_CPUS": engine_slice(i, self.engine_workers, cpus)})
                 for i in range(self.engine_workers)]
 
     def worker_env(self, overrides: dict[str, str]) -> dict[str, str]:

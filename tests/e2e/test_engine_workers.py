@@ -17,7 +17,7 @@ import redis
 import yaml
 
 from omni_jobs.engines import turns
-from omni_jobs.engines.cpu_layout import engine_slice, host_cores
+from omni_jobs.engines.cpu_layout import engine_slice, host_cpus
 from omni_jobs.local.devservices import RunningService, free_port
 from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.settings import Settings
@@ -78,5 +78,5 @@ def test_two_engine_workers_on_their_own_cpus_share_a_burst_of_jobs(two_dit_work
 
     # each took turns only with the engines on its own CPUs ("0" and "1" on 2 cores), not the host's shared turn
     for index, node in enumerate(["worker-dit", "worker-dit-2"]):
-        spec = engine_slice(index, 2, host_cores())
+        spec = engine_slice(index, 2, host_cpus())
         assert _turn_files(workers[node]) == {f"{turns.DEFAULT_FILE.name}.cpus-{spec}"}, node

@@ -4,6 +4,7 @@ turns with which."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from pydantic import ValidationError
 
 from omni_jobs.cli.app import build_parser
 from omni_jobs.engines import cpu_layout, turns
-from omni_jobs.engines.cpu_layout import cpus_env, engine_slice, parse_cpus
+from omni_jobs.engines.cpu_layout import cpu_spec, cpus_env, engine_slice, parse_cpus
 from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.engines.turns import lock_file
 from omni_jobs.local.embedded import EmbeddedSystem
@@ -40,12 +41,17 @@ def test_the_setting_refuses_a_wrong_cpu_list_at_start(tmp_path: Path) -> None:
 
 
 def test_each_of_n_workers_gets_its_own_share_of_the_cores() -> None:
-    assert [engine_slice(i, 2, 2) for i in range(2)] == ["0", "1"]
-    assert [engine_slice(i, 2, 8) for i in range(2)] == ["0-3", "4-7"]
-    assert [engine_slice(i, 3, 8) for i in range(3)] == ["0-1", "2-3", "4-5"]  # the 2 left over stay free
-    assert [engine_slice(i, 3, 2) for i in range(3)] == ["0", "1", "0"]  # more workers than cores: round robin
+    assert [engine_slice(i, 2, (0, 1)) for i in range(2)] == ["0", "1"]
+    assert [engine_slice(i, 2, tuple(range(8))) for i in range(2)] == ["0-3", "4-7"]
+    assert [engine_slice(i, 3, tuple(range(8))) for i in range(3)] == ["0-1", "2-3", "4-5"]  # the 2 left over stay free
+    assert [engine_slice(i, 3, (0, 1)) for i in range(3)] == ["0", "1", "0"]  # more workers than cores: round robin
+    # a container's cpuset: its own CPU numbers, not 0..N-1 (vLLM binds to these)
+    assert [engine_slice(i, 2, (4, 5, 6, 7)) for i in range(2)] == ["4-5", "6-7"]
+    assert [engine_slice(i, 2, (0, 2, 4, 6)) for i in range(2)] == ["0,2", "4,6"]
     with pytest.raises(ValueError, match="engine worker 2 of 2"):
-        engine_slice(2, 2, 2)
+        engine_slice(2, 2, (0, 1))
+    assert cpu_spec([3, 0, 1, 2, 6]) == "0-3,6" and parse_cpus(cpu_spec([3, 0, 1, 2, 6])) == (0, 1, 2, 3, 6)
+    assert set(cpu_layout.host_cpus()) == os.sched_getaffinity(0)
 
 
 def test_a_workers_cpus_set_its_engine_libraries_threads_and_binding() -> None:
@@ -72,13 +78,12 @@ def test_engines_take_turns_only_with_engines_on_the_same_cpus(tmp_path: Path) -
 def test_up_starts_n_workers_per_stage_queue_each_on_its_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from omni_jobs.local import embedded
 
-    monkeypatch.setattr(embedded, "host_cores", lambda: 4)
+    monkeypatch.setattr(embedded, "host_cpus", lambda: (0, 1, 2, 3))
     settings = Settings(redis_url="redis://unused:1/0", artifacts_dir=tmp_path)
     system = EmbeddedSystem(settings=settings, home=tmp_path, engine_workers=2)
     assert system.worker_nodes("dit") == [("dit", {"OMNI_ENGINE_CPUS": "0-1"}), ("dit-2", {"OMNI_ENGINE_CPUS": "2-3"})]
     assert system.worker_nodes("results") == [("results", {})]  # no engine: one worker, as before
     assert EmbeddedSystem(settings=settings, home=tmp_path).worker_nodes("ar") == [("ar", {})]
-    assert cpu_layout.host_cores() >= 1
 
 
 def test_up_takes_engine_workers_and_refuses_zero(capsys: pytest.CaptureFixture[str]) -> None:
