@@ -277,16 +277,17 @@ def worker_command(queue: str) -> str:
 
 def check_workers(client: redis.Redis, queues: Iterable[str]) -> list[Check]:
     """One check per queue: at least one worker heartbeat names it."""
-    from omni_jobs.worker_registry import live_workers
+    from omni_jobs.worker_registry import workers
 
     try:
-        live = live_workers(client)
+        live = workers(client)
     except Exception as exc:  # noqa: BLE001
         return [Check("workers", q, False, f"cannot read worker heartbeats: {exc}", "fix Redis first")
                 for q in sorted(queues)]
     checks = []
     for queue in sorted(queues):
-        names = sorted(live.get(queue, []))
+        # a worker on CPUs of its own says which (omni-jobs up --engine-workers, OMNI_ENGINE_CPUS)
+        names = sorted(w.name + (f" (CPUs {w.cpus})" if w.cpus else "") for w in live if queue in w.queues)
         if names:
             checks.append(Check("workers", queue, True, ", ".join(names)))
         else:

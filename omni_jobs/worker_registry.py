@@ -32,11 +32,13 @@ class WorkerInfo:
     concurrency: int
     pid: int
     expires_at: float
+    cpus: str = ""
+    """The CPUs its engines run on (OMNI_ENGINE_CPUS); empty: every CPU."""
 
 
-def register_worker(client: redis.Redis, name: str, queues: list[str], concurrency: int = 1) -> None:
+def register_worker(client: redis.Redis, name: str, queues: list[str], concurrency: int = 1, cpus: str = "") -> None:
     payload = json.dumps({"name": name, "queues": sorted(queues), "concurrency": concurrency, "pid": os.getpid(),
-                          "expires_at": time.time() + HEARTBEAT_TTL_S})
+                          "expires_at": time.time() + HEARTBEAT_TTL_S, "cpus": cpus})
     client.hset(keys.WORKERS, name, payload)
 
 
@@ -44,18 +46,19 @@ def unregister_worker(client: redis.Redis, name: str) -> None:
     client.hdel(keys.WORKERS, name)
 
 
-def start_heartbeat(client: redis.Redis, name: str, queues: list[str], concurrency: int = 1) -> threading.Event:
+def start_heartbeat(client: redis.Redis, name: str, queues: list[str], concurrency: int = 1,
+                    cpus: str = "") -> threading.Event:
     """Refresh the worker's entry from a daemon thread; set the returned event to stop."""
     stop = threading.Event()
 
     def beat() -> None:
         while not stop.wait(HEARTBEAT_EVERY_S):
             try:
-                register_worker(client, name, queues, concurrency)
+                register_worker(client, name, queues, concurrency, cpus)
             except redis.RedisError:
                 continue
 
-    register_worker(client, name, queues, concurrency)
+    register_worker(client, name, queues, concurrency, cpus)
     threading.Thread(target=beat, name="omni-heartbeat", daemon=True).start()
     return stop
 
@@ -71,7 +74,7 @@ def workers(client: redis.Redis) -> list[WorkerInfo]:
             expired.append(name)
             continue
         live.append(WorkerInfo(info["name"], tuple(info["queues"]), int(info.get("concurrency", 1)),
-                               int(info.get("pid", 0)), float(info["expires_at"])))
+                               int(info.get("pid", 0)), float(info["expires_at"]), str(info.get("cpus", ""))))
     if expired:
         client.hdel(keys.WORKERS, *expired)
     return live

@@ -149,7 +149,7 @@ def on_worker_ready(sender: Any = None, **_: Any) -> None:
     rt.reaper.start()
     concurrency = worker_concurrency(sender)  # the scheduler's window counts it
     configure_batch_filling(rt, queues, concurrency)
-    _heartbeat["stop"] = start_heartbeat(rt.redis, name, queues, concurrency)
+    _heartbeat["stop"] = start_heartbeat(rt.redis, name, queues, concurrency, rt.settings.engine_cpus)
     _heartbeat["name"] = name
 
 

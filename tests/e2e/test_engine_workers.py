@@ -21,6 +21,7 @@ from omni_jobs.engines.cpu_layout import engine_slice, host_cpus
 from omni_jobs.local.devservices import RunningService, free_port
 from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.settings import Settings
+from omni_jobs.worker_registry import workers as registered_workers
 from tests.e2e.conftest import DIT_ONLY_PIPELINE, auth_headers, models_dir
 from tests.e2e.helpers import submit, wait_for_job
 
@@ -76,7 +77,13 @@ def test_two_engine_workers_on_their_own_cpus_share_a_burst_of_jobs(two_dit_work
         image = api.get(jobs[0]["outputs"][0]["url"])
         assert image.status_code == 200 and image.content.startswith(b"\x89PNG")
 
-    # each took turns only with the engines on its own CPUs ("0" and "1" on 2 cores), not the host's shared turn
-    for index, node in enumerate(["worker-dit", "worker-dit-2"]):
+    # each took turns only with the engines on its own CPUs ("0" and "1" on 2 cores), not the host's shared
+    # turn, and says its CPUs in its heartbeat (what `omni-jobs doctor` shows)
+    assert system.redis_url
+    client = redis.Redis.from_url(system.redis_url)
+    heartbeats = {w.name.split("@")[0]: w.cpus for w in registered_workers(client)}
+    client.close()
+    for index, node in enumerate(["dit", "dit-2"]):
         spec = engine_slice(index, 2, host_cpus())
-        assert _turn_files(workers[node]) == {f"{turns.DEFAULT_FILE.name}.cpus-{spec}"}, node
+        assert _turn_files(workers[f"worker-{node}"]) == {f"{turns.DEFAULT_FILE.name}.cpus-{spec}"}, node
+        assert heartbeats[node] == spec

@@ -138,3 +138,18 @@ def test_a_job_waiting_for_a_worker_shows_in_queue_depth(settings: Settings) -> 
                       status="202") is not None
         # The request id comes back on every answer, as given or made up.
         assert client.get("/healthz", headers={"x-request-id": "req-42"}).headers["x-request-id"] == "req-42"
+
+
+def test_doctor_names_each_workers_cpus_where_it_has_its_own(settings: Settings) -> None:
+    """`omni-jobs up --engine-workers 2`'s workers heartbeat their OMNI_ENGINE_CPUS; doctor shows them."""
+    from omni_jobs.checks import check_workers
+
+    client = redis.Redis.from_url(settings.redis_url)
+    register_worker(client, "dit@h", ["dit"], 32, cpus="0")
+    register_worker(client, "dit-2@h", ["dit"], 32, cpus="1")
+    register_worker(client, "ar@h", ["ar"], 16)  # every CPU: nothing to say
+    by_queue = {c.name: c for c in check_workers(client, ["ar", "dit", "results"])}
+    assert by_queue["dit"].ok and by_queue["dit"].detail == "dit-2@h (CPUs 1), dit@h (CPUs 0)"
+    assert by_queue["ar"].detail == "ar@h"
+    assert not by_queue["results"].ok
+    client.close()
