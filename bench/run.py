@@ -256,15 +256,39 @@ class Bench:
         tree = self.args.ab_tree.resolve() if self.args.ab_tree is not None else None
         if tree is not None:  # another checkout's code: its workers start there and import from there
             overrides["PYTHONPATH"] = str(tree)
-        for queue in ("ar-b", "dit-b"):
-            node = queue
+        for queue, node, slice_env in self.b_nodes():
             self.system.metrics_ports[node] = free_port()
             argv = [sys.executable, "-m", "celery", "-A", "workers.app:app", "worker", "-Q", queue, "-P", "threads",
                     "-c", env["OMNI_STAGE_MAX_IN_FLIGHT"], "-n", f"{node}@%h", "--loglevel", "INFO"]
             self.system._spawn(f"worker-{node}", argv, 0, lambda: True,
                                env=self.system.worker_env({"OMNI_METRICS_PORT": str(self.system.metrics_ports[node]),
-                                                           **overrides}), cwd=tree)
+                                                           **slice_env, **overrides}), cwd=tree)
         self.system.wait_for_workers({"ar-b", "dit-b"})
+        self._wait_for_b_nodes()
+
+    def b_nodes(self) -> list[tuple[str, str, dict[str, str]]]:
+        """Queue, node name and environment of each B worker: the system's stage workers' twins (``ar-b``, and
+        with --engine-workers ``ar-b-2``..., each on the CPUs of its twin)."""
+        assert self.system
+        return [(f"{q}-b", f"{q}-b" + node.removeprefix(q), slice_env)
+                for q in ("ar", "dit") for node, slice_env in self.system.worker_nodes(q)]
+
+    def _wait_for_b_nodes(self, timeout_s: float = 300) -> None:
+        assert self.system and self.system.redis_url
+        from omni_jobs.worker_registry import live_workers
+
+        client = redis.Redis.from_url(self.system.redis_url)
+        wanted = {node for _, node, _ in self.b_nodes()}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while time.monotonic() < deadline:
+                live = {name.split("@")[0] for names in live_workers(client).values() for name in names}
+                if wanted <= live:
+                    return
+                time.sleep(0.5)
+        finally:
+            client.close()
+        raise TimeoutError(f"B workers {sorted(wanted)} did not all come up; see {self.system.logs}")
 
     def stage_nodes(self, queues: tuple[str, ...] | list[str]) -> list[str]:
         """The worker nodes of these stage queues: ``ar``, or ``ar``, ``ar-2``... with --engine-workers."""
@@ -365,8 +389,8 @@ class Bench:
         # every arm of a row gets the same prompts in a repetition (direct_rep too): the same work. Each
         # arm runs in its own process, so no arm finds another's prompts in its prefix cache.
         texts = prompts(self.n, rep + salt)
-        nodes = [] if pipeline.endswith("-naive") else (["ar-b", "dit-b"] if pipeline.endswith("-b") else
-                                                        self.stage_nodes(("ar", "dit")))
+        nodes = [] if pipeline.endswith("-naive") else ([node for _, node, _ in self.b_nodes()] if pipeline.endswith("-b")
+                                                        else self.stage_nodes(("ar", "dit")))
         batches_before = {n: self.batch_totals(n) for n in nodes}
         # the CPU counted is the jobs' alone: reading the workers' /metrics (batch_totals) cost the driver
         # ~25 ms per read and the worker its render, outside the repetition's window

@@ -3,13 +3,16 @@ the table prints the ratios it is run for. (Its speed claims live in its output,
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.run import WORKLOADS, Arm, DirectGroup, _cpu_split, engine_cores_env, parse, pipelines, table
+from bench.run import WORKLOADS, Arm, Bench, DirectGroup, _cpu_split, engine_cores_env, parse, pipelines, table
 from omni_jobs.local import tiny
+from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.pipelines.catalogue import parse_pipeline
+from omni_jobs.settings import Settings
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +164,17 @@ def test_the_direct_arms_children_count_all_their_jobs_and_cpu_and_the_slowest_s
     assert rep["cpu_s"] == pytest.approx(3.0)
     assert rep["stage_s"] == {"dit": 1.7}
     assert rep["jobs_per_s"] * rep["latency"] == pytest.approx(64)  # every job of both, over the arm's own time
+
+
+def test_the_b_arm_twins_each_stage_worker_on_its_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from omni_jobs.local import embedded
+
+    monkeypatch.setattr(embedded, "host_cpus", lambda: (0, 1))
+    bench = Bench(parse(["--engine-workers", "2", "--ab", "OMNI_LOG_FORMAT=text"]))
+    bench.system = EmbeddedSystem(settings=Settings(redis_url="redis://unused:1/0", artifacts_dir=tmp_path),
+                                  home=tmp_path, engine_workers=2)
+    assert bench.b_nodes() == [("ar-b", "ar-b", {"OMNI_ENGINE_CPUS": "0"}), ("ar-b", "ar-b-2", {"OMNI_ENGINE_CPUS": "1"}),
+                               ("dit-b", "dit-b", {"OMNI_ENGINE_CPUS": "0"}), ("dit-b", "dit-b-2", {"OMNI_ENGINE_CPUS": "1"})]
+    bench.system = EmbeddedSystem(settings=Settings(redis_url="redis://unused:1/0", artifacts_dir=tmp_path),
+                                  home=tmp_path)
+    assert bench.b_nodes() == [("ar-b", "ar-b", {}), ("dit-b", "dit-b", {})]  # as before: one twin each
