@@ -29,6 +29,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -43,7 +44,6 @@ from bench.redis_calls import RedisCalls
 from bench.redis_calls import snapshot as redis_snapshot
 from omni_jobs import keys
 from omni_jobs.engines.allocator import engine_process_env, loaded_tcmalloc, malloc_choice, tune_engine_malloc
-from omni_jobs.engines.cpu_layout import engine_slice, host_cpus
 from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.store import RedisJobStore
@@ -263,8 +263,8 @@ class Bench:
             self.system._spawn(f"worker-{node}", argv, 0, lambda: True,
                                env=self.system.worker_env({"OMNI_METRICS_PORT": str(self.system.metrics_ports[node]),
                                                            **slice_env, **overrides}), cwd=tree)
-        self.system.wait_for_workers({"ar-b", "dit-b"})
-        self._wait_for_b_nodes()
+        twins = Counter(queue for queue, _, _ in self.b_nodes())
+        self.system.wait_for_workers(set(twins), expected=twins)
 
     def b_nodes(self) -> list[tuple[str, str, dict[str, str]]]:
         """Queue, node name and environment of each B worker: the system's stage workers' twins (``ar-b``, and
@@ -272,23 +272,6 @@ class Bench:
         assert self.system
         return [(f"{q}-b", f"{q}-b" + node.removeprefix(q), slice_env)
                 for q in ("ar", "dit") for node, slice_env in self.system.worker_nodes(q)]
-
-    def _wait_for_b_nodes(self, timeout_s: float = 300) -> None:
-        assert self.system and self.system.redis_url
-        from omni_jobs.worker_registry import live_workers
-
-        client = redis.Redis.from_url(self.system.redis_url)
-        wanted = {node for _, node, _ in self.b_nodes()}
-        deadline = time.monotonic() + timeout_s
-        try:
-            while time.monotonic() < deadline:
-                live = {name.split("@")[0] for names in live_workers(client).values() for name in names}
-                if wanted <= live:
-                    return
-                time.sleep(0.5)
-        finally:
-            client.close()
-        raise TimeoutError(f"B workers {sorted(wanted)} did not all come up; see {self.system.logs}")
 
     def stage_nodes(self, queues: tuple[str, ...] | list[str]) -> list[str]:
         """The worker nodes of these stage queues: ``ar``, or ``ar``, ``ar-2``... with --engine-workers."""
@@ -516,14 +499,14 @@ class Bench:
         run after it in the same process (and peak RSS would mix): each workload gets a fresh one.
         With --engine-workers N, N of them, each on the cores a system worker of that index gets, each
         doing its share of the jobs: the engines laid out as the system's."""
-        parts = self.args.engine_workers
+        assert self.system
+        layout = [slice_env for _, slice_env in self.system.worker_nodes("dit")]  # the system's stage workers' CPUs
         children = []
-        for part in range(parts):
+        for part, slice_env in enumerate(layout):
             argv = [sys.executable, "-m", "bench.run", "--direct", w.name, "--jobs", str(self.n),  # reps: one per request
                     "--batch", str(self.args.batch), "--ar-tokens", str(self.args.ar_tokens),
-                    "--steps", str(self.args.steps), "--direct-part", f"{part}/{parts}"]
-            env = {"OMNI_ENGINE_CPUS": engine_slice(part, parts, host_cpus())} if parts > 1 else {}
-            children.append(DirectProcess(argv, ROOT / "logs" / f"direct-{part}.log", env))
+                    "--steps", str(self.args.steps), "--direct-part", f"{part}/{len(layout)}"]
+            children.append(DirectProcess(argv, ROOT / "logs" / f"direct-{part}.log", slice_env))
         return DirectGroup(children)
 
     def serve_direct(self, w: Workload) -> None:

@@ -106,19 +106,20 @@ def lock_file(setting: str, device: str, cpus: str = "") -> Path | None:
     when the engines run on the CPU (``device``: OMNI_DEVICE), none on a GPU; else that path.
     Engines given CPUs of their own (``cpus``: OMNI_ENGINE_CPUS) take turns only with the engines on
     the same CPUs: each list of CPUs has its own file."""
-    if setting == "off":
+    if setting == "off" or (setting == "auto" and not _engines_on_cpu(device)):
         return None
-    path = Path(setting) if setting != "auto" else DEFAULT_FILE
-    if setting == "auto":
-        if device == "auto":
-            import torch
-
-            if torch.cuda.is_available():
-                return None
-        elif device != "cpu":
-            return None
+    path = DEFAULT_FILE if setting == "auto" else Path(setting)
     spec = cpus.replace(" ", "")
     return path.with_name(f"{path.name}.cpus-{spec}") if spec else path
+
+
+def _engines_on_cpu(device: str) -> bool:
+    """Whether engines on ``device`` (OMNI_DEVICE) compute on the CPU: 'auto' does where torch sees no GPU."""
+    if device == "auto":
+        import torch
+
+        return not torch.cuda.is_available()
+    return device == "cpu"
 
 
 def configure(path: Path | None) -> None:

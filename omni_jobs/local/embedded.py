@@ -13,7 +13,7 @@ import shlex
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -356,7 +356,10 @@ class EmbeddedSystem:
         self.processes.append(service)
         return service
 
-    def wait_for_workers(self, queues: set[str], timeout_s: float = 300) -> None:
+    def wait_for_workers(self, queues: set[str], timeout_s: float = 300, expected: Mapping[str, int] | None = None
+                         ) -> None:
+        """Until every queue has its workers live: ``expected[queue]`` of them, else as many as this system
+        starts for it (one for a queue it does not start: another's twins, say)."""
         assert self.redis_url, "start() first"
         client = redis.Redis.from_url(self.redis_url)
         deadline = time.monotonic() + timeout_s
@@ -364,7 +367,8 @@ class EmbeddedSystem:
         try:
             while time.monotonic() < deadline:
                 live = live_workers(client)
-                missing = [q for q in sorted(queues) if len(live.get(q, [])) < self._workers_expected(q)]
+                missing = [q for q in sorted(queues)
+                           if len(live.get(q, [])) < (expected or {}).get(q, self._workers_expected(q))]
                 if not missing:
                     return
                 for proc in self.processes:
