@@ -78,6 +78,9 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     settings = Settings()
     home = Path(args.home)
+    if "artifacts_dir" not in settings.model_fields_set:
+        # Beside the Redis data that points at them, not under whichever directory the shell was in.
+        settings = settings.model_copy(update={"artifacts_dir": home / "artifacts"})
     extra_env: dict[str, str] = {}
     if args.pipelines:  # checked here, so that a bad file is reported before anything starts
         paths = [*settings.pipelines_path, *(Path(p).resolve() for p in args.pipelines)]
@@ -193,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start Redis, the API, workers and Flower locally and run a demo job")
-    up.add_argument("--home", default="var/embedded", help="where logs, Redis data and demo outputs go")
+    up.add_argument("--home", default="var/embedded",
+                    help="where logs, Redis data, job outputs (unless OMNI_ARTIFACTS_DIR) and demo files go")
     up.add_argument("--api-port", type=int, default=8000)
     up.add_argument("--flower-port", type=int, default=5555)
     up.add_argument("--prompt", default=DEMO_PROMPT)

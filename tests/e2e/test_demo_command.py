@@ -19,7 +19,6 @@ REPO = Path(__file__).resolve().parents[2]
 def test_up_once_runs_a_text_to_image_job_and_stops_everything(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OMNI_")}
     env["OMNI_MODELS_DIR"] = str(REPO / "var" / "models")
-    env["OMNI_ARTIFACTS_DIR"] = str(tmp_path / "artifacts")
     home = tmp_path / "home"
     proc = subprocess.run(
         [sys.executable, "-m", "omni_jobs.cli", "up", "--once", "--home", str(home),
@@ -40,6 +39,9 @@ def test_up_once_runs_a_text_to_image_job_and_stops_everything(tmp_path: Path) -
     with Image.open(png_path) as image:
         assert image.format == "PNG" and image.size == (64, 64)
     assert [s["id"] for s in job["stages"]] == ["ar", "dit"]
+    # The job's outputs are kept in its home, beside the Redis data that points at them (not under the cwd).
+    kept = [p for p in (home / "artifacts").rglob("*") if p.is_file() and job["id"] in str(p)]
+    assert any(p.stat().st_size > 0 for p in kept), sorted((home / "artifacts").rglob("*"))
     # Everything it started is gone: no process still runs from its Redis data dir or logs.
     leftover = subprocess.run(["pgrep", "-f", str(home)], check=False, capture_output=True, text=True)
     assert leftover.stdout.strip() == "", leftover.stdout
