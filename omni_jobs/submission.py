@@ -30,7 +30,7 @@ from omni_jobs.json_types import JsonObject, JsonScalar, JsonValue
 from omni_jobs.limits import PARAM_CAPS, Limits
 from omni_jobs.net_guard import NetGuard, UnsafeWebhookUrl
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
-from omni_jobs.pipelines.params import whole_number
+from omni_jobs.pipelines.params import BOUND_ERRORS, allowed_range, whole_number
 from omni_jobs.pipelines.spec import InputField, PipelineSpec, StageSpec
 from omni_jobs.scheduling import Quotas
 from omni_jobs.webhooks import validate_webhook
@@ -251,7 +251,9 @@ def resolve_params(spec: PipelineSpec, raw: object) -> StageParamValues:
         except ValidationError as exc:
             for err in exc.errors():
                 loc = ("params", stage.id, *(str(p) for p in err["loc"]))
-                errors.append(FieldError(loc, err["msg"].removeprefix("Value error, "), err["type"]))
+                msg = err["msg"].removeprefix("Value error, ")
+                allowed = allowed_range(stage.params_model, str(err["loc"][0])) if err["type"] in BOUND_ERRORS else None
+                errors.append(FieldError(loc, f"{msg} (allowed: {allowed})" if allowed else msg, err["type"]))
     if errors:
         raise InvalidRequest(errors)
     return resolved

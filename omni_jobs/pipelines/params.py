@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from typing import get_args
 
+import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from omni_jobs.json_types import JsonObject
@@ -32,6 +33,37 @@ def whole_numbers(model: type[BaseModel], value: object, field: str | None) -> o
     """``value`` for ``model``'s ``field``: an integer field takes 7.0 as 7 (a strict model would refuse it)."""
     annotation = model.model_fields[field].annotation if field in model.model_fields else None
     return whole_number(value) if annotation is int or int in get_args(annotation) else value
+
+
+BOUND_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of"})
+"""Pydantic's error types for a number out of its bounds: each names one bound, the first one missed."""
+
+
+def _number(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def allowed_range(model: type[BaseModel], field: str) -> str | None:
+    """``field``'s bounds in words ('16 to 2048, a multiple of 8'), so that an error names them all at once:
+    a height of 99999 is refused as not a multiple of 8, and 100000 would then be refused as too large."""
+    info = model.model_fields.get(field)
+    if info is None:
+        return None
+    low = high = step = None
+    for m in info.metadata:
+        if isinstance(m, annotated_types.Ge):
+            low = _number(m.ge)
+        elif isinstance(m, annotated_types.Gt):
+            low = f"more than {_number(m.gt)}"
+        elif isinstance(m, annotated_types.Le):
+            high = _number(m.le)
+        elif isinstance(m, annotated_types.Lt):
+            high = f"less than {_number(m.lt)}"
+        elif isinstance(m, annotated_types.MultipleOf):
+            step = f"a multiple of {_number(m.multiple_of)}"
+    span = f"{low} to {high}" if low and high else f"from {low}" if low else f"up to {high}" if high else None
+    said = ", ".join(p for p in (span, step) if p)
+    return said or None
 
 
 class StageParams(BaseModel):

@@ -134,3 +134,13 @@ def test_params_errors(params: dict, loc: tuple, fragment: str) -> None:
         resolve_params(T2I, params)
     assert locs(info.value) == [loc]
     assert fragment in info.value.errors[0].message
+
+
+def test_a_number_out_of_bounds_is_told_all_its_bounds_at_once() -> None:
+    """99999 misses the multiple of 8 first; the message names the range too, so the next try is not 100000."""
+    with pytest.raises(InvalidRequest) as info:
+        resolve_params(T2I, {"dit": {"height": 99999, "guidance_scale": -1.5}, "ar": {"max_tokens": 0}})
+    said = {e.loc: e.message for e in info.value.errors}
+    assert said[("params", "dit", "height")] == "Input should be a multiple of 8 (allowed: 16 to 2048, a multiple of 8)"
+    assert said[("params", "dit", "guidance_scale")].endswith("(allowed: 0 to 50)")
+    assert said[("params", "ar", "max_tokens")].startswith("Input should be greater than or equal to 1 (allowed: 1 to ")
