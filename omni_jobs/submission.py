@@ -230,8 +230,9 @@ def params_schema(spec: PipelineSpec, limits: Limits | None = None) -> JsonObjec
     return schema
 
 
-def resolve_params(spec: PipelineSpec, raw: object) -> StageParamValues:
-    """Each stage's defaults overlaid by the job's overrides, validated; the result is recorded on the job."""
+def resolve_params(spec: PipelineSpec, raw: object, limits: Limits | None = None) -> StageParamValues:
+    """Each stage's defaults overlaid by the job's overrides, validated; the result is recorded on the job.
+    ``limits``: this server's caps, named in a bound's error (Limits.check_params refuses what is above them)."""
     raw = raw or {}
     if not isinstance(raw, dict):
         raise InvalidRequest([FieldError(("params",), "must be an object keyed by stage id", "type_error")])
@@ -252,7 +253,10 @@ def resolve_params(spec: PipelineSpec, raw: object) -> StageParamValues:
             for err in exc.errors():
                 loc = ("params", stage.id, *(str(p) for p in err["loc"]))
                 msg = err["msg"].removeprefix("Value error, ")
-                allowed = allowed_range(stage.params_model, str(err["loc"][0])) if err["type"] in BOUND_ERRORS else None
+                field = str(err["loc"][0]) if err["loc"] else ""
+                cap_of = PARAM_CAPS.get(field)
+                cap = getattr(limits, cap_of[0]) if cap_of is not None and limits is not None else None
+                allowed = allowed_range(stage.params_model, field, cap) if err["type"] in BOUND_ERRORS else None
                 errors.append(FieldError(loc, f"{msg} (allowed: {allowed})" if allowed else msg, err["type"]))
     if errors:
         raise InvalidRequest(errors)
@@ -364,7 +368,7 @@ class JobSubmitter:
         except InvalidRequest as exc:
             errors.extend(exc.errors)
         try:
-            clean_params = resolve_params(spec, params)
+            clean_params = resolve_params(spec, params, self.limits)
         except InvalidRequest as exc:
             errors.extend(exc.errors)
         if self.limits is not None:

@@ -43,21 +43,27 @@ def _number(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def allowed_range(model: type[BaseModel], field: str) -> str | None:
+def _below(bound: object, cap: float) -> bool:
+    return isinstance(bound, int | float) and bound < cap
+
+
+def allowed_range(model: type[BaseModel], field: str, cap: float | None = None) -> str | None:
     """``field``'s bounds in words ('16 to 2048, a multiple of 8'), so that an error names them all at once:
-    a height of 99999 is refused as not a multiple of 8, and 100000 would then be refused as too large."""
+    a height of 99999 is refused as not a multiple of 8, and 100000 would then be refused as too large.
+    ``cap``: this server's lower maximum for it (omni_jobs.limits), said instead of the model's."""
     info = model.model_fields.get(field)
     if info is None:
         return None
-    low = high = step = None
+    low = step = None
+    high = _number(cap) if cap is not None else None
     for m in info.metadata:
         if isinstance(m, annotated_types.Ge):
             low = _number(m.ge)
         elif isinstance(m, annotated_types.Gt):
             low = f"more than {_number(m.gt)}"
-        elif isinstance(m, annotated_types.Le):
+        elif isinstance(m, annotated_types.Le) and (cap is None or _below(m.le, cap)):
             high = _number(m.le)
-        elif isinstance(m, annotated_types.Lt):
+        elif isinstance(m, annotated_types.Lt) and (cap is None or _below(m.lt, cap)):
             high = f"less than {_number(m.lt)}"
         elif isinstance(m, annotated_types.MultipleOf):
             step = f"a multiple of {_number(m.multiple_of)}"

@@ -7,6 +7,7 @@ import pytest
 from omni_jobs.errors import InvalidRequest, InvalidTransition
 from omni_jobs.jobs import state
 from omni_jobs.jobs.models import JobError, JobStatus, StageStatus
+from omni_jobs.limits import Limits
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.submission import build_job, resolve_params, validate_input
 
@@ -144,3 +145,7 @@ def test_a_number_out_of_bounds_is_told_all_its_bounds_at_once() -> None:
     assert said[("params", "dit", "height")] == "Input should be a multiple of 8 (allowed: 16 to 2048, a multiple of 8)"
     assert said[("params", "dit", "guidance_scale")].endswith("(allowed: 0 to 50)")
     assert said[("params", "ar", "max_tokens")].startswith("Input should be greater than or equal to 1 (allowed: 1 to ")
+
+    with pytest.raises(InvalidRequest) as info:  # a server that allows less says its own maximum
+        resolve_params(T2I, {"dit": {"height": 99999}}, Limits(max_image_side=512))
+    assert info.value.errors[0].message.endswith("(allowed: 16 to 512, a multiple of 8)")
