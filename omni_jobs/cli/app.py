@@ -220,8 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_cleanup)
 
     p = sub.add_parser("pipelines", help="list the pipelines, or check pipeline YAML files")
-    p.add_argument("action", choices=["list", "check"])
-    p.add_argument("files", nargs="*")
+    p.add_argument("action", nargs="?", choices=["list", "check"], default="list",
+                   help="list (the default) or check FILES")
+    p.add_argument("files", nargs="*", help="check: the pipeline YAML files or directories")
     p.add_argument("--pipelines", action="append", default=[], metavar="PATH",
                    help="list: also these pipeline YAML files or directories")
     p.set_defaults(func=cmd_pipelines)

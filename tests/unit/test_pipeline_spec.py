@@ -384,6 +384,8 @@ def test_cli_flag_points_at_user_pipelines(tmp_path: Path, capsys: pytest.Captur
     good = write(tmp_path, LLM_IMAGE, name="mine.yaml")
     assert main(["pipelines", "list", "--pipelines", str(good)]) == 0
     assert "my-llm-image" in capsys.readouterr().out
+    assert main(["pipelines"]) == 0  # list is what `omni-jobs pipelines` alone does
+    assert "text-to-image            ar[ar] -> dit[dit]" in capsys.readouterr().out
     bad = write(tmp_path, llm_image(s0={"task": "embed"}), name="bad.yaml")
     # `up` checks the files before it starts anything, and names the file, stage and field.
     assert main(["up", "--pipelines", str(bad), "--home", str(tmp_path / "home")]) == 2
