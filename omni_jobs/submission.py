@@ -30,7 +30,7 @@ from omni_jobs.json_types import JsonObject, JsonScalar, JsonValue
 from omni_jobs.limits import PARAM_CAPS, Limits
 from omni_jobs.net_guard import NetGuard, UnsafeWebhookUrl
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
-from omni_jobs.pipelines.params import BOUND_ERRORS, allowed_range, whole_number
+from omni_jobs.pipelines.params import BOUND_ERRORS, bounds_in_words, whole_number
 from omni_jobs.pipelines.spec import InputField, PipelineSpec, StageSpec
 from omni_jobs.scheduling import Quotas
 from omni_jobs.webhooks import validate_webhook
@@ -232,7 +232,8 @@ def params_schema(spec: PipelineSpec, limits: Limits | None = None) -> JsonObjec
 
 def resolve_params(spec: PipelineSpec, raw: object, limits: Limits | None = None) -> StageParamValues:
     """Each stage's defaults overlaid by the job's overrides, validated; the result is recorded on the job.
-    ``limits``: this server's caps, named in a bound's error (Limits.check_params refuses what is above them)."""
+    ``limits``: this server's caps, named in a bound's error as the schema publishes them (Limits.check_params
+    refuses what is above them)."""
     raw = raw or {}
     if not isinstance(raw, dict):
         raise InvalidRequest([FieldError(("params",), "must be an object keyed by stage id", "type_error")])
@@ -253,14 +254,27 @@ def resolve_params(spec: PipelineSpec, raw: object, limits: Limits | None = None
             for err in exc.errors():
                 loc = ("params", stage.id, *(str(p) for p in err["loc"]))
                 msg = err["msg"].removeprefix("Value error, ")
-                field = str(err["loc"][0]) if err["loc"] else ""
-                cap_of = PARAM_CAPS.get(field)
-                cap = getattr(limits, cap_of[0]) if cap_of is not None and limits is not None else None
-                allowed = allowed_range(stage.params_model, field, cap) if err["type"] in BOUND_ERRORS else None
+                allowed = _allowed(stage, str(err["loc"][0]), limits) if err["type"] in BOUND_ERRORS else ""
                 errors.append(FieldError(loc, f"{msg} (allowed: {allowed})" if allowed else msg, err["type"]))
     if errors:
         raise InvalidRequest(errors)
     return resolved
+
+
+def _allowed(stage: StageSpec, name: str, limits: Limits | None) -> str:
+    """Parameter ``name``'s bounds in words, as the published schema has them (this server's caps applied)."""
+    prop = json_object(stage_params_schema(stage, limits)["properties"], "properties").get(name)
+    branches = prop.get("anyOf", [prop]) if isinstance(prop, dict) else []  # a nullable number: its number branch
+    numbers = [b for b in branches if isinstance(b, dict) and b.get("type") in ("integer", "number")] \
+        if isinstance(branches, list) else []
+    number: JsonObject = numbers[0] if numbers else {}
+
+    def bound(key: str) -> float | None:
+        value = number.get(key)
+        return value if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+    return ", ".join(bounds_in_words(*(bound(k) for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                                                          "multipleOf"))))
 
 
 def build_job(spec: PipelineSpec, input_: JsonObject, params: StageParamValues) -> Job:

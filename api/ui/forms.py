@@ -21,6 +21,7 @@ from typing import Any, Literal
 from starlette.datastructures import FormData, UploadFile
 
 from omni_jobs.errors import FieldError
+from omni_jobs.pipelines.params import bounds_in_words, number_in_words
 from omni_jobs.pipelines.spec import DEFAULT_MAX_IMAGE_BYTES, PipelineSpec, StageSpec
 
 Kind = Literal["textarea", "text", "integer", "number", "checkbox", "file", "url"]
@@ -79,16 +80,8 @@ class FormField:
         """The allowed values in words: '16 to 2048, a multiple of 8', 'more than 0 up to 1'."""
         parts: list[str] = []
         if self.kind in ("integer", "number"):
-            low = (f"at least {_num(self.minimum)}" if self.minimum is not None
-                   else f"more than {_num(self.exclusive_minimum)}" if self.exclusive_minimum is not None else None)
-            high = (f"at most {_num(self.maximum)}" if self.maximum is not None
-                    else f"less than {_num(self.exclusive_maximum)}" if self.exclusive_maximum is not None else None)
-            if self.minimum is not None and self.maximum is not None:
-                parts.append(f"{_num(self.minimum)} to {_num(self.maximum)}")
-            else:
-                parts.extend(p for p in (low, high) if p)
-            if self.multiple_of is not None:
-                parts.append(f"a multiple of {_num(self.multiple_of)}")
+            parts += bounds_in_words(self.minimum, self.maximum, self.exclusive_minimum, self.exclusive_maximum,
+                                     self.multiple_of)
             if self.kind == "integer" and self.multiple_of is None:
                 parts.append("whole number")
         if self.max_length is not None:
@@ -169,12 +162,7 @@ def _attr(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def _num(value: float) -> str:
-    """A number as a person reads it (2^63-1 rather than 19 digits)."""
-    if value == 2**63 - 1:
-        return "2^63-1"
-    return _attr(value)
-
+_num = number_in_words
 
 def _display(value: Any) -> str:
     if isinstance(value, bool):

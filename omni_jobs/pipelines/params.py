@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 from typing import get_args
 
-import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from omni_jobs.json_types import JsonObject
@@ -39,37 +38,27 @@ BOUND_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "le
 """Pydantic's error types for a number out of its bounds: each names one bound, the first one missed."""
 
 
-def _number(value: object) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
+def number_in_words(value: float) -> str:
+    """A number as a person reads it: 7 rather than 7.0, 2^63-1 rather than 19 digits."""
+    if value == SEED_MAX:
+        return "2^63-1"
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def _below(bound: object, cap: float) -> bool:
-    return isinstance(bound, int | float) and bound < cap
-
-
-def allowed_range(model: type[BaseModel], field: str, cap: float | None = None) -> str | None:
-    """``field``'s bounds in words ('16 to 2048, a multiple of 8'), so that an error names them all at once:
-    a height of 99999 is refused as not a multiple of 8, and 100000 would then be refused as too large.
-    ``cap``: this server's lower maximum for it (omni_jobs.limits), said instead of the model's."""
-    info = model.model_fields.get(field)
-    if info is None:
-        return None
-    low = step = None
-    high = _number(cap) if cap is not None else None
-    for m in info.metadata:
-        if isinstance(m, annotated_types.Ge):
-            low = _number(m.ge)
-        elif isinstance(m, annotated_types.Gt):
-            low = f"more than {_number(m.gt)}"
-        elif isinstance(m, annotated_types.Le) and (cap is None or _below(m.le, cap)):
-            high = _number(m.le)
-        elif isinstance(m, annotated_types.Lt) and (cap is None or _below(m.lt, cap)):
-            high = f"less than {_number(m.lt)}"
-        elif isinstance(m, annotated_types.MultipleOf):
-            step = f"a multiple of {_number(m.multiple_of)}"
-    span = f"{low} to {high}" if low and high else f"from {low}" if low else f"up to {high}" if high else None
-    said = ", ".join(p for p in (span, step) if p)
-    return said or None
+def bounds_in_words(minimum: float | None = None, maximum: float | None = None,
+                    exclusive_minimum: float | None = None, exclusive_maximum: float | None = None,
+                    multiple_of: float | None = None) -> list[str]:
+    """A number's bounds (its JSON schema's) as words: ['16 to 2048', 'a multiple of 8'], ['more than 0',
+    'at most 1']. Said in full, so that a value refused for one bound is not then refused for the next."""
+    low = (f"at least {number_in_words(minimum)}" if minimum is not None
+           else f"more than {number_in_words(exclusive_minimum)}" if exclusive_minimum is not None else None)
+    high = (f"at most {number_in_words(maximum)}" if maximum is not None
+            else f"less than {number_in_words(exclusive_maximum)}" if exclusive_maximum is not None else None)
+    parts = ([f"{number_in_words(minimum)} to {number_in_words(maximum)}"] if minimum is not None and maximum is not None
+             else [p for p in (low, high) if p])
+    if multiple_of is not None:
+        parts.append(f"a multiple of {number_in_words(multiple_of)}")
+    return parts
 
 
 class StageParams(BaseModel):
