@@ -1,4 +1,5 @@
-"""Video as MP4 (H.264 in yuv420p, through PyAV): encode frames, read them back, read the header.
+"""Video as MP4 (H.264 in yuv420p, through PyAV): encode frames (all at once, or streamed), copy an H.264
+stream into a clean MP4, read frames back, read the header.
 
 The encoder is as deterministic as x264 allows (one thread, lookahead included, fixed settings, no
 timestamps in the container): the same frames give the same pictures in any process, and almost
@@ -11,7 +12,7 @@ from __future__ import annotations
 import io
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import TYPE_CHECKING, TypeAlias, TypedDict
+from typing import TYPE_CHECKING, Self, TypeAlias, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     import av.container
     import PIL.Image
 
-__all__ = ["MEDIA_MP4", "Mp4Info", "decode_mp4", "encode_mp4", "mp4_info"]
+__all__ = ["MEDIA_MP4", "Mp4Info", "Mp4Writer", "decode_mp4", "encode_mp4", "mp4_info", "remux_h264"]
 CRF = 18
 """x264 quality: visually lossless at this size class; previews of random weights stay recognisable."""
 
@@ -49,18 +50,30 @@ def _frames_array(frames: Frames) -> np.ndarray:
 
 def encode_mp4(frames: Frames, fps: float) -> bytes:
     """H.264 MP4 bytes of ``frames`` (see ``_frames_array``) at ``fps`` frames per second."""
-    import av
-
-    if not fps or fps <= 0:
-        raise CodecError(f"fps must be positive, got {fps!r}")
     arr = _frames_array(frames)
-    n, height, width, _ = arr.shape
-    if height % 2 or width % 2:
-        raise CodecError(f"H.264 (yuv420p) needs even sides, got {width}x{height}")
-    rate = Fraction(fps).limit_denominator(1001)
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=rate)
+    with Mp4Writer(fps, width=int(arr.shape[2]), height=int(arr.shape[1])) as writer:
+        for frame in arr:
+            writer.add(frame)
+        return writer.finish()
+
+
+class Mp4Writer:
+    """An H.264 MP4 written a frame at a time with encode_mp4's settings, so that a long video is never
+    held whole in memory (a job's video input, re-encoded as it decodes). A context manager: leaving
+    it unfinished closes the encoder."""
+
+    def __init__(self, fps: float, *, width: int, height: int) -> None:
+        import av
+
+        if not fps or fps <= 0:
+            raise CodecError(f"fps must be positive, got {fps!r}")
+        if height % 2 or width % 2:
+            raise CodecError(f"H.264 (yuv420p) needs even sides, got {width}x{height}")
+        self.width, self.height = width, height
+        self.frames = 0
+        self._buffer = io.BytesIO()
+        self._container = av.open(self._buffer, mode="w", format="mp4")
+        stream = self._container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height = width, height
         stream.pix_fmt = "yuv420p"
         # One encoder thread, lookahead included: libavcodec's "threads" alone leaves x264 a lookahead
@@ -68,15 +81,65 @@ def encode_mp4(frames: Frames, fps: float) -> bytes:
         stream.codec_context.options = {"crf": str(CRF), "preset": "medium", "threads": "1",
                                         "x264-params": "threads=1:lookahead-threads=1:sliced-threads=0"}
         stream.codec_context.thread_count = 1
-        container.metadata.clear()
-        for i in range(n):
-            frame = av.VideoFrame.from_ndarray(arr[i], format="rgb24")
-            frame.pts = i
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode(None):
-            container.mux(packet)
-    return buf.getvalue()
+        self._container.metadata.clear()
+        self._stream = stream
+
+    def add(self, frame: np.ndarray) -> None:
+        """One uint8 RGB frame [height, width, 3] of the writer's size."""
+        import av
+
+        if frame.shape != (self.height, self.width, 3) or frame.dtype != np.uint8:
+            raise CodecError(f"a frame must be uint8 [{self.height}, {self.width}, 3], got {frame.dtype} "
+                             f"{list(frame.shape)}")
+        video_frame = av.VideoFrame.from_ndarray(frame, format="rgb24")
+        video_frame.pts = self.frames
+        self.frames += 1
+        for packet in self._stream.encode(video_frame):
+            self._container.mux(packet)
+
+    def finish(self) -> bytes:
+        """The MP4's bytes (at least one frame must have been added)."""
+        if not self.frames:
+            self._container.close()
+            raise CodecError("an MP4 needs at least one frame")
+        for packet in self._stream.encode(None):
+            self._container.mux(packet)
+        self._container.close()
+        return self._buffer.getvalue()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._container.close()  # a second close does nothing
+
+
+def remux_h264(data: bytes) -> bytes:
+    """The first video stream of ``data`` (H.264, in MP4 or MOV) alone in a new MP4 without metadata,
+    its packets copied as they are: the stored form of a video input that is H.264 already, at no
+    re-encoding's cost. CodecError if that stream is not H.264."""
+    import av
+
+    source = _open(data)
+    buffer = io.BytesIO()
+    try:
+        video = source.streams.video[0]
+        if video.codec_context.name != "h264":
+            raise CodecError(f"remux_h264 copies H.264, got {video.codec_context.name}")
+        with av.open(buffer, mode="w", format="mp4") as target:
+            target.metadata.clear()
+            stream = target.add_stream_from_template(video)
+            stream.metadata.clear()
+            for packet in source.demux(video):
+                if packet.dts is None:  # the demuxer's end-of-stream packet
+                    continue
+                packet.stream = stream
+                target.mux(packet)
+    except av.error.FFmpegError as exc:
+        raise CodecError(f"cannot copy the video stream: {exc}") from exc
+    finally:
+        source.close()
+    return buffer.getvalue()
 
 
 def _open(data: bytes) -> av.container.InputContainer:
