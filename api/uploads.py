@@ -19,8 +19,8 @@ from api.schemas import JobRequest
 from omni_jobs.errors import FieldError, InvalidRequest
 from omni_jobs.limits import Limits
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
-from omni_jobs.pipelines.spec import DEFAULT_MAX_IMAGE_BYTES, PipelineSpec
-from omni_jobs.submission import input_schema
+from omni_jobs.pipelines.spec import DEFAULT_MAX_BYTES, PipelineSpec
+from omni_jobs.submission import WHAT_DECODES, input_schema
 
 JSON_FIELDS = ("input", "params", "webhook_events_filter")
 TEXT_FIELDS = ("pipeline", "webhook")
@@ -39,19 +39,21 @@ OPENAPI: dict[str, Any] = {"requestBody": {"required": True, "content": {"multip
 """The form as the route declares it; api.main replaces its schema with request_body's, per pipeline."""
 
 _FILE = {"type": "string", "format": "binary", "description": "A file input: a part named input.<field>."}
+_FILE_OF = {kind: {**_FILE, "description": f"A file input, {what}: a part named input.<field>."}
+            for kind, what in WHAT_DECODES.items()}
 
 
 def _branch(spec: PipelineSpec, limits: Limits, file_parts: set[str], json_body: dict[str, Any]) -> dict[str, Any]:
-    """The form of one pipeline: its input object (each image in it, or as a part input.<name>, not
+    """The form of one pipeline: its input object (each file input in it, or as a part input.<name>, not
     both), its params as in JSON (``json_body``: its JobRequest.<name>), and no file part that is not
-    one of its images."""
+    one of its file inputs (image, audio, video)."""
     images = set(spec.file_inputs())
     inputs = input_schema(spec, limits)
     inputs["required"] = [name for name in inputs["required"] if name not in images]
     properties: dict[str, Any] = {"pipeline": {"const": spec.name}, "input": inputs,
                                   "params": json_body["properties"]["params"],
-                                  **{part: _FILE if part.removeprefix("input.") in images else False
-                                     for part in sorted(file_parts)}}
+                                  **{part: _FILE_OF[spec.inputs[part.removeprefix("input.")].type]
+                                     if part.removeprefix("input.") in images else False for part in sorted(file_parts)}}
     rules: list[dict[str, Any]] = []
     # As a file part, or in the input JSON (if at all), not both. No "not" (schemathesis 4.32 judges
     # those on the file's bytes, which it cannot), and every schema typed (it puts its constants
@@ -80,8 +82,9 @@ def request_body(json_bodies: dict[str, dict[str, Any]], catalogue: PipelineCata
     any_body = next(iter(json_bodies.values()))["properties"]
     properties: dict[str, Any] = {
         "pipeline": {"type": "string", "enum": catalogue.names(), "examples": ["image-to-image"]},
-        "input": {"type": "object", "description": 'JSON text of the inputs, e.g. {"prompt": "..."}; image inputs '
-                  "may come as parts named input.<field> instead", "examples": [{"prompt": "make it blue"}]},
+        "input": {"type": "object", "description": 'JSON text of the inputs, e.g. {"prompt": "..."}; file inputs '
+                  "(image, audio, video) may come as parts named input.<field> instead",
+                  "examples": [{"prompt": "make it blue"}]},
         "params": {"anyOf": [{"type": "object"}, {"type": "null"}], "description": "JSON text of per-stage overrides"},
         **({"webhook": any_body["webhook"]} if webhooks else {}),
         "webhook_events_filter": any_body["webhook_events_filter"],
@@ -130,9 +133,9 @@ async def job_request_from_form(request: Request, catalogue: PipelineCatalogue) 
     for name, upload in files.items():
         if name in inputs:
             raise InvalidRequest([FieldError(("input", name), "given both as a file and in the input JSON", "extra")])
-        limit = DEFAULT_MAX_IMAGE_BYTES
-        if spec is not None and name in spec.inputs:
-            limit = spec.inputs[name].max_bytes or DEFAULT_MAX_IMAGE_BYTES
+        limit = max(DEFAULT_MAX_BYTES.values())  # a part no file input takes is refused after the read
+        if spec is not None and name in spec.inputs and spec.inputs[name].is_file:
+            limit = spec.inputs[name].byte_limit
         inputs[name] = await upload.read(limit + 1)  # one byte over the limit is enough to refuse it
     try:
         return JobRequest.model_validate(fields)

@@ -29,6 +29,12 @@ class Limits:
     max_prompt_chars: int = 20000
     max_image_bytes: int = 16 * 1024 * 1024
     max_image_pixels: int = 4096 * 4096
+    max_audio_bytes: int = 25 * 1024 * 1024
+    max_audio_seconds: float = 600
+    max_video_bytes: int = 64 * 1024 * 1024
+    max_video_seconds: float = 120
+    max_video_frames: int = 1800
+    max_video_pixels: int = 1920 * 1080
     max_steps: int = 200
     max_image_side: int = 2048
     max_tokens: int = 4096
@@ -37,7 +43,10 @@ class Limits:
     @classmethod
     def from_settings(cls, s: Settings) -> Limits:
         return cls(max_prompt_chars=s.max_prompt_chars, max_image_bytes=s.max_image_bytes,
-                   max_image_pixels=s.max_image_pixels, max_steps=s.max_steps, max_image_side=s.max_image_side,
+                   max_image_pixels=s.max_image_pixels, max_audio_bytes=s.max_audio_bytes,
+                   max_audio_seconds=s.max_audio_seconds, max_video_bytes=s.max_video_bytes,
+                   max_video_seconds=s.max_video_seconds, max_video_frames=s.max_video_frames,
+                   max_video_pixels=s.max_video_pixels, max_steps=s.max_steps, max_image_side=s.max_image_side,
                    max_tokens=s.max_tokens, max_outputs=s.max_outputs)
 
     def check_input(self, spec: PipelineSpec, input_: Mapping[str, object]) -> list[FieldError]:

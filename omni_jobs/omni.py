@@ -37,7 +37,7 @@ from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import Job, JobError, JobEvent, JobOutput, JobStatus, now
 from omni_jobs.jobs.store import JobStore
 from omni_jobs.json_types import JsonValue
-from omni_jobs.payloads import AudioClip, VideoClip, decode_payload
+from omni_jobs.payloads import AudioClip, VideoClip, decode_payload, encode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue, load_pipeline_file
 from omni_jobs.pipelines.spec import PipelineSpec
 from omni_jobs.results import ResultsAssembler
@@ -122,7 +122,8 @@ class OmniResult:
 
 
 def _image_value(value: object) -> object:
-    """In-process callers may also pass a PIL image or a file path; the API's forms pass through."""
+    """A file input: in-process callers may also pass a PIL image, an AudioClip, a VideoClip or a file
+    path; the API's forms (bytes, base64, references) pass through."""
     from PIL import Image
 
     if isinstance(value, Path):
@@ -131,6 +132,8 @@ def _image_value(value: object) -> object:
         buffer = io.BytesIO()
         (value if value.mode in ("RGB", "RGBA", "L") else value.convert("RGB")).save(buffer, format="PNG")
         return buffer.getvalue()
+    if isinstance(value, AudioClip | VideoClip):
+        return encode_payload("audio" if isinstance(value, AudioClip) else "video", value)
     return value
 
 

@@ -259,6 +259,17 @@ class Settings(BaseSettings):
     max_prompt_chars: int = Field(20000, gt=0, description="Longest text input of a job (on top of each pipeline's max_length).")
     max_image_bytes: int = Field(16 * MiB, gt=0, description="Largest image input (encoded bytes).")
     max_image_pixels: int = Field(4096 * 4096, gt=0, description="Largest image input, width x height, checked before decoding.")
+    max_audio_bytes: int = Field(25 * MiB, gt=0, description="Largest audio input (encoded bytes).")
+    max_audio_seconds: float = Field(
+        600, gt=0, description="Longest audio input: its declared length is checked before decoding, what decodes "
+        "is counted too.",
+    )
+    max_video_bytes: int = Field(
+        64 * MiB, gt=0, description="Largest video input (encoded bytes; an upload is also held to OMNI_MAX_REQUEST_BYTES).",
+    )
+    max_video_seconds: float = Field(120, gt=0, description="Longest video input (declared, then counted as it decodes).")
+    max_video_frames: int = Field(1800, gt=0, description="Most frames a video input may have (declared, then counted).")
+    max_video_pixels: int = Field(1920 * 1080, gt=0, description="Largest frame of a video input, width x height.")
     max_steps: int = Field(200, gt=0, description="Most diffusion steps a job may ask for (num_inference_steps).")
     max_image_side: int = Field(2048, ge=16, description="Largest width or height a job may ask for, in pixels.")
     max_tokens: int = Field(4096, gt=0, description="Most tokens an AR stage may be asked to generate (max_tokens).")

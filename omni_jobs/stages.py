@@ -30,7 +30,7 @@ from omni_jobs.engines.pool import EnginePool
 from omni_jobs.engines.stage_exec import StageValues, execute_dit, execute_encode
 from omni_jobs.errors import JobAlreadyFinished, JobNotFound, StageError, TransientStageError
 from omni_jobs.followed import Ask, FollowedJobs
-from omni_jobs.input_files import load_input_image
+from omni_jobs.input_files import load_input_file
 from omni_jobs.jobs.ledger import JobLedger, Lease, Refused, WrittenOutputs
 from omni_jobs.jobs.models import EventType, Job, JobError, JobEvent, JobOutput, JobStatus, StageStatus, now
 from omni_jobs.jobs.patience import STORE_DOWN, while_store_down
@@ -399,8 +399,8 @@ class StageRunner:
         for port, binding in stage.inputs.items():
             if binding.source == INPUT_SOURCE:
                 value = job.input[binding.port]
-                is_file = spec.inputs[binding.port].type == "image"
-                inputs[port] = load_input_image(self.artifacts, value) if is_file else value
+                field = spec.inputs[binding.port]
+                inputs[port] = load_input_file(self.artifacts, field.type, value) if field.is_file else value
                 continue
             upstream = spec.stage(binding.source)
             ref = job.stage_record(binding.source).outputs.get(binding.port)

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from omni_jobs.artifacts import ArtifactStore
 from omni_jobs.auth import DEFAULT_TENANT
 from omni_jobs.errors import FieldError, IdempotencyConflict, InvalidRequest, Overloaded
-from omni_jobs.input_files import FORMS, InputFiles, PreparedImage, parse_image_value
+from omni_jobs.input_files import FORMS, InputFiles, PreparedFile, parse_file_value
 from omni_jobs.jobs.change import Guard
 from omni_jobs.jobs.ledger import JobLedger, QueueLimit, Quota, Submitted
 from omni_jobs.jobs.models import Job, JobWebhook, Priority, StageRecord, new_job_id
@@ -56,11 +56,11 @@ _PY_TYPES: dict[str, tuple[type, ...]] = {
 
 def _check_input_value(name: str, field: InputField, value: object) -> list[FieldError]:
     loc: tuple[str | int, ...] = ("input", name)
-    if field.type == "image":  # its form and size here; whether it decodes when the job is prepared
+    if field.is_file:  # its form and size here; whether it decodes when the job is prepared
         try:
-            parse_image_value(value, field)
+            parse_file_value(value, field)
         except ValueError as exc:
-            return [FieldError(loc, str(exc), "invalid_image")]
+            return [FieldError(loc, str(exc), f"invalid_{field.type}")]
         return []
     wanted = _PY_TYPES[field.type]
     is_bool = isinstance(value, bool)
@@ -99,7 +99,7 @@ def validate_input(spec: PipelineSpec, raw: object) -> JsonObject:
         value = whole_number(raw[name]) if field.type == "integer" else raw[name]  # 7.0 is an integer
         problems = _check_input_value(name, field, value)
         errors.extend(problems)
-        if not problems:  # checked: a str, int, float or bool, or an image's value (bytes until it is stored)
+        if not problems:  # checked: a str, int, float or bool, or a file's value (bytes until it is stored)
             clean[name] = cast(JsonValue, value)
     if errors:
         raise InvalidRequest(errors)
@@ -110,31 +110,49 @@ def validate_input(spec: PipelineSpec, raw: object) -> JsonObject:
 NOT_BLANK = "[^" + "".join(f"\\u{c:04x}" for c in range(0x3001) if chr(c).isspace()) + "]"
 """A pattern for "some text that is not only whitespace", with str.strip's whitespace spelled out
 (there is none above U+3000): regex engines do not agree on what \\s is (U+001C, U+0085, U+FEFF)."""
-def _image_object(keys: tuple[str, ...]) -> JsonObject:
-    """An image given as an object with exactly the string fields ``keys``."""
+WHAT_DECODES = {"image": "an image (PNG, JPEG, WebP...)",
+                "audio": "audio (WAV, FLAC, MP3, OGG Vorbis or Opus, M4A/AAC, WebM...)",
+                "video": "a video (MP4/MOV, WebM, Matroska, AVI)"}
+"""What a file input's bytes must be, in words (the schema's description)."""
+
+
+def _file_object(keys: tuple[str, ...]) -> JsonObject:
+    """A file given as an object with exactly the string fields ``keys``."""
     return {"type": "object", "properties": {key: {"type": "string"} for key in keys}, "required": [*keys],
             "additionalProperties": False}
 
 
-IMAGE_SCHEMA: JsonObject = {
-    "description": "An image: " + FORMS + ". It must decode as an image (PNG, JPEG, WebP...), which a schema "
-                   "cannot say: a value that does not is a 422 (invalid_image).",
-    "anyOf": [
-        {"type": "string", "minLength": 1},
-        *(_image_object(keys) for keys in (("data",), ("url",), ("job_id", "output"))),
-        {"type": "object", "properties": {"artifact": {"type": "object"}}, "required": ["artifact"],
-         "additionalProperties": False},
-    ],
-    "examples": ["data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAAAAAA6fptVAAAACklEQVR4nGNgAAAAAgABSK+kcQAAAABJRU5ErkJggg=="],
-}
-"""What parse_image_value takes (its shapes; whether the bytes are an image is found when they are decoded)."""
+def _file_schema(kind: str, what: str, example: str) -> JsonObject:
+    """What parse_file_value takes for a ``kind`` input (its shapes; whether the bytes decode is found
+    when they are prepared)."""
+    return {
+        "description": f"{what}: {FORMS}. It must decode as {WHAT_DECODES[kind]}, which a schema cannot "
+                       f"say: a value that does not is a 422 (invalid_{kind}).",
+        "anyOf": [
+            {"type": "string", "minLength": 1},
+            *(_file_object(keys) for keys in (("data",), ("url",), ("job_id", "output"))),
+            {"type": "object", "properties": {"artifact": {"type": "object"}}, "required": ["artifact"],
+             "additionalProperties": False},
+        ],
+        "examples": [example],
+    }
+
+
+IMAGE_SCHEMA: JsonObject = _file_schema("image", "An image", "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAAAA"
+                                        "AA6fptVAAAACklEQVR4nGNgAAAAAgABSK+kcQAAAABJRU5ErkJggg==")
+AUDIO_SCHEMA: JsonObject = _file_schema("audio", "Audio (stored as a 16-bit WAV at its own rate)",
+                                        "data:audio/wav;base64,UklGRjQAAABXQVZFZm10IBAAAAABAAEAgD4AAAB9AAACABAAZG"
+                                        "F0YRAAAAAAAAAAAAAAAAAAAAAAAAAA")
+VIDEO_SCHEMA: JsonObject = _file_schema("video", "A video (stored as an H.264 MP4)",
+                                        "http://127.0.0.1:8000/v1/jobs/job_0a1b2c3d/outputs/video")
+FILE_SCHEMAS: dict[str, JsonObject] = {"image": IMAGE_SCHEMA, "audio": AUDIO_SCHEMA, "video": VIDEO_SCHEMA}
 
 
 def input_field_schema(field: InputField, *, max_text_chars: int | None = None) -> JsonObject:
     """The JSON schema of the values _check_input_value accepts for ``field`` (``max_text_chars``:
     this server's cap on text, Limits.check_input)."""
-    if field.type == "image":
-        return {**IMAGE_SCHEMA}
+    if field.is_file:
+        return {**FILE_SCHEMAS[field.type]}
     if field.type != "text":
         return {"type": field.type}
     schema: JsonObject = {"type": "string"}
@@ -363,9 +381,7 @@ class JobSubmitter:
         self.quotas = quotas
         self.limits = limits
         self.net_guard = net_guard
-        self.input_files = (InputFiles(artifacts, ledger.store, max_bytes=limits.max_image_bytes if limits else None,
-                                       max_pixels=limits.max_image_pixels if limits else None)
-                            if artifacts is not None else None)
+        self.input_files = InputFiles(artifacts, ledger.store, limits=limits) if artifacts is not None else None
         self.catalogue = catalogue
         self.admission = admission
         self.idempotency_ttl_s = idempotency_ttl_s
@@ -531,8 +547,8 @@ class JobSubmitter:
         files = _entries(spec)[2]
         return bool(files) and any(name in input_ for name in files)
 
-    def _prepare_files(self, spec: PipelineSpec, input_: Mapping[str, object], tenant: str) -> dict[str, PreparedImage]:
-        """Image inputs resolved and normalized before anything is claimed or stored."""
+    def _prepare_files(self, spec: PipelineSpec, input_: Mapping[str, object], tenant: str) -> dict[str, PreparedFile]:
+        """File inputs resolved and normalized before anything is claimed or stored."""
         if not self._has_files(spec, input_):
             return {}
         if self.input_files is None:

@@ -37,15 +37,24 @@ INPUT_SOURCE = "input"
 _ID = r"^[a-z][a-z0-9_-]{0,39}$"
 _PY_IDENTIFIER = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
-InputType = Literal["text", "integer", "number", "boolean", "image"]
+InputType = Literal["text", "integer", "number", "boolean", "image", "audio", "video"]
 INPUT_TYPE_MODALITY: dict[InputType, Modality | None] = {
     "text": "text",
     "integer": None,
     "number": None,
     "boolean": None,
     "image": "image",
+    "audio": "audio",
+    "video": "video",
 }
+FileInputType = Literal["image", "audio", "video"]
+FILE_INPUT_TYPES: tuple[FileInputType, ...] = ("image", "audio", "video")
+"""Inputs that are files: sent as base64, a multipart part or a stored output's reference, and stored
+as input artifacts (omni_jobs.input_files)."""
 DEFAULT_MAX_IMAGE_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_BYTES: Mapping[str, int] = {"image": DEFAULT_MAX_IMAGE_BYTES, "audio": 25 * 1024 * 1024,
+                                         "video": 64 * 1024 * 1024}
+"""The largest upload of each file type, unless the field's ``max_bytes`` lowers (or raises) it."""
 
 
 class Strict(BaseModel):
@@ -59,18 +68,32 @@ class InputField(Strict):
     required: bool = True
     description: str = ""
     max_length: int | None = Field(None, gt=0, description="For text: the longest value accepted.")
-    max_bytes: int | None = Field(None, gt=0, description=f"For images: the largest upload (default {DEFAULT_MAX_IMAGE_BYTES}).")
+    max_bytes: int | None = Field(
+        None, gt=0, description="For file inputs (image, audio, video): the largest upload (default: "
+        + ", ".join(f"{kind} {size // 2**20} MiB" for kind, size in DEFAULT_MAX_BYTES.items()) + ").",
+    )
     default: JsonScalar = None
 
     @model_validator(mode="after")
     def _check_kind_options(self) -> InputField:
         if self.max_length is not None and self.type != "text":
             raise ValueError(f"max_length applies to text inputs, not {self.type}")
-        if self.max_bytes is not None and self.type != "image":
-            raise ValueError(f"max_bytes applies to image inputs, not {self.type}")
-        if self.type == "image" and self.default is not None:
-            raise ValueError("an image input cannot have a default")
+        if self.max_bytes is not None and not self.is_file:
+            raise ValueError(f"max_bytes applies to file inputs ({', '.join(FILE_INPUT_TYPES)}), not {self.type}")
+        if self.is_file and self.default is not None:
+            raise ValueError(f"an {self.type} input cannot have a default")
         return self
+
+    @property
+    def is_file(self) -> bool:
+        """A file (image, audio, video): stored as an input artifact when a job is accepted."""
+        return self.type in FILE_INPUT_TYPES
+
+    @property
+    def byte_limit(self) -> int:
+        """The largest upload this field takes: its ``max_bytes``, else its type's default (0: not a file)."""
+        default = DEFAULT_MAX_BYTES.get(self.type, 0)
+        return (self.max_bytes or default) if default else 0
 
 
 class Binding(Strict):
@@ -428,5 +451,5 @@ class PipelineSpec(Strict):
         return {s.queue_name for s in self.stages}
 
     def file_inputs(self) -> list[str]:
-        """Job inputs that are files (images): stored as input artifacts when a job is accepted."""
-        return [name for name, field in self.inputs.items() if field.type == "image"]
+        """Job inputs that are files (image, audio, video): stored as input artifacts when a job is accepted."""
+        return [name for name, field in self.inputs.items() if field.is_file]
