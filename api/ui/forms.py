@@ -1,7 +1,8 @@
 """The playground form of a pipeline, generated from its spec, and the job request a posted form makes.
 
 Fields come from what the pipeline declares, nothing is hard-coded per pipeline:
-- its ``inputs`` (text, integer, number, boolean, image; max_length, default, required);
+- its ``inputs`` (text, integer, number, boolean; image, audio and video as file uploads; max_length,
+  max_bytes, default, required);
 - each stage's parameter model (the JSON schema of ``StageSpec.params_model``: types, bounds,
   multiple_of, descriptions), pre-filled with that stage's ``defaults`` from the YAML.
 
@@ -22,7 +23,7 @@ from starlette.datastructures import FormData, UploadFile
 
 from omni_jobs.errors import FieldError
 from omni_jobs.pipelines.params import bounds_in_words, number_in_words
-from omni_jobs.pipelines.spec import DEFAULT_MAX_IMAGE_BYTES, PipelineSpec, StageSpec
+from omni_jobs.pipelines.spec import PipelineSpec, StageSpec
 
 Kind = Literal["textarea", "text", "integer", "number", "checkbox", "file", "url"]
 
@@ -30,6 +31,9 @@ LONG_TEXT = 200
 """Text fields allowing more than this many characters (or with no limit) are text areas."""
 
 ENGINE_NAMES = {"ar": "AR · vLLM", "dit": "DiT · diffusers"}
+
+FILE_FORMATS = {"image": "PNG, JPEG, WebP…", "audio": "WAV, MP3, FLAC, OGG, M4A…", "video": "MP4, WebM, MOV…"}
+"""What a file input's upload may be, in the field's hint (omni_jobs.media reads audio and video)."""
 
 OPTION_WEBHOOK = "webhook"
 OPTION_CANCEL_AFTER = "cancel_after"
@@ -53,6 +57,8 @@ class FormField:
     multiple_of: float | None = None
     max_length: int | None = None
     max_bytes: int | None = None
+    file_type: str | None = None
+    """For a file field: image, audio or video (what it accepts, and how a chosen file is previewed)."""
     error: str | None = None
 
     @property
@@ -87,12 +93,18 @@ class FormField:
         if self.max_length is not None:
             parts.append(f"up to {self.max_length:,} characters")
         if self.max_bytes is not None:
-            parts.append(f"PNG, JPEG, WebP…, up to {self.max_bytes / 2**20:g} MiB")
+            size = f"{self.max_bytes / 2**20:.3g} MiB" if self.max_bytes >= 2**20 else f"{self.max_bytes / 2**10:.3g} KiB"
+            parts.append(f"{FILE_FORMATS.get(self.file_type or '', 'a file')}, up to {size}")
         if self.nullable and not self.required:
             parts.append("optional")
         if self.default is not None and self.kind not in ("file", "checkbox"):
             parts.append(f"default {_display(self.default)}")
         return "; ".join(parts)
+
+    @property
+    def accept(self) -> str:
+        """The file input's ``accept``: image/*, audio/* or video/*."""
+        return f"{self.file_type}/*" if self.file_type else ""
 
     @property
     def checked(self) -> bool:
@@ -231,7 +243,8 @@ def stage_fields(stage: StageSpec) -> StageFields:
 
 
 def input_fields(spec: PipelineSpec) -> list[FormField]:
-    kinds: dict[str, Kind] = {"integer": "integer", "number": "number", "boolean": "checkbox", "image": "file"}
+    kinds: dict[str, Kind] = {"integer": "integer", "number": "number", "boolean": "checkbox", "image": "file",
+                              "audio": "file", "video": "file"}
     fields = []
     for name, inp in spec.inputs.items():
         kind = kinds.get(inp.type) or ("textarea" if inp.max_length is None or inp.max_length > LONG_TEXT else "text")
@@ -239,7 +252,7 @@ def input_fields(spec: PipelineSpec) -> list[FormField]:
             name=f"input.{name}", label=_label(name), kind=kind, value=_as_text(inp.default), default=inp.default,
             required=inp.required and inp.default is None, nullable=not inp.required, description=inp.description,
             max_length=inp.max_length,
-            max_bytes=(inp.max_bytes or DEFAULT_MAX_IMAGE_BYTES) if inp.type == "image" else None,
+            max_bytes=inp.byte_limit if inp.is_file else None, file_type=inp.type if inp.is_file else None,
         ))
     return fields
 
@@ -330,7 +343,7 @@ async def parse_form(form: PipelineForm, data: FormData) -> ParsedForm:
         value = last(f.name)
         if f.kind == "file":
             if isinstance(value, UploadFile) and (value.filename or value.size):
-                limit = f.max_bytes or DEFAULT_MAX_IMAGE_BYTES
+                limit = f.max_bytes or 0
                 inputs[key] = await value.read(limit + 1)  # one byte over is enough for the limit's error
             continue
         f.value = value if isinstance(value, str) else ""

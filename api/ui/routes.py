@@ -464,11 +464,30 @@ def output_file(job_id: str, name: str, request: Request, ctx: Ctx, who: Viewer,
         data = ctx.runtime.artifacts.get(out.artifact)
     except ArtifactNotFound:
         raise JobNotFound(f"{job_id}/outputs/{name}") from None
-    filename = out.artifact.key.rsplit("/", 1)[-1]
+    return _file_response(request, data, out.media_type, out.artifact.key.rsplit("/", 1)[-1], download=download)
+
+
+@router.get("/jobs/{job_id}/inputs/{name}")
+def input_file(job_id: str, name: str, request: Request, ctx: Ctx, who: Viewer, download: bool = False) -> Response:
+    """A file input's stored bytes (its PNG, WAV or MP4 under jobs/{id}/inputs/), to show or play it back."""
+    job = ctx.runtime.jobs.require(job_id, tenant=who.tenant)
+    record = job.input.get(name)
+    ref = views.input_artifact(job_id, record)
+    if ref is None:
+        raise JobNotFound(f"{job_id}/inputs/{name}")
+    try:
+        data = ctx.runtime.artifacts.get(ref)
+    except ArtifactNotFound:
+        raise JobNotFound(f"{job_id}/inputs/{name}") from None
+    return _file_response(request, data, ref.media_type, ref.key.rsplit("/", 1)[-1], download=download)
+
+
+def _file_response(request: Request, data: bytes, media_type: str, filename: str, *, download: bool) -> Response:
+    """A stored file, inline or as a download, with byte ranges (seeking in <audio>/<video>)."""
     headers = {
         "Accept-Ranges": "bytes",
         "Content-Disposition": f'{"attachment" if download else "inline"}; filename="{filename}"',
-        "Cache-Control": "private, max-age=3600",  # outputs never change once written
+        "Cache-Control": "private, max-age=3600",  # outputs and inputs never change once written
         "X-Content-Type-Options": "nosniff",
         "Content-Security-Policy": "default-src 'none'; sandbox",
     }
@@ -479,9 +498,9 @@ def output_file(job_id: str, name: str, request: Request, ctx: Ctx, who: Viewer,
         return Response(status_code=416, headers={**headers, "Content-Range": f"bytes */{size}"})
     if span is not None and span[0] < size:
         start, end = span
-        return Response(data[start:end + 1], status_code=206, media_type=out.media_type,
+        return Response(data[start:end + 1], status_code=206, media_type=media_type,
                         headers={**headers, "Content-Range": f"bytes {start}-{end}/{size}"})
-    return Response(data, media_type=out.media_type, headers=headers)
+    return Response(data, media_type=media_type, headers=headers)
 
 
 # --- pipelines and the playground ---

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+from pydantic import ValidationError
+
+from omni_jobs.artifacts import ArtifactRef
+
 FINAL = frozenset({"succeeded", "failed", "canceled"})
 
 JOB_SECTIONS = ("job-status", "job-timeline", "job-outputs", "job-error", "job-webhook")
@@ -35,6 +39,31 @@ def output_kind(out: dict[str, Any]) -> str:
 def output_src(job_id: str, name: str, *, download: bool = False) -> str:
     """The console's own route for an output's bytes (the session cookie authorizes it, not a bearer key)."""
     url = f"/ui/jobs/{quote(job_id)}/outputs/{quote(name)}"
+    return url + "?download=1" if download else url
+
+
+def input_artifact(job_id: str, record: object) -> ArtifactRef | None:
+    """The stored file of a file input's record (``{"artifact": ref, ...}``), if it is one of this job's
+    inputs (jobs/{id}/inputs/...); None for any other value."""
+    if not isinstance(record, dict) or not isinstance(record.get("artifact"), dict):
+        return None
+    try:
+        ref = ArtifactRef.model_validate(record["artifact"])
+    except ValidationError:
+        return None
+    return ref if ref.key.startswith(f"jobs/{job_id}/inputs/") else None
+
+
+def input_kind(job_id: str, record: object) -> str | None:
+    """How to show a job input inline: image, audio or video (a stored file input), else None."""
+    ref = input_artifact(job_id, record)
+    kind = ref.media_type.split("/", 1)[0] if ref is not None else None
+    return kind if kind in ("image", "audio", "video") else None
+
+
+def input_src(job_id: str, name: str, *, download: bool = False) -> str:
+    """The console's own route for a file input's stored bytes."""
+    url = f"/ui/jobs/{quote(job_id)}/inputs/{quote(name)}"
     return url + "?download=1" if download else url
 
 
@@ -110,4 +139,6 @@ def job_context(job: dict[str, Any]) -> dict[str, Any]:
         "timeline": timeline(job),
         "output_kind": output_kind,
         "output_src": output_src,
+        "input_kind": input_kind,
+        "input_src": input_src,
     }

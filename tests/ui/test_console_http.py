@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis
+import yaml
 from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
@@ -20,6 +21,7 @@ from api.main import create_app
 from omni_jobs.auth import ApiKeys
 from omni_jobs.settings import Settings
 from omni_jobs.webhooks import generate_secret
+from tests import media_files as mf
 
 pytestmark = [pytest.mark.ui, pytest.mark.integration]
 
@@ -240,6 +242,46 @@ def test_errors_land_beside_their_fields(acme: TestClient) -> None:
     response = submit(acme, "image-to-image", **{"params.dit.strength": "0.1", "params.dit.num_inference_steps": "2"})
     assert re.search(r'id="f-params-dit-error" role="alert">[^<]*leaves no denoising step', response.text)
     assert "data-job-id=" not in acme.get("/ui/jobs", headers=HTML).text, "no job was made"
+
+
+def test_audio_and_video_uploads_are_played_back_on_the_job_page(settings: Settings, keys: dict[str, str],
+                                                                tmp_path: Path) -> None:
+    folder = tmp_path / "pipelines"
+    folder.mkdir()
+    (folder / "media-inputs.yaml").write_text(yaml.safe_dump(mf.MEDIA_PIPELINE))
+    app = create_app(settings.model_copy(update={"pipelines_path": [folder]}))
+    acme, other = signed_in(app, keys["acme"]), signed_in(app, keys["other"])
+    try:
+        form = acme.get("/ui/pipelines/media-inputs", headers=HTML).text
+        assert 'name="input.speech" type="file" accept="audio/*"' in form
+        assert 'name="input.clip" type="file" accept="video/*"' in form
+        assert '<audio id="f-input-speech-preview"' in form and '<video id="f-input-clip-preview"' in form
+        token = csrf_of(acme, "/ui/pipelines/media-inputs")
+        fields = {"csrf_token": token, "input.prompt": "hello", "submission": secrets.token_hex(8)}
+        wav, video = mf.wav(0.5), mf.mp4()
+        response = acme.post("/ui/pipelines/media-inputs", data=fields, files={
+            "input.speech": ("speech.wav", wav, "audio/wav"), "input.clip": ("clip.mp4", video, "video/mp4")})
+        assert response.status_code == 303, field_errors(response.text)
+        job_page = response.headers["location"]
+        page = acme.get(job_page, headers=HTML).text
+        assert f'<audio controls preload="metadata" src="{job_page}/inputs/speech">' in page
+        assert f'<video controls preload="metadata" src="{job_page}/inputs/clip" width="48" height="32">' in page
+        assert "12 frames at 12.0 fps" in page and "16000 Hz" in page
+        stored = acme.get(f"{job_page}/inputs/speech")
+        assert stored.status_code == 200 and stored.headers["content-type"] == "audio/wav" and stored.content == wav
+        part = acme.get(f"{job_page}/inputs/clip", headers={"range": "bytes=0-99"})
+        assert part.status_code == 206 and part.content == video[:100]  # H.264 already: copied, by the same muxer
+        assert acme.get(f"{job_page}/inputs/prompt").status_code == 404  # not a file
+        assert other.get(f"{job_page}/inputs/speech").status_code == 404  # another tenant's
+        # A bad file: its error beside its field, and no job.
+        fields["submission"] = secrets.token_hex(8)
+        response = acme.post("/ui/pipelines/media-inputs", data=fields,
+                             files={"input.speech": ("notes.wav", b"just text\n" * 40, "audio/wav")})
+        assert response.status_code == 422
+        assert "is not audio FFmpeg can read" in field_errors(response.text)["input-speech"]
+    finally:
+        acme.__exit__(None, None, None)
+        other.__exit__(None, None, None)
 
 
 def test_another_tenants_jobs_are_404_and_unlisted(acme: TestClient, other: TestClient) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import io
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from starlette.datastructures import FormData
+from starlette.datastructures import FormData, Headers, UploadFile
 
 from api.ui import forms, graph, views
 from api.ui.routes import _byte_range
@@ -15,6 +16,7 @@ from api.ui.session import safe_next
 from omni_jobs.errors import FieldError
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.pipelines.spec import PipelineSpec
+from tests import media_files as mf
 
 pytestmark = [pytest.mark.ui]
 
@@ -165,6 +167,41 @@ def test_outputs_are_shown_by_their_media_type() -> None:
     assert views.output_kind({"media_type": "video/mp4"}) == "video"
     assert views.output_kind({"media_type": "application/json", "text": ""}) == "text"
     assert views.output_kind({"media_type": "application/octet-stream", "shape": [1, 4]}) == "file"
+
+
+def test_audio_and_video_inputs_are_file_fields_that_accept_their_kind() -> None:
+    form = forms.build_form(PipelineSpec.model_validate(mf.MEDIA_PIPELINE))
+    speech, clip = form.field("input.speech"), form.field("input.clip")
+    image = forms.build_form(spec("image-to-image")).field("input.image")
+    assert speech is not None and clip is not None and image is not None
+    assert (speech.kind, speech.accept, speech.max_bytes) == ("file", "audio/*", 25 * 2**20)
+    assert (clip.kind, clip.accept, clip.max_bytes) == ("file", "video/*", 1_000_000)  # the field's own max_bytes
+    assert image.accept == "image/*"
+    assert speech.hint == "WAV, MP3, FLAC, OGG, M4A…, up to 25 MiB; optional"
+    assert clip.hint == "MP4, WebM, MOV…, up to 977 KiB; optional"
+
+
+def test_a_posted_audio_file_is_sent_as_bytes() -> None:
+    data = mf.wav(0.1)
+    upload = UploadFile(io.BytesIO(data), filename="speech.wav", size=len(data),
+                        headers=Headers({"content-type": "audio/wav"}))
+    form = forms.build_form(PipelineSpec.model_validate(mf.MEDIA_PIPELINE))
+    with ThreadPoolExecutor(1) as pool:
+        parsed = pool.submit(asyncio.run, forms.parse_form(form, FormData([("input.prompt", "x"),
+                                                                           ("input.speech", upload)]))).result()
+    assert parsed.input == {"prompt": "x", "speech": data} and not parsed.errors
+
+
+def test_file_inputs_are_shown_from_their_stored_record() -> None:
+    ref = {"backend": "local", "key": "jobs/job_1/inputs/speech.wav", "media_type": "audio/wav", "size": 44,
+           "sha256": "0" * 64}
+    record = {"artifact": ref, "media_type": "audio/wav", "size": 44, "duration_s": 0.5}
+    assert views.input_kind("job_1", record) == "audio"
+    assert views.input_kind("job_1", {**record, "artifact": {**ref, "key": "jobs/job_1/inputs/clip.mp4",
+                                                             "media_type": "video/mp4"}}) == "video"
+    assert views.input_kind("job_2", record) is None  # another job's file is not this job's input
+    assert views.input_kind("job_1", "a prompt") is None and views.input_kind("job_1", {"artifact": {}}) is None
+    assert views.input_src("job_1", "speech") == "/ui/jobs/job_1/inputs/speech"
 
 
 def test_the_timeline_places_waits_and_runs_on_one_scale() -> None:

@@ -36,14 +36,18 @@
     });
     (root || document).querySelectorAll("input[type=file][data-preview]").forEach(function (input) {
       input.addEventListener("change", function () {
-        var img = document.getElementById(input.getAttribute("data-preview"));
+        // The preview is an <img>, <audio> or <video>: it shows (or plays) a chosen file of its own kind.
+        var preview = document.getElementById(input.getAttribute("data-preview"));
         var file = input.files && input.files[0];
-        if (!img) return;
-        if (file && file.type.indexOf("image/") === 0) {
-          img.src = URL.createObjectURL(file);
-          img.hidden = false;
+        if (!preview) return;
+        var kind = preview.tagName === "IMG" ? "image/" : preview.tagName.toLowerCase() + "/";
+        if (preview.src && preview.src.indexOf("blob:") === 0) URL.revokeObjectURL(preview.src);
+        if (file && file.type.indexOf(kind) === 0) {
+          preview.src = URL.createObjectURL(file);
+          preview.hidden = false;
         } else {
-          img.hidden = true;
+          preview.removeAttribute("src");
+          preview.hidden = true;
         }
       });
     });
