@@ -63,9 +63,9 @@ def stage_params(as_json: str | None, items: list[str]) -> dict[str, dict[str, A
 def parse_inputs(items: list[str]) -> tuple[dict[str, Any], dict[str, Path]]:
     """``--input`` values: the JSON inputs, and the files to upload.
 
-    ``image=@photo.png`` uploads the file (as curl's ``-F`` does), and so does a bare value that is
-    the path of an existing file (except ``prompt``); a missing ``@`` file is an error before any
-    request is sent."""
+    ``image=@photo.png`` (or ``audio=@speech.wav``, ``video=@clip.mp4``) uploads the file (as curl's
+    ``-F`` does), and so does a bare value that is the path of an existing file (except ``prompt``); a
+    missing ``@`` file is an error before any request is sent."""
     inputs: dict[str, Any] = {}
     files: dict[str, Path] = {}
     for item in items:

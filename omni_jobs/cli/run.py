@@ -2,7 +2,8 @@
 
 No Redis, no workers: the quickest way to try a pipeline YAML you are writing, with the same stage
 code and engines the workers use. Its flags are `omni-jobs submit`'s where they mean the same:
-``--prompt``, ``-i/--input name=value`` (for an image input the value is a file path) and ``--param
+``--prompt``, ``-i/--input name=value`` (for a file input, image, audio or video, the value is a file
+path) and ``--param
 stage.key=value``; ``--params`` also takes per-stage overrides as one JSON object.
 """
 
@@ -26,7 +27,7 @@ def add_run_command(sub: Any) -> None:
     run.add_argument("pipeline", help="a pipeline name, or the path of a pipeline YAML file")
     run.add_argument("--prompt", help="the prompt (input.prompt)")
     run.add_argument("-i", "--input", action="append", default=[], metavar="NAME=VALUE",
-                     help="a job input (repeatable); for an image input, VALUE is a file path")
+                     help="a job input (repeatable); for a file input (image, audio, video), VALUE is a file path")
     run.add_argument("--param", action="append", default=[], metavar="STAGE.KEY=VALUE",
                      help="a stage parameter, e.g. dit.seed=7 (repeatable; over --params)")
     run.add_argument("--params", default=None, help='per-stage overrides as JSON, e.g. \'{"dit": {"seed": 3}}\'')
@@ -36,11 +37,11 @@ def add_run_command(sub: Any) -> None:
     run.set_defaults(func=cmd_run)
 
 
-def _inputs(pairs: list[str], image_fields: list[str]) -> dict[str, Any]:
+def _inputs(pairs: list[str], file_fields: list[str]) -> dict[str, Any]:
     inputs: dict[str, Any] = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
-        inputs[name] = Path(value) if name in image_fields else value
+        inputs[name] = Path(value) if name in file_fields else value
     return inputs
 
 

@@ -163,7 +163,8 @@ class SubmitOptions(TypedDict, total=False):
     cancel_after: str | None
     """The job is canceled if it has not ended by then (``Cancel-After``: seconds, e.g. '300')."""
     files: Mapping[str, FileInput] | None
-    """Inputs sent as uploaded files (bytes or a local path), e.g. ``{"image": "photo.png"}``."""
+    """File inputs (image, audio, video) sent as uploads (bytes or a local path), e.g. ``{"image": "photo.png"}``,
+    ``{"audio": Path("speech.wav")}``; the server decodes and stores them (parts named input.<field>)."""
 
 
 class Submission:

@@ -28,13 +28,13 @@ def by_design(case: Case, response: Response) -> bool:
 def cannot_be_said(case: Case, response: Response) -> bool:
     """A schema-valid request refused for what no schema can say. The spec has one schema per
     pipeline (its inputs, each stage's params, this server's limits and webhook setting) and per
-    pipeline an OpenAI request can run, so what is left is: an image input's bytes must decode as
-    an image, and a reference to a stored output must name one (the schema gives their shapes); and
+    pipeline an OpenAI request can run, so what is left is: a file input's bytes must decode as an
+    image, audio or video, and a reference to a stored output must name one (the schema gives their shapes); and
     an image-to-image stage takes strength x num_inference_steps >= 1 (a product of two fields, with
     the stage's default for an absent one). Everything else must be accepted."""
     if case.path not in SUBMIT_PATHS or response.status_code != 422:
         return False
-    return all(e["type"] == "invalid_image" or "leaves no denoising step" in e["msg"]
+    return all(e["type"] in ("invalid_image", "invalid_audio", "invalid_video") or "leaves no denoising step" in e["msg"]
                for e in response.json()["detail"])
 
 

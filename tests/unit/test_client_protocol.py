@@ -83,6 +83,20 @@ def test_submit_builds_json_or_a_multipart_form(tmp_path: Path) -> None:
     assert upload.call.files == {"input.image": ("photo.png", b"\x89PNG"), "input.mask": ("mask", b"m")}
 
 
+def test_audio_and_video_files_go_as_parts_like_images(tmp_path: Path) -> None:
+    from omni_jobs.cli.jobs import parse_inputs
+
+    speech, clip = tmp_path / "speech.wav", tmp_path / "clip.mp4"
+    speech.write_bytes(b"RIFF....WAVE")
+    clip.write_bytes(b"....ftypisom")
+    # The CLI's --input audio=@speech.wav, and a bare path of an existing file.
+    inputs, files = parse_inputs([f"audio=@{speech}", f"video={clip}", "prompt=what is said?"])
+    assert inputs == {"prompt": "what is said?"} and files == {"audio": speech, "video": clip}
+    upload = Submission("omni-understanding", inputs, timeout=30, files=files)
+    assert upload.call.url == "/v1/jobs/multipart"
+    assert upload.call.files == {"input.audio": ("speech.wav", b"RIFF....WAVE"), "input.video": ("clip.mp4", b"....ftypisom")}
+
+
 def test_submit_polls_for_what_is_left_of_its_wait(tmp_path: Path) -> None:
     clock = Clock()
     submission = Submission("text-to-image", timeout=30, clock=clock, wait=10)

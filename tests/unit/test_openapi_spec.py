@@ -20,8 +20,10 @@ from omni_jobs.errors import InvalidRequest
 from omni_jobs.limits import Limits
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.pipelines.params import ARParams
+from omni_jobs.pipelines.spec import PipelineSpec
 from omni_jobs.settings import Settings
-from omni_jobs.submission import params_schema, resolve_params, validate_input
+from omni_jobs.submission import AUDIO_SCHEMA, VIDEO_SCHEMA, params_schema, resolve_params, validate_input
+from tests import media_files as mf
 
 CUSTOM = {
     "name": "my-story", "description": "A user's pipeline, from OMNI_PIPELINES_PATH.",
@@ -41,12 +43,13 @@ def spec_of(**overrides: Any) -> dict[str, Any]:
 def spec(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     folder = tmp_path_factory.mktemp("pipelines")
     (folder / "my-story.yaml").write_text(yaml.safe_dump(CUSTOM))
+    (folder / "media-inputs.yaml").write_text(yaml.safe_dump(mf.MEDIA_PIPELINE))
     return spec_of(pipelines_path=[folder], max_steps=100)
 
 
 def test_a_job_body_is_one_schema_per_pipeline_with_the_users_own(spec: dict[str, Any]) -> None:
     schemas = spec["components"]["schemas"]
-    names = load_catalogue().names() + ["my-story"]
+    names = load_catalogue().names() + ["my-story", "media-inputs"]
     assert schemas["JobRequest"]["discriminator"]["mapping"] == {n: f"#/components/schemas/JobRequest.{n}"
                                                                  for n in sorted(names)}
     story = schemas["JobRequest.my-story"]["properties"]
@@ -69,6 +72,45 @@ def test_webhooks_are_null_only_without_a_signing_secret(spec: dict[str, Any]) -
     assert story["properties"]["webhook"]["type"] == "null" and "if" not in story
     signed = spec_of(webhook_secret="whsec_" + "A" * 32)["components"]["schemas"]["JobRequest.text-to-text"]
     assert "pattern" in signed["properties"]["webhook"] and "if" in signed
+
+
+def test_audio_and_video_inputs_are_described_as_images_are(spec: dict[str, Any]) -> None:
+    schemas = spec["components"]["schemas"]
+    inputs = schemas["JobRequest.media-inputs"]["properties"]["input"]["properties"]
+    assert inputs["speech"]["anyOf"] == [AUDIO_SCHEMA, {"type": "null"}] and inputs["speech"]["description"]
+    assert inputs["clip"]["anyOf"] == [VIDEO_SCHEMA, {"type": "null"}]
+    assert "invalid_audio" in AUDIO_SCHEMA["description"] and "invalid_video" in VIDEO_SCHEMA["description"]  # type: ignore[operator]
+    form = spec["paths"]["/v1/jobs/multipart"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert {"input.speech", "input.clip"} <= set(form["properties"])
+    branch = next(b for b in form["oneOf"] if b["properties"]["pipeline"] == {"const": "media-inputs"})
+    assert branch["properties"]["input.speech"]["format"] == "binary"
+    assert branch["properties"]["input.speech"]["description"].startswith("A file input, audio (WAV")
+    assert branch["properties"]["input.clip"]["description"].startswith("A file input, a video (MP4")
+    assert branch["properties"].get("input.image") is False  # another pipeline's file part
+
+
+MEDIA = PipelineSpec.model_validate(mf.MEDIA_PIPELINE)
+
+
+@pytest.mark.parametrize("input_", [
+    {"prompt": "x", "speech": AUDIO_SCHEMA["examples"][0]},  # type: ignore[index]
+    {"prompt": "x", "speech": {"job_id": "job_1", "output": "audio"}},
+    {"prompt": "x", "clip": {"url": "http://a/v1/jobs/job_1/outputs/video"}},
+    {"prompt": "x", "speech": None, "clip": None},
+    {"prompt": "x", "speech": ""},
+    {"prompt": "x", "speech": 5},
+    {"prompt": "x", "clip": {"path": "/etc/passwd"}},
+    {"prompt": "x", "clip": {"data": 3}},
+])
+def test_the_schema_and_the_submitter_agree_on_file_forms(spec: dict[str, Any], input_: dict[str, Any]) -> None:
+    schema = spec["components"]["schemas"]["JobRequest.media-inputs"]
+    valid = jsonschema_rs.validator_for(schema).is_valid({"pipeline": "media-inputs", "input": input_})
+    try:
+        validate_input(MEDIA, input_)
+        accepted = True
+    except InvalidRequest:
+        accepted = False
+    assert valid == accepted
 
 
 @pytest.mark.parametrize(("input_", "params"), [
