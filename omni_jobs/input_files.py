@@ -238,12 +238,14 @@ def _image_file(data: bytes, max_pixels: int | None) -> PreparedFile:
 
 class InputFiles:
     """Resolves a request's file inputs and stores them as the job's input artifacts. ``limits``: this
-    server's (bytes per type, image pixels, audio and video lengths, video frames and frame size)."""
+    server's (bytes per type, image pixels, audio and video lengths, video frames and frame size);
+    without them (in process) the defaults bound what is decoded, and each field's max_bytes its size."""
 
     def __init__(self, artifacts: ArtifactStore, jobs: JobStore, *, limits: Limits | None = None) -> None:
         self.artifacts = artifacts
         self.jobs = jobs
         self.limits = limits or Limits()
+        self.server_byte_caps = limits is not None
 
     def _owned_job(self, job_id: str, tenant: str | None) -> Job:
         """The referenced job, if ``tenant`` owns it: another tenant's job reads as missing."""
@@ -295,7 +297,7 @@ class InputFiles:
         """``data`` decoded and re-encoded in its type's stored format (PNG, WAV, MP4) within this server's
         limits; ValueError (MediaError) with a message that completes 'input.<name> ...'."""
         cap, setting = self._byte_cap(kind)
-        if len(data) > cap:
+        if self.server_byte_caps and len(data) > cap:
             raise ValueError(f"is {len(data)} bytes; this server takes at most {cap} ({setting})")
         if kind == "image":
             return _image_file(data, self.limits.max_image_pixels)

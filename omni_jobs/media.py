@@ -49,6 +49,8 @@ MAX_CHANNELS = 8
 SAMPLE_BUDGET_PER_S = 48_000 * 2
 """Decoded samples (all channels) per second of the length limit: 48 kHz stereo for the whole limit;
 96 kHz stereo for half of it. Compressed silence is small, so bytes alone do not bound memory."""
+INT_FULL_SCALE = {"s16": 32767, "s32": 2**31 - 1}
+"""Integer sample formats, read as codecs.decode_wav reads them (the largest value is 1.0)."""
 TRUNCATION_SLACK_S = 0.1
 """How far short of its declared length a file may decode (codec delay, padding) before it counts as truncated."""
 
@@ -200,12 +202,17 @@ def decode_audio(data: bytes, limits: MediaLimits | None = None) -> AudioClip:
             budget = int(limits.max_seconds * SAMPLE_BUDGET_PER_S)
             if declared is not None and declared * rate * channels > budget:
                 raise MediaError(_over_budget(declared * rate * channels, budget, limits))
-        resampler = av.AudioResampler(format="fltp", layout=context.layout, rate=rate)
+        # Integer PCM is scaled as codecs.decode_wav scales it (full scale 32767 is 1.0: a 16-bit WAV comes
+        # back sample for sample); FFmpeg's own float conversion divides by 32768.
+        kind = context.format.name.rstrip("p")
+        scale = INT_FULL_SCALE.get(kind)
+        resampler = av.AudioResampler(format=f"{kind}p" if scale else "fltp", layout=context.layout, rate=rate)
         chunks: list[np.ndarray] = []
         count = 0
         try:
             for frame in _audio_frames(container, stream, resampler):
                 samples = frame.to_ndarray()
+                samples = samples.astype(np.float32) / np.float32(scale) if scale else samples
                 chunks.append(samples)
                 count += samples.shape[-1]
                 if limits.max_seconds is not None and count > limits.max_seconds * rate:

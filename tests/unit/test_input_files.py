@@ -23,6 +23,7 @@ from omni_jobs.input_files import (
     OutputReference,
     load_input_file,
     load_input_image,
+    normalize_audio,
     normalize_image,
     parse_file_value,
     parse_image_value,
@@ -208,6 +209,12 @@ def test_audio_is_stored_as_a_wav_at_its_own_rate_and_loaded_as_a_clip(tmp_path:
     clip = load_input_file(artifacts, "audio", record)
     assert isinstance(clip, AudioClip) and clip.sample_rate == rate and clip.samples.shape[0] == channels
     assert clip.samples.dtype == np.float32 and clip.duration_s == pytest.approx(record["duration_s"], abs=1e-4)
+
+
+def test_16_bit_pcm_comes_back_sample_for_sample() -> None:
+    stereo = codecs.encode_wav(np.clip(np.random.default_rng(0).normal(0, 0.6, (2, 4000)), -1, 1), 22_050)
+    assert normalize_audio(stereo).data == stereo  # a 16-bit WAV: stored as the same bytes
+    assert normalize_audio(mf.encode_audio("flac", 0.5)).data == mf.wav(0.5)  # FLAC: the WAV it was made from
 
 
 def test_video_is_stored_as_h264_mp4_copied_or_reencoded(tmp_path: Path) -> None:
