@@ -343,8 +343,8 @@ async def parse_form(form: PipelineForm, data: FormData) -> ParsedForm:
         value = last(f.name)
         if f.kind == "file":
             if isinstance(value, UploadFile) and (value.filename or value.size):
-                limit = f.max_bytes or 0
-                inputs[key] = await value.read(limit + 1)  # one byte over is enough for the limit's error
+                # One byte over the limit is enough for the limit's error.
+                inputs[key] = await value.read(f.max_bytes + 1 if f.max_bytes else -1)
             continue
         f.value = value if isinstance(value, str) else ""
         if f.kind == "checkbox":
