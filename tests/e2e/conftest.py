@@ -21,6 +21,7 @@ from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.settings import Settings
 from omni_jobs.webhooks import generate_secret
 from tests.e2e.job_contract import check_job_responses
+from tests.media_files import MEDIA_PIPELINE
 
 E2E_REDIS_DB = 3  # the integration tests flush DB 0 of the shared server; the system lives apart
 
@@ -75,6 +76,7 @@ def system(
     pipelines.mkdir()
     (pipelines / "broken-model.yaml").write_text(yaml.safe_dump(BROKEN_MODEL_PIPELINE))
     (pipelines / "dit-only.yaml").write_text(yaml.safe_dump(DIT_ONLY_PIPELINE))
+    (pipelines / "media-inputs.yaml").write_text(yaml.safe_dump(MEDIA_PIPELINE))  # audio and video inputs
     redis_url = f"redis://127.0.0.1:{redis_service.port}/{E2E_REDIS_DB}"
     settings = Settings(models_dir=models_dir(), artifacts_dir=home / "artifacts", redis_url=redis_url)
     system = EmbeddedSystem(
