@@ -24,10 +24,17 @@ import redis
 
 from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, ArtifactStoreUnavailable
-from omni_jobs.engines.ar import AROutput, ARRequest, SamplingOptions, TextSoFar
+from omni_jobs.engines.ar import AROutput, TextSoFar
 from omni_jobs.engines.batching import BatchDefaults, BatchPolicy, ar_batcher
 from omni_jobs.engines.pool import EnginePool
-from omni_jobs.engines.stage_exec import StageValues, execute_dit, execute_encode
+from omni_jobs.engines.stage_exec import (
+    StageValues,
+    ar_engine_args,
+    ar_request,
+    execute_dit,
+    execute_encode,
+    execute_transcribe,
+)
 from omni_jobs.errors import JobAlreadyFinished, JobNotFound, StageError, TransientStageError
 from omni_jobs.followed import Ask, FollowedJobs
 from omni_jobs.input_files import load_input_file
@@ -39,7 +46,7 @@ from omni_jobs.leases import LeaseKeeper
 from omni_jobs.payloads import FORMATS, Payload, decode_payload, encode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.params import ARParams
-from omni_jobs.pipelines.spec import INPUT_SOURCE, PipelineSpec, StageSpec
+from omni_jobs.pipelines.spec import INPUT_SOURCE, Binding, PipelineSpec, StageSpec
 from omni_jobs.previews import LatentPreview
 from omni_jobs.progress_writer import ProgressWriter
 from omni_jobs.run_journal import RunJournal
@@ -96,7 +103,7 @@ class InlineResults(Protocol):
 
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ArtifactStoreUnavailable, TransientStageError, *STORE_DOWN)
 """Errors that may pass (a store or the broker unreachable): the next attempt backs off and retries."""
-StageInputs: TypeAlias = "dict[str, Payload | JsonValue]"
+StageInputs: TypeAlias = "dict[str, Payload | JsonValue | list[Payload | JsonValue]]"
 """A stage's inputs by port, as its engine is handed them: a job input (JSON; an image input loaded
 as a PIL image) or an upstream stage's output, decoded."""
 
@@ -154,12 +161,8 @@ def _execute_ar(engines: EnginePool, stage: StageSpec, params: ARParams, inputs:
                 progress: ProgressFn, *, policy: BatchPolicy | None = None,
                 on_text: TextSoFar | None = None) -> AROutput:
     """AR generate: the engine's output for this stage's one request."""
-    engine = engines.ar(stage.model, stage.engine_args)
-    sampling = SamplingOptions(
-        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, seed=params.seed
-    )
-    prompt = params.prompt_template.format(prompt=inputs["prompt"])
-    request = ARRequest(request_id=request_id, prompt=prompt, sampling=sampling, on_text=on_text)
+    engine = engines.ar(stage.model, ar_engine_args(stage))
+    request = ar_request(engines, stage, params, inputs, request_id, on_text=on_text)
     if policy is not None:  # concurrent jobs of this worker share one vLLM batch
         output = ar_batcher(engine, policy).submit(request, progress)
     else:
@@ -396,18 +399,32 @@ class StageRunner:
     # --- steps of run() ---
     def _load_inputs(self, spec: PipelineSpec, stage: StageSpec, job: Job) -> StageInputs:
         inputs: StageInputs = {}
-        for port, binding in stage.inputs.items():
-            if binding.source == INPUT_SOURCE:
-                value = job.input[binding.port]
-                field = spec.inputs[binding.port]
-                inputs[port] = load_input_file(self.artifacts, field.type, value) if field.is_file else value
-                continue
-            upstream = spec.stage(binding.source)
-            ref = job.stage_record(binding.source).outputs.get(binding.port)
-            if ref is None:
-                raise StageError(f"stage '{binding.source}' recorded no output '{binding.port}'")
-            inputs[port] = decode_payload(upstream.outputs[binding.port], self.artifacts.get(ref))
+        for port, bound in stage.inputs.items():
+            given = [b for b in (bound if isinstance(bound, tuple) else (bound,)) if self._given(b, job)]
+            if not given:
+                continue  # an optional job input left out: the port is not fed (a chat without an image)
+            if isinstance(bound, tuple):  # a port wired to several sources gets their values as a list
+                inputs[port] = [self._load_input(spec, binding, job) for binding in given]
+            else:
+                inputs[port] = self._load_input(spec, bound, job)
         return inputs
+
+    @staticmethod
+    def _given(binding: Binding, job: Job) -> bool:
+        return binding.source != INPUT_SOURCE or job.input.get(binding.port) is not None
+
+    def _load_input(self, spec: PipelineSpec, binding: Binding, job: Job) -> Payload | JsonValue:
+        """One source's value: a job input (JSON; a file input loaded: a PIL image, AudioClip or VideoClip)
+        or an upstream output."""
+        if binding.source == INPUT_SOURCE:
+            value = job.input[binding.port]
+            field = spec.inputs[binding.port]
+            return load_input_file(self.artifacts, field.type, value) if field.is_file else value
+        upstream = spec.stage(binding.source)
+        ref = job.stage_record(binding.source).outputs.get(binding.port)
+        if ref is None:
+            raise StageError(f"stage '{binding.source}' recorded no output '{binding.port}'")
+        return decode_payload(upstream.outputs[binding.port], self.artifacts.get(ref))
 
     def _stage_cache(self, spec: PipelineSpec, stage: StageSpec, job: Job) -> tuple[StageOutputCache | None, str | None]:
         """The stage-output cache of this stage and this job's key in it (None: not cached)."""
@@ -419,12 +436,13 @@ class StageRunner:
         if resolved.get("temperature", 0) and resolved.get("seed") is None:
             return None, None  # sampled without a seed: a repeat must not return the same text
         digests: dict[str, str] = {}
-        for port, binding in stage.inputs.items():
+        for port, binding in stage.bindings():
             if binding.source == INPUT_SOURCE:
-                digests[port] = text_digest(job.input.get(binding.port))
+                digest = text_digest(job.input.get(binding.port))
             else:
                 ref = job.stage_record(binding.source).outputs.get(binding.port)
-                digests[port] = ref.sha256 if ref is not None else ""
+                digest = ref.sha256 if ref is not None else ""
+            digests[port] = f"{digests[port]},{digest}" if port in digests else digest
         config = stage.model_dump(mode="json", include={"engine", "task", "model", "engine_args", "produces"})
         max_entries = stage.cache.max_entries or self.cache_defaults[0]
         eviction: Eviction = stage.cache.eviction or self.cache_defaults[1]
@@ -461,6 +479,9 @@ class StageRunner:
             if stage.engine == "ar" and stage.task_name == "generate":
                 return self._execute_streamed_ar(stage, job, ARParams.model_validate(params), inputs, lease, progress,
                                                  policy, tail)
+            if stage.engine == "ar" and stage.task_name == "transcribe":
+                return execute_transcribe(self.engines, stage, stage.params(params), inputs, request_id, progress,
+                                          policy=policy)
             if stage.engine == "ar":
                 return execute_encode(self.engines, stage, stage.params(params), inputs, request_id, progress)
             return execute_dit(self.engines, stage, stage.params(params), inputs, request_id, progress, policy=policy,

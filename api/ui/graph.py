@@ -94,7 +94,7 @@ def layout(spec: PipelineSpec) -> Graph:
 
     edges: list[Edge] = []
     for stage in spec.stages:
-        for port, binding in stage.inputs.items():
+        for port, binding in stage.bindings():
             if binding.source == INPUT_SOURCE:
                 source = f"input:{binding.port}"
                 label = port if port == binding.port else f"{binding.port} → {port}"

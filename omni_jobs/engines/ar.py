@@ -7,6 +7,7 @@ that is where the throughput comes from. vLLM is imported lazily so that importi
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
@@ -16,13 +17,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omni_jobs import telemetry
+from omni_jobs.engines import ar_prompts
+from omni_jobs.engines.ar_prompts import Media
 from omni_jobs.engines.gloo_device import one_gloo_device
 from omni_jobs.engines.turns import engine_turn
 from omni_jobs.json_types import JsonValue
 
 if TYPE_CHECKING:
+    import torch
     from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import PromptType
     from vllm.outputs import RequestOutput
 
 
@@ -34,6 +38,8 @@ class SamplingOptions:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    allowed_token_ids: tuple[int, ...] | None = None
+    """Only these tokens may be sampled (a speech model's language token, say)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -55,6 +61,16 @@ class ARRequest:
     sampling: SamplingOptions
     on_text: TextSoFar | None = field(default=None, compare=False, repr=False)
     """Where the text goes as it is generated (streamed stages); the engine then steps the request."""
+    media: Media = field(default_factory=dict, compare=False, repr=False)
+    """Images, audio clips and videos by modality, handed to vLLM as ``multi_modal_data``."""
+    chat: bool = False
+    """Wrap the prompt (and the media's placeholders) in the model's chat template as one user turn."""
+    system_prompt: str | None = None
+    """With ``chat``: a system turn before it."""
+    prompt_embeds: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    """[tokens, hidden]: the prompt as embeddings (an upstream stage's), instead of ``prompt``'s text."""
+    engine_prompt: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    """A prompt vLLM takes as it is, built by the engine itself (``transcription_prompts``)."""
 
 
 @dataclass(frozen=True)
@@ -126,8 +142,14 @@ class AREngine:
         self._llm = build_llm(model, engine_args, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len)
         self._tokenizer = self._llm.get_tokenizer()
         self.max_model_len: int = int(self._llm.llm_engine.model_config.max_model_len)
+        self.prompt_facts = ar_prompts.model_prompt_facts(self._llm)
         self._lock = threading.Lock()  # LLM is not thread-safe; one batch at a time
         self._counter = itertools.count()
+
+    @functools.cached_property
+    def transcriber(self) -> ar_prompts.Transcriber:
+        """This model's speech-to-text prompts (ValueError if it is no speech-to-text model)."""
+        return ar_prompts.Transcriber(self._llm)
 
     def tokenize(self, prompt: str) -> list[int]:
         """Token ids exactly as vLLM would make them (special tokens included)."""
@@ -146,6 +168,34 @@ class AREngine:
             )
         return ids
 
+    def _engine_prompt(self, request: ARRequest) -> PromptType:
+        """What vLLM is handed for ``request``: token ids where the text alone is the prompt (its length
+        checked here), the text with its media's placeholders and ``multi_modal_data`` (vLLM's processor
+        expands them; it refuses an over-long result itself), or checked embeddings."""
+        from vllm.inputs import EmbedsPrompt, TextPrompt, TokensPrompt
+
+        if request.engine_prompt is not None:
+            return dict(request.engine_prompt)  # type: ignore[return-value]  # built by this engine's model class
+        budget = self.max_model_len - request.sampling.max_tokens
+        if request.prompt_embeds is not None:
+            if not self.prompt_facts.accepts_embeds:
+                raise ValueError(f"request {request.request_id!r}: this engine takes no prompt_embeds; "
+                                 "start it with engine_args enable_prompt_embeds: true")
+            embeds = ar_prompts.check_embeds(request.prompt_embeds, self.prompt_facts.hidden_size, budget,
+                                             request.request_id)
+            return EmbedsPrompt(prompt_embeds=embeds)
+        media = {m: items for m, items in request.media.items() if items}
+        if not media and not request.chat:
+            return TokensPrompt(prompt_token_ids=self._prompt_ids(request))
+        ar_prompts.check_media(self.prompt_facts, media, self.model)
+        text = ar_prompts.with_placeholders(request.prompt, self.prompt_facts.placeholders(media))
+        if request.chat:
+            text = ar_prompts.chat_prompt(self._llm, text, request.system_prompt)
+        prompt = TextPrompt(prompt=text)
+        if media:
+            prompt["multi_modal_data"] = ar_prompts.multi_modal_data(media)
+        return prompt
+
     def generate(self, requests: Sequence[ARRequest], on_progress: TokenProgress | None = None) -> list[AROutput]:
         """Run all requests as ONE engine batch; outputs come back in request order.
 
@@ -157,16 +207,19 @@ class AREngine:
         """
         if not requests:
             return []
-        from vllm.inputs import TokensPrompt
-
-        prompts = [TokensPrompt(prompt_token_ids=self._prompt_ids(r)) for r in requests]
+        prompts = [self._engine_prompt(r) for r in requests]
         params = [self._sampling_params(r) for r in requests]
+        from vllm.exceptions import VLLMClientError
+
         with self._lock:
             telemetry.batch("ar", len(requests))
-            if on_progress is None and not any(r.on_text for r in requests):
-                results = self._llm.generate(prompts, params, use_tqdm=False)
-            else:
-                results = self._step_batch(requests, prompts, params, on_progress)
+            try:
+                if on_progress is None and not any(r.on_text for r in requests):
+                    results = self._llm.generate(prompts, params, use_tqdm=False)
+                else:
+                    results = self._step_batch(requests, prompts, params, on_progress)
+            except VLLMClientError as exc:  # the request's fault (a prompt too long with its media): a ValueError
+                raise ValueError(str(exc)) from exc
         if len(results) != len(requests):
             raise RuntimeError(f"vLLM returned {len(results)} outputs for {len(requests)} requests")
         return [_to_output(r, res) for r, res in zip(requests, results, strict=True)]
@@ -184,7 +237,7 @@ class AREngine:
         ``on_result(slot, result)`` is called as soon as a request is done, so its caller need not
         wait for the whole batch.
         """
-        from vllm.inputs import TokensPrompt
+        from vllm.exceptions import VLLMClientError
         from vllm.outputs import RequestOutput
         from vllm.sampling_params import RequestOutputKind
 
@@ -203,16 +256,15 @@ class AREngine:
                 i = len(all_requests)
                 all_requests.append(r)
                 results.append(None)
-                try:
-                    prompt = TokensPrompt(prompt_token_ids=self._prompt_ids(r))
-                except ValueError as exc:
-                    settle(i, exc)
-                    continue
                 param = self._sampling_params(r)
                 param.output_kind = RequestOutputKind.CUMULATIVE
                 engine_id = f"omni-{next(self._counter)}"
+                try:  # a prompt this model refuses (too long, media it does not take) fails its request alone
+                    engine.add_request(engine_id, self._engine_prompt(r), param)
+                except (ValueError, TypeError, VLLMClientError) as exc:
+                    settle(i, exc if not isinstance(exc, VLLMClientError) else ValueError(str(exc)))
+                    continue
                 ids[engine_id] = i
-                engine.add_request(engine_id, prompt, param)
 
         with self._lock:
             try:
@@ -259,14 +311,16 @@ class AREngine:
     def _sampling_params(request: ARRequest) -> SamplingParams:
         from vllm import SamplingParams
 
+        allowed = request.sampling.allowed_token_ids
         return SamplingParams(
             max_tokens=request.sampling.max_tokens,
             temperature=request.sampling.temperature,
             top_p=request.sampling.top_p,
             seed=request.sampling.seed,
+            allowed_token_ids=list(allowed) if allowed is not None else None,
         )
 
-    def _step_batch(self, requests: Sequence[ARRequest], prompts: list[TokensPrompt], params: list[SamplingParams],
+    def _step_batch(self, requests: Sequence[ARRequest], prompts: list[PromptType], params: list[SamplingParams],
                     on_progress: TokenProgress | None) -> list[RequestOutput]:
         from vllm.outputs import RequestOutput
         from vllm.sampling_params import RequestOutputKind

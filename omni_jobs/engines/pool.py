@@ -21,6 +21,7 @@ from omni_jobs.engines.ar import AREngine
 from omni_jobs.engines.dit import DiTEngine
 from omni_jobs.engines.encoder import AREncoder
 from omni_jobs.engines.model_source import resolve_model
+from omni_jobs.engines.projection import Projection, load_projection
 from omni_jobs.json_types import JsonValue
 from omni_jobs.pipelines.spec import DiTEngineArgs
 
@@ -42,6 +43,7 @@ class EnginePool:
         self._lock = threading.Lock()  # guards the dicts, never held during a load or a build
         self._loading: dict[tuple[str, str, str], threading.Lock] = {}
         self._resolved: dict[str, str] = {}
+        self._projections: dict[tuple[str, str], Projection] = {}
 
     def ar(self, model: str, engine_args: Mapping[str, JsonValue]) -> AREngine:
         """The AR engine for ``model``; ``engine_args`` go to vLLM and override the defaults."""
@@ -73,6 +75,17 @@ class EnginePool:
             return cls(resolved, engine_args=args, kv_cache_bytes=self.kv_cache_bytes, max_model_len=self.max_model_len)
 
         return self._get(kind, model, args, cls, load)
+
+    def projection(self, model: str, weight: str) -> Projection:
+        """The Linear ``weight`` of the checkpoint ``model``, read once per process."""
+        resolved = self._resolve(model)
+        with self._lock:
+            found = self._projections.get((resolved, weight))
+        if found is None:
+            found = load_projection(resolved, weight)
+            with self._lock:
+                self._projections[(resolved, weight)] = found
+        return found
 
     def loaded(self) -> list[tuple[str, str, str]]:
         """Keys of the engines loaded so far (for health and metrics)."""

@@ -1,7 +1,8 @@
 """From a stage of a pipeline to an engine call: which engine a stage needs, and how its inputs and
 parameters become that engine's request and its outputs the stage's ports.
 
-The table is (engine kind, task) -> executor; the AR generate executor lives in omni_jobs.stages.
+The table is (engine kind, task) -> executor; the AR generate executor lives in omni_jobs.stages (it
+streams text), and builds its request here (``ar_request``).
 Worker preloading and the stage runner both go through ``load_stage_engine``, so an engine that
 cannot run its stage's task (an image pipeline on a text-to-audio stage, a DiT without a text
 encoder fed text) is refused the same way at worker start and at run time.
@@ -12,14 +13,18 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from omni_jobs.engines.ar import AREngine
-from omni_jobs.engines.batching import BatchPolicy, dit_batcher
+from omni_jobs.engines.ar import AREngine, AROutput, ARRequest, SamplingOptions, TextSoFar
+from omni_jobs.engines.batching import BatchPolicy, ar_batcher, dit_batcher
 from omni_jobs.engines.dit import DiTEngine, DiTRequest, PreviewCallback
 from omni_jobs.engines.encoder import AREncoder, EncodeRequest
 from omni_jobs.engines.pool import EnginePool
+from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.payloads import AudioClip, VideoClip
+from omni_jobs.pipelines.modalities import MEDIA_PORTS
 from omni_jobs.pipelines.params import (
     AREncodeParams,
+    ARParams,
+    ARTranscribeParams,
     DiTAudioParams,
     DiTImageToImageParams,
     DiTParams,
@@ -43,8 +48,94 @@ def load_stage_engine(engines: EnginePool, stage: StageSpec) -> AREngine | AREnc
     if stage.engine == "ar":
         if stage.task_name == "encode":
             return engines.encoder(stage.model, stage.engine_args)
-        return engines.ar(stage.model, stage.engine_args)
+        engine = engines.ar(stage.model, ar_engine_args(stage))
+        if stage.task_name == "transcribe":
+            engine.transcriber  # noqa: B018 - a model that is no speech-to-text model is refused here, at load
+        return engine
     return _dit_engine(engines, stage)
+
+
+def ar_engine_args(stage: StageSpec) -> dict[str, JsonValue]:
+    """A generating stage's vLLM arguments: its own, plus what its wiring needs (prompt embeddings on; room
+    for as many images, clips and videos a prompt as the stage is wired to), unless it set them itself."""
+    args: dict[str, JsonValue] = dict(stage.engine_args)
+    if "prompt_embeds" in stage.inputs:
+        args.setdefault("enable_prompt_embeds", True)
+    many = {port: len(bound) for port, bound in stage.inputs.items() if isinstance(bound, tuple) and len(bound) > 1}
+    if many and "limit_mm_per_prompt" not in args:
+        args["limit_mm_per_prompt"] = dict(many)
+    return args
+
+
+def ar_request(engines: EnginePool, stage: StageSpec, params: ARParams, inputs: Mapping[str, object],
+               request_id: str, *, on_text: TextSoFar | None = None) -> ARRequest:
+    """The engine request of an AR generate stage: its prompt (text, or upstream embeddings through the
+    stage's projection), its media by modality, its sampling and chat settings."""
+    sampling = SamplingOptions(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                               seed=params.seed)
+    embeds = None
+    prompt = ""
+    if "prompt_embeds" in inputs:
+        embeds = _embeds(inputs["prompt_embeds"])
+        if stage.projection is not None:
+            embeds = engines.projection(stage.projection.model, stage.projection.weight)(embeds)
+    else:
+        prompt = params.prompt_template.format(prompt=_prompt(inputs["prompt"]))
+    media = {port: _listed(inputs[port]) for port in MEDIA_PORTS if port in inputs}
+    return ARRequest(request_id=request_id, prompt=prompt, sampling=sampling, on_text=on_text, media=media,
+                     chat=params.chat, system_prompt=params.system_prompt, prompt_embeds=embeds)
+
+
+def _listed(value: object) -> list[object]:
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def execute_transcribe(engines: EnginePool, stage: StageSpec, params: StageParams, inputs: Mapping[str, object],
+                       request_id: str, progress: ProgressFn, *, policy: BatchPolicy | None = None) -> StageValues:
+    """Speech to text: the clip in the model's chunks, each one request (batched with other jobs'), the
+    language detected first where the model needs one and none was given; the text, with its segments."""
+    assert isinstance(params, ARTranscribeParams)
+    engine = engines.ar(stage.model, ar_engine_args(stage))
+    transcriber = engine.transcriber
+    clip = inputs["audio"]
+    if not isinstance(clip, AudioClip):
+        raise TypeError(f"a transcription's audio is an AudioClip, got {type(clip).__name__}")
+    chunks, spans, duration = transcriber.chunks(clip, params.task)
+    language = transcriber.validate_language(params.language)
+
+    def run(requests: list[ARRequest]) -> list[AROutput]:
+        if policy is not None:
+            batcher = ar_batcher(engine, policy)
+            return [batcher.submit(r) for r in requests]
+        return engine.generate(requests)
+
+    if language is None and transcriber.detects_language:
+        prompt, allowed = transcriber.detection(chunks[0], params.task)
+        (detected,) = run([ARRequest(request_id=f"{request_id}:language", prompt="", engine_prompt=prompt,
+                                     sampling=SamplingOptions(max_tokens=1, allowed_token_ids=tuple(allowed)))])
+        language = transcriber.parse_language(detected.token_ids)
+    prompt_text = _prompt(inputs["prompt"]) if "prompt" in inputs else ""
+    prompts = transcriber.prompts(chunks, task=params.task, language=language, prompt=prompt_text)
+    sampling = SamplingOptions(max_tokens=params.max_tokens, temperature=params.temperature, seed=params.seed)
+    segments: list[JsonValue] = []
+    texts: list[str] = []
+    prompt_tokens = completion_tokens = 0
+    for i, (chunk_prompt, (start, end)) in enumerate(zip(prompts, spans, strict=True)):
+        (out,) = run([ARRequest(request_id=f"{request_id}:{i}", prompt="", engine_prompt=chunk_prompt,
+                                sampling=sampling)])
+        text = transcriber.clean(out.text).strip()
+        texts.append(text)
+        segments.append({"id": i, "start": round(start, 3), "end": round(end, 3), "text": text})
+        prompt_tokens += len(out.prompt_token_ids)
+        completion_tokens += len(out.token_ids)
+        progress(i + 1, len(chunks))
+    document: JsonObject = {
+        "text": transcriber.join(texts, language), "language": language, "duration": round(duration, 3), "task": params.task,
+        "segments": segments, "finish_reason": "stop",
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "seconds": round(duration, 3)},
+    }
+    return {"text": document}
 
 
 def _dit_engine(engines: EnginePool, stage: StageSpec) -> DiTEngine:

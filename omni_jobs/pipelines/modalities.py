@@ -1,7 +1,7 @@
 """What flows between stages: modalities, and the input/output ports of each engine task.
 
 A stage names its engine kind (``ar`` on vLLM, ``dit`` on diffusers) and the task that engine runs
-(``generate``, ``encode``, ``text-to-image``, ``image-to-image``, ``text-to-audio``, ``text-to-video``). The task fixes
+(``generate``, ``encode``, ``transcribe``, ``text-to-image``, ``image-to-image``, ``text-to-audio``, ``text-to-video``). The task fixes
 which named inputs the stage consumes and which outputs it can produce, each with a modality.
 Pipeline validation checks every wire against these tables, so a DiT stage fed token ids instead
 of text, or an audio stage wired into an image input, is an error at load time, not a crash.
@@ -20,6 +20,9 @@ MODALITIES: tuple[Modality, ...] = (
     "text", "token_ids", "hidden_states", "prompt_embeds", "latents", "image", "audio", "video",
 )
 TENSOR_MODALITIES: frozenset[Modality] = frozenset({"token_ids", "hidden_states", "prompt_embeds", "latents"})
+MEDIA_MODALITIES: frozenset[Modality] = frozenset({"image", "audio", "video"})
+"""What a multimodal AR stage hands vLLM as ``multi_modal_data`` (its port names are the modalities)."""
+MEDIA_PORTS: frozenset[str] = frozenset(MEDIA_MODALITIES)
 
 
 @dataclass(frozen=True)
@@ -36,17 +39,31 @@ class EnginePorts:
     default_outputs: tuple[str, ...]
     required_inputs: frozenset[str] = frozenset()
     exclusive: tuple[frozenset[str], ...] = field(default=())
+    many: frozenset[str] = frozenset()
+    """Inputs that may be wired to a list of sources (``image: [input.front, input.back]``): a
+    vision-language model takes several images in one prompt."""
     description: str = ""
 
 
 ENGINE_TASKS: dict[EngineKind, dict[str, EnginePorts]] = {
     "ar": {
         "generate": EnginePorts(
-            inputs={"prompt": ("text",)},
-            required_inputs=frozenset({"prompt"}),
+            inputs={"prompt": ("text",), "prompt_embeds": ("hidden_states", "prompt_embeds"),
+                    "image": ("image",), "audio": ("audio",), "video": ("video",)},
+            exclusive=(frozenset({"prompt", "prompt_embeds"}),),
+            many=MEDIA_PORTS,
             outputs={"text": "text", "token_ids": "token_ids"},
             default_outputs=("text", "token_ids"),
-            description="vLLM generates a continuation of the prompt.",
+            description="vLLM generates a continuation of the prompt: text, with the images, audio and video "
+                        "a multimodal model takes (multi_modal_data), or upstream embeddings (prompt_embeds).",
+        ),
+        "transcribe": EnginePorts(
+            inputs={"audio": ("audio",), "prompt": ("text",)},
+            required_inputs=frozenset({"audio"}),
+            outputs={"text": "text"},
+            default_outputs=("text",),
+            description="A speech-to-text model on vLLM (Whisper and the like) transcribes or translates the audio; "
+                        "the prompt, if any, is the text that came before it.",
         ),
         "encode": EnginePorts(
             inputs={"prompt": ("text",)},

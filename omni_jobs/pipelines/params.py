@@ -8,7 +8,7 @@ the merged, validated values are recorded on the job.
 from __future__ import annotations
 
 import re
-from typing import get_args
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -102,10 +102,28 @@ class ARParams(StageParams):
         description="How the stage's prompt input is wrapped; must contain {prompt}.",
     )
 
+    chat: bool = Field(
+        False, description="Wrap the prompt in the model's chat template as a user turn (multimodal models: with "
+        "each image's, clip's and video's placeholder before it).",
+    )
+    system_prompt: str | None = Field(None, max_length=4000, description="With chat: a system turn before it.")
+
     @field_validator("prompt_template")
     @classmethod
     def _template_has_prompt(cls, value: str) -> str:
         return _check_template(value)
+
+
+class ARTranscribeParams(StageParams):
+    """Parameters of a speech-to-text stage (Whisper and the like on vLLM)."""
+
+    task: Literal["transcribe", "translate"] = Field(
+        "transcribe", description="transcribe: text in the spoken language; translate: English text.")
+    language: str | None = Field(
+        None, pattern=r"^[a-z]{2,3}$", description="The spoken language (ISO 639-1, e.g. 'en'); None: detected.")
+    max_tokens: int = Field(224, ge=1, le=4096, description="Tokens at most per 30 s chunk of audio.")
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy decoding.")
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description="Sampling seed (None: engine default).")
 
 
 class AREncodeParams(StageParams):
@@ -212,6 +230,7 @@ class DiTVideoParams(StageParams):
 PARAMS_BY_TASK: dict[tuple[EngineKind, str], type[StageParams]] = {
     ("ar", "generate"): ARParams,
     ("ar", "encode"): AREncodeParams,
+    ("ar", "transcribe"): ARTranscribeParams,
     ("dit", "text-to-image"): DiTParams,
     ("dit", "image-to-image"): DiTImageToImageParams,
     ("dit", "text-to-audio"): DiTAudioParams,

@@ -165,6 +165,22 @@ def _pydantic_problems(exc: ValidationError, prefix: str) -> str:
     return "; ".join(parts)
 
 
+class ProjectionSpec(Strict):
+    """A linear map applied to a stage's ``prompt_embeds`` before its engine takes them: a ``torch.nn.Linear``
+    stored in a checkpoint, named by its tensors' prefix (Qwen2.5-Omni's talker reads the thinker's hidden
+    states through ``talker.thinker_to_talker_proj``)."""
+
+    model: str = Field(min_length=1, description="The checkpoint holding it: a local path, hub id or tiny:<name>.")
+    weight: str = Field(
+        min_length=1, pattern=r"^[A-Za-z0-9_.]+$",
+        description="The Linear's name in the checkpoint: '<weight>.weight' [out, in] and, if present, '<weight>.bias'.",
+    )
+
+
+Bindings = Binding | tuple[Binding, ...]
+"""What feeds one input port: one source, or (ports that take several, e.g. an AR stage's ``image``) a list."""
+
+
 class StageSpec(Strict):
     """One stage: which engine runs which task on which model and queue, fed by what, producing what."""
 
@@ -176,11 +192,16 @@ class StageSpec(Strict):
     )
     model: str = Field(min_length=1, description="Local path, hub id, or tiny:<name> (built locally).")
     queue: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Celery queue; default: engine.")
-    inputs: dict[str, Binding] = Field(description="Engine input port -> '<stage>.<output>' or 'input.<field>'.")
+    inputs: dict[str, Bindings] = Field(
+        description="Engine input port -> '<stage>.<output>' or 'input.<field>' (a list for ports that take several)."
+    )
     produces: tuple[str, ...] | None = Field(
         None, alias="outputs", description="Which of the task's outputs to produce and hand on; default: the task's."
     )
     engine_args: JsonObject = Field(default_factory=dict)
+    projection: ProjectionSpec | None = Field(
+        None, description="A linear map from the upstream hidden states to this stage's prompt_embeds input."
+    )
     defaults: dict[str, JsonScalar] = Field(default_factory=dict, description="Stage parameters; jobs may override.")
     soft_time_limit_s: float | None = Field(None, gt=0, description="Default: OMNI_STAGE_SOFT_TIME_LIMIT_S.")
     time_limit_s: float | None = Field(None, gt=0, description="Hard limit; default: OMNI_STAGE_TIME_LIMIT_S.")
@@ -191,8 +212,11 @@ class StageSpec(Strict):
     @field_validator("inputs", mode="before")
     @classmethod
     def _parse_bindings(cls, value: object) -> object:
+        def parse(v: object) -> object:
+            return Binding.parse(v) if isinstance(v, str) else v
+
         if isinstance(value, dict):
-            return {k: Binding.parse(v) if isinstance(v, str) else v for k, v in value.items()}
+            return {k: tuple(parse(i) for i in v) if isinstance(v, list | tuple) else parse(v) for k, v in value.items()}
         return value
 
     @model_validator(mode="after")
@@ -206,6 +230,13 @@ class StageSpec(Strict):
             raise ValueError(
                 f"inputs: {self._what} has no input {unknown}; it accepts {sorted(ports.inputs)}"
             )
+        for port, sources in self.inputs.items():
+            if isinstance(sources, tuple) and port not in ports.many:
+                raise ValueError(f"inputs.{port}: {self._what} takes one source for '{port}', not a list")
+            if isinstance(sources, tuple) and not sources:
+                raise ValueError(f"inputs.{port}: an empty list; name at least one source")
+        if self.projection is not None and "prompt_embeds" not in self.inputs:
+            raise ValueError("projection: it maps the stage's prompt_embeds input, which is not wired")
         missing = sorted(ports.required_inputs - set(self.inputs))
         if missing:
             raise ValueError(f"inputs: {self._what} needs input {missing}")
@@ -275,8 +306,20 @@ class StageSpec(Strict):
         these (validated once, not per submit; the spec is frozen)."""
         return MappingProxyType(self.params(self.defaults).model_dump())
 
+    def bindings(self) -> list[tuple[str, Binding]]:
+        """Every (port, source) pair, a list-wired port once per source, in order."""
+        return [(port, b) for port, bound in self.inputs.items()
+                for b in (bound if isinstance(bound, tuple) else (bound,))]
+
+    def binding(self, port: str) -> Binding | None:
+        """The one source of a single-source port (None when unwired)."""
+        bound = self.inputs.get(port)
+        if isinstance(bound, tuple):
+            raise TypeError(f"stage '{self.id}' input '{port}' has several sources")
+        return bound
+
     def upstream(self) -> set[str]:
-        return {b.source for b in self.inputs.values() if b.source != INPUT_SOURCE}
+        return {b.source for _, b in self.bindings() if b.source != INPUT_SOURCE}
 
 
 class OutputSpec(Strict):
@@ -335,7 +378,7 @@ class PipelineSpec(Strict):
             raise ValueError(f"stages: '{INPUT_SOURCE}' is reserved for the job input")
         by_id = {s.id: s for s in self.stages}
         for stage in self.stages:
-            for port, binding in stage.inputs.items():
+            for port, binding in stage.bindings():
                 accepted = stage.ports.inputs[port]
                 got = self._modality_of(binding, by_id, where=f"stage '{stage.id}' input '{port}'")
                 if got not in accepted:
@@ -353,6 +396,7 @@ class PipelineSpec(Strict):
     def _check_sizes(self, stage: StageSpec, by_id: dict[str, StageSpec]) -> None:
         """Sizes that must agree across a wire, where the model configs are knowable (model_info)."""
         if stage.engine != "dit":
+            self._check_ar_embeds(stage, by_id)
             return
         facts = model_facts("dit", stage.model)
         if "prompt" in stage.inputs and facts.text_encoder is False:
@@ -360,7 +404,7 @@ class PipelineSpec(Strict):
                 f"stage '{stage.id}' input 'prompt': model '{stage.model}' has no text encoder, so it cannot take "
                 "text; wire 'prompt_embeds' from an AR stage with task: encode (the LLM is its text encoder)"
             )
-        binding = stage.inputs.get("prompt_embeds")
+        binding = stage.binding("prompt_embeds")
         if binding is None or binding.source == INPUT_SOURCE:
             return
         upstream = by_id[binding.source]
@@ -372,6 +416,23 @@ class PipelineSpec(Strict):
                 f"(model '{upstream.model}' hidden_size) but model '{stage.model}' takes prompt embeddings of size "
                 f"{wanted} (transformer {facts.embed_dim_source}); use a DiT built for that LLM, or an LLM whose "
                 f"hidden_size is {wanted}"
+            )
+
+    @staticmethod
+    def _check_ar_embeds(stage: StageSpec, by_id: dict[str, StageSpec]) -> None:
+        """An AR stage fed hidden states takes them at its own hidden size (after its projection, if any);
+        a wrong size was seen to wedge vLLM for every later request, so it is refused here where knowable."""
+        binding = stage.binding("prompt_embeds")
+        if binding is None or binding.source == INPUT_SOURCE or stage.projection is not None:
+            return
+        upstream = by_id[binding.source]
+        produced = model_facts("ar", upstream.model).hidden_size if upstream.engine == "ar" else None
+        wanted = model_facts("ar", stage.model).hidden_size
+        if produced is not None and wanted is not None and produced != wanted:
+            raise ValueError(
+                f"stage '{stage.id}' input 'prompt_embeds': '{binding}' gives hidden states of size {produced} "
+                f"(model '{upstream.model}') but model '{stage.model}' takes embeddings of size {wanted} "
+                "(its hidden_size); name a projection (projection: {model, weight}) that maps one to the other"
             )
 
     def _modality_of(self, binding: Binding, by_id: dict[str, StageSpec], *, where: str) -> Modality | None:
