@@ -82,7 +82,7 @@ def test_audio_and_video_inputs_are_described_as_images_are(spec: dict[str, Any]
     assert "invalid_audio" in AUDIO_SCHEMA["description"] and "invalid_video" in VIDEO_SCHEMA["description"]  # type: ignore[operator]
     form = spec["paths"]["/v1/jobs/multipart"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
     assert {"input.speech", "input.clip"} <= set(form["properties"])
-    branch = next(b for b in form["oneOf"] if b["properties"]["pipeline"] == {"const": "media-inputs"})
+    branch = next(b for b in form["anyOf"] if b["properties"]["pipeline"] == {"const": "media-inputs"})
     assert branch["properties"]["input.speech"]["format"] == "binary"
     assert branch["properties"]["input.speech"]["description"].startswith("A file input, audio (WAV")
     assert branch["properties"]["input.clip"]["description"].startswith("A file input, a video (MP4")
