@@ -32,6 +32,7 @@ from omni_jobs.omni import Omni, OmniResult
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.settings import Settings
 from tests.e2e.conftest import models_dir
+from tests import media_files
 from tests.e2e.helpers import wait_for_job
 
 
@@ -46,6 +47,8 @@ def _test_image(width: int = 48, height: int = 40) -> bytes:
 
 IMAGE = _test_image()
 IMAGE_DATA_URI = "data:image/png;base64," + base64.b64encode(IMAGE).decode()
+WAV_DATA_URI = "data:audio/wav;base64," + base64.b64encode(media_files.wav(1.0)).decode()
+MP4_DATA_URI = "data:video/mp4;base64," + base64.b64encode(media_files.mp4(frames=8, fps=4.0)).decode()
 
 CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "text-to-text": ({"prompt": "Once upon a time"}, {"ar": {"max_tokens": 8}}),
@@ -56,6 +59,12 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "image-to-image": ({"prompt": "make it blue", "image": IMAGE_DATA_URI}, {"dit": {"seed": 2, "strength": 0.5}}),
     "text-to-text-and-image": ({"prompt": "a cat on a sofa"}, {}),
     "text-to-video": ({"prompt": "a cat walking on a wall"}, {"video": {"seed": 4}}),
+    "image-to-text": ({"image": IMAGE_DATA_URI}, {"vlm": {"max_tokens": 6}}),
+    "image-to-text-to-image": ({"image": IMAGE_DATA_URI, "prompt": "Redraw it at night."},
+                               {"vlm": {"max_tokens": 6}, "dit": {"height": 32, "width": 32, "seed": 1}}),
+    "speech-to-text": ({"audio": WAV_DATA_URI}, {"asr": {"max_tokens": 6, "language": "en"}}),
+    "omni-understanding": ({"prompt": "What do you hear and see?", "audio": WAV_DATA_URI, "video": MP4_DATA_URI},
+                           {"thinker": {"max_tokens": 6}}),
 }
 
 
