@@ -4,7 +4,9 @@ No model hub is reachable from the demo, the tests or the benchmarks, so every m
 built here with real architectures and loaded by the real loading code: a Llama causal LM for
 vLLM; for diffusers a PixArt-Sigma pipeline, a PixArt-Sigma DiT conditioned on the Llama's hidden
 states (no text encoder of its own), a Chroma pipeline (text-to-image and image-to-image), a
-StableAudio pipeline (text-to-audio) and a Wan 2.1 pipeline (text-to-video). The same seed gives byte-identical weight files.
+StableAudio pipeline (text-to-audio) and a Wan 2.1 pipeline (text-to-video); and, in the real checkpoints' layout
+(omni_jobs.local.tiny_multimodal), the multimodal models vLLM serves: Qwen2.5-VL, Whisper and the whole
+Qwen2.5-Omni. The same seed gives byte-identical weight files.
 
 ``python -m omni_jobs.local.tiny build --out DIR [--name NAME|all]`` builds them from a shell.
 """
@@ -21,6 +23,8 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from omni_jobs.local import tiny_multimodal
 
 TINY_PREFIX = "tiny:"
 
@@ -426,6 +430,9 @@ TINY_MODELS: dict[str, Callable[[Path], Path]] = {
     "chroma": build_tiny_chroma,
     "stable-audio": build_tiny_stable_audio,
     "wan": build_tiny_wan,
+    "qwen2.5-vl": tiny_multimodal.build_tiny_qwen2_5_vl,
+    "whisper": tiny_multimodal.build_tiny_whisper,
+    "qwen2.5-omni": tiny_multimodal.build_tiny_qwen2_5_omni,
 }
 
 TINY_MODEL_INFO: dict[str, dict[str, int | bool | str]] = {
@@ -435,6 +442,9 @@ TINY_MODEL_INFO: dict[str, dict[str, int | bool | str]] = {
     "chroma": {"prompt_embed_dim": CHROMA_TEXT_DIM, "embed_key": "joint_attention_dim", "text_encoder": True},
     "stable-audio": {"text_encoder": True},
     "wan": {"text_encoder": True},
+    "qwen2.5-vl": {"hidden_size": tiny_multimodal.QWEN_TEXT_HIDDEN},
+    "whisper": {"hidden_size": tiny_multimodal.WHISPER_D_MODEL},
+    "qwen2.5-omni": {"hidden_size": tiny_multimodal.QWEN_TEXT_HIDDEN},  # the thinker's
 }
 """What each tiny model's config will say, known without building it: pipeline validation checks
 that an LLM's hidden size matches the prompt-embedding size of the DiT it conditions."""
