@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omni_jobs import telemetry
-from omni_jobs.engines import ar_prompts
+from omni_jobs.engines import ar_prompts, torchvision_free
 from omni_jobs.engines.ar_prompts import Media
 from omni_jobs.engines.gloo_device import one_gloo_device
 from omni_jobs.engines.turns import engine_turn
@@ -111,6 +111,7 @@ def build_llm(model: str, engine_args: Mapping[str, JsonValue] | None, *, kv_cac
     _check_model_exists(model)
     # Multiprocess mode cannot start inside a daemonic (prefork) process; must be set before LLM().
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    torchvision_free.install()  # before vLLM imports a model file that imports an image processor
     from vllm import LLM
 
     args: dict[str, Any] = {  # vLLM's keyword arguments, each of its own type: from the YAML, unchecked here
@@ -188,9 +189,9 @@ class AREngine:
         if not media and not request.chat:
             return TokensPrompt(prompt_token_ids=self._prompt_ids(request))
         ar_prompts.check_media(self.prompt_facts, media, self.model)
-        text = ar_prompts.with_placeholders(request.prompt, self.prompt_facts.placeholders(media))
-        if request.chat:
-            text = ar_prompts.chat_prompt(self._llm, text, request.system_prompt)
+        placeholders = self.prompt_facts.placeholders(media)
+        text = (ar_prompts.chat_prompt(self._llm, request.prompt, media, placeholders, request.system_prompt)
+                if request.chat else ar_prompts.with_placeholders(request.prompt, placeholders))
         prompt = TextPrompt(prompt=text)
         if media:
             prompt["multi_modal_data"] = ar_prompts.multi_modal_data(media)

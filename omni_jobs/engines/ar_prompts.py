@@ -90,15 +90,24 @@ def with_placeholders(text: str, placeholders: Sequence[str]) -> str:
     return "\n".join([*missing, text]) if missing else text
 
 
-def chat_prompt(llm: LLM, content: str, system_prompt: str | None) -> str:
-    """One user turn (after an optional system turn) in the model's own chat template, ready to answer."""
-    from vllm.renderers.hf import safe_apply_chat_template
+def chat_prompt(llm: LLM, text: str, media: Media, placeholders: Sequence[str], system_prompt: str | None) -> str:
+    """One user turn (after an optional system turn) in the model's own chat template, ready to answer.
 
+    A template that reads typed content parts (Qwen's: ``{"type": "image"}``) writes each item's markers
+    itself, as the model was trained (Qwen2.5-Omni's ``<|vision_bos|><|IMAGE|><|vision_eos|>``); a template
+    that takes text gets the placeholders before it. vLLM decides which the same way (its content format)."""
+    from vllm.renderers.hf import resolve_chat_template_content_format, safe_apply_chat_template
+
+    model_config = llm.llm_engine.model_config
+    tokenizer: Any = llm.get_tokenizer()
+    content: Any = with_placeholders(text, placeholders)
+    if media and resolve_chat_template_content_format(None, None, "auto", tokenizer,
+                                                      model_config=model_config) == "openai":
+        content = [{"type": modality} for modality in MEDIA_ORDER for _ in media.get(modality, ())]
+        content.append({"type": "text", "text": text})
     messages: list[Any] = ([{"role": "system", "content": system_prompt}] if system_prompt else [])
     messages.append({"role": "user", "content": content})
-    tokenizer: Any = llm.get_tokenizer()
-    rendered = safe_apply_chat_template(llm.llm_engine.model_config, tokenizer, messages,
-                                        tokenize=False, add_generation_prompt=True)
+    rendered = safe_apply_chat_template(model_config, tokenizer, messages, tokenize=False, add_generation_prompt=True)
     return str(rendered)
 
 
