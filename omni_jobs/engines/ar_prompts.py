@@ -247,9 +247,22 @@ class Transcriber:
         from vllm.config.speech_to_text import SpeechToTextParams
 
         config = self.model_cls.get_speech_to_text_config(self.model_config, task)
-        return [dict(self.model_cls.get_generation_prompt(SpeechToTextParams(
+        return [self._previous_text_token(dict(self.model_cls.get_generation_prompt(SpeechToTextParams(
             audio=chunk, stt_config=config, model_config=self.model_config, language=language, task_type=task,
-            request_prompt=prompt))) for chunk in chunks]
+            request_prompt=prompt)))) for chunk in chunks]
+
+    def _previous_text_token(self, prompt: dict[str, Any]) -> dict[str, Any]:
+        """vLLM 0.32 writes Whisper's previous-text marker as ``<|prev|>``; Whisper's tokenizer calls it
+        ``<|startofprev|>`` (``<|prev|>`` would be read as plain text)."""
+        decoder = prompt.get("decoder_prompt")
+        if not isinstance(decoder, dict):
+            return prompt
+        text = decoder.get("prompt")
+        if isinstance(text, str) and text.startswith("<|prev|>"):
+            vocab = self._llm.get_tokenizer().get_vocab()
+            if "<|prev|>" not in vocab and "<|startofprev|>" in vocab:
+                prompt["decoder_prompt"] = {**decoder, "prompt": "<|startofprev|>" + text.removeprefix("<|prev|>")}
+        return prompt
 
     def join(self, texts: Sequence[str], language: str | None) -> str:
         """The chunks' texts as one, without spaces for languages written without them."""

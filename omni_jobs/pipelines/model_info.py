@@ -49,6 +49,9 @@ def _local_facts(engine: EngineKind, directory: str) -> ModelFacts:
     root = Path(directory)
     if engine == "ar":
         config = _read_json(root / "config.json") or {}
+        thinker = config.get("thinker_config")  # Qwen2.5-Omni: vLLM serves the thinker of the whole checkpoint
+        if isinstance(thinker, dict):
+            config = thinker
         text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
         size = text.get("hidden_size") if isinstance(text, dict) else None
         return ModelFacts(hidden_size=size if isinstance(size, int) else None, embed_dim_source="hidden_size")
