@@ -6,9 +6,11 @@ job(s), fetches the output bytes, and hands the finished jobs back here for the 
 :class:`OpenAIError` is the error in OpenAI's shape; the route turns it into the HTTP answer.
 
 Which pipeline runs: ``model`` when it names a pipeline; otherwise (``gpt-4o``, ``dall-e-3``,
-``tts-1``...) one whose declared outputs include every asked modality and whose only required input
-is a text prompt, preferring the conventional ``text-to-<modality>`` name, then the fewest other
-outputs, built-in before user pipelines, the fewest stages, then the name.
+``tts-1``...) one whose declared outputs include every asked modality and whose inputs a request
+fills: a text prompt, and for chat the kinds of media its messages hold (omni_jobs.openai_content),
+preferring the conventional ``<input>-to-<modality>`` name (``text-to-image``; ``image-to-text`` for
+a chat with images), then the fewest other outputs, answers before transcripts, the fewest media
+inputs left empty, built-in before user pipelines, the fewest stages, then the name.
 
 Which stage parameter each OpenAI field sets is a table (CHAT_FIELDS, IMAGE_FIELDS, SPEECH_FIELDS).
 The request models carry, in their JSON schema, what the checks here accept (a pattern, the one
@@ -23,7 +25,7 @@ import base64
 import itertools
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, TypeAlias
 
@@ -34,6 +36,22 @@ from omni_jobs.errors import InvalidRequest
 from omni_jobs.jobs.models import Job, JobOutput, JobStatus
 from omni_jobs.json_types import JsonObject, JsonScalar, JsonValue
 from omni_jobs.limits import Limits
+from omni_jobs.openai_content import (
+    FILE_KINDS,
+    KIND_PARTS,
+    ChatContent,
+    ChatMessageIn,
+    ContentInputs,
+    MediaPart,
+    a_kind,
+    content_inputs,
+    first_misfit,
+    media_input,
+    messages_schema,
+    missing_kinds,
+    read_content,
+)
+from omni_jobs.openai_errors import OpenAIError
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.modalities import EngineKind
 from omni_jobs.pipelines.params import SEED_MAX, whole_numbers
@@ -43,37 +61,6 @@ from omni_jobs.submission import NOT_BLANK, input_field_schema, json_object, par
 OutputModality = Literal["text", "image", "audio"]
 StageOverrides: TypeAlias = dict[str, dict[str, JsonValue]]
 """Per-stage parameter overrides, as a request gives them (the submitter validates them)."""
-
-
-class OpenAIError(Exception):
-    """An answer in OpenAI's error shape: ``{"error": {message, type, param, code}}`` with ``status``."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error", job_ids: Iterable[str] = (), retry: bool | None = None,
-                 retry_after_s: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type_
-        self.job_ids = list(job_ids)
-        self.retry = retry
-
-    def body(self) -> JsonObject:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def headers(self) -> dict[str, str]:
-        """X-Omni-Job-Id (the jobs it is about), x-should-retry (OpenAI's clients obey it), Retry-After."""
-        headers = {}
-        if self.job_ids:
-            headers["X-Omni-Job-Id"] = ",".join(self.job_ids)
-        if self.retry is not None:
-            headers["x-should-retry"] = "true" if self.retry else "false"
-        if self.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, round(self.retry_after_s)))
-        return headers
 
 
 # --- request bodies (extra fields are allowed: OpenAI's extra_body lands at the top level) ---
@@ -107,24 +94,6 @@ def only(value: JsonScalar) -> WithJsonSchema:
     """The one value the route accepts besides null: the spec says so; the route answers 400 for
     another, with its own message (a field validator would answer pydantic's)."""
     return WithJsonSchema({"anyOf": [{"enum": [value]}, {"type": "null"}]})
-
-
-_TEXT: JsonObject = {"type": "string", "pattern": NOT_BLANK}  # some text, not only whitespace
-MESSAGE_CONTENT: JsonObject = {"anyOf": [
-    _TEXT,
-    {"type": "array", "minItems": 1, "items": {
-        "type": "object", "required": ["type", "text"],
-        "properties": {"type": {"type": "string", "enum": ["text"]}, "text": _TEXT}}},
-]}
-"""What _prompt_from_messages accepts (it answers 400 naming the message or part otherwise)."""
-
-
-class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    role: str
-    content: Annotated[str | list[JsonObject], WithJsonSchema(MESSAGE_CONTENT)] = Field(
-        description="The message's text, or its parts: these endpoints take text parts only.")
 
 
 class ChatCompletionRequest(_Body):
@@ -186,16 +155,72 @@ def output_modalities(spec: PipelineSpec) -> set[str]:
 
 def text_input(spec: PipelineSpec) -> str | None:
     """The input a text prompt goes to, when every other input is optional or has a default."""
-    texts = [n for n, f in spec.inputs.items() if f.type == "text"]
-    name = "prompt" if "prompt" in texts else (texts[0] if len(texts) == 1 else None)
-    if name is None:
-        return None
-    others_needed = [n for n, f in spec.inputs.items() if n != name and f.required and f.default is None]
-    return None if others_needed else name
+    inputs = content_inputs(spec)
+    return inputs.text if inputs is not None and not any(inputs.required.values()) else None
 
 
-def choose_pipeline(catalogue: PipelineCatalogue, model: str | None, wanted: set[str], *, param: str) -> PipelineSpec:
-    """``model`` when it names a pipeline that gives ``wanted``; else the best match by declared outputs."""
+def transcription_stage(spec: PipelineSpec) -> StageSpec | None:
+    """The pipeline's first stage when it is a speech-to-text one (an AR ``transcribe`` task)."""
+    first = spec.stages[0]
+    return first if first.engine == "ar" and first.task_name == "transcribe" else None
+
+
+def fills(inputs: ContentInputs | None, kinds: frozenset[str]) -> bool:
+    """Whether a request with media of ``kinds`` (and a prompt) fills these inputs: it has an input of
+    each kind, and the request has each kind the pipeline needs."""
+    return (inputs is not None and kinds <= inputs.kinds
+            and all(kind in kinds for kind, n in inputs.required.items() if n))
+
+
+def _chat_candidates(catalogue: PipelineCatalogue, wanted: set[str], kinds: frozenset[str]) -> list[PipelineSpec]:
+    return [s for s in catalogue if wanted <= output_modalities(s) and fills(content_inputs(s), kinds)]
+
+
+def _best(candidates: list[PipelineSpec], wanted: set[str], kinds: frozenset[str]) -> PipelineSpec:
+    """The preferred candidate (the module's docstring says the order)."""
+    source = "text" if not kinds else (next(iter(kinds)) if len(kinds) == 1 else None)
+    conventional = {f"{source}-to-{m}" for m in wanted} if source else set()  # text-to-image, image-to-text...
+
+    def unused(spec: PipelineSpec) -> int:
+        inputs = content_inputs(spec)
+        return len(inputs.kinds - kinds) if inputs is not None else 0
+
+    return min(candidates, key=lambda s: (s.name not in conventional, len(output_modalities(s) - wanted),
+                                          transcription_stage(s) is not None, unused(s), not is_builtin(s),
+                                          len(s.stages), s.name))
+
+
+def takers(catalogue: PipelineCatalogue, wanted: set[str], kind: str, count: int = 1) -> list[str]:
+    """The pipelines that take ``count`` parts of ``kind`` in a chat and output ``wanted``."""
+    return [s.name for s in catalogue if wanted <= output_modalities(s)
+            and (inputs := content_inputs(s)) is not None and len(inputs.slots.get(kind, ())) >= count]
+
+
+def _refused_part(catalogue: PipelineCatalogue, wanted: set[str], part: MediaPart, count: int,
+                  spec: PipelineSpec | None) -> OpenAIError:
+    """The 400 for a part that ``spec`` (None: any pipeline that outputs ``wanted``) cannot take, with
+    the models that take it."""
+    names = takers(catalogue, wanted, part.kind, count)
+    which = f"models that take {'it' if count == 1 else f'{count} {part.kind} parts'}: {', '.join(names)}" if names \
+        else f"no model that outputs {sorted(wanted)} takes {'one' if count == 1 else count}"
+    inputs = content_inputs(spec) if spec is not None else None
+    if spec is None or inputs is None:
+        what = f"no pipeline that outputs {sorted(wanted)} takes {a_kind(part.kind)} part beside the parts before it"
+    else:
+        have = len(inputs.slots.get(part.kind, ()))
+        what = (f"pipeline '{spec.name}' takes no {part.kind} input" if not have else
+                f"pipeline '{spec.name}' takes {have} {part.kind} input{'s' if have > 1 else ''}, and this is "
+                f"{part.kind} part {count}")
+    return OpenAIError(400, f"{part.param} is {a_kind(part.kind)} part ({part.part_type}): {what}; {which} "
+                       "(GET /v1/models)", param=part.param, code="unsupported_content")
+
+
+def choose_pipeline(catalogue: PipelineCatalogue, model: str | None, wanted: set[str], *, param: str,
+                    content: ChatContent | None = None) -> PipelineSpec:
+    """``model`` when it names a pipeline that gives ``wanted``; else the best match by declared outputs
+    and, for a chat (``content``), by the kinds of media its messages hold. Whether the chosen pipeline
+    takes each part, and how many, plan_chat checks (naming the part)."""
+    kinds = content.kinds if content is not None else frozenset()
     if model and model in catalogue:
         spec = catalogue.get(model)
         missing = wanted - output_modalities(spec)
@@ -203,17 +228,28 @@ def choose_pipeline(catalogue: PipelineCatalogue, model: str | None, wanted: set
             raise OpenAIError(400, f"pipeline '{model}' outputs {sorted(output_modalities(spec))}, not "
                               f"{sorted(missing)}; pick a pipeline from GET /v1/models", param=param,
                               code="unsupported_modality")
-        if text_input(spec) is None:
+        inputs = content_inputs(spec)
+        if inputs is None or (content is None and any(inputs.required.values())):
+            sent = "a text prompt and media parts" if content is not None else "only a text prompt"
             raise OpenAIError(400, f"pipeline '{model}' needs inputs {sorted(spec.inputs)}; these endpoints send "
-                              "only a text prompt (use POST /v1/jobs)", param="model", code="unsupported_pipeline")
+                              f"{sent} (use POST /v1/jobs)", param="model", code="unsupported_pipeline")
         return spec
-    candidates = [s for s in catalogue if wanted <= output_modalities(s) and text_input(s) is not None]
-    if not candidates:
-        raise OpenAIError(400, f"no pipeline takes a text prompt and outputs {sorted(wanted)}; available: "
-                          f"{catalogue.names()}", param=param, code="unsupported_modality")
-    conventional = {f"text-to-{m}" for m in wanted}  # text-to-image for images, text-to-audio for speech...
-    return min(candidates, key=lambda s: (s.name not in conventional, len(output_modalities(s) - wanted),
-                                          not is_builtin(s), len(s.stages), s.name))
+    candidates = _chat_candidates(catalogue, wanted, kinds)
+    if candidates:
+        return _best(candidates, wanted, kinds)
+    if content is not None and kinds:
+        seen: list[MediaPart] = []
+        for part in content.media:  # the first part no pipeline takes with the ones before it
+            seen.append(part)
+            so_far = frozenset(p.kind for p in seen)
+            if not any(wanted <= output_modalities(s) and (i := content_inputs(s)) is not None and so_far <= i.kinds
+                       for s in catalogue):
+                raise _refused_part(catalogue, wanted, part, 1, None)
+        raise OpenAIError(400, f"no pipeline takes only {' and '.join(sorted(kinds))} parts and outputs "
+                          f"{sorted(wanted)}: each needs other inputs too; available: {catalogue.names()}",
+                          param="messages", code="unsupported_content")
+    raise OpenAIError(400, f"no pipeline takes a text prompt and outputs {sorted(wanted)}; available: "
+                      f"{catalogue.names()}", param=param, code="unsupported_modality")
 
 
 def text_source(spec: PipelineSpec) -> tuple[str, str] | None:
@@ -298,47 +334,19 @@ def parse_size(size: str | None, *, param: str = "size") -> tuple[int | None, in
 
 
 
-def invalid_request(exc: InvalidRequest, origin: Origin, prompt_param: str) -> OpenAIError:
+def invalid_request(exc: InvalidRequest, plan: Plan) -> OpenAIError:
+    """The submitter's refusal as a 400 naming the OpenAI field its value came from: the prompt's field,
+    the content part (or file) a file input came from, the field that set a stage parameter."""
     error = exc.errors[0]
     loc = tuple(str(p) for p in error.loc)
     if loc[:1] == ("input",):
-        param = prompt_param
+        param = plan.input_origin.get(loc[1], plan.prompt_param) if len(loc) > 1 else plan.prompt_param
     elif loc[:1] == ("params",) and len(loc) >= 3:
-        param = origin.get((loc[1], loc[2]), ".".join(loc))
+        param = plan.origin.get((loc[1], loc[2]), ".".join(loc))
     else:
         param = ".".join(loc)
     messages = "; ".join(f"{'.'.join(map(str, e.loc))}: {e.message}" for e in exc.errors)
     return OpenAIError(400, f"{param}: {error.message} ({messages})", param=param, code=error.type)
-
-
-def prompt_from_messages(messages: list[ChatMessageIn]) -> str:
-    """One message: its text. Several: a transcript ('User: ...', 'Assistant: ...') ending with 'Assistant:'."""
-    turns: list[tuple[str, str]] = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, str):
-            text = content
-        else:
-            if not content:
-                raise OpenAIError(400, "content has no parts", param=f"messages[{i}].content")
-            parts = []
-            for j, part in enumerate(content):
-                if part.get("type") != "text":
-                    raise OpenAIError(400, f"content part of type {part.get('type')!r}: these endpoints take text "
-                                      "only (send images to an image-input pipeline with POST /v1/jobs)",
-                                      param=f"messages[{i}].content[{j}]", code="unsupported_content")
-                part_text = part.get("text")
-                if not isinstance(part_text, str) or not part_text.strip():
-                    raise OpenAIError(400, "a text part holds no text", param=f"messages[{i}].content[{j}].text")
-                parts.append(part_text)
-            text = "\n".join(parts)
-        if not text.strip():
-            raise OpenAIError(400, "the message holds no text", param=f"messages[{i}].content")
-        turns.append((message.role, text))
-    if len(turns) == 1:
-        return turns[0][1]
-    lines = [f"{role.capitalize()}: {text}" for role, text in turns]
-    return "\n".join([*lines, "Assistant:"])
 
 
 # --- plans: what a request runs ---
@@ -354,6 +362,10 @@ class Plan:
     """The OpenAI field the prompt came from, named when the pipeline refuses the input."""
     wanted: list[str] = field(default_factory=lambda: ["text"])
     """Chat: the modalities asked for, one choice each, in order."""
+    input_origin: dict[str, str] = field(default_factory=dict)
+    """Job input -> the request field it came from (a chat's media part, a transcription's file)."""
+    upload: str | None = None
+    """The job input the request's uploaded file goes to (its bytes are the route's: not in ``input``)."""
 
 
 def _values(body: BaseModel, fields: dict[str, tuple[Target, ...]]) -> dict[str, JsonScalar]:
@@ -379,18 +391,39 @@ def plan_chat(catalogue: PipelineCatalogue, body: ChatCompletionRequest) -> Plan
                           "follow GET /v1/jobs/{id}/events for a job's previews)", param="stream")
     if body.stream_options is not None and not body.stream:
         raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
-    spec = choose_pipeline(catalogue, body.model, set(wanted), param="modalities")
+    content = read_content(body.messages)
+    spec = choose_pipeline(catalogue, body.model, set(wanted), param="modalities", content=content)
     if body.stream and text_source(spec) is None:
         raise OpenAIError(400, f"pipeline '{spec.name}' has no text output to stream", param="stream",
                           code="unsupported_modality")
-    prompt = prompt_from_messages(body.messages)
+    job_input, input_origin = chat_input(catalogue, spec, set(wanted), content)
     if body.max_completion_tokens is not None and body.max_tokens is not None:
         raise OpenAIError(400, "give max_completion_tokens or max_tokens, not both", param="max_tokens")
     size = parse_size(body.size)
     if size != (None, None) and (body.width, body.height) != (None, None):
         raise OpenAIError(400, "give size or width and height, not both", param="size")
     params, origin = build_params(spec, CHAT_FIELDS, _values(body, CHAT_FIELDS), body.params, size)
-    return Plan(spec, _prompt_input(spec, prompt), [params], origin, prompt_param="messages", wanted=wanted)
+    return Plan(spec, job_input, [params], origin, prompt_param="messages", wanted=wanted, input_origin=input_origin)
+
+
+def chat_input(catalogue: PipelineCatalogue, spec: PipelineSpec, wanted: set[str],
+               content: ChatContent) -> tuple[JsonObject, dict[str, str]]:
+    """The job input of a chat on ``spec`` and, per file input, the part it came from; 400 naming the first
+    part it cannot take (with the models that take it), or saying what the messages lack."""
+    inputs = content_inputs(spec)
+    assert inputs is not None  # choose_pipeline picks only pipelines that a chat fills
+    misfit = first_misfit(inputs, content.media)
+    if misfit is not None:
+        raise _refused_part(catalogue, wanted, *misfit, spec)
+    for kind, n in missing_kinds(inputs, content.media).items():
+        parts = " or ".join(KIND_PARTS[kind])
+        what = f"{n} {kind} parts" if n > 1 else f"{a_kind(kind)} part"
+        raise OpenAIError(400, f"pipeline '{spec.name}' needs {what} ({parts}) in a user message", param="messages",
+                          code="missing_content")
+    if content.prompt is None and inputs.text_required:
+        raise OpenAIError(400, f"the messages hold no text, and pipeline '{spec.name}' needs a prompt "
+                          f"(its input '{inputs.text}')", param="messages", code="missing_content")
+    return media_input(inputs, content)
 
 
 def plan_images(catalogue: PipelineCatalogue, body: ImageGenerationRequest, *, max_outputs: int) -> Plan:
@@ -508,9 +541,10 @@ def _field_schema(name: str, pieces: list[JsonObject], spec: PipelineSpec) -> Js
 
 
 def _route(base: JsonObject, spec: PipelineSpec, endpoint: Endpoint, limits: Limits,
-           model: JsonObject, modalities: JsonObject | None) -> JsonObject:
+           model: JsonObject, modalities: JsonObject | None, kinds: frozenset[str] | None = None) -> JsonObject:
     """The body when ``spec`` runs: each field as that pipeline's stages take it, the prompt as its
-    text input takes it, and ``params`` for what no field sets."""
+    text input takes it, a chat's media parts as its file inputs take them (``kinds``: exactly these
+    kinds, one part of each at least; None: those it takes), and ``params`` for what no field sets."""
     schemas = {stage.id: stage_params_schema(stage, limits) for stage in spec.stages}
     base_properties = _properties(base)
     properties: JsonObject = {**base_properties, "model": model}
@@ -533,17 +567,19 @@ def _route(base: JsonObject, spec: PipelineSpec, endpoint: Endpoint, limits: Lim
     overrides["description"] = ("Per-stage overrides, as in POST /v1/jobs (applied last), of what no field of this "
                                 "request sets (a field's parameter is set with that field).")
     properties["params"] = overrides if overrides.get("required") else {"anyOf": [overrides, {"type": "null"}]}
-    text = text_input(spec)
-    assert text is not None  # choose_pipeline and the named routes only take pipelines with a text prompt
-    prompt = input_field_schema(spec.inputs[text], max_text_chars=limits.max_prompt_chars)
-    if endpoint.prompt == "messages":  # each text: the whole prompt when it is the only one
-        content: JsonObject = {"anyOf": [prompt, {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["type", "text"],
-            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": prompt}}}]}
-        message: JsonObject = {"type": "object", "required": ["role", "content"],
-                               "properties": {"role": {"type": "string"}, "content": content}}
-        properties["messages"] = {**json_object(base_properties["messages"], "messages"), "items": message}
+    if endpoint.prompt == "messages":  # each text: the whole prompt when it is the only one; media as it fills
+        inputs = content_inputs(spec)
+        assert inputs is not None  # choose_pipeline and the named routes only take pipelines a chat fills
+        text = {**input_field_schema(spec.inputs[inputs.text], max_text_chars=limits.max_prompt_chars),
+                "pattern": NOT_BLANK}  # read_content refuses blank text, whether the input is required or not
+        properties["messages"] = messages_schema(json_object(base_properties["messages"], "messages"), text, inputs,
+                                                 inputs.kinds if kinds is None else kinds,
+                                                 inputs.required if kinds is None else
+                                                 {k: max(1, inputs.required.get(k, 0)) for k in kinds})
     else:
+        prompt_input = text_input(spec)
+        assert prompt_input is not None  # choose_pipeline and the named routes only take pipelines with a text prompt
+        prompt = input_field_schema(spec.inputs[prompt_input], max_text_chars=limits.max_prompt_chars)
         field = json_object(base_properties[endpoint.prompt], endpoint.prompt)
         longest = [int(_number(n, "maxLength")) for n in (field.get("maxLength"), prompt.get("maxLength"))
                    if n is not None]
@@ -579,9 +615,9 @@ def _modalities_exactly(wanted: set[str]) -> JsonObject:
 def request_schema(name: str, base: JsonObject, catalogue: PipelineCatalogue, limits: Limits) -> JsonObject:
     """The body of an OpenAI route as the spec says it: ``base`` (the model's schema) once per pipeline
     the request can run, with what that pipeline takes. ``model`` naming a pipeline picks it (if it
-    gives the modality and takes a text prompt); any other name picks one by the modalities asked
-    (choose_pipeline), so there is a route per set of modalities too. A pipeline that cannot serve
-    the request is in no route (400)."""
+    gives the modality and takes a text prompt); any other name picks one by the modalities asked and,
+    in a chat, the kinds of media its messages hold (choose_pipeline), so there is a route per set of
+    modalities (and media) too. A pipeline that cannot serve the request is in no route (400)."""
     endpoint = ENDPOINTS[name]
     names = catalogue.names()
     other: JsonObject = {"type": "string", "not": {"enum": [*names]}, "description": "Any other name: the pipeline is "
@@ -589,10 +625,12 @@ def request_schema(name: str, base: JsonObject, catalogue: PipelineCatalogue, li
     required = base.get("required", [])
     if not isinstance(required, list) or "model" not in required:
         other = {"anyOf": [other, {"type": "null"}], "description": other["description"]}
+    chat = endpoint.prompt == "messages"
     routes: list[JsonValue] = []
     for spec in catalogue:
         offered = output_modalities(spec) & set(_MODALITIES)
-        if text_input(spec) is None or not offered or (endpoint.modality and endpoint.modality not in offered):
+        fillable = content_inputs(spec) is not None if chat else text_input(spec) is not None
+        if not fillable or not offered or (endpoint.modality and endpoint.modality not in offered):
             continue
         modalities = None if endpoint.modality else _modalities_within(offered)
         route = _route(base, spec, endpoint, limits, {"const": spec.name}, modalities)
@@ -601,23 +639,27 @@ def request_schema(name: str, base: JsonObject, catalogue: PipelineCatalogue, li
         routes.append(route)
     choices = [{endpoint.modality}] if endpoint.modality else [
         set(c) for n in range(1, len(_MODALITIES) + 1) for c in itertools.combinations(_MODALITIES, n)]
+    kind_sets = [frozenset(c) for n in range(len(FILE_KINDS) + 1) for c in itertools.combinations(FILE_KINDS, n)]
     for wanted in choices:
-        try:
-            spec = choose_pipeline(catalogue, None, wanted, param="modalities")
-        except OpenAIError:
-            continue  # no pipeline gives them: 400
-        route = _route(base, spec, endpoint, limits, other, None if endpoint.modality else _modalities_exactly(wanted))
-        route["title"] = f"any other model, {'+'.join(sorted(wanted))}: {spec.name}"
-        if endpoint.modality is None and wanted != {"text"}:
-            _with_required(route, "modalities")
-        routes.append(route)
+        for kinds in kind_sets if chat else [frozenset()]:
+            candidates = _chat_candidates(catalogue, wanted, kinds)
+            if not candidates:
+                continue  # no pipeline gives them: 400
+            spec = _best(candidates, wanted, kinds)
+            route = _route(base, spec, endpoint, limits, other,
+                           None if endpoint.modality else _modalities_exactly(wanted), kinds if chat else None)
+            media = f" with {'+'.join(k for k in FILE_KINDS if k in kinds)}" if kinds else ""
+            route["title"] = f"any other model, {'+'.join(sorted(wanted))}{media}: {spec.name}"
+            if endpoint.modality is None and wanted != {"text"}:
+                _with_required(route, "modalities")
+            routes.append(route)
     description = base.get("description", "")
     if not isinstance(description, str):
         raise TypeError(f"description is not text: {description!r}")
     schema: JsonObject = {"title": base.get("title", name), "description": description + " One schema per "
                           "pipeline the request can run (by `model`, else by the modalities asked), with what it takes."}
-    if routes:
-        schema["anyOf"] = routes
+    if routes:  # disjoint (by model; for other names, by the modalities and media asked): exactly one holds
+        schema["oneOf"] = routes  # (and schemathesis models a oneOf of many routes, where an anyOf outgrows it)
     else:
         schema["not"] = {}
     return schema

@@ -8,6 +8,8 @@ in OpenAI's shape, the way ``vllm serve --omni`` answers:
   one choice per modality: text as ``content``, images as ``content`` parts
   ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``, audio as
   ``message.audio`` ``{id, data (base64 WAV), expires_at, transcript}``.
+  User messages may carry media parts (``image_url``, ``input_audio``, ``audio_url``, ``video_url``)
+  for a pipeline whose inputs take them (omni_jobs.openai_content).
 - ``POST /v1/images/generations`` (DALL-E shape; ``n`` jobs, ``b64_json`` by default as vLLM-Omni
   does, or ``url``); ``POST /v1/audio/speech`` (WAV bytes); ``GET /v1/models`` (the pipelines).
 
@@ -56,7 +58,6 @@ from omni_jobs.logs import bind
 from omni_jobs.openai_compat import (
     ChatCompletionRequest,
     ImageGenerationRequest,
-    OpenAIError,
     Plan,
     SpeechRequest,
     chat_completion,
@@ -73,6 +74,7 @@ from omni_jobs.openai_compat import (
     text_of,
     text_source,
 )
+from omni_jobs.openai_errors import OpenAIError
 from omni_jobs.pipelines.spec import PipelineSpec
 from omni_jobs.text_stream import DeltaReader
 
@@ -166,7 +168,7 @@ async def _submit(ctx: ApiContext, plan: Plan, params: dict[str, dict[str, Any]]
         job: Job = await run_in_threadpool(ctx.submitter.submit, plan.spec.name, plan.input, params,
                                            idempotency_key=idempotency_key, tenant=tenant, api_key_id=key_id)
     except InvalidRequest as exc:
-        raise invalid_request(exc, plan.origin, plan.prompt_param) from None
+        raise invalid_request(exc, plan) from None
     except QuotaExceeded as exc:  # OpenAI's clients back off and retry a 429 by themselves
         raise OpenAIError(429, str(exc), code="rate_limit_exceeded", type_="requests", param=exc.limit,
                           retry_after_s=exc.retry_after_s) from None

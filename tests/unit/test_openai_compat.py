@@ -23,9 +23,9 @@ from omni_jobs.openai_compat import (
     plan_chat,
     plan_images,
     plan_speech,
-    prompt_from_messages,
     request_schema,
 )
+from omni_jobs.openai_content import read_content
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
 from omni_jobs.pipelines.params import SEED_MAX
 from omni_jobs.submission import resolve_params
@@ -75,21 +75,38 @@ def test_chat_refusals_name_the_parameter(catalogue: PipelineCatalogue, fields: 
     assert err.value.body()["error"]["param"] == param
 
 
-def test_messages_must_hold_text() -> None:
-    def messages(*contents: Any) -> list[Any]:
+def test_messages_hold_text_and_user_messages_media() -> None:
+    def messages(*contents: Any, role: str = "user") -> list[Any]:
         return ChatCompletionRequest.model_validate(
-            {"model": "m", "messages": [{"role": "user", "content": c} for c in contents]}).messages
+            {"model": "m", "messages": [{"role": role, "content": c} for c in contents]}).messages
 
-    assert prompt_from_messages(messages("hello")) == "hello"
-    assert prompt_from_messages(messages([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])) == "a\nb"
-    assert prompt_from_messages(messages("q", "a")) == "User: q\nUser: a\nAssistant:"
+    assert read_content(messages("hello")).prompt == "hello"
+    assert read_content(messages([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])).prompt == "a\nb"
+    assert read_content(messages("q", "a")).prompt == "User: q\nUser: a\nAssistant:"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO", "detail": "low"}}
+    alone = read_content(messages([image]))  # a user message may hold media only: no text, no transcript line
+    assert alone.prompt is None and [(p.kind, p.value, p.param) for p in alone.media] == [
+        ("image", "data:image/png;base64,iVBO", "messages[0].content[0]")]
+    assert read_content(messages([image], "what is it?")).prompt == "what is it?"
     for bad, param in [("  ", "messages[1].content"), ([], "messages[1].content"),
                        ([{"type": "text", "text": " "}], "messages[1].content[0].text"),
                        ([{"type": "text"}], "messages[1].content[0].text"),
-                       ([{"type": "image_url", "image_url": {"url": "x"}}], "messages[1].content[0]")]:
+                       ([{"type": "file", "file": {"file_id": "x"}}], "messages[1].content[0]"),
+                       ([{"type": "image_url", "image_url": {"url": ""}}], "messages[1].content[0].image_url.url"),
+                       ([{"type": "image_url", "image_url": 7}], "messages[1].content[0].image_url"),
+                       ([{"type": "image_url", "image_url": {"url": "x", "detail": "max"}}],
+                        "messages[1].content[0].image_url.detail"),
+                       ([{"type": "input_audio", "input_audio": {"data": "UklG"}}],
+                        "messages[1].content[0].input_audio.format"),
+                       ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}],
+                        "messages[1].content[0].input_audio.data"),
+                       ([{"type": "video_url"}], "messages[1].content[0].video_url")]:
         with pytest.raises(OpenAIError) as err:
-            prompt_from_messages(messages("ok", bad))  # one message without text is refused, not skipped
+            read_content(messages("ok", bad))  # one message without text is refused, not skipped
         assert (err.value.status, err.value.param) == (400, param)
+    with pytest.raises(OpenAIError, match="user messages only") as err:
+        read_content(messages([{"type": "text", "text": "x"}, image], role="assistant"))
+    assert err.value.param == "messages[0].content[1]"
 
 
 def test_images_run_n_jobs_with_consecutive_seeds(catalogue: PipelineCatalogue) -> None:

@@ -63,7 +63,7 @@ def test_a_job_body_is_one_schema_per_pipeline_with_the_users_own(spec: dict[str
     form = spec["paths"]["/v1/jobs/multipart"]["post"]["requestBody"]["content"]["multipart/form-data"]
     assert "my-story" in form["schema"]["properties"]["pipeline"]["enum"]
     assert form["encoding"]["input"] == {"contentType": "application/json"}
-    models = [route["properties"]["model"].get("const") for route in schemas["ChatCompletionRequest"]["anyOf"]]
+    models = [route["properties"]["model"].get("const") for route in schemas["ChatCompletionRequest"]["oneOf"]]
     assert "my-story" in models
 
 
