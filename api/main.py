@@ -21,7 +21,7 @@ from api.responses import JSONText
 from api.routes import events, health, jobs, metrics, openai, pipelines
 from api.schemas import JobRequest, job_request_schemas
 from api.ui import router as ui_router
-from omni_jobs import openai_compat
+from omni_jobs import openai_audio, openai_compat
 from omni_jobs.artifacts import ArtifactStoreUnavailable
 from omni_jobs.collector import set_young_threshold
 from omni_jobs.engines.model_source import load_model_sources
@@ -131,6 +131,8 @@ def _describe_pipelines(schema: dict[str, Any], catalogue: PipelineCatalogue, se
             parameter["schema"]["enum"] = catalogue.names()
     for name in openai_compat.ENDPOINTS:  # the OpenAI bodies: one route per pipeline they can run
         components[name] = openai_compat.request_schema(name, components[name], catalogue, limits)
+    for path in openai.TRANSCRIPTION_PATHS:  # their form: one branch per speech pipeline
+        paths[path]["post"]["requestBody"] = openai_audio.form_body(catalogue, limits)
 
 
 def _setting_limits(schema: dict[str, Any], settings: Settings) -> None:
@@ -199,7 +201,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(events.router)
     app.include_router(metrics.router)
     app.include_router(ui_router)  # the web console under /ui (server-rendered pages over the same core)
-    openai.install(app)  # /v1/chat/completions, /v1/images/generations, /v1/audio/speech, /v1/models
+    openai.install(app)  # /v1/chat/completions, /v1/images/generations, /v1/audio/*, /v1/models
     app.add_middleware(ObservabilityMiddleware)  # request id, job id in logs, access log, HTTP metrics
     body_limit.install(app, settings.max_request_bytes)  # outermost: 413 before a large body is read
     app.add_exception_handler(InvalidRequest, _invalid_request)

@@ -12,6 +12,9 @@ in OpenAI's shape, the way ``vllm serve --omni`` answers:
   for a pipeline whose inputs take them (omni_jobs.openai_content).
 - ``POST /v1/images/generations`` (DALL-E shape; ``n`` jobs, ``b64_json`` by default as vLLM-Omni
   does, or ``url``); ``POST /v1/audio/speech`` (WAV bytes); ``GET /v1/models`` (the pipelines).
+- ``POST /v1/audio/transcriptions`` and ``/v1/audio/translations`` (multipart ``file``; Whisper's
+  answer in json, verbose_json, text, srt or vtt, made from the speech stage's document by
+  omni_jobs.openai_audio).
 
 Which pipeline runs and with what input and params, and the answer's body from the finished jobs,
 are omni_jobs.openai_compat (pure functions); this module translates HTTP: it parses, submits,
@@ -44,17 +47,26 @@ from fastapi.exception_handlers import http_exception_handler, request_validatio
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
+from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
 from api.auth import api_key_id, authenticate
 from api.deps import ApiContext, get_context
 from api.schemas import errors
-from omni_jobs.artifacts import codecs
+from omni_jobs.artifacts import ArtifactError, codecs
 from omni_jobs.errors import InvalidRequest, QuotaExceeded
 from omni_jobs.jobs.models import FINAL_EVENTS, EventType, Job, JobOutput, JobStatus
 from omni_jobs.jobs.view import output_url
 from omni_jobs.logs import bind
+from omni_jobs.openai_audio import (
+    FILE_FIELD,
+    Task,
+    plan_transcription,
+    read_form,
+    read_transcript,
+    transcription_answer,
+)
 from omni_jobs.openai_compat import (
     ChatCompletionRequest,
     ImageGenerationRequest,
@@ -106,7 +118,10 @@ def _openai_errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 router = APIRouter(prefix="/v1", tags=["openai"], responses=errors(401, 503))
 JOB_ERRORS = {**_openai_errors(400, 429, 500, 504), **errors(413)}
 
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/images/generations", "/v1/audio/speech", "/v1/models")
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/images/generations", "/v1/audio/speech", "/v1/audio/transcriptions",
+                "/v1/audio/translations", "/v1/models")
+TRANSCRIPTION_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
+"""Their form is api.main's to describe (omni_jobs.openai_audio.form_body, with the running catalogue)."""
 STARTED = int(time.time())
 
 
@@ -163,9 +178,11 @@ def install(app: FastAPI) -> None:
 
 # --- jobs ---
 async def _submit(ctx: ApiContext, plan: Plan, params: dict[str, dict[str, Any]], *, idempotency_key: str | None,
-                  tenant: str, key_id: str | None = None) -> Job:
+                  tenant: str, key_id: str | None = None, input_: dict[str, Any] | None = None) -> Job:
+    """Submit one of the plan's jobs (``input_``: the plan's input with what the route adds, an upload's bytes)."""
     try:
-        job: Job = await run_in_threadpool(ctx.submitter.submit, plan.spec.name, plan.input, params,
+        job: Job = await run_in_threadpool(ctx.submitter.submit, plan.spec.name,
+                                           plan.input if input_ is None else input_, params,
                                            idempotency_key=idempotency_key, tenant=tenant, api_key_id=key_id)
     except InvalidRequest as exc:
         raise invalid_request(exc, plan) from None
@@ -352,6 +369,104 @@ async def audio_speech(body: SpeechRequest, request: Request, idempotency_key: I
     (job,) = await _finished(ctx, [job])
     out = first_output(job, "audio")
     return Response(await _bytes(ctx, out), media_type=out.media_type, headers=_headers([job]))
+
+
+class TranscriptionSegment(BaseModel):
+    id: int
+    seek: int = Field(description="The start in Whisper's 10 ms frames.")
+    start: float
+    end: float
+    text: str
+    tokens: list[int] = Field(description="Empty: the engine does not report them per segment.")
+    temperature: float
+    avg_logprob: float = Field(description="0: not measured.")
+    compression_ratio: float = Field(description="Whisper's: UTF-8 bytes over zlib-compressed bytes of the text.")
+    no_speech_prob: float = Field(description="0: not measured.")
+
+
+class TranscriptionBody(BaseModel):
+    """response_format json: text and usage; verbose_json: every field."""
+
+    text: str
+    usage: dict[str, Any] = Field(description="{'type': 'duration', 'seconds': the clip's length}.")
+    task: str | None = Field(None, description="verbose_json: transcribe or translate.")
+    language: str | None = Field(None, description="verbose_json: the spoken language (ISO 639-1, as given or "
+                                 "detected; 'und' when neither).")
+    duration: float | None = Field(None, description="verbose_json: the clip's length in seconds.")
+    segments: list[TranscriptionSegment] | None = Field(None, description="verbose_json: the timed segments.")
+
+
+_FORM_PLACEHOLDER = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {"type": "object"}}}}}
+_TRANSCRIPTION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"model": TranscriptionBody,
+          "description": "The transcription in response_format: json and verbose_json as JSON, text and srt as "
+                         "text/plain, vtt as text/vtt.",
+          "content": {"text/plain": {"schema": {"type": "string"}}, "text/vtt": {"schema": {"type": "string"}}}},
+    **JOB_ERRORS}
+
+
+@router.post("/audio/transcriptions", summary="OpenAI speech to text (Whisper), run as a job", response_class=Response,
+             openapi_extra=_FORM_PLACEHOLDER, responses=_TRANSCRIPTION_RESPONSES)
+async def audio_transcriptions(request: Request, idempotency_key: IdempotencyKey = None) -> Response:
+    return await _transcription(request, "transcribe", idempotency_key)
+
+
+@router.post("/audio/translations", summary="OpenAI speech to English text (Whisper's translate task), run as a job",
+             response_class=Response, openapi_extra=_FORM_PLACEHOLDER, responses=_TRANSCRIPTION_RESPONSES)
+async def audio_translations(request: Request, idempotency_key: IdempotencyKey = None) -> Response:
+    return await _transcription(request, "translate", idempotency_key)
+
+
+async def _speech_form(request: Request) -> tuple[list[tuple[str, str]], UploadFile | str | None]:
+    """The form's text fields, and its file (a file part; a text field named ``file`` is taken as its bytes)."""
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith(("multipart/form-data", "application/x-www-form-urlencoded")):
+        raise OpenAIError(400, f"send multipart/form-data (the audio as the part '{FILE_FIELD}'), not "
+                          f"{content_type or 'no content type'!r}", param=FILE_FIELD)
+    fields: list[tuple[str, str]] = []
+    upload: UploadFile | str | None = None
+    for key, value in (await request.form()).multi_items():
+        if key == FILE_FIELD:
+            if upload is not None:
+                raise OpenAIError(400, f"{FILE_FIELD} is given twice", param=FILE_FIELD)
+            upload = value
+        elif isinstance(value, UploadFile):
+            raise OpenAIError(400, f"a file part named {key!r}: the audio is the part '{FILE_FIELD}'", param=key)
+        else:
+            fields.append((key, value))
+    return fields, upload
+
+
+async def _transcription(request: Request, task: Task, idempotency_key: str | None) -> Response:
+    """Submit the job, wait for it, answer its speech stage's document in the format asked."""
+    ctx = get_context(request)
+    fields, upload = await _speech_form(request)
+    form = read_form(fields)
+    plan = plan_transcription(ctx.runtime.catalogue, form, task)
+    if upload is None:
+        raise OpenAIError(400, f"{FILE_FIELD} is required: the audio, as a file part", param=FILE_FIELD)
+    assert plan.upload is not None
+    limit = plan.spec.inputs[plan.upload].byte_limit
+    data = upload.encode() if isinstance(upload, str) else await upload.read(limit + 1)  # one over: refused
+    job = await _submit(ctx, plan, plan.params[0], idempotency_key=idempotency_key, tenant=request.state.tenant,
+                        key_id=api_key_id(request), input_={**plan.input, plan.upload: data})
+    (job,) = await _finished(ctx, [job])
+    stage_id = plan.spec.stages[0].id
+    ref = job.stage_record(stage_id).outputs.get("text")
+    try:
+        if ref is None:
+            raise ValueError(f"stage '{stage_id}' left no text output")
+        transcript = read_transcript(codecs.decode_json(await run_in_threadpool(ctx.runtime.artifacts.get, ref)))
+    except (ValueError, TypeError, ArtifactError) as exc:  # CodecError is a ValueError
+        raise OpenAIError(500, f"job {job.id}: its transcription cannot be read: {exc}", type_="server_error",
+                          code="missing_output", job_ids=[job.id], retry=False) from None
+    temperature = job.params.get(stage_id, {}).get("temperature", 0.0)
+    body, media_type = transcription_answer(transcript, form.response_format,
+                                            temperature=float(temperature) if isinstance(temperature, int | float)
+                                            else 0.0)
+    if isinstance(body, dict):
+        return JSONResponse(body, headers=_headers([job]))
+    return Response(body, media_type=media_type, headers=_headers([job]))
 
 
 @router.get("/models", summary="The pipelines, as OpenAI models")
