@@ -1,5 +1,5 @@
 """The job commands of ``omni-jobs``: submit (with a live per-stage progress bar), status, list,
-cancel, download, and webhook-secret. They talk to a running API through ``omni_jobs.client``;
+cancel, download, transcribe (speech to text through the OpenAI route), and webhook-secret. They talk to a running API through ``omni_jobs.client``;
 ``--api-url`` or ``OMNI_API_URL`` chooses it.
 
 Results go to stdout (job ids, output paths, tables; ``--json`` for the raw job), progress and
@@ -21,6 +21,7 @@ import httpx
 
 from omni_jobs.cli.progress import ProgressDisplay
 from omni_jobs.client import DEFAULT_API_URL, ApiError, Client, ConflictError, JobView, NotFoundError
+from omni_jobs.client.protocol import TRANSCRIBE_TIMEOUT_S
 from omni_jobs.webhooks import generate_secret
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE, EXIT_API = 0, 1, 2, 3
@@ -225,6 +226,30 @@ def cmd_download(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_transcribe(args: argparse.Namespace) -> int:
+    """Speech to text through the OpenAI route (a job on a speech-to-text pipeline): the transcription on
+    stdout in --format (text by default; --json: verbose_json)."""
+    path = Path(args.file).expanduser()
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{args.file}: no such file: {path.resolve()}")
+    response_format = "verbose_json" if args.json else args.format
+    with _client(args) as omni:
+        try:
+            result = omni.transcribe(path, response_format=response_format, model=args.model,
+                                     language=args.language, prompt=args.prompt, temperature=args.temperature,
+                                     translate=args.translate, timeout=max(args.timeout, TRANSCRIBE_TIMEOUT_S))
+        except ApiError as exc:
+            if exc.code in ("job_failed", "job_canceled", "job_timeout"):
+                _say(exc.message)
+                return EXIT_JOB_FAILED
+            raise
+    if isinstance(result, str):
+        sys.stdout.write(result if result.endswith("\n") else result + "\n")
+    else:
+        print(json.dumps(result.model_dump(mode="json", exclude_none=True), indent=2))
+    return EXIT_OK
+
+
 def cmd_webhook_secret(_: argparse.Namespace) -> int:
     print(generate_secret())
     return EXIT_OK
@@ -298,6 +323,19 @@ def add_job_commands(sub: Any) -> None:
     d.add_argument("job_id")
     d.add_argument("--out", default="omni-outputs", help="outputs go to OUT/<job id>/")
     d.set_defaults(func=_run(cmd_download))
+
+    tr = sub.add_parser("transcribe", parents=[common],
+                        help="speech to text (POST /v1/audio/transcriptions): print the transcription")
+    tr.add_argument("file", help="the audio file (WAV, FLAC, MP3, OGG, M4A, WebM...)")
+    tr.add_argument("--model", default="speech-to-text", help="a speech-to-text pipeline (default %(default)s)")
+    tr.add_argument("--language", help="the spoken language, ISO 639-1 (e.g. en); detected if not given")
+    tr.add_argument("--prompt", help="text that came before the clip (names, spellings)")
+    tr.add_argument("--temperature", type=float, help="sampling temperature (0: greedy)")
+    tr.add_argument("--format", default="text", choices=["text", "json", "verbose_json", "srt", "vtt"],
+                    help="what to print (default %(default)s; --json is verbose_json)")
+    tr.add_argument("--translate", action="store_true", help="English text whatever the language "
+                    "(/v1/audio/translations)")
+    tr.set_defaults(func=_run(cmd_transcribe))
 
     w = sub.add_parser("webhook-secret", help="print a new webhook signing secret (for OMNI_WEBHOOK_SECRET)")
     w.set_defaults(func=cmd_webhook_secret)

@@ -10,7 +10,8 @@
 
 Every endpoint has a method: ``submit`` (with ``wait`` = ``Prefer: wait=N``, webhooks, Idempotency-Key),
 ``get``, ``list`` / ``iter_jobs``, ``cancel``, ``events`` (and ``stream_text``: an AR stage's text as
-it is generated), ``wait``, ``download`` / ``download_outputs``, ``pipelines``. A job is a
+it is generated), ``wait``, ``download`` / ``download_outputs``, ``pipelines``, and ``transcribe``
+(speech to text through /v1/audio/transcriptions: a TranscriptionView, or srt/vtt/text). A job is a
 ``JobView``, the very model the API answers with (omni_jobs.jobs.view). Errors are ``ApiError``
 subclasses that carry the server's detail (for a 422: the fields, e.g. ``body.input.prompt``; for a
 429: the quota's ``limit``, ``value`` and ``retry_after_s``). It needs only httpx and pydantic.
@@ -37,6 +38,9 @@ from omni_jobs.client.protocol import (
     FileInput,
     PipelineList,
     SubmitOptions,
+    TranscribeOptions,
+    TranscriptionSegmentView,
+    TranscriptionView,
     output_filename,
 )
 from omni_jobs.jobs.view import (
@@ -90,6 +94,9 @@ __all__ = [
     "StageInfo",
     "StageView",
     "SubmitOptions",
+    "TranscribeOptions",
+    "TranscriptionSegmentView",
+    "TranscriptionView",
     "UnauthorizedError",
     "UnavailableError",
     "WebhookDeliveryInfo",

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, Self, Unpack
+from typing import Any, Self, Unpack, overload
 
 import httpx
 
@@ -16,12 +16,17 @@ from omni_jobs.client.protocol import (
     DEFAULT_API_URL,
     Call,
     EventStream,
+    FileInput,
+    JsonFormat,
     Pages,
     PipelineList,
     Poll,
     Submission,
     SubmitOptions,
+    TextFormat,
     TextPieces,
+    TranscribeOptions,
+    TranscriptionView,
     cancel_call,
     client_headers,
     download_call,
@@ -34,6 +39,8 @@ from omni_jobs.client.protocol import (
     read_job,
     read_page,
     read_pipelines,
+    read_transcription,
+    transcription_call,
 )
 from omni_jobs.jobs.view import JobEventView, JobListView, JobView, OutputView
 
@@ -153,6 +160,27 @@ class Client:
         info = self.get(job) if isinstance(job, str) else job
         return {o.name: self.download(o, path) for o, path in output_targets(info, directory)}
 
+    @overload
+    def transcribe(self, file: FileInput, *, response_format: JsonFormat = "verbose_json",
+                   **options: Unpack[TranscribeOptions]) -> TranscriptionView: ...
+
+    @overload
+    def transcribe(self, file: FileInput, *, response_format: TextFormat,
+                   **options: Unpack[TranscribeOptions]) -> str: ...
+
+    @overload
+    def transcribe(self, file: FileInput, *, response_format: str,
+                   **options: Unpack[TranscribeOptions]) -> TranscriptionView | str: ...
+
+    def transcribe(self, file: FileInput, *, response_format: str = "verbose_json",
+                   **options: Unpack[TranscribeOptions]) -> TranscriptionView | str:
+        """Speech to text (POST /v1/audio/transcriptions, a job on a speech-to-text pipeline): ``file`` is
+        the audio's bytes or a path. json and verbose_json (the default: with the language, duration and
+        timed segments) come back as a TranscriptionView; text, srt and vtt as text. Options: ``model``,
+        ``language``, ``prompt``, ``temperature``, ``translate`` (English text, /v1/audio/translations),
+        ``timeout`` (seconds, default 600)."""
+        return read_transcription(self._send(transcription_call(file, response_format, options)), response_format)
+
 
 class AsyncClient:
     """The same API with ``await``: ``async with AsyncClient(url) as omni: job = await omni.submit(...)``."""
@@ -260,3 +288,21 @@ class AsyncClient:
     async def download_outputs(self, job: JobView | str, directory: str | Path) -> dict[str, Path]:
         info = await self.get(job) if isinstance(job, str) else job
         return {o.name: await self.download(o, path) for o, path in output_targets(info, directory)}
+
+    @overload
+    async def transcribe(self, file: FileInput, *, response_format: JsonFormat = "verbose_json",
+                         **options: Unpack[TranscribeOptions]) -> TranscriptionView: ...
+
+    @overload
+    async def transcribe(self, file: FileInput, *, response_format: TextFormat,
+                         **options: Unpack[TranscribeOptions]) -> str: ...
+
+    @overload
+    async def transcribe(self, file: FileInput, *, response_format: str,
+                         **options: Unpack[TranscribeOptions]) -> TranscriptionView | str: ...
+
+    async def transcribe(self, file: FileInput, *, response_format: str = "verbose_json",
+                         **options: Unpack[TranscribeOptions]) -> TranscriptionView | str:
+        """As ``Client.transcribe``."""
+        response = await self._send(transcription_call(file, response_format, options))
+        return read_transcription(response, response_format)

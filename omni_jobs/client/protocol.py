@@ -17,10 +17,11 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict, Unpack
+from typing import Any, Literal, TypedDict, Unpack
 from urllib.parse import quote
 
 import httpx
+from pydantic import BaseModel, ConfigDict
 
 from omni_jobs.client.errors import api_error
 from omni_jobs.client.sse import SseParser
@@ -229,6 +230,87 @@ def _file_parts(files: Mapping[str, FileInput]) -> dict[str, tuple[str, bytes]]:
             path = Path(source)
             parts[f"input.{name}"] = (path.name, path.read_bytes())
     return parts
+
+
+# --- transcriptions (POST /v1/audio/transcriptions, /v1/audio/translations) ---
+JsonFormat = Literal["json", "verbose_json"]
+TextFormat = Literal["text", "srt", "vtt"]
+TRANSCRIBE_TIMEOUT_S = 600.0
+"""How long a transcription's answer is waited for: the API holds it until the job ends (OMNI_OPENAI_WAIT_S)."""
+
+
+class TranscribeOptions(TypedDict, total=False):
+    """The keyword options of ``transcribe`` besides ``response_format``."""
+
+    model: str
+    """A speech-to-text pipeline (default ``speech-to-text``; any other name runs that one too)."""
+    language: str | None
+    """The spoken language, ISO 639-1 ('en'); detected when None."""
+    prompt: str | None
+    """Text that came before the clip (names, spellings)."""
+    temperature: float | None
+    """Sampling temperature; 0 is greedy (the pipeline's default when None)."""
+    translate: bool
+    """English text whatever the spoken language (``/v1/audio/translations``)."""
+    timeout: float
+    """Seconds to wait for the answer (default 600)."""
+
+
+class TranscriptionSegmentView(BaseModel):
+    """One timed segment of a verbose transcription."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: int
+    start: float
+    end: float
+    text: str
+    seek: int = 0
+    tokens: list[int] = []
+    temperature: float = 0.0
+    avg_logprob: float = 0.0
+    compression_ratio: float = 0.0
+    no_speech_prob: float = 0.0
+
+
+class TranscriptionView(BaseModel):
+    """A transcription as json (``text``, ``usage``) or verbose_json (also ``task``, ``language``,
+    ``duration``, ``segments``); ``job_id`` is the job that made it (the X-Omni-Job-Id header)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str
+    task: str | None = None
+    language: str | None = None
+    duration: float | None = None
+    segments: list[TranscriptionSegmentView] = []
+    usage: dict[str, Any] | None = None
+    job_id: str | None = None
+
+
+def transcription_call(file: FileInput, response_format: str, opts: TranscribeOptions) -> Call:
+    """The multipart form the OpenAI client sends: ``file``, ``model``, and the options given."""
+    path = "/v1/audio/translations" if opts.get("translate") else "/v1/audio/transcriptions"
+    form = {"model": opts.get("model") or "speech-to-text", "response_format": response_format}
+    for name in ("language", "prompt", "temperature"):
+        value = opts.get(name)
+        if value is not None:
+            form[name] = str(value)
+    if isinstance(file, bytes):
+        part = ("audio", file)
+    else:
+        source = Path(file)
+        part = (source.name, source.read_bytes())
+    return Call("POST", path, data=form, files={"file": part}, timeout=opts.get("timeout", TRANSCRIBE_TIMEOUT_S))
+
+
+def read_transcription(response: httpx.Response, response_format: str) -> TranscriptionView | str:
+    """A json or verbose_json answer as a TranscriptionView; text, srt and vtt as their text."""
+    if response_format not in ("json", "verbose_json"):
+        return response.text
+    view = TranscriptionView.model_validate_json(response.content)
+    view.job_id = response.headers.get("x-omni-job-id")
+    return view
 
 
 # --- loops ---
