@@ -16,6 +16,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
 from api.schemas import JobRequest
+from omni_jobs import jsontext
 from omni_jobs.errors import FieldError, InvalidRequest
 from omni_jobs.limits import Limits
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
@@ -105,7 +106,7 @@ def request_body(json_bodies: dict[str, dict[str, Any]], catalogue: PipelineCata
 
 def _json(name: str, text: str) -> Any:
     try:
-        return json.loads(text)
+        return jsontext.loads(text)  # nesting past its limit is a JSONDecodeError, not a RecursionError
     except json.JSONDecodeError as exc:
         raise InvalidRequest([FieldError((name,), f"is not valid JSON: {exc.msg}", "json_invalid")]) from None
 

@@ -34,9 +34,17 @@ def dumps_bytes(value: object, *, sort_keys: bool = False) -> bytes:
         return json.dumps(value, separators=(",", ":"), sort_keys=sort_keys).encode()
 
 
+MAX_DEPTH = 1024
+"""orjson's limit on nesting. The standard library has none of its own: past the interpreter's
+recursion limit it raises RecursionError, which no caller expects (a request's body became a 500)."""
+
+
 def loads(text: str | bytes) -> Any:  # as json.loads: the caller knows the shape
-    """The value of JSON text (also text with NaN/Infinity tokens, as the standard library wrote)."""
+    """The value of JSON text (also text with NaN/Infinity tokens, as the standard library wrote).
+    Text nested deeper than MAX_DEPTH is a JSONDecodeError saying so, never a RecursionError."""
     try:
         return orjson.loads(text)
-    except orjson.JSONDecodeError:
+    except orjson.JSONDecodeError as exc:
+        if exc.msg.startswith("depth limit"):  # not worth the standard library's second read
+            raise json.JSONDecodeError(f"nested too deep (at most {MAX_DEPTH} levels)", exc.doc, exc.pos) from None
         return json.loads(text)

@@ -207,7 +207,7 @@ def parse_retry_after(value: str | None, *, at: float | None = None) -> float | 
     if value is None or not value.strip():
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # '²'.isdigit() is true, and float('²') raises
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)

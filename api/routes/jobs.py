@@ -203,12 +203,18 @@ async def create_job_multipart(ctx: Ctx, request: Request, tenant: SubmitTenant,
     return await _submit(ctx, request, body, tenant, headers)
 
 
+CURSOR = r"^[0-9]+$"
+"""A cursor is an offset the list gave (ASCII digits: '²'.isdigit() is true, int('²') raises); any other
+value is a 422 naming it, where it used to be a 500, or the first page again (a client paging forever)."""
+
+
 @router.get("", summary="List jobs, newest first", response_model_exclude_unset=True, responses=errors(422))
 def list_jobs(
     ctx: Ctx,
     tenant: Tenant,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
-    cursor: Annotated[str | None, Query(max_length=32)] = None,
+    cursor: Annotated[str | None, Query(max_length=32, pattern=CURSOR,
+                                        description="A list's next_cursor: where the next page starts.")] = None,
     status_: Annotated[JobStatus | None, Query(alias="status")] = None,
 ) -> JobList:
     limit = min(limit, ctx.runtime.settings.max_page_size)

@@ -220,7 +220,7 @@ def _list_args(ctx: ApiContext, status: str | None, pipeline: str | None, limit:
                ) -> tuple[JobStatus | None, str | None, int]:
     """The filters as the core takes them; unknown values are ignored (the page shows every job)."""
     pipe = pipeline if pipeline and pipeline in ctx.runtime.catalogue else None
-    size = int(limit) if limit and limit.isdigit() and int(limit) in PAGE_SIZES else DEFAULT_PAGE_SIZE
+    size = int(limit) if limit and limit.isascii() and limit.isdigit() and int(limit) in PAGE_SIZES else DEFAULT_PAGE_SIZE
     return _status_filter(status), pipe, size
 
 

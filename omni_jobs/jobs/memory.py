@@ -99,7 +99,7 @@ class MemoryJobStore:
             index = keys.jobs_by_status(status.value, tenant)
         else:
             index = keys.JOBS_INDEX if tenant is None else keys.tenant_jobs(tenant)
-        position = int(cursor) if cursor and cursor.isdigit() else 0
+        position = int(cursor) if cursor and cursor.isascii() and cursor.isdigit() else 0  # '²'.isdigit()
         with self._changed:
             ids = [m for m, _ in reversed(self._ordered(self._zset(index)))]
             jobs: list[Job] = []
@@ -112,7 +112,7 @@ class MemoryJobStore:
 
     def events(self, job_id: str, *, after: str = "0-0", block_ms: int | None = None,
                count: int = 100) -> list[JobEvent]:
-        after_seq = int(after.split("-", 1)[0]) if after.split("-", 1)[0].isdigit() else 0
+        after_seq = int(after.split("-", 1)[0]) if after.split("-", 1)[0].isascii() and after.split("-", 1)[0].isdigit() else 0
         stream_key = keys.job_events(job_id)
 
         def newer() -> list[tuple[int, str]]:

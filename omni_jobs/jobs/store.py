@@ -463,7 +463,7 @@ class RedisJobStore:
             index = keys.jobs_by_status(status.value, tenant)
         else:
             index = keys.JOBS_INDEX if tenant is None else keys.tenant_jobs(tenant)
-        position = int(cursor) if cursor and cursor.isdigit() else 0
+        position = int(cursor) if cursor and cursor.isascii() and cursor.isdigit() else 0  # '²'.isdigit()
         found: list[Job] = []
         while len(found) < limit:
             ids = members(self.redis.zrevrange(index, position, position + limit - len(found) - 1))
