@@ -6,17 +6,52 @@ embedded demo and the tests need no environment at all; deployments override wha
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from omni_jobs.engines.allocator import MallocChoice
 from omni_jobs.engines.cpu_layout import parse_cpus
 
 MiB = 1024 * 1024
+
+LIST_FORMAT = 'a comma-separated list (a,b) or a JSON list (["a", "b"])'
+OBJECT_FORMAT = 'a JSON object (e.g. {"vllm": ">=0.11"})'
+
+
+def _env_list(value: object) -> object:
+    """A list setting as an environment variable gives it: a JSON list, else comma-separated values
+    (``OMNI_PIPELINES_PATH=/dir``, ``OMNI_WEBHOOK_ALLOW_HOSTS=127.0.0.1,hooks.internal``), empty ones
+    dropped. pydantic-settings took JSON only, and refused a plain value with a 40-line traceback."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    if not text.startswith(("[", "{")):  # an object is JSON too, and refused as such
+        return [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not a JSON list ({exc.msg}): give {LIST_FORMAT}") from None
+    if not isinstance(parsed, list) or not all(isinstance(item, str) for item in parsed):
+        raise ValueError(f"a JSON list of strings is needed: give {LIST_FORMAT}")
+    return parsed
+
+
+def _env_object(value: object) -> object:
+    """A JSON object from an environment variable, refused in a sentence naming the format."""
+    if not isinstance(value, str):
+        return value
+    try:
+        parsed = json.loads(value) if value.strip() else {}
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"give {OBJECT_FORMAT}")  # noqa: TRY004 (pydantic reports ValueError, not TypeError)
+    return parsed
 
 
 class Settings(BaseSettings):
@@ -74,12 +109,14 @@ class Settings(BaseSettings):
 
     # --- Models and pipelines ---
     models_dir: Path = Field(Path("var/models"), description="Where model sources (tiny:) build their local models.")
-    model_sources: list[str] = Field(
+    model_sources: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["omni_jobs.local.tiny"],
-        description="Modules that register model-id sources (e.g. tiny:NAME); a path or hub id needs none (JSON list in env).",
+        description="Modules that register model-id sources (e.g. tiny:NAME); a path or hub id needs none "
+        "(comma-separated or a JSON list in env).",
     )
-    pipelines_path: list[Path] = Field(
-        default_factory=list, description="Extra pipeline YAML files or directories (JSON list in env)."
+    pipelines_path: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list,
+        description="Extra pipeline YAML files or directories (comma-separated or a JSON list in env)."
     )
 
     # --- Engines ---
@@ -114,7 +151,7 @@ class Settings(BaseSettings):
     version_check: bool = Field(
         True, description="Workers refuse to start when an engine library they need is outside its supported range."
     )
-    supported_versions: dict[str, str] = Field(
+    supported_versions: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict,
         description='Override supported version ranges, e.g. {"vllm": ">=0.11"} (JSON in env); at your own risk.',
     )
@@ -274,10 +311,11 @@ class Settings(BaseSettings):
     max_image_side: int = Field(2048, ge=16, description="Largest width or height a job may ask for, in pixels.")
     max_tokens: int = Field(4096, gt=0, description="Most tokens an AR stage may be asked to generate (max_tokens).")
     max_outputs: int = Field(10, gt=0, description="Most images one OpenAI images call may ask for (n).")
-    webhook_allow_hosts: list[str] = Field(
+    webhook_allow_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Webhook hosts (`host` or `host:port`, JSON list in env) that may resolve to private, loopback or "
-        "link-local addresses and may use http://. Everything else must be https:// to a public address.",
+        description="Webhook hosts (`host` or `host:port`, comma-separated or a JSON list in env) that may resolve "
+        "to private, loopback or link-local addresses and may use http://. Everything else must be https:// to a "
+        "public address.",
     )
 
     # --- Webhooks (Standard Webhooks; schedule documented in README "Webhooks") ---
@@ -298,6 +336,16 @@ class Settings(BaseSettings):
         2, ge=0, description="Least time between two `progress` webhooks of one job (stage ends always send one)."
     )
     webhook_deliveries_kept: int = Field(100, ge=1, description="Latest delivery attempts kept on the job.")
+
+    @field_validator("model_sources", "pipelines_path", "webhook_allow_hosts", mode="before")
+    @classmethod
+    def _list_from_env(cls, value: object) -> object:
+        return _env_list(value)
+
+    @field_validator("supported_versions", mode="before")
+    @classmethod
+    def _object_from_env(cls, value: object) -> object:
+        return _env_object(value)
 
     @field_validator("webhook_secret", mode="before")
     @classmethod
@@ -323,7 +371,34 @@ class Settings(BaseSettings):
         return self.direct_publish and self.effective_broker_url == self.redis_url
 
 
+class SettingsInvalid(SystemExit):
+    """Settings the environment gave that do not parse: one line per variable, naming it, its value
+    and what it takes. A SystemExit, so that a process (uvicorn importing the API, a Celery worker, the
+    CLI) stops with those lines and no traceback."""
+
+
+def _invalid_line(error: dict[str, object]) -> str:
+    loc = error.get("loc") or ("?",)
+    assert isinstance(loc, tuple)
+    field = str(loc[0])
+    message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    if field in ("model_sources", "pipelines_path", "webhook_allow_hosts") and LIST_FORMAT not in message:
+        message = f"{message}: give {LIST_FORMAT}"
+    value = error.get("input")
+    shown = value if isinstance(value, str) else json.dumps(value, default=str)
+    return f"OMNI_{field.upper()}={shown!r}: {message}"
+
+
+def load_settings() -> Settings:
+    """Settings from the environment; SettingsInvalid (one line per bad variable) instead of pydantic's
+    traceback."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        raise SettingsInvalid("\n".join(_invalid_line(dict(e)) for e in exc.errors(include_url=False))) from None
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     """The process-wide settings (tests build their own Settings instead)."""
-    return Settings()
+    return load_settings()

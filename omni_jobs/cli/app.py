@@ -21,7 +21,7 @@ from omni_jobs.cli.run import add_run_command
 from omni_jobs.errors import PipelineSpecError
 from omni_jobs.local import tiny
 from omni_jobs.pipelines.catalogue import load_catalogue, load_pipeline_file
-from omni_jobs.settings import Settings
+from omni_jobs.settings import load_settings
 
 DEMO_PROMPT = "a lighthouse on a cliff at sunset, oil painting"
 
@@ -76,7 +76,7 @@ def run_demo_job(api_url: str, out_dir: Path, prompt: str, timeout_s: float = 30
 def cmd_up(args: argparse.Namespace) -> int:
     from omni_jobs.local.embedded import EmbeddedSystem, HomeInUse, RedisUnreachable
 
-    settings = Settings()
+    settings = load_settings()
     home = Path(args.home)
     if "artifacts_dir" not in settings.model_fields_set:
         # Beside the Redis data that points at them, not under whichever directory the shell was in.
@@ -140,7 +140,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
     from omni_jobs.retention import cleanup
     from omni_jobs.runtime import Runtime
 
-    rt = Runtime(Settings())
+    rt = Runtime(load_settings())
     s = rt.settings
     report = cleanup(rt.ledger, rt.artifacts, output_ttl_s=s.output_ttl_s, intermediate_ttl_s=s.intermediate_ttl_s,
                      reaper=rt.reaper)
@@ -152,7 +152,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     """Versions against their ranges, devices, and whether Redis, the store and the workers answer."""
     from omni_jobs.cli.doctor import format_report, run_doctor
 
-    report = run_doctor(Settings(), services=not args.no_services, devices=not args.no_devices)
+    report = run_doctor(load_settings(), services=not args.no_services, devices=not args.no_devices)
     print(json.dumps(report.as_dict(), indent=2) if args.json else format_report(report))
     return 0 if report.ok else 1
 
@@ -173,7 +173,7 @@ def cmd_pipelines(args: argparse.Namespace) -> int:
                     continue
                 print(f"{path}: ok ({spec.name}: {' -> '.join(s.id for s in spec.stages)})")
             return 2 if invalid else 0
-        for spec in load_catalogue([*Settings().pipelines_path, *(Path(p) for p in args.pipelines)]):
+        for spec in load_catalogue([*load_settings().pipelines_path, *(Path(p) for p in args.pipelines)]):
             print(f"{spec.name:<24} {' -> '.join(f'{s.id}[{s.engine}]' for s in spec.stages)}")
         return 0
     except PipelineSpecError as exc:
@@ -212,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("tiny", help="build the small random-weight models used by the demo and tests")
     t.add_argument("action", choices=["build"])
-    t.add_argument("--out", default=str(Settings().models_dir))
+    t.add_argument("--out", default=str(load_settings().models_dir))
     t.add_argument("--name", default="all")
     t.set_defaults(func=cmd_tiny)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from omni_jobs.cli.jobs import stage_params
 from omni_jobs.errors import InvalidRequest, PipelineSpecError, UnknownPipeline
-from omni_jobs.settings import Settings
+from omni_jobs.settings import load_settings
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -48,7 +48,7 @@ def _inputs(pairs: list[str], file_fields: list[str]) -> dict[str, Any]:
 def cmd_run(args: argparse.Namespace) -> int:
     from omni_jobs.omni import Omni, OmniJobFailed
 
-    settings = Settings()
+    settings = load_settings()
     if args.pipelines:
         settings = settings.model_copy(update={"pipelines_path": [*settings.pipelines_path,
                                                                   *(Path(p) for p in args.pipelines)]})
