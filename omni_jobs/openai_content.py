@@ -3,8 +3,8 @@
 
 A chat request names no input fields: its messages carry text, and its user messages media parts. A
 pipeline offers a chat what its job inputs are (content_inputs): one text input for the messages'
-text, and its image, audio and video inputs, each kind in the order its stages take them (required
-ones first). The first image part goes to the first image input, the second to the next one (a
+text, and the image, audio and video inputs its stages read, each kind in the order the stages take
+them (required ones first). The first image part goes to the first image input, the second to the next one (a
 stage port wired to several: ``image: [input.front, input.back]``). A part reaches the job as the
 value that file input takes in POST /v1/jobs: a data: URI or a stored output's URL as it is, input
 audio's base64 as ``{"data": ...}``. The submitter decodes and stores it as for any job, and its
@@ -203,7 +203,8 @@ class ContentInputs:
 
 def content_inputs(spec: PipelineSpec) -> ContentInputs | None:
     """What a chat can fill of ``spec``: None unless it has one text input (``prompt``, or its only one)
-    and needs no input other than text and files (image, audio, video)."""
+    and needs no input other than text and the files (image, audio, video) its stages read. A file input
+    no stage reads takes no part."""
     texts = [n for n, f in spec.inputs.items() if f.type == "text"]
     text = "prompt" if "prompt" in texts else (texts[0] if len(texts) == 1 else None)
     if text is None:
@@ -211,13 +212,14 @@ def content_inputs(spec: PipelineSpec) -> ContentInputs | None:
     if any(n != text and f.type not in FILE_KINDS and f.required and f.default is None
            for n, f in spec.inputs.items()):
         return None
-    order: list[str] = []
+    wired: list[str] = []  # the job inputs the stages read, in the order they read them
     for stage in spec.stages:
         for _port, binding in stage.bindings():
-            if binding.source == INPUT_SOURCE and binding.port not in order:
-                order.append(binding.port)
-    order += [n for n in spec.inputs if n not in order]
-    files = [n for n in order if spec.inputs[n].type in FILE_KINDS]
+            if binding.source == INPUT_SOURCE and binding.port not in wired:
+                wired.append(binding.port)
+    files = [n for n in wired if spec.inputs[n].type in FILE_KINDS]
+    if any(f.type in FILE_KINDS and f.required and n not in wired for n, f in spec.inputs.items()):
+        return None  # a file no stage reads: no part is meant for it
     needed = {n for n in files if spec.inputs[n].required and spec.inputs[n].default is None}
     files.sort(key=lambda n: n not in needed)  # stable: required first, each group in the stages' order
     field = spec.inputs[text]

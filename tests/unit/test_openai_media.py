@@ -16,6 +16,7 @@ from omni_jobs.openai_compat import ChatCompletionRequest, OpenAIError, invalid_
 from omni_jobs.openai_content import content_inputs
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
 from omni_jobs.submission import resolve_params, validate_input
+from tests.media_files import MEDIA_PIPELINE
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
 AUDIO = {"type": "input_audio", "input_audio": {"data": "UklGRiQAAABXQVZF", "format": "wav"}}
@@ -36,6 +37,7 @@ TWO_VIEWS = {  # a vision-language stage whose image port is wired to two job in
 def catalogue(tmp_path_factory: pytest.TempPathFactory) -> PipelineCatalogue:
     folder: Path = tmp_path_factory.mktemp("pipelines")
     (folder / "two-views.yaml").write_text(yaml.safe_dump(TWO_VIEWS))
+    (folder / "media-inputs.yaml").write_text(yaml.safe_dump(MEDIA_PIPELINE))  # audio, video inputs no stage reads
     return load_catalogue([folder])
 
 
@@ -86,6 +88,7 @@ def test_a_port_wired_to_several_inputs_takes_a_part_each(catalogue: PipelineCat
 def test_any_other_model_is_chosen_by_the_media_in_the_messages(catalogue: PipelineCatalogue) -> None:
     assert plan(catalogue, TEXT, IMAGE).spec.name == "image-to-text"  # the conventional name
     assert plan(catalogue, TEXT, AUDIO).spec.name == "omni-understanding"  # an answer, not speech-to-text's transcript
+    # (nor media-inputs, whose audio input no stage reads)
     assert plan(catalogue, TEXT, VIDEO, IMAGE).spec.name == "omni-understanding"
     assert plan(catalogue, TEXT, IMAGE, modalities=["image"]).spec.name == "image-to-image"
     assert plan(catalogue, TEXT, IMAGE, modalities=["text", "image"]).spec.name == "image-to-text-to-image"
@@ -101,6 +104,9 @@ def test_a_part_the_pipeline_cannot_take_is_named_with_the_models_that_take_it(c
     assert "models that take it: image-to-text, image-to-text-to-image, omni-understanding, two-views" in err.message
     err = refusal(catalogue, TEXT, AUDIO, model="image-to-text")
     assert err.param == "messages[0].content[1]" and "models that take it: omni-understanding, speech-to-text" in err.message
+    err = refusal(catalogue, TEXT, AUDIO, model="media-inputs")
+    assert err.param == "messages[0].content[1]" and "pipeline 'media-inputs' takes no audio input" in err.message
+    assert plan(catalogue, TEXT, model="media-inputs").input == {"prompt": "What is in it?"}
     err = refusal(catalogue, TEXT, IMAGE, IMAGE, model="image-to-text")
     assert err.param == "messages[0].content[2]" and "models that take 2 image parts: two-views" in err.message
 
