@@ -12,7 +12,8 @@ the stage's parameters, and ``task`` is ``transcribe`` or ``translate`` by the r
 The stage's text output is a JSON document ``{text, language, duration, task, segments: [{id, start,
 end, text}], usage}``; the answer is made from it in the format asked: ``json`` ``{"text", "usage"}``,
 ``verbose_json`` with OpenAI's segment fields, ``text`` (the text alone), ``srt`` and ``vtt`` (one
-cue per segment). What the engine does not measure is answered with a neutral value:
+cue per segment). verbose_json's ``language`` is the text's, as OpenAI's: the spoken one (ISO 639-1,
+'und' when neither given nor detected), English for a translation. What the engine does not measure is answered with a neutral value:
 ``avg_logprob`` and ``no_speech_prob`` 0, ``tokens`` empty (unless the document carries them);
 ``seek`` is the start in Whisper's 10 ms frames and ``compression_ratio`` is Whisper's own (UTF-8
 bytes over zlib-compressed bytes of the segment's text).
@@ -272,7 +273,8 @@ def transcription_answer(transcript: Transcript, response_format: ResponseFormat
     if response_format == "json":
         return {"text": transcript.text, "usage": usage}, MEDIA_TYPES["json"]
     if response_format == "verbose_json":
-        return ({"task": transcript.task, "language": transcript.language or "und", "duration": transcript.duration,
+        language = "en" if transcript.task == "translate" else transcript.language or "und"  # the text's language
+        return ({"task": transcript.task, "language": language, "duration": transcript.duration,
                  "text": transcript.text, "segments": [_segment(s, temperature) for s in transcript.segments],
                  "usage": usage}, MEDIA_TYPES["verbose_json"])
     if response_format == "srt":

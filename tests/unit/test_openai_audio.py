@@ -111,6 +111,8 @@ def test_each_response_format_from_the_document() -> None:
     assert compression_ratio(loop) > 2.4 > compression_ratio("Hello there.")  # Whisper's "repetitive" threshold
     undetected = read_transcript({**DOCUMENT, "language": None})
     assert transcription_answer(undetected, "verbose_json", temperature=0.0)[0]["language"] == "und"  # type: ignore[index]
+    translated = read_transcript({**DOCUMENT, "language": "de", "task": "translate"})
+    assert transcription_answer(translated, "verbose_json", temperature=0.0)[0]["language"] == "en"  # type: ignore[index]
     with pytest.raises(TypeError):
         read_transcript({"language": "en", "duration": 1.0})
 
