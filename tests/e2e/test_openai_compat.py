@@ -166,7 +166,7 @@ def test_speech_from_the_text_to_audio_pipeline(client: OpenAI, api: httpx.Clien
          "max_tokens", "greater than or equal to 1"),
         (lambda c: c.chat.completions.create(model="text-to-text", messages=[
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
-         "messages[0].content[0]", "text only"),
+         "messages[0].content[0]", "takes no image input; models that take it: image-to-text"),
         (lambda c: c.chat.completions.create(model="text-to-text", messages=[]), "messages", "at least 1"),
         (lambda c: c.audio.speech.create(model="tts-1", voice="alloy", input="x", response_format="mp3"),
          "response_format", "use 'wav'"),
