@@ -11,6 +11,7 @@ here, before the engine sees them: a wrong size was seen to wedge vLLM for every
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     from vllm import LLM
 
 MEDIA_ORDER = ("image", "video", "audio")
+_TIMESTAMP = re.compile(r"<\|\d+\.\d+\|>")
 """The order of the placeholders before the text (vision first, as Qwen's templates put them)."""
 
 VIDEO_FPS = 2.0
@@ -270,5 +272,6 @@ class Transcriber:
         return ("" if no_space else " ").join(t for t in texts if t)
 
     def clean(self, text: str) -> str:
-        """The model's own clean-up of its raw text (language tags and the like)."""
-        return str(self.model_cls.post_process_output(text))
+        """The model's own clean-up of its raw text (language tags and the like), less timestamp tokens
+        (``<|8.92|>``): the prompt asks for none, and they are no words of the transcript."""
+        return _TIMESTAMP.sub("", str(self.model_cls.post_process_output(text)))
