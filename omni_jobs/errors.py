@@ -110,14 +110,25 @@ class NotDurable(OmniError):
     """A write reached the primary but not where it must be before it is acknowledged: its replicas
     (OMNI_REDIS_WAIT_REPLICAS) or its disk (OMNI_REDIS_WAIT_AOF)."""
 
-    def __init__(self, acked: int, wanted: int, timeout_ms: int, *, disk: str | None = None) -> None:
-        """``disk``: the write was not on the primary's disk (why: a timeout, or the server's error)."""
+    def __init__(self, acked: int, wanted: int, timeout_ms: int, *, disk: str | None = None,
+                 job_id: str | None = None) -> None:
+        """``disk``: the write was not on the primary's disk (why: a timeout, or the server's error).
+        ``job_id``: the job the write made (a submit): it exists, and runs unless Redis loses it."""
+        self.acked, self.wanted, self.timeout_ms, self.disk, self.job_id = acked, wanted, timeout_ms, disk, job_id
         if disk is not None:
-            super().__init__(f"the job store's write was not on Redis's disk (OMNI_REDIS_WAIT_AOF): {disk}; "
-                             "retry with the same Idempotency-Key")
+            where = f"the job store's write was not on Redis's disk (OMNI_REDIS_WAIT_AOF): {disk}"
         else:
-            super().__init__(f"the job store's write reached {acked} of {wanted} replica(s) within {timeout_ms} ms "
-                             "(OMNI_REDIS_WAIT_REPLICAS); retry with the same Idempotency-Key")
+            where = (f"the job store's write reached {acked} of {wanted} replica(s) within {timeout_ms} ms "
+                     "(OMNI_REDIS_WAIT_REPLICAS)")
+        if job_id is not None:
+            super().__init__(f"{where}; job {job_id} was made and runs unless Redis loses it: follow it at "
+                             f"/v1/jobs/{job_id}, or retry with the same Idempotency-Key, which answers that job")
+        else:
+            super().__init__(f"{where}; retry with the same Idempotency-Key")
+
+    def of_job(self, job_id: str) -> NotDurable:
+        """The same refusal, naming the job that the write made."""
+        return NotDurable(self.acked, self.wanted, self.timeout_ms, disk=self.disk, job_id=job_id)
 
 
 class QuotaExceeded(OmniError):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, TypedDict
 
+import redis
 from fastapi import APIRouter, Depends, Query, Request, Response, status
 from fastapi.exceptions import RequestValidationError
 
@@ -19,12 +21,13 @@ from api.responses import JSONText
 from api.schemas import JobList, JobRequest, errors
 from omni_jobs.artifacts import ArtifactNotFound
 from omni_jobs.cancellation import cancel_job
-from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound
+from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound, NotDurable
 from omni_jobs.jobs.ledger import RequirementFailed
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.view import JobJSON, JobView, present_job
 from omni_jobs.jobs.watch import mark_looked_at
 
+log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"],  # every route takes the caller's tenant: authenticated
                    responses=errors(401, 503))
 # The routes build the job JSON as a dict (omni_jobs.jobs.view.present_job) and FastAPI checks it
@@ -170,6 +173,10 @@ async def _submit(ctx: ApiContext, request: Request, body: JobRequest, tenant: s
         )
     except RequirementFailed:
         raise key_refused() from None
+    except NotDurable as exc:
+        if exc.job_id is None:
+            raise
+        return await _not_durable(ctx, exc, exc.job_id)
     if not submitted.created:  # a replay wrote nothing, so nothing checked the key: check it now
         await recheck(request)
     job, position = submitted.job, submitted.queue_position
@@ -190,6 +197,22 @@ async def _submit(ctx: ApiContext, request: Request, body: JobRequest, tenant: s
     # JobView again, about a tenth of a submit's CPU (bench.submit). JobView stays its documented
     # shape; the e2e tests check every job JSON they see against it.
     return JSONText(_present(ctx, job, position=position), status_code=code, headers=answer_headers)
+
+
+async def _not_durable(ctx: ApiContext, exc: NotDurable, job_id: str) -> JSONText:
+    """A submit whose write applied but did not reach the disk or a replica in time: still a 503 (a 202
+    is given only once the job is durable), naming the job that was made, with its URL: a client that
+    resubmitted without its Idempotency-Key would run it twice. The job, as far as it can be read."""
+    log.warning("submit not durable in time: %s", exc)
+    body: dict[str, Any] = {"detail": str(exc), "job_id": job_id}
+    try:
+        job = await ctx.runtime.jobs.store.aget(job_id)
+    except redis.RedisError:
+        job = None
+    if job is not None:
+        body["job"] = _present(ctx, job)
+    return JSONText(body, status_code=status.HTTP_503_SERVICE_UNAVAILABLE,
+                    headers={"Location": f"/v1/jobs/{job_id}", "Retry-After": "5"})
 
 
 @router.post("/multipart", status_code=status.HTTP_202_ACCEPTED,

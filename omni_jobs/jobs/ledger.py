@@ -27,7 +27,14 @@ from typing import Generic, TypeVar
 
 from omni_jobs import keys
 from omni_jobs.artifacts.refs import ArtifactRef
-from omni_jobs.errors import IdempotencyConflict, JobAlreadyFinished, JobNotFound, Overloaded, QuotaExceeded
+from omni_jobs.errors import (
+    IdempotencyConflict,
+    JobAlreadyFinished,
+    JobNotFound,
+    NotDurable,
+    Overloaded,
+    QuotaExceeded,
+)
 from omni_jobs.followed import LOOK, LOOKED_AT_TTL_S
 from omni_jobs.jobs import codec, state
 from omni_jobs.jobs.change import Cap, Change, Conflict, Guard
@@ -390,8 +397,12 @@ class JobLedger:
         queue, both checked in the same write (QuotaExceeded, Overloaded: nothing is written).
         """
         plan = self._plan_submit(job, entry_stages, idempotency, idempotency_ttl_s, quota, queue_limits)
-        conflict = self.store.commit(plan.change)
-        if conflict is None:
+        try:
+            conflict = self.store.commit(plan.change)
+        except NotDurable as exc:  # applied, but not yet on the disk or a replica: name the job it made
+            self._committed(plan.job, plan.change)
+            raise exc.of_job(plan.job.id) from None
+        if conflict is None or self._made_by_this_write(plan, conflict):
             self._committed(plan.job, plan.change)
             return plan.job, True
         if conflict.cap is not None:
@@ -417,10 +428,17 @@ class JobLedger:
         not revoked); RequirementFailed when one does not, and nothing is written."""
         plan = self._plan_submit(job, entry_stages, idempotency, idempotency_ttl_s, quota, queue_limits)
         plan.change.guards[:0] = requires
-        conflict, position = await self.store.acommit_placed(plan.change, plan.job)
+        try:
+            conflict, position = await self.store.acommit_placed(plan.change, plan.job)
+        except NotDurable as exc:  # applied, but not yet on the disk or a replica: name the job it made
+            self._committed(plan.job, plan.change)
+            raise exc.of_job(plan.job.id) from None
         if conflict is None:
             self._committed(plan.job, plan.change)
             return Submitted(plan.job, True, position)
+        if self._made_by_this_write(plan, conflict):
+            self._committed(plan.job, plan.change)
+            return Submitted(plan.job, True, await self.store.aqueue_position(plan.job))
         if conflict.cap is not None:
             since = conflict.cap.since
             oldest = await self.store.aoldest(conflict.cap.key, since=since) if since is not None else None
@@ -481,6 +499,21 @@ class JobLedger:
         else:
             retry_after = 5.0
         return QuotaExceeded(plan.job.tenant, cap.name, cap.below, retry_after)
+
+    @staticmethod
+    def _made_by_this_write(plan: _SubmitPlan, conflict: Conflict) -> bool:
+        """Whether the submit's own job-id guard refused it: the job exists, and its id is this write's
+        own (random, made for it), so this very write applied before, and its reply was lost. The client
+        sent the same script again (redis-py retries a command whose connection dropped), and the job it
+        made is the answer: it was a 500 while the job ran. The job's guard is the first of a submit's
+        own, so this is found before the Idempotency-Key's guard (which would refuse it as a replay of
+        itself)."""
+        guard = conflict.guard
+        made = guard is not None and guard.key == keys.job(plan.job.id) and guard.field == "id"
+        if made:
+            log.info("job %s: the submit's reply was lost and it was sent again; answering the job it made",
+                     plan.job.id)
+        return made
 
     @staticmethod
     def _replay_claim(plan: _SubmitPlan, conflict: Conflict) -> tuple[str, str]:
