@@ -12,6 +12,7 @@ import asyncio
 import functools
 import hashlib
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypedDict, cast
@@ -20,10 +21,10 @@ from pydantic import ValidationError
 
 from omni_jobs.artifacts import ArtifactStore
 from omni_jobs.auth import DEFAULT_TENANT
-from omni_jobs.errors import FieldError, IdempotencyConflict, InvalidRequest, Overloaded
+from omni_jobs.errors import FieldError, IdempotencyConflict, InvalidRequest, Overloaded, QuotaExceeded
 from omni_jobs.input_files import FORMS, InputFiles, PreparedFile, parse_file_value
 from omni_jobs.jobs.change import Guard
-from omni_jobs.jobs.ledger import JobLedger, QueueLimit, Quota, Submitted
+from omni_jobs.jobs.ledger import JobLedger, QueueLimit, Quota, RequirementFailed, Submitted
 from omni_jobs.jobs.models import Job, JobWebhook, Priority, StageRecord, new_job_id
 from omni_jobs.jobs.store import JobStore
 from omni_jobs.json_types import JsonObject, JsonScalar, JsonValue
@@ -34,6 +35,12 @@ from omni_jobs.pipelines.params import BOUND_ERRORS, bounds_in_words, whole_numb
 from omni_jobs.pipelines.spec import InputField, PipelineSpec, StageSpec
 from omni_jobs.scheduling import Quotas
 from omni_jobs.webhooks import validate_webhook
+
+log = logging.getLogger(__name__)
+
+REFUSED = (QuotaExceeded, Overloaded, IdempotencyConflict, RequirementFailed)
+"""What a submit's write refuses with, having written nothing (a NotDurable write applied; a lost
+connection may have): a job's input files stored for it are then nobody's, and go."""
 
 StageParamValues = dict[str, dict[str, JsonScalar]]
 """A job's parameters: each stage's values, validated (what Job.params records)."""
@@ -451,13 +458,23 @@ class JobSubmitter:
                 existing = self.ledger.get(earlier.job_id)
                 if existing is not None:
                     return existing, False
+        stored = bool(files) and self.input_files is not None
         if files and self.input_files is not None:
             if self.admission is not None:  # before storing files that a full queue would leave unused
                 self.admission.check(new.spec)
             new.job.input = {**new.job.input, **self.input_files.store(new.job.id, files)}
-        return self.ledger.submit(new.job, new.entry_stages, idempotency=new.claim,
-                                  idempotency_ttl_s=self.idempotency_ttl_s, quota=self._quota(tenant, api_key_id),
-                                  queue_limits=self._queue_limits(new.spec))
+        try:
+            job, created = self.ledger.submit(new.job, new.entry_stages, idempotency=new.claim,
+                                              idempotency_ttl_s=self.idempotency_ttl_s,
+                                              quota=self._quota(tenant, api_key_id),
+                                              queue_limits=self._queue_limits(new.spec))
+        except REFUSED:
+            if stored:
+                self._forget_files(new.job.id)
+            raise
+        if stored and job.id != new.job.id:  # a replay found by the write: another job's answer
+            self._forget_files(new.job.id)
+        return job, created
 
     async def asubmit_idempotent(self, pipeline: str, input_: object, params: object = None, *,
                                  cancel_after_s: float | None = None, idempotency_key: str | None = None,
@@ -485,15 +502,24 @@ class JobSubmitter:
                 existing = await self.ledger.store.aget(earlier.job_id)
                 if existing is not None:
                     return await self.ledger.replayed(existing)
+        stored = bool(files) and self.input_files is not None
         if files and self.input_files is not None:
             if self.admission is not None:  # before storing files that a full queue would leave unused
                 await asyncio.to_thread(self.admission.check, new.spec)
-            stored = await asyncio.to_thread(self.input_files.store, new.job.id, files)
-            new.job.input = {**new.job.input, **stored}
-        return await self.ledger.asubmit(new.job, new.entry_stages, idempotency=new.claim,
-                                         idempotency_ttl_s=self.idempotency_ttl_s,
-                                         quota=self._quota(tenant, api_key_id), queue_limits=self._queue_limits(new.spec),
-                                         requires=requires)
+            records = await asyncio.to_thread(self.input_files.store, new.job.id, files)
+            new.job.input = {**new.job.input, **records}
+        try:
+            submitted = await self.ledger.asubmit(new.job, new.entry_stages, idempotency=new.claim,
+                                                  idempotency_ttl_s=self.idempotency_ttl_s,
+                                                  quota=self._quota(tenant, api_key_id),
+                                                  queue_limits=self._queue_limits(new.spec), requires=requires)
+        except REFUSED:
+            if stored:
+                await asyncio.to_thread(self._forget_files, new.job.id)
+            raise
+        if stored and submitted.job.id != new.job.id:  # a replay found by the write: another job's answer
+            await asyncio.to_thread(self._forget_files, new.job.id)
+        return submitted
 
     def _accept(self, pipeline: str, input_: object, params: object, *, cancel_after_s: float | None,
                 idempotency_key: str | None, webhook: object, webhook_events_filter: object, tenant: str,
@@ -534,6 +560,17 @@ class JobSubmitter:
             claim = (idempotency_key, request_fingerprint(pipeline, input_, params, webhook, webhook_events_filter,
                                                           chosen_priority.value))
         return _NewJob(spec, job, list(_entries(spec)[0]), claim)
+
+    def _forget_files(self, job_id: str) -> None:
+        """Delete the input files stored for a job that the write did not make. Files go in only once the
+        request is valid and decodes, before the write that checks quotas, the key and its
+        Idempotency-Key, which cannot be checked earlier without a race; no job points at them, so
+        retention (which walks jobs) would never delete them."""
+        assert self.input_files is not None
+        try:
+            self.input_files.artifacts.delete_job(job_id)
+        except Exception:  # the refusal is the answer; a file left over is only space
+            log.warning("job %s was refused; its input files could not be deleted", job_id, exc_info=True)
 
     def _quota(self, tenant: str, api_key_id: str | None) -> Quota | None:
         """The submit's limits (cached by Quotas: a Redis read at most every few seconds per tenant or key)."""
