@@ -174,7 +174,7 @@ class Reaper:
             stale = self.store.released(queue, before=at - self.backlog_timeout_s, limit=self.batch)
             why = f"not started {self.backlog_timeout_s:g}s after it was sent, behind a backlog"
         for slot in stale:
-            if self.ledger.redispatch(slot):
+            if self.ledger.redispatch(slot, queue):
                 report.redispatched += 1
                 report.details.append(f"{slot}: redispatched ({why})")
 

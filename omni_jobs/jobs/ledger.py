@@ -876,29 +876,44 @@ class JobLedger:
         self.store.commit(Change().zrem(keys.LEASES, slot_name))
         return "cleaned"
 
-    def redispatch(self, slot_name: str) -> bool:
+    def redispatch(self, slot_name: str, queue: str | None = None) -> bool:
         """Publish a waiting slot's next attempt again (its message was lost by the broker, or held
-        by a worker that died before starting it). A duplicate is harmless: only one can start it."""
+        by a worker that died before starting it). A duplicate is harmless: only one can start it.
+        ``queue``: the queue whose released steps the slot was found among; a slot that waits for
+        nothing there (its job is gone, or ended, or the step is no longer queued) leaves them, so
+        that no leftover holds a place in the queue's window for ever."""
         slot = parse_slot(slot_name)
         step: Step
         if slot.kind is StepKind.deliver_webhook:
             assert slot.name is not None
             hook = self.store.webhook_slots(slot.job_id).get(slot.name)
             if hook is None or hook.status != "queued":
-                return False
+                return self._forget_released(queue, slot_name)
             step = DeliverWebhook(slot.job_id, slot.name, hook.event, hook.attempts + 1)
         else:
             job = self.store.get(slot.job_id)
             if job is None or job.status.is_final:
-                return False
+                return self._forget_released(queue, slot_name)
             record: StageRecord | StepSlot = job.stage_record(slot.name) if slot.name else job.results
             if record.status is not StageStatus.queued:
-                return False
+                return self._forget_released(queue, slot_name)
             step = (RunStage(job.id, slot.name, record.attempts + 1, job.stage_record(slot.name).queue)
                     if slot.name else AssembleResults(job.id, record.attempts + 1))
         if self.store.outbox_holds([step_id(step)]):
             return False  # not published yet: nothing was lost
         return self._commit_or_none(Change().dispatch(step, now()))
+
+    def _forget_released(self, queue: str | None, slot_name: str) -> bool:
+        """Take a slot that waits for nothing off ``queue``'s released steps (a retention delete that
+        missed it, an expired job): its place frees, and a pass releases the next step. False: nothing
+        was dispatched."""
+        if queue is not None:
+            change = Change().zrem(keys.queue_released(queue), slot_name)
+            change.freed.add(queue)
+            if self._commit_or_none(change):
+                log.info("%s: released on queue '%s' but waits for nothing there; its place is freed",
+                         slot_name, queue)
+        return False
 
 
 def _raise(exc: Exception) -> Job:

@@ -373,8 +373,11 @@ class MemoryJobStore:
                 for who in (None, tenant):
                     self._zsets.get(keys.jobs_by_status(fields["status"], who), {}).pop(job_id, None)
             for queue, slot, entry_id in pending:
-                for index in (keys.queue_waiting(queue), keys.queue_running(queue), keys.LEASES, keys.OUTBOX):
+                for index in (keys.queue_waiting(queue), keys.queue_running(queue), keys.queue_released(queue),
+                              keys.LEASES, keys.OUTBOX):
                     self._zsets.get(index, {}).pop(entry_id if index == keys.OUTBOX else slot, None)
+                if tenant is not None:
+                    self._zsets.get(keys.queue_ready(queue, tenant), {}).pop(entry_id, None)
                 self._hashes.get(keys.OUTBOX_ITEMS, {}).pop(entry_id, None)
 
     def get_mark(self, name: str) -> str | None:

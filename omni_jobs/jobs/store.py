@@ -896,8 +896,13 @@ class RedisJobStore:
                 for tenant in (None, fields.get("tenant")):
                     pipe.zrem(keys.jobs_by_status(fields["status"], tenant), job_id)
             for queue, slot, entry_id in pending:
-                for index in (keys.queue_waiting(queue), keys.queue_running(queue), keys.LEASES):
+                # released too: a step sent and never started would hold its place in the queue's
+                # window for ever, and enough of them stop the queue releasing
+                for index in (keys.queue_waiting(queue), keys.queue_running(queue), keys.queue_released(queue),
+                              keys.LEASES):
                     pipe.zrem(index, slot)
+                if "tenant" in fields:
+                    pipe.zrem(keys.queue_ready(queue, fields["tenant"]), entry_id)
                 pipe.zrem(keys.OUTBOX, entry_id)
                 pipe.hdel(keys.OUTBOX_ITEMS, entry_id)
             pipe.execute()

@@ -7,8 +7,9 @@ import time
 
 import pytest
 
+from omni_jobs import keys
 from omni_jobs.errors import QuotaExceeded
-from omni_jobs.jobs.change import ReleasePass
+from omni_jobs.jobs.change import Change, ReleasePass
 from omni_jobs.jobs.ledger import Acquired, JobLedger, Quota
 from omni_jobs.jobs.models import Job, Priority, StageRecord, new_job_id, now
 from omni_jobs.jobs.store import JobStore
@@ -144,3 +145,31 @@ def test_the_relays_pass_releases_and_claims_in_one_step(ledger: JobLedger, stor
     store.ack_outbox([e.id for e in claimed])
     nothing, none = store.release_and_claim({}, now=now(), limit=10, hold_s=30)
     assert nothing == ReleasePass([], frozenset()) and none == [] and nothing.next_due is None  # nothing due
+
+
+def test_retention_deleting_released_and_ready_jobs_never_stops_the_queue(ledger: JobLedger, store: JobStore) -> None:
+    """Retention deletes jobs whose first step was released but never started (no worker came for
+    a week), and jobs still waiting for their turn: their places in the window go with them, so
+    the queue keeps releasing (each leftover counted against the window forever)."""
+    old = [ledger.submit(dit_job("a"), ["dit"])[0].id for _ in range(3)]
+    assert releases(store, window=2) == old[:2]  # two released, the third ready
+    for job_id in old:
+        store.delete(job_id)
+    assert store.queue_counts("dit") == (0, 0)
+    new = [ledger.submit(dit_job("a"), ["dit"])[0].id for _ in range(2)]
+    assert releases(store, window=2) == new
+
+
+def test_a_released_step_whose_job_is_gone_frees_its_place(ledger: JobLedger, store: JobStore) -> None:
+    """A job's keys expired by their TTL (no cleanup ran) while its step was released: the reaper's
+    look at steps that wait too long finds no job to send it again for, and frees the place."""
+    gone = ledger.submit(dit_job("a"), ["dit"])[0].id
+    assert releases(store, window=1) == [gone]
+    store.delete(gone)  # (what an expired hash leaves: the same, without this store's own cleanup)
+    store.commit(Change().zadd(keys.queue_released("dit"), f"stage:{gone}:dit", now() - 3600))
+    later = ledger.submit(dit_job("a"), ["dit"])[0].id
+    assert releases(store, window=1) == []  # the leftover fills the window
+    assert store.released("dit", before=now(), limit=10) == [f"stage:{gone}:dit"]
+    assert ledger.redispatch(f"stage:{gone}:dit", "dit") is False  # nothing to send again: its place is freed
+    assert store.released("dit", before=now(), limit=10) == []
+    assert releases(store, window=1) == [later]
