@@ -8,6 +8,8 @@ cleanup, one pass at a time under a lock. It:
 
 - queues the next attempt of every slot whose lease expired (its worker was killed, OOM, lost);
 - at a worker's start, takes back at once what the previous process of the same node held;
+- cancels the jobs past their Cancel-After deadline that no worker runs (waiting on a queue with
+  no workers, say): within a pass, whichever workers run;
 - publishes again a published step whose message vanished: not started ``dispatch_timeout_s``
   after it was due while its queue in the broker is empty (lost by the broker, or prefetched by a
   worker that died before starting it). A duplicate is harmless: the ledger starts each attempt once.
@@ -27,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from omni_jobs import keys
+from omni_jobs.cancellation import cancel_overdue
 from omni_jobs.jobs.ledger import JobLedger, Lease
 from omni_jobs.jobs.models import now
 from omni_jobs.jobs.store import JobStore
@@ -114,6 +117,7 @@ class ReapReport:
     failed: int = 0
     cleaned: int = 0
     redispatched: int = 0
+    canceled: int = 0
     details: list[str] = field(default_factory=list)
 
     def count(self, outcome: str, slot: str) -> None:
@@ -156,6 +160,9 @@ class Reaper:
             return report
         for slot in self.store.expired_leases(now=now(), limit=self.batch):
             report.count(self.ledger.expire(slot), slot)
+        for job_id in cancel_overdue(self.ledger, at=now(), limit=self.batch):
+            report.canceled += 1
+            report.details.append(f"{job_id}: canceled (Cancel-After)")
         if self.queue_depth is not None:
             for queue in sorted(set(self.queues())):
                 self._watch_dispatches(queue, report)

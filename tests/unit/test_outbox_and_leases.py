@@ -273,3 +273,24 @@ def test_an_idle_relay_backs_off_and_still_wakes_when_a_delayed_entry_comes_due(
     relay.stop()
     assert transport.published == [f"stage:{submitted.id}:ar:1", f"stage:{submitted.id}:ar:2"]
     assert 0.95 <= published_after < 1.3  # backed off to 0.6 s and more, it woke for the due time
+
+
+def test_the_reaper_cancels_a_job_past_its_cancel_after_that_never_started() -> None:
+    """Cancel-After of a job no worker took (its queue has none): every worker's reaper, whatever its
+    queues, ends it within a pass, where only the hourly cleanup on the results queue did."""
+    store = MemoryJobStore()
+    ledger = JobLedger(store)
+    waiting = job()
+    waiting.deadline_at = waiting.created_at + 0.1
+    later = job()
+    later.deadline_at = later.created_at + 3600
+    ledger.submit(waiting, ["ar"])
+    ledger.submit(later, ["ar"])
+    reaper = Reaper(ledger, store, owner="r", queues=lambda: ["dit"], interval_s=0.01)  # a worker of another queue
+    assert reaper.run_once().canceled == 0
+    time.sleep(0.25)  # past its deadline, and past the pass lock
+    report = reaper.run_once()
+    assert report.canceled == 1 and f"{waiting.id}: canceled (Cancel-After)" in report.details
+    assert ledger.require(waiting.id).status is JobStatus.canceled
+    assert ledger.require(later.id).status is JobStatus.queued
+    assert store.overdue(now=now() + 1, limit=10) == []  # off the deadline index: no pass looks at it again
