@@ -266,13 +266,16 @@ class QueueCollector(Collector):
     broker, and live workers."""
 
     def __init__(self, broker: redis.Redis, state: redis.Redis, queues: Callable[[], Iterable[str]],
-                 counts: Callable[[str], tuple[int, int]] | None = None) -> None:
+                 counts: Callable[[str], tuple[int, int]] | None = None, *, tenants: bool = True) -> None:
         # ``counts`` also turns on the scheduler's gauges (ready stages per tenant, released stages).
-        """``counts``: queue -> (steps waiting, steps running), from the job store's queue indexes."""
+        """``counts``: queue -> (steps waiting, steps running), from the job store's queue indexes.
+        ``tenants``: label the ready stages by tenant; else one series per queue (a scrape that did not
+        authenticate is not told the tenants' names: OMNI_METRICS_TOKEN)."""
         self.broker = broker
         self.state = state
         self.queues = queues
         self.counts = counts
+        self.tenants = tenants
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         from omni_jobs.queue_depth import queue_depths
@@ -317,12 +320,18 @@ class QueueCollector(Collector):
         from omni_jobs.redis_replies import members
 
         ready = GaugeMetricFamily("omni_jobs_queue_ready", "Stages waiting for the scheduler to release them "
-                                  "to a queue, per tenant (README \"Scheduling\").", labels=["queue", "tenant"])
+                                  "to a queue, per tenant (README \"Scheduling\"; per queue only, without the "
+                                  "scrape token).", labels=["queue", "tenant"] if self.tenants else ["queue"])
         released = GaugeMetricFamily("omni_jobs_queue_released", "Stages released to a queue's broker list and "
                                      "not started yet.", labels=["queue"])
         for queue in sorted(queues):
-            for tenant in members(self.state.zrange(keys.queue_tenants(queue), 0, -1)):
-                ready.add_metric([queue, tenant], self.state.zcard(keys.queue_ready(queue, tenant)))
+            counts = {tenant: self.state.zcard(keys.queue_ready(queue, tenant))
+                      for tenant in members(self.state.zrange(keys.queue_tenants(queue), 0, -1))}
+            if self.tenants:
+                for tenant, n in counts.items():
+                    ready.add_metric([queue, tenant], n)
+            else:
+                ready.add_metric([queue], sum(counts.values()))
             released.add_metric([queue], self.state.zcard(keys.queue_released(queue)))
         return ready, released
 

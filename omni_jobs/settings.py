@@ -168,6 +168,10 @@ class Settings(BaseSettings):
     metrics_port: int = Field(
         0, ge=0, le=65535, description="Workers serve Prometheus metrics on this port; 0 = off (the API serves /metrics)."
     )
+    metrics_token: SecretStr | None = Field(
+        None, description="A scrape token: once set, the API's /metrics answers only `Authorization: Bearer <token>` "
+        "(401 otherwise), and /readyz shows its details (worker names, service addresses) only to it. Without it, "
+        "/metrics stays open and neither names a tenant or a host. Never logged.")
 
     # --- Queues ---
     visibility_timeout_s: int = Field(
@@ -347,10 +351,11 @@ class Settings(BaseSettings):
     def _object_from_env(cls, value: object) -> object:
         return _env_object(value)
 
-    @field_validator("webhook_secret", mode="before")
+    @field_validator("webhook_secret", "metrics_token", mode="before")
     @classmethod
     def _empty_secret_is_none(cls, value: object) -> object:
-        """An empty OMNI_WEBHOOK_SECRET (as compose passes an unset one) means: no webhooks."""
+        """An empty OMNI_WEBHOOK_SECRET (as compose passes an unset one) means: no webhooks; an empty
+        OMNI_METRICS_TOKEN, no token."""
         return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("engine_cpus")

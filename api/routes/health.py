@@ -4,6 +4,10 @@
 the broker and the artifact store answer and every queue the catalogue needs (each stage's queue
 and ``results``; ``webhooks`` when a signing secret is set) has at least one live worker. A 503
 lists what is missing and how to fix it.
+
+Both are open (probes carry no credentials). /readyz names hosts only to a request that carries the
+scrape token (OMNI_METRICS_TOKEN): the workers' names (``dit@host``) and the services' addresses and
+errors. Without it, the same verdict, each worker list a count and each failure its fix.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request, Response, status
 
 from api.deps import ApiContext, get_context
+from api.routes.metrics import scrape_token_given
 from omni_jobs.artifacts.backends import ArtifactBackend
 from omni_jobs.checks import (
     Check,
@@ -41,6 +46,17 @@ def _probe(request: Request, ctx: ApiContext) -> ArtifactBackend:
     return backend
 
 
+NO_WORKER = "no live worker"
+
+
+def _detail(check: Check, detailed: bool) -> str:
+    """What a failed check found; without the scrape token only whether it failed: a detail names the
+    server (a Redis URL, an S3 endpoint, a directory) and carries its error's text."""
+    if detailed or check.detail == NO_WORKER:
+        return check.detail
+    return "unavailable"
+
+
 @router.get("/readyz", summary="Redis, the artifact store and a worker per needed queue are reachable",
             responses={503: {"description": "Not ready: `missing` says what and how to fix it."}})
 def readyz(ctx: Annotated[ApiContext, Depends(get_context)], request: Request, response: Response,
@@ -59,13 +75,14 @@ def readyz(ctx: Annotated[ApiContext, Depends(get_context)], request: Request, r
         for check in check_workers(rt.redis, required_queues(rt.catalogue, settings)):
             checks.append(check)
             workers[check.name] = check.detail.split(", ") if check.ok else []
-    missing = [f"{c.section}/{c.name}: {c.detail}" + (f" -> {c.fix}" if c.fix else "") for c in checks
+    detailed = scrape_token_given(request, settings)
+    missing = [f"{c.section}/{c.name}: {_detail(c, detailed)}" + (f" -> {c.fix}" if c.fix else "") for c in checks
                if not c.ok and (workers_required or c.section != "workers")]
     body: dict[str, Any] = {
         "status": "ok" if not missing else "unavailable",
-        "redis": "ok" if checks[0].ok else checks[0].detail,
-        "artifact_store": next(("ok" if c.ok else c.detail) for c in checks if c.name == "artifact store"),
-        "workers": workers,
+        "redis": "ok" if checks[0].ok else _detail(checks[0], detailed),
+        "artifact_store": next(("ok" if c.ok else _detail(c, detailed)) for c in checks if c.name == "artifact store"),
+        "workers": workers if detailed else {queue: len(names) for queue, names in workers.items()},
         "missing": missing,
     }
     if missing:

@@ -161,7 +161,7 @@ def test_readyz_sees_every_worker(api: httpx.Client) -> None:
     assert body["status"] == "ok" and body["redis"] == "ok" and body["artifact_store"] == "ok"
     assert body["missing"] == []
     for queue in ("ar", "dit", "results", "webhooks"):  # webhooks: the system signs webhooks
-        assert body["workers"][queue] and body["workers"][queue][0].startswith(f"{queue}@")
+        assert body["workers"][queue] >= 1  # how many: their names (hosts) only to OMNI_METRICS_TOKEN
 
 
 def test_doctor_against_the_running_system(system: EmbeddedSystem) -> None:

@@ -110,12 +110,13 @@ def test_a_server_without_waitaof_is_named_with_the_fix(redis_client: redis.Redi
     with pytest.raises(NotDurable, match="OMNI_REDIS_WAIT_AOF"):
         JobLedger(RedisJobStore(redis_client, ttl_s=3600, wait_aof=True)).submit(new_job(), ["ar"])
     settings = Settings(redis_url=redis_url, redis_wait_aof=True, auth_enabled=False,
-                        artifacts_dir=tmp_path / "artifacts", models_dir=tmp_path / "models")
+                        artifacts_dir=tmp_path / "artifacts", models_dir=tmp_path / "models",
+                        metrics_token="scrape")  # type: ignore[arg-type]
     with TestClient(create_app(settings)) as api:
         refused = api.post("/v1/jobs", json={"pipeline": "text-to-text", "input": {"prompt": "hello"}})
         assert refused.status_code == 503, refused.text
         assert any("OMNI_REDIS_WAIT_AOF" in r.getMessage() for r in caplog.records)
-        ready = api.get("/readyz")
+        ready = api.get("/readyz", headers={"authorization": "Bearer scrape"})  # the details: to the token
     assert ready.status_code == 503
     assert "cannot WAITAOF" in ready.json()["redis"]
 

@@ -13,6 +13,7 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
 
 from api.main import create_app
 from omni_jobs import keys
@@ -22,12 +23,16 @@ from omni_jobs.settings import Settings
 from omni_jobs.worker_registry import register_worker, unregister_worker
 
 READINESS_DB = 7
+TOKEN = "readiness-scrape-token"
+SCRAPE = {"authorization": f"Bearer {TOKEN}"}
+"""OMNI_METRICS_TOKEN: /readyz shows its details (worker names, addresses) only to it; /metrics needs it."""
 
 
 @pytest.fixture
 def settings(redis_service: RunningService, tmp_path: Path) -> Iterator[Settings]:
     url = f"redis://127.0.0.1:{redis_service.port}/{READINESS_DB}"
-    yield Settings(redis_url=url, artifacts_dir=tmp_path / "artifacts", models_dir=tmp_path / "models")
+    yield Settings(redis_url=url, artifacts_dir=tmp_path / "artifacts", models_dir=tmp_path / "models",
+                   metrics_token=SecretStr(TOKEN))
     client = redis.Redis.from_url(url)
     client.flushdb()
     client.close()
@@ -45,7 +50,7 @@ def test_not_ready_without_workers_names_each_queue_and_the_command(settings: Se
     with TestClient(create_app(settings)) as client:
         catalogue = client.app.state.ctx.runtime.catalogue  # type: ignore[attr-defined]
         needed = {s.queue_name for spec in catalogue for s in spec.stages} | {"results"}
-        response = client.get("/readyz")
+        response = client.get("/readyz", headers=SCRAPE)
         assert response.status_code == 503 and response.headers["retry-after"] == "5"
         body = response.json()
         assert body["status"] == "unavailable" and body["redis"] == "ok" and body["artifact_store"] == "ok"
@@ -60,16 +65,16 @@ def test_not_ready_without_workers_names_each_queue_and_the_command(settings: Se
         r = client.app.state.ctx.runtime.redis  # type: ignore[attr-defined]
         for queue in needed - {"dit"}:
             register_worker(r, f"{queue}@test", [queue])
-        body = client.get("/readyz").json()
+        body = client.get("/readyz", headers=SCRAPE).json()
         assert [m.split(":")[0] for m in body["missing"]] == ["workers/dit"]
         register_worker(r, "dit@test", ["dit"])
-        ready = client.get("/readyz")
+        ready = client.get("/readyz", headers=SCRAPE)
         assert ready.status_code == 200 and ready.json()["missing"] == []
         assert ready.json()["workers"]["dit"] == ["dit@test"]
         unregister_worker(r, "dit@test")
-        assert client.get("/readyz").status_code == 503
+        assert client.get("/readyz", headers=SCRAPE).status_code == 503
         # A deployment that scales stage workers to zero asks without them (its readiness probe).
-        scaled_to_zero = client.get("/readyz", params={"workers": "false"})
+        scaled_to_zero = client.get("/readyz", params={"workers": "false"}, headers=SCRAPE)
         assert scaled_to_zero.status_code == 200 and scaled_to_zero.json()["missing"] == []
         assert scaled_to_zero.json()["workers"]["dit"] == []  # still shown
 
@@ -78,7 +83,7 @@ def test_without_workers_readiness_still_needs_the_services(settings: Settings) 
     s3 = settings.model_copy(update={"artifact_backend": "s3", "s3_endpoint_url": f"http://127.0.0.1:{free_port()}",
                                      "s3_access_key_id": "testing", "s3_secret_access_key": "testing"})
     with TestClient(create_app(s3)) as client:
-        response = client.get("/readyz", params={"workers": "false"})
+        response = client.get("/readyz", params={"workers": "false"}, headers=SCRAPE)
         assert response.status_code == 503
         assert [m.split(":")[0] for m in response.json()["missing"]] == ["services/artifact store"]
 
@@ -87,7 +92,7 @@ def test_unreachable_artifact_store_is_not_ready(settings: Settings) -> None:
     s3 = settings.model_copy(update={"artifact_backend": "s3", "s3_endpoint_url": f"http://127.0.0.1:{free_port()}",
                                      "s3_access_key_id": "testing", "s3_secret_access_key": "testing"})
     with TestClient(create_app(s3)) as client:
-        body = client.get("/readyz").json()
+        body = client.get("/readyz", headers=SCRAPE).json()
         assert body["status"] == "unavailable" and body["redis"] == "ok"
         assert "unreachable" in body["artifact_store"]
         (store,) = [m for m in body["missing"] if m.startswith("services/artifact store")]
@@ -96,7 +101,7 @@ def test_unreachable_artifact_store_is_not_ready(settings: Settings) -> None:
 
 def test_a_job_waiting_for_a_worker_shows_in_queue_depth(settings: Settings) -> None:
     with TestClient(create_app(settings)) as client:
-        before = client.get("/metrics").text
+        before = client.get("/metrics", headers=SCRAPE).text
         assert metric(before, "omni_jobs_queue_depth", queue="ar") == 0
         assert metric(before, "omni_jobs_queue_workers", queue="ar") == 0
         key = ApiKeys(redis.Redis.from_url(settings.redis_url)).create("readiness")[0]
@@ -105,13 +110,13 @@ def test_a_job_waiting_for_a_worker_shows_in_queue_depth(settings: Settings) -> 
         assert accepted.status_code == 202, accepted.text
         job_id = accepted.json()["id"]
         # The step is waiting on its queue from the moment the job is accepted: same write as the job.
-        now_ = client.get("/metrics")
+        now_ = client.get("/metrics", headers=SCRAPE)
         assert now_.headers["content-type"].startswith("text/plain")
         assert metric(now_.text, "omni_jobs_queue_waiting", queue="ar") == 1
         assert metric(now_.text, "omni_jobs_queue_running", queue="ar") == 0
         # No worker listens: the scheduler keeps it (a queue's window is its live workers' concurrency).
         time.sleep(1.5)
-        held = client.get("/metrics").text
+        held = client.get("/metrics", headers=SCRAPE).text
         assert metric(held, "omni_jobs_queue_depth", queue="ar") == 0
         assert metric(held, "omni_jobs_queue_ready", queue="ar", tenant="readiness") == 1
         # A worker appears (its heartbeat): the API's relay releases and publishes the step without being
@@ -122,7 +127,7 @@ def test_a_job_waiting_for_a_worker_shows_in_queue_depth(settings: Settings) -> 
         while metric(after, "omni_jobs_queue_depth", queue="ar") != 1:
             assert time.monotonic() < deadline, "the relay did not publish the accepted job's first step"
             time.sleep(0.05)
-            after = client.get("/metrics").text
+            after = client.get("/metrics", headers=SCRAPE).text
         assert metric(after, "omni_jobs_queue_depth", queue="dit") == 0
         assert metric(after, "omni_jobs_queue_waiting", queue="ar") == 1  # published, still not started
         broker = redis.Redis.from_url(settings.redis_url)
@@ -130,7 +135,7 @@ def test_a_job_waiting_for_a_worker_shows_in_queue_depth(settings: Settings) -> 
         headers = json.loads(raw)["headers"]
         assert (headers["task"], headers["id"]) == ("omni.run_stage", f"stage:{job_id}:ar:1")  # task id = outbox id
         assert broker.zcard(keys.OUTBOX) == 0  # published entries leave the outbox
-        assert metric(client.get("/metrics").text, "omni_jobs_queue_released", queue="ar") == 1
+        assert metric(client.get("/metrics", headers=SCRAPE).text, "omni_jobs_queue_released", queue="ar") == 1
         broker.close()
         queued = metric(after, "omni_jobs_jobs_total", pipeline="text-to-text", status="queued")
         assert queued is not None and queued >= 1
