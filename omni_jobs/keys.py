@@ -127,6 +127,12 @@ WORKERS = f"{PREFIX}:workers"
 (one HGETALL lists them all, whatever the size of the keyspace)."""
 
 
+def worker_node(name: str) -> str:
+    """String: the process that holds a worker node name, JSON {host, pid, token}, with a TTL its
+    heartbeat renews (omni_jobs.worker_registry.claim_node): one live process per name."""
+    return f"{PREFIX}:node:{name}"
+
+
 # --- the Celery broker (kombu's Redis transport), read for queue depth ---
 KOMBU_PRIORITY_SEPARATOR = "\x06\x16"
 KOMBU_PRIORITY_STEPS = (0, 3, 6, 9)

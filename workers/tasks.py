@@ -43,7 +43,7 @@ from omni_jobs.steps import (
     display_name,
     from_task,
 )
-from omni_jobs.worker_registry import start_heartbeat, unregister_worker
+from omni_jobs.worker_registry import NodeClaim, claim_node, release_node, start_heartbeat, unregister_worker
 from workers import observability, startup
 from workers.app import ENGINE_MALLOC, app
 
@@ -137,6 +137,11 @@ def on_worker_ready(sender: Any = None, **_: Any) -> None:
     name = str(sender.hostname)
     rt = runtime()
     rt.set_worker(name)
+    claim = claim_node(rt.redis, name)  # one live process per name: else the next line takes a live one's steps
+    if isinstance(claim, str):
+        startup.refuse(name, [claim])
+    assert isinstance(claim, NodeClaim)
+    _heartbeat["claim"] = claim
     rt.reaper.reclaim_node(name, rt.owner)  # a restarted worker's predecessor died holding these
     queues = sorted(q.name for q in sender.task_consumer.queues)
     settings = get_settings()
@@ -149,7 +154,7 @@ def on_worker_ready(sender: Any = None, **_: Any) -> None:
     rt.reaper.start()
     concurrency = worker_concurrency(sender)  # the scheduler's window counts it
     configure_batch_filling(rt, queues, concurrency)
-    _heartbeat["stop"] = start_heartbeat(rt.redis, name, queues, concurrency, rt.settings.engine_cpus)
+    _heartbeat["stop"] = start_heartbeat(rt.redis, name, queues, concurrency, rt.settings.engine_cpus, claim)
     _heartbeat["name"] = name
 
 
@@ -159,6 +164,9 @@ def on_worker_shutdown(**_: Any) -> None:
     if isinstance(stop, threading.Event):
         stop.set()
         unregister_worker(runtime().redis, str(_heartbeat["name"]))
+    claim = _heartbeat.get("claim")
+    if isinstance(claim, NodeClaim):
+        release_node(runtime().redis, claim)  # its next process starts at once, wherever it runs
     destroy_process_groups()  # the AR engine's gloo groups, before the interpreter's teardown
 
 

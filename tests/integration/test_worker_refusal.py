@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -111,5 +112,75 @@ def test_user_pipeline_with_a_broken_model_refuses_only_when_asked(redis_service
     finally:
         worker.terminate()
         worker.wait(timeout=30)
+        client.flushdb()
+        client.close()
+
+
+def test_a_second_worker_with_a_live_workers_name_refuses_and_takes_none_of_its_leases(
+        redis_service: RunningService, tmp_path: Path) -> None:
+    """`-n webhooks@%h` twice on one host: the second took back every lease of the first, live, as if
+    it were the first one restarted. Now it refuses to start (78), naming the other; once the first
+    is SIGKILLed, a worker of that name starts at once and takes back what the dead one held."""
+    from omni_jobs.jobs.ledger import Acquired, JobLedger
+    from omni_jobs.jobs.models import Job, StageRecord, StageStatus, new_job_id
+    from omni_jobs.jobs.store import RedisJobStore
+
+    env = worker_env(redis_service, tmp_path)
+    client = redis.Redis.from_url(env["OMNI_REDIS_URL"])
+    name = f"twin-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
+    argv = [*worker_argv("webhooks")[:-4], "-n", name, "--loglevel", "INFO"]
+    log_path = tmp_path / "first.log"
+    with log_path.open("w") as log:
+        first = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    ledger = JobLedger(RedisJobStore(client, ttl_s=3600), lease_s=3600)
+    try:
+        deadline = time.monotonic() + 90
+        while name not in live_workers(client).get("webhooks", []):
+            assert first.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+        # A stage the first worker runs (its process's lease, renewed for an hour).
+        job, _ = ledger.submit(Job(id=new_job_id(), pipeline="p", input={},
+                                   stages=[StageRecord(id="s", engine="ar", queue="s")]), ["s"])
+        from omni_jobs.steps import RunStage
+        held = ledger.acquire(RunStage(job.id, "s", 1, "s"), worker=name, owner=f"{name}#{first.pid}.feed/1")
+        assert isinstance(held, Acquired)
+
+        second = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 90
+        while second.poll() is None:
+            record = ledger.require(job.id).stage_record("s")
+            if record.status is not StageStatus.running or time.monotonic() > deadline:
+                second.kill()
+                output = second.communicate()[0]
+                raise AssertionError(f"the second worker started and took the live first's lease ({record.status}): "
+                                     f"{output[-2000:]}")
+            time.sleep(0.2)
+        output = second.communicate()[0]
+        assert second.returncode == EXIT_REFUSED, output
+        assert f"another worker named {name} is running (pid {first.pid}" in output
+        assert "-n" in output  # the fix: a name of its own
+        record = ledger.require(job.id).stage_record("s")
+        assert record.status is StageStatus.running and record.attempts == 1  # its lease was left alone
+        assert first.poll() is None
+
+        first.kill()  # SIGKILL: the name's claim stays, but its process is gone
+        first.wait(timeout=30)
+        log_path2 = tmp_path / "restarted.log"
+        with log_path2.open("w") as log:
+            restarted = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 90
+            while ledger.require(job.id).stage_record("s").status is StageStatus.running:
+                assert restarted.poll() is None, log_path2.read_text()
+                assert time.monotonic() < deadline, log_path2.read_text()
+                time.sleep(0.2)
+            assert ledger.require(job.id).stage_record("s").attempts == 1  # taken back: attempt 2 is queued
+        finally:
+            restarted.terminate()
+            restarted.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
         client.flushdb()
         client.close()
