@@ -102,6 +102,17 @@ class ApiKeys:
             raise InvalidApiKey("revoked key")
         return info
 
+    def active(self, key_id: str) -> ApiKeyInfo:
+        """The record of key ``key_id`` if it exists and is not revoked (a console session's check on
+        every request); InvalidApiKey otherwise."""
+        record = self._record(key_id) if re.fullmatch(r"[0-9a-f]{16}", key_id) else None
+        if record is None:
+            raise InvalidApiKey("unknown key")
+        info = self._info(key_id, record)
+        if info.revoked:
+            raise InvalidApiKey("revoked key")
+        return info
+
     def revoke(self, key_id: str) -> ApiKeyInfo:
         """Mark the key revoked (kept for the record); KeyError if there is no such key."""
         key_id = key_id.removeprefix(KEY_PREFIX)[:ID_HEX]
@@ -119,3 +130,44 @@ class ApiKeys:
             if record is not None:
                 found.append(self._info(key_id, record))
         return found
+
+
+class ConsoleSessions:
+    """The web console's sessions, kept in Redis: a cookie carries a random token, never the API key.
+
+    A session records the key it signed in with (its id and tenant); each request checks that key
+    again (``ApiKeys.active``), so revoking the key ends its sessions at once, and signing out
+    deletes the session, so a copy of the cookie is worth nothing after it. Only the token's SHA-256
+    is stored, as for API keys (256 random bits: a fast hash is safe)."""
+
+    def __init__(self, client: redis.Redis, *, ttl_s: int) -> None:
+        self.redis = client
+        self.ttl_s = ttl_s
+
+    def start(self, info: ApiKeyInfo) -> str:
+        """A new session for the key ``info``; its token, for the cookie."""
+        token = secrets.token_urlsafe(32)
+        key = keys.ui_session(hash_key(token))
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(key, mapping={"key_id": info.id, "tenant": info.tenant, "created_at": repr(time.time())})
+            pipe.expire(key, self.ttl_s)
+            pipe.execute()
+        return token
+
+    def check(self, token: str) -> ApiKeyInfo:
+        """The key of a live session, if that key is still valid; InvalidApiKey otherwise."""
+        if not token or len(token) > 128:
+            raise InvalidApiKey("no session")
+        raw = self.redis.hgetall(keys.ui_session(hash_key(token)))
+        session = text_hash(raw) if raw else {}
+        if "key_id" not in session:
+            raise InvalidApiKey("no such session (signed out, or expired)")
+        info = ApiKeys(self.redis).active(session["key_id"])
+        if info.tenant != session.get("tenant"):
+            raise InvalidApiKey("the key's tenant changed")
+        return info
+
+    def end(self, token: str) -> None:
+        """Delete the session (signing out): its cookie, sent again, signs in nobody."""
+        if token and len(token) <= 128:
+            self.redis.delete(keys.ui_session(hash_key(token)))

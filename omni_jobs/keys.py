@@ -127,6 +127,12 @@ WORKERS = f"{PREFIX}:workers"
 (one HGETALL lists them all, whatever the size of the keyspace)."""
 
 
+def ui_session(digest: str) -> str:
+    """Hash: a console session (omni_jobs.auth.ConsoleSessions) by the SHA-256 of its cookie: the API key
+    id and tenant it signed in with; its TTL is the session's life, and signing out deletes it."""
+    return f"{PREFIX}:ui:session:{digest}"
+
+
 def worker_node(name: str) -> str:
     """String: the process that holds a worker node name, JSON {host, pid, token}, with a TTL its
     heartbeat renews (omni_jobs.worker_registry.claim_node): one live process per name."""

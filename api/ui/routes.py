@@ -34,10 +34,12 @@ from omni_jobs.errors import (
     JobAlreadyFinished,
     JobNotFound,
     Overloaded,
+    QuotaExceeded,
     UnknownPipeline,
 )
 from omni_jobs.jobs.models import FINAL_EVENTS, JobStatus
 from omni_jobs.jobs.watch import STREAM_ID
+from omni_jobs.metrics import QUOTA_REFUSALS
 
 log = logging.getLogger(__name__)
 
@@ -168,22 +170,22 @@ async def login(request: Request, ctx: Ctx) -> Response:
         return RedirectResponse(target, status_code=303)
     key = form.get("api_key")
     key = key.strip() if isinstance(key, str) else ""
-    tenant = await run_in_threadpool(session.tenant_of_key, ctx, key) if key else None
-    if tenant is None:
+    info = await run_in_threadpool(session.key_of, ctx, key) if key else None
+    if info is None:
         return templating.render(request, "login.html", status_code=401, next=target,
                                  error="That API key was not accepted: it is unknown, revoked or mistyped."
                                  if key else "Paste an API key (omni-jobs keys create --tenant NAME prints one).")
     response = RedirectResponse(target, status_code=303)
-    session.start_session(request, response, key)
+    await run_in_threadpool(session.start_session, request, response, ctx, info)
     return response
 
 
 @router.post("/logout")
-async def logout(request: Request) -> Response:
+async def logout(request: Request, ctx: Ctx) -> Response:
     form = await request.form()
     session.check_csrf(request, form.get(session.CSRF_FIELD))
     response = RedirectResponse("/ui/login?signed_out=1", status_code=303)
-    session.end_session(request, response)
+    await run_in_threadpool(session.end_session, request, response, ctx)
     return response
 
 
@@ -550,7 +552,7 @@ async def submit(name: str, request: Request, ctx: Ctx, who: Viewer) -> Response
         job, _created = await run_in_threadpool(
             ctx.submitter.submit_idempotent, name, parsed.input, parsed.params or None,
             cancel_after_s=parsed.cancel_after_s, idempotency_key=idempotency_key, webhook=parsed.webhook,
-            tenant=who.tenant)
+            tenant=who.tenant, api_key_id=who.key_id)  # the key's own quotas, as on POST /v1/jobs
     except InvalidRequest as exc:
         form.attach(exc.errors)
         return _playground(request, ctx, who, form, status_code=422)
@@ -560,4 +562,10 @@ async def submit(name: str, request: Request, ctx: Ctx, who: Viewer) -> Response
     except Overloaded as exc:
         form.errors.append(f"The '{exc.queue}' queue is full right now; try again in {exc.retry_after_s} s.")
         return _playground(request, ctx, who, form, status_code=503)
+    except QuotaExceeded as exc:
+        QUOTA_REFUSALS.labels(exc.limit).inc()
+        form.errors.append(f"Not submitted: {exc}.")
+        refused = _playground(request, ctx, who, form, status_code=429)
+        refused.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+        return refused
     return RedirectResponse(f"/ui/jobs/{job.id}", status_code=303)

@@ -1,9 +1,12 @@
-"""Sign-in for the console: the API key in an HttpOnly cookie, and CSRF tokens for every form.
+"""Sign-in for the console: a server-side session named by an HttpOnly cookie, and CSRF tokens for
+every form.
 
-- The session cookie holds the API key itself (HttpOnly, SameSite=Strict, Path=/ui, Secure over
-  https). Every request verifies it again with the same check as ``Authorization: Bearer``
-  (omni_jobs.auth.ApiKeys), so a revoked key signs its sessions out at once. The key never goes
-  into a URL, a page or a log.
+- The session cookie (HttpOnly, SameSite=Strict, Path=/ui, Secure over https, also behind a TLS
+  proxy that uvicorn trusts: --forwarded-allow-ips) holds a random token naming a session kept in
+  Redis (omni_jobs.auth.ConsoleSessions), which records the API key it signed in with. Every request
+  checks that key again, so a revoked key signs its sessions out at once; signing out deletes the
+  session, so a copied cookie is worth nothing after it. The key itself never goes into a cookie, a
+  URL, a page or a log: it was the cookie's value, usable on every /v1 route by whoever copied it.
 - CSRF: a random token in its own cookie (also HttpOnly, SameSite=Strict) that each form repeats
   in a hidden field (double submit); a POST whose field does not match, or whose Origin is
   another site, is refused with 403. SameSite=Strict already keeps other sites' requests from
@@ -23,7 +26,7 @@ from urllib.parse import urlsplit
 from fastapi import Request, Response
 
 from api.deps import ApiContext
-from omni_jobs.auth import DEFAULT_TENANT, ApiKeys, InvalidApiKey
+from omni_jobs.auth import DEFAULT_TENANT, ApiKeyInfo, ApiKeys, ConsoleSessions, InvalidApiKey
 
 SESSION_COOKIE = "omni_ui_session"
 CSRF_COOKIE = "omni_ui_csrf"
@@ -40,6 +43,8 @@ class Viewer:
     tenant: str
     signed_in: bool
     """False only when authentication is off (there is nothing to sign out of)."""
+    key_id: str | None = None
+    """The API key the session signed in with: its own quotas apply to what the console submits."""
 
 
 class NotSignedIn(Exception):
@@ -50,24 +55,28 @@ class CsrfFailed(Exception):
     """A POST without the form's CSRF token, or from another origin."""
 
 
+def _sessions(ctx: ApiContext) -> ConsoleSessions:
+    return ConsoleSessions(ctx.runtime.redis, ttl_s=SESSION_MAX_AGE_S)
+
+
 def viewer(request: Request, ctx: ApiContext) -> Viewer:
-    """The signed-in tenant of this request; NotSignedIn without a valid key in the session cookie."""
+    """The signed-in tenant of this request; NotSignedIn without a live session whose key is valid."""
     if not ctx.runtime.settings.auth_enabled:
         return Viewer(DEFAULT_TENANT, signed_in=False)
-    key = request.cookies.get(SESSION_COOKIE)
-    if not key:
+    token = request.cookies.get(SESSION_COOKIE)
+    if not token:
         raise NotSignedIn()
     try:
-        info = ApiKeys(ctx.runtime.redis).verify(key)
+        info = _sessions(ctx).check(token)
     except InvalidApiKey:
         raise NotSignedIn() from None
-    return Viewer(info.tenant, signed_in=True)
+    return Viewer(info.tenant, signed_in=True, key_id=info.id)
 
 
-def tenant_of_key(ctx: ApiContext, key: str) -> str | None:
-    """The tenant of an API key typed into the sign-in form, or None if it is not a valid key."""
+def key_of(ctx: ApiContext, key: str) -> ApiKeyInfo | None:
+    """The record of an API key typed into the sign-in form, or None if it is not a valid key."""
     try:
-        return ApiKeys(ctx.runtime.redis).verify(key).tenant
+        return ApiKeys(ctx.runtime.redis).verify(key)
     except InvalidApiKey:
         return None
 
@@ -76,13 +85,19 @@ def _secure(request: Request) -> bool:
     return request.url.scheme == "https"
 
 
-def start_session(request: Request, response: Response, key: str) -> None:
-    response.set_cookie(SESSION_COOKIE, key.strip(), max_age=SESSION_MAX_AGE_S, path=COOKIE_PATH,
+def start_session(request: Request, response: Response, ctx: ApiContext, info: ApiKeyInfo) -> None:
+    """A new session for the key ``info`` (a blocking Redis write: call it from a thread)."""
+    token = _sessions(ctx).start(info)
+    response.set_cookie(SESSION_COOKIE, token, max_age=SESSION_MAX_AGE_S, path=COOKIE_PATH,
                         httponly=True, samesite="strict", secure=_secure(request))
     new_csrf_token(request, response)  # a token planted before sign-in does not survive it
 
 
-def end_session(request: Request, response: Response) -> None:
+def end_session(request: Request, response: Response, ctx: ApiContext) -> None:
+    """Delete the session in Redis, then the cookie (a blocking Redis write: call it from a thread)."""
+    token = request.cookies.get(SESSION_COOKIE)
+    if token and ctx.runtime.settings.auth_enabled:
+        _sessions(ctx).end(token)
     response.delete_cookie(SESSION_COOKIE, path=COOKIE_PATH, httponly=True, samesite="strict",
                            secure=_secure(request))
     new_csrf_token(request, response)

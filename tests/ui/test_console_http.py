@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.ui, pytest.mark.integration]
 HTML = {"accept": "text/html,application/xhtml+xml"}
 CSRF = re.compile(r'name="csrf_token" value="([^"]+)"')
 MISSING = "job_000000000000000000000000"
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -99,7 +100,7 @@ def test_pages_ask_to_sign_in_and_come_back(anonymous: TestClient, keys: dict[st
     assert response.status_code == 303 and response.headers["location"] == "/ui/jobs?status=running"
 
 
-def test_the_session_cookie_holds_the_key_safely(app: Any, keys: dict[str, str]) -> None:
+def test_the_session_cookie_is_set_safely(app: Any, keys: dict[str, str]) -> None:
     for base, secure in (("http://testserver", False), ("https://testserver", True)):
         with TestClient(app, base_url=base, follow_redirects=False) as client:
             token = csrf_of(client)
@@ -380,3 +381,98 @@ def test_static_files_come_from_the_package_with_cache_busting(anonymous: TestCl
     assert anonymous.get("/ui/static/nope.js").status_code == 404
     assert "<script" not in re.sub(r'<script src="/ui/static/console\.js\?v=[0-9a-f]+" defer></script>', "", page)
 
+
+
+def test_the_session_cookie_is_a_server_side_session_that_sign_out_revokes(app: Any, keys: dict[str, str],
+                                                                           redis_client: redis.Redis) -> None:
+    """The cookie was the API key itself: copied from a browser, it was the key (for every /v1 route, for
+    as long as the key lived), and signing out only asked the browser to forget it. Now it names a
+    session kept in Redis, which sign-out deletes: the same cookie sent again is signed out."""
+    client = signed_in(app, keys["acme"])
+    try:
+        cookie = client.cookies.get("omni_ui_session")
+        assert cookie and keys["acme"] not in cookie and keys["acme"].split("_")[2] not in cookie
+        stored = b"".join(redis_client.dump(k) or b"" for k in redis_client.keys("*"))
+        assert cookie.encode() not in stored  # kept hashed, as API keys are
+        assert client.get("/v1/jobs", headers={"authorization": f"Bearer {cookie}"}).status_code == 401
+        token = csrf_of(client, "/ui/jobs")
+        assert client.post("/ui/logout", data={"csrf_token": token}).status_code == 303
+    finally:
+        client.__exit__(None, None, None)
+    with TestClient(app, follow_redirects=False) as replay:
+        replay.cookies.set("omni_ui_session", cookie, path="/ui")
+        assert replay.get("/ui/jobs", headers=HTML).status_code == 303  # to the sign-in page
+        assert replay.get("/ui/jobs/stream").status_code == 401
+
+
+def test_a_keys_own_quota_applies_to_the_console_as_to_the_api(app: Any, redis_client: redis.Redis) -> None:
+    key, info = ApiKeys(redis_client).create("acme", "ui-limited")
+    redis_client.hset(f"omni:apikey:{info.id}", "max_active", "1")  # omni-jobs keys limits --key ... --max-active 1
+    client = signed_in(app, key)
+    try:
+        assert submit(client).status_code == 303
+        refused = submit(client)
+        assert refused.status_code == 429, refused.text
+        assert "max_active" in refused.text and refused.headers["retry-after"]
+        assert 'class="form-errors"' in refused.text or "field-error" in refused.text or "limit" in refused.text
+    finally:
+        client.__exit__(None, None, None)
+
+
+def test_behind_a_tls_proxy_the_session_cookie_is_secure(redis_url: str, redis_client: redis.Redis, tmp_path: Path,
+                                                         keys: dict[str, str]) -> None:
+    """uvicorn as compose runs it (its api command), reached from another address than loopback, as a
+    proxy on another container reaches it, with X-Forwarded-Proto: https: uvicorn trusted only
+    127.0.0.1 by default, so the cookie went out without Secure."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from omni_jobs.local.devservices import free_port
+
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    command = [re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", part)  # ${NAME:-default}: compose's default
+               for part in compose["services"]["api"]["command"]]
+    port = free_port()
+    argv = [sys.executable, "-m", *command]
+    argv[argv.index("--port") + 1] = str(port)
+    env = {**os.environ, "OMNI_REDIS_URL": redis_url, "OMNI_ARTIFACTS_DIR": str(tmp_path / "a"),
+           "OMNI_MODELS_DIR": str(tmp_path / "m"), "OMNI_LOG_FORMAT": "text"}
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:  # which address routes out (nothing sent)
+            probe.connect(("192.0.2.1", 9))
+            address = probe.getsockname()[0]
+    except OSError:
+        address = "127.0.0.1"
+    if address.startswith("127."):
+        pytest.skip("this host has no address but loopback to reach the API from")
+    api = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://{address}:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"{base}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                assert api.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+        proxied = {"x-forwarded-proto": "https", "x-forwarded-for": "203.0.113.9"}
+        with httpx.Client(base_url=base, headers=proxied, follow_redirects=False) as browser:
+            page = browser.get("/ui/login", headers=HTML)
+            token = CSRF.search(page.text)
+            assert token
+            # Secure cookies: httpx (plain http to the API) keeps them back; the browser (https to the proxy) not
+            csrf = next(c.split(";")[0] for c in page.headers.get_list("set-cookie") if c.startswith("omni_ui_csrf="))
+            signed = browser.post("/ui/login", data={"api_key": keys["acme"], "csrf_token": token.group(1)},
+                                  headers={"cookie": csrf})
+            assert signed.status_code == 303
+            session = next(c for c in signed.headers.get_list("set-cookie") if c.startswith("omni_ui_session="))
+            assert "Secure" in session, session
+    finally:
+        api.terminate()
+        api.wait(timeout=30)

@@ -33,7 +33,7 @@ GPU_WORKERS = ("ar-worker", "dit-worker")
 
 # The commands the images run, fixed by the lead.
 EXPECTED_COMMANDS = {
-    "api": "uvicorn api.main:app --host 0.0.0.0 --port 8000",
+    "api": "uvicorn api.main:app --host 0.0.0.0 --port 8000 --forwarded-allow-ips ${OMNI_FORWARDED_ALLOW_IPS:-*}",
     "ar-worker": "celery -A workers.app:app worker -Q ar -P threads -c 16 -n ar@%h --loglevel INFO",
     "dit-worker": "celery -A workers.app:app worker -Q dit -P threads -c 16 -n dit@%h --loglevel INFO",
     "results-worker": "celery -A workers.app:app worker -Q results -c 2 -n results@%h --loglevel INFO",

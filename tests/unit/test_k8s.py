@@ -366,6 +366,7 @@ def test_api_deployment_service_hpa_and_probes(overlay):
     c = main_container(api)
     assert c["command"][:3] == ["uvicorn", "api.main:app", "--host"]
     assert option(c["command"], "--port") == "8000"
+    assert option(c["command"], "--forwarded-allow-ips") == "*"  # behind the ingress's TLS: Secure cookies
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
     assert c["readinessProbe"]["httpGet"]["path"] == "/readyz?workers=false"  # stage workers may be at zero
