@@ -104,6 +104,7 @@ WHISPER_CONTROL_TOKENS = ("<|translate|>", "<|transcribe|>", "<|startoflm|>", "<
 
 OMNI_SPEAKERS = ("Chelsie", "Ethan")
 OMNI_CODEC_VOCAB = 48  # the talker's codec vocabulary (real: 8448); its last rows are the control codes
+OMNI_TALKER_HIDDEN = 64  # real: 896 (14 heads of 64)
 OMNI_SPEAKER_DIM = 16  # token2wav's speaker conditioning (enc_emb_dim; real: 192)
 OMNI_SAMPLE_RATE = 24000  # token2wav's output
 OMNI_REF_MEL_FRAMES = 40
@@ -399,8 +400,10 @@ def build_tiny_qwen2_5_omni(path: Path, *, seed: int = 0) -> Path:
             "tts_text_start_token_id": tts_bos, "tts_text_end_token_id": tts_eos, "tts_text_pad_token_id": tts_pad,
             "tts_codec_start_token_id": codec_bos, "tts_codec_end_token_id": codec_eos,
             "tts_codec_pad_token_id": codec_pad, "tts_codec_mask_token_id": codec_mask,
-            "embedding_size": QWEN_TEXT_HIDDEN, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+            # one head of 64: vLLM's Qwen2 layers take head_dim as hidden_size / heads, as the real talker has it
+            # (896 / 14 = 64); 2 heads of 64 in a hidden of 64 load in transformers only
+            "embedding_size": QWEN_TEXT_HIDDEN, "hidden_size": OMNI_TALKER_HIDDEN, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 64,
             "max_position_embeddings": QWEN_MAX_POSITIONS, "spatial_merge_size": QWEN_MERGE,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": QWEN_MROPE_SECTION},
             "initializer_range": QWEN_INIT_STD,
