@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from celery import Celery
 from fastapi import Request
 
+from api.streams import StreamSlots
 from omni_jobs.auth import ApiKeyInfo
 from omni_jobs.jobs.store import async_client_from_url
 from omni_jobs.jobs.watch import JobWatcher
@@ -18,6 +19,9 @@ from omni_jobs.steps import Step
 from omni_jobs.submission import JobSubmitter
 
 _heap_frozen = False
+STREAM_READS = 16
+"""Connections of the watcher's pool beyond one per stream: a stream's own reads between its blocking
+ones (the job, its final state), and the gets of routes that read through it."""
 
 
 class ApiContext:
@@ -31,7 +35,11 @@ class ApiContext:
         runtime.webhook_signer  # noqa: B018 - a malformed OMNI_WEBHOOK_SECRET stops the API here, clearly
         # A submit or a cancel writes its dispatches to the outbox; this relay publishes them.
         self.relay: OutboxRelay = runtime.relay(self._publish)
-        self.watcher = JobWatcher.from_url(runtime.settings.redis_url)  # SSE and Prefer: wait
+        settings = runtime.settings
+        # SSE and Prefer: wait, each holding a connection while it blocks: a pool of their own, as large
+        # as the streams this process takes (api.streams), and a few for their reads
+        self.watcher = JobWatcher.from_url(settings.redis_url, max_connections=settings.max_streams + STREAM_READS)
+        self.streams = StreamSlots(per_tenant=settings.max_streams_per_tenant, total=settings.max_streams)
         # Reads on the event loop (API keys); made here, in the lifespan: it belongs to the app's loop.
         self.aredis = async_client_from_url(runtime.settings.redis_url)
         url = runtime.settings.redis_url  # the submit path's client: the same URL as the sync one (TLS too)

@@ -290,6 +290,15 @@ class Settings(BaseSettings):
     max_prefer_wait_s: float = Field(
         60, ge=0, description="Cap on `Prefer: wait=N` for POST /v1/jobs (seconds the request may block)."
     )
+    max_streams_per_tenant: int = Field(
+        100, ge=1, description="Long requests (SSE event streams, the console's live pages, `Prefer: wait`) one "
+        "tenant may hold open at once in one API process; past it a stream is answered 429 (Retry-After), and a "
+        "`Prefer: wait` submit at once, without waiting. Each holds a Redis connection while it blocks.")
+    max_streams: int = Field(
+        1000, ge=1, description="Long requests all tenants together may hold open in one API process; past it a "
+        "stream is answered 503 (Retry-After). Their Redis connections come from a pool of their own of this "
+        "size (plus a few for reads), so streams cannot take the connections that submits use, nor fill Redis's "
+        "maxclients, which the workers need.")
 
     # --- Security (README "Security") ---
     auth_enabled: bool = Field(

@@ -62,7 +62,8 @@ def _start_after(last_event_id: str | None, after: str | None) -> str:
     responses={200: {"description": "`retry:`, then `id:`/`event:`/`data:` messages (each event as JSON; the final "
                      "one's data adds `job`, the JobView) and `: keep-alive` comments, until the job ends.",
                      "content": {"text/event-stream": {}}},
-               **errors(404, 422, e422="Last-Event-ID or `after` is not an event id this stream gave.")},
+               **errors(404, 422, 429, e422="Last-Event-ID or `after` is not an event id this stream gave.",
+                        e429="The tenant holds OMNI_MAX_STREAMS_PER_TENANT streams open already.")},
 )
 async def job_events(
     job_id: str,
@@ -78,6 +79,7 @@ async def job_events(
     owner = await watcher.get(job_id)
     if owner is None or owner.tenant != tenant:  # another tenant's job: 404, as if unknown
         raise JobNotFound(job_id)
+    slot = ctx.streams.take(tenant)  # 429 past the tenant's streams, 503 past the process's (api.streams)
 
     async def stream() -> AsyncIterator[str]:
         yield f"retry: {RECONNECT_MS}\n\n"
@@ -92,7 +94,7 @@ async def job_events(
             yield f"id: {event.id}\nevent: {event.type}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
     return StreamingResponse(
-        stream(),
+        slot.guard(stream()),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

@@ -185,11 +185,17 @@ async def _submit(ctx: ApiContext, request: Request, body: JobRequest, tenant: s
         answer_headers["Idempotent-Replayed"] = "true"
     code = status.HTTP_202_ACCEPTED
     # Prefer: wait=N (RFC 7240): hold the answer until the job ends, N capped by OMNI_MAX_PREFER_WAIT_S.
+    # A wait holds a Redis connection: past the tenant's (or the process's) streams (api.streams) the
+    # submit is answered at once, the preference not applied (RFC 7240 lets a server ignore it).
     wait_s = prefer_wait(headers.prefer)
-    if wait_s is not None:
-        wait_s = min(wait_s, ctx.runtime.settings.max_prefer_wait_s)
-        answer_headers["Preference-Applied"] = f"wait={wait_s:g}"
-        job = await ctx.watcher.wait_final(job.id, wait_s) or job
+    slot = ctx.streams.try_take(tenant) if wait_s is not None else None
+    if wait_s is not None and slot is not None:
+        try:
+            wait_s = min(wait_s, ctx.runtime.settings.max_prefer_wait_s)
+            answer_headers["Preference-Applied"] = f"wait={wait_s:g}"
+            job = await ctx.watcher.wait_final(job.id, wait_s) or job
+        finally:
+            slot.release()
         if job.status.is_final:
             code = status.HTTP_200_OK
         position = await ctx.runtime.jobs.store.aqueue_position(job)

@@ -340,6 +340,7 @@ async def job_stream(job_id: str, request: Request, ctx: Ctx, who: Viewer,
         start = "0-0"
     token = session.csrf_token(request)
     watcher = ctx.watcher
+    slot = ctx.streams.take(who.tenant)  # a live page follows its job as an SSE stream does (api.streams)
 
     async def sections(event_id: str | None) -> tuple[str, dict[str, Any]]:
         job = await run_in_threadpool(_present_one, ctx, job_id, who.tenant)
@@ -417,7 +418,7 @@ async def job_stream(job_id: str, request: Request, ctx: Ctx, who: Viewer,
         async for text in webhook_tail(job, last_id):
             yield text
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+    return StreamingResponse(slot.guard(stream()), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def _delivered(deliveries: list[dict[str, Any]] | None) -> bool:

@@ -956,9 +956,18 @@ def async_retry_options() -> RetryOptions:
             "retry_on_error": [redis.ConnectionError, redis.TimeoutError]}
 
 
-def async_client_from_url(url: str, *, socket_timeout: float | None = None) -> aioredis.Redis:
+def async_client_from_url(url: str, *, socket_timeout: float | None = None,
+                          max_connections: int | None = None) -> aioredis.Redis:
     """A redis.asyncio client for ``url`` that reconnects and retries like the sync one
-    (``socket_timeout``: None keeps redis-py's default)."""
+    (``socket_timeout``: None keeps redis-py's default). ``max_connections``: at most this many
+    connections at once; a caller past them waits (up to 5 s, then ConnectionError: a 503), where
+    redis-py's default pool opens as many as it is asked for."""
+    if max_connections is not None:
+        timeouts = {"socket_timeout": socket_timeout} if socket_timeout is not None else {}
+        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=5,
+                                                        health_check_interval=30, **timeouts,
+                                                        **async_retry_options())
+        return aioredis.Redis(connection_pool=pool)
     if socket_timeout is not None:
         return aioredis.Redis.from_url(url, health_check_interval=30, socket_timeout=socket_timeout,
                                        **async_retry_options())

@@ -41,9 +41,11 @@ class JobWatcher:
         self.redis = client
 
     @classmethod
-    def from_url(cls, url: str) -> JobWatcher:
+    def from_url(cls, url: str, *, max_connections: int | None = None) -> JobWatcher:
+        """``max_connections``: the pool's bound (each follower holds one while it blocks; the API
+        caps its followers: api.streams)."""
         # The socket timeout must outlast the longest blocking XREAD (heartbeat, at most MAX_BLOCK_S).
-        return cls(async_client_from_url(url, socket_timeout=MAX_BLOCK_S + 15))
+        return cls(async_client_from_url(url, socket_timeout=MAX_BLOCK_S + 15, max_connections=max_connections))
 
     async def get(self, job_id: str) -> Job | None:
         async with self.redis.pipeline(transaction=False) as pipe:

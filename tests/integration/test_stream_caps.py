@@ -1,0 +1,113 @@
+"""Long requests (SSE streams, Prefer: wait) are capped per tenant and per API process (issue 62): each
+holds a Redis connection while it blocks, and the pool had no bound, so thousands of streams from one
+key reached Redis's maxclients, and the workers, on the same Redis, failed.
+
+A real uvicorn process (a TestClient runs one request at a time), the session's Redis, no workers: the
+submitted jobs wait on their queues, so their streams stay open."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from omni_jobs.auth import ApiKeys
+from omni_jobs.local.devservices import RunningService, free_port
+
+pytestmark = pytest.mark.integration
+
+DB = 9
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def api(redis_service: RunningService, tmp_path: Path) -> Iterator[tuple[str, redis.Redis]]:
+    url = f"redis://127.0.0.1:{redis_service.port}/{DB}"
+    port = free_port()
+    env = {**os.environ, "OMNI_REDIS_URL": url, "OMNI_ARTIFACTS_DIR": str(tmp_path / "a"),
+           "OMNI_MODELS_DIR": str(tmp_path / "m"), "OMNI_LOG_FORMAT": "text",
+           "OMNI_MAX_STREAMS_PER_TENANT": "2", "OMNI_MAX_STREAMS": "3"}
+    log = (tmp_path / "api.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "api.main:app", "--port", str(port)], cwd=REPO,
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+    client = redis.Redis.from_url(url)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "api.log").read_text()
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}", client
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+        client.flushdb()
+        client.close()
+
+
+def tenant(base: str, state: redis.Redis, name: str) -> tuple[httpx.Client, str]:
+    """A client with a key of tenant ``name``, and a job of it that waits (no worker runs)."""
+    client = httpx.Client(base_url=base, timeout=30,
+                          headers={"authorization": f"Bearer {ApiKeys(state).create(name)[0]}"})
+    job = client.post("/v1/jobs", json={"pipeline": "text-to-text", "input": {"prompt": "wait"}})
+    assert job.status_code == 202, job.text
+    return client, job.json()["id"]
+
+
+OPEN: list[object] = []
+"""The open streams' line iterators: one dropped closes its stream."""
+
+
+def open_stream(stack: ExitStack, client: httpx.Client, job_id: str) -> httpx.Response:
+    response = stack.enter_context(client.stream("GET", f"/v1/jobs/{job_id}/events"))
+    if response.status_code == 200:
+        lines = response.iter_lines()
+        OPEN.append(lines)
+        assert next(lines).startswith("retry:")  # the stream is open, holding its place
+    else:
+        response.read()
+    return response
+
+
+def test_streams_and_waits_are_capped_per_tenant_and_per_process(api: tuple[str, redis.Redis]) -> None:
+    base, state = api
+    a, a_job = tenant(base, state, "tenant-a")
+    b, b_job = tenant(base, state, "tenant-b")
+    with ExitStack() as held:
+        assert [open_stream(held, a, a_job).status_code for _ in range(2)] == [200, 200]
+        third = open_stream(held, a, a_job)
+        assert third.status_code == 429 and third.headers["retry-after"]
+        assert "OMNI_MAX_STREAMS_PER_TENANT" in third.json()["detail"]
+        # A's Prefer: wait would be one more: the submit is answered at once, the preference not applied.
+        started = time.monotonic()
+        waited = a.post("/v1/jobs", json={"pipeline": "text-to-text", "input": {"prompt": "x"}},
+                        headers={"prefer": "wait=10"})
+        assert waited.status_code == 202 and time.monotonic() - started < 5
+        assert "preference-applied" not in waited.headers
+        # The process's own cap: B's first stream fills it (3), B's second is a 503.
+        assert open_stream(held, b, b_job).status_code == 200
+        full = open_stream(held, b, b_job)
+        assert full.status_code == 503 and "OMNI_MAX_STREAMS" in full.json()["detail"]
+    OPEN.clear()
+    # Closed streams give their places back (the server sees the disconnect and stops following).
+    deadline = time.monotonic() + 10
+    while True:
+        with ExitStack() as again:
+            if open_stream(again, a, a_job).status_code == 200:
+                break
+        assert time.monotonic() < deadline, "closed streams kept their places"
+        time.sleep(0.2)
+    a.close()
+    b.close()
