@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omni_jobs import telemetry
-from omni_jobs.engines import ar_prompts, torchvision_free
+from omni_jobs.engines import ar_prompts, omni_speech, torchvision_free
 from omni_jobs.engines.ar_prompts import Media
 from omni_jobs.engines.gloo_device import one_gloo_device
 from omni_jobs.engines.turns import engine_turn
@@ -40,6 +40,14 @@ class SamplingOptions:
     seed: int | None = None
     allowed_token_ids: tuple[int, ...] | None = None
     """Only these tokens may be sampled (a speech model's language token, say)."""
+    top_k: int = 0
+    """Sample among the k likeliest tokens; 0: all of them."""
+    repetition_penalty: float = 1.0
+    """Above 1, tokens already in the prompt or the output are made less likely (transformers' and vLLM's rule)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end the request besides the model's own end tokens (a talker's stop codes)."""
+    detokenize: bool = True
+    """False for token ids that are not text (a talker's codec codes): no text is made of them."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -48,10 +56,16 @@ class SamplingOptions:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
 
 TextSoFar = Callable[[str], None]
 """A request's detokenized text so far, at each engine step; may raise to stop that request."""
+TokensSoFar = Callable[[Sequence[int]], None]
+"""A request's token ids so far, at each engine step (a talker's codes, streamed); may raise to stop it."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,11 @@ class ARRequest:
     """[tokens, hidden]: the prompt as embeddings (an upstream stage's), instead of ``prompt``'s text."""
     engine_prompt: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
     """A prompt vLLM takes as it is, built by the engine itself (``transcription_prompts``)."""
+    extra_args: Mapping[str, object] | None = field(default=None, compare=False, repr=False)
+    """Per-request data for a model class of this project, as vLLM's ``SamplingParams.extra_args`` (the talker's
+    thinker rows: omni_jobs.engines.omni_speech.TalkerConditioning)."""
+    on_tokens: TokensSoFar | None = field(default=None, compare=False, repr=False)
+    """Where the token ids go as they are generated (a talker's codes for streamed speech); the engine then steps."""
 
 
 @dataclass(frozen=True)
@@ -122,10 +141,12 @@ def build_llm(model: str, engine_args: Mapping[str, JsonValue] | None, *, kv_cac
         "kv_cache_memory_bytes": kv_cache_bytes,
         "seed": 0,
     }
-    args.update(engine_args or {})
+    args.update(omni_speech.talker_engine_args(model, engine_args or {}))
     args.update(forced)
     with one_gloo_device():  # its ~13 process groups on one gloo loop thread, not one each
-        return LLM(model=model, **args)
+        llm = LLM(model=model, **args)
+    omni_speech.bind_runners(llm)
+    return llm
 
 
 class AREngine:
@@ -143,6 +164,8 @@ class AREngine:
         self._llm = build_llm(model, engine_args, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len)
         self._tokenizer = self._llm.get_tokenizer()
         self.max_model_len: int = int(self._llm.llm_engine.model_config.max_model_len)
+        self.architectures: tuple[str, ...] = tuple(self._llm.llm_engine.model_config.architectures or ())
+        """vLLM's model class names (``Qwen2_5OmniTalkerForCodes`` for a talker: omni_speech)."""
         self.prompt_facts = ar_prompts.model_prompt_facts(self._llm)
         self._lock = threading.Lock()  # LLM is not thread-safe; one batch at a time
         self._counter = itertools.count()
@@ -168,6 +191,10 @@ class AREngine:
                 f"{self.max_model_len} minus max_tokens {request.sampling.max_tokens} leaves {budget}"
             )
         return ids
+
+    def engine_prompt(self, request: ARRequest) -> PromptType:
+        """What vLLM is handed for ``request`` (its text with the media's placeholders, tokens or embeddings)."""
+        return self._engine_prompt(request)
 
     def _engine_prompt(self, request: ARRequest) -> PromptType:
         """What vLLM is handed for ``request``: token ids where the text alone is the prompt (its length
@@ -215,7 +242,7 @@ class AREngine:
         with self._lock:
             telemetry.batch("ar", len(requests))
             try:
-                if on_progress is None and not any(r.on_text for r in requests):
+                if on_progress is None and not any(r.on_text or r.on_tokens for r in requests):
                     results = self._llm.generate(prompts, params, use_tqdm=False)
                 else:
                     results = self._step_batch(requests, prompts, params, on_progress)
@@ -312,13 +339,19 @@ class AREngine:
     def _sampling_params(request: ARRequest) -> SamplingParams:
         from vllm import SamplingParams
 
-        allowed = request.sampling.allowed_token_ids
+        sampling = request.sampling
+        allowed = sampling.allowed_token_ids
         return SamplingParams(
-            max_tokens=request.sampling.max_tokens,
-            temperature=request.sampling.temperature,
-            top_p=request.sampling.top_p,
-            seed=request.sampling.seed,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            seed=sampling.seed,
+            repetition_penalty=sampling.repetition_penalty,
+            stop_token_ids=list(sampling.stop_token_ids) or None,
+            detokenize=sampling.detokenize,
             allowed_token_ids=list(allowed) if allowed is not None else None,
+            extra_args=dict(request.extra_args) if request.extra_args is not None else None,
         )
 
     def _step_batch(self, requests: Sequence[ARRequest], prompts: list[PromptType], params: list[SamplingParams],
@@ -362,6 +395,8 @@ def _report(request: ARRequest, out: RequestOutput, on_progress: TokenProgress |
     completion = out.outputs[0]
     if request.on_text is not None:
         request.on_text(completion.text)
+    if request.on_tokens is not None:
+        request.on_tokens(completion.token_ids)
     if on_progress is not None:
         on_progress(request.request_id, len(completion.token_ids), request.sampling.max_tokens)
 

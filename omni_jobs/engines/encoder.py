@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from omni_jobs import telemetry
 from omni_jobs.engines.ar import build_llm
@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 class EncodeRequest:
     request_id: str
     prompt: str
+    engine_prompt: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    """A prompt vLLM takes as it is (token ids with the media they hold), instead of ``prompt``'s text: the
+    thinker's prompt and reply, for the hidden states it hands its talker."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,7 @@ class EncodeOutput:
     hidden_states: torch.Tensor
     """float32, [prompt tokens, hidden_size], on the CPU."""
     token_ids: list[int]
+    """The prompt's token ids as the engine saw them (media placeholders expanded)."""
 
 
 class AREncoder:
@@ -76,8 +80,8 @@ class AREncoder:
         from vllm import PoolingParams
         from vllm.inputs import TokensPrompt
 
-        ids = [self._prompt_ids(r) for r in requests]
-        prompts = [TokensPrompt(prompt_token_ids=i) for i in ids]
+        prompts: list[Any] = [dict(r.engine_prompt) if r.engine_prompt is not None
+                              else TokensPrompt(prompt_token_ids=self._prompt_ids(r)) for r in requests]
         with self._lock, engine_turn():  # on shared CPU cores, one engine at a time (engines.turns)
             telemetry.batch("ar-encode", len(requests))
             results = self._llm.encode(
@@ -87,7 +91,8 @@ class AREncoder:
         if len(results) != len(requests):
             raise RuntimeError(f"vLLM returned {len(results)} outputs for {len(requests)} requests")
         outputs = []
-        for request, token_ids, result in zip(requests, ids, results, strict=True):
+        for request, result in zip(requests, results, strict=True):
+            token_ids = list(result.prompt_token_ids)
             hidden = result.outputs.data.detach().to("cpu").float().contiguous()
             if hidden.shape != (len(token_ids), self.hidden_size):
                 raise RuntimeError(
@@ -95,3 +100,22 @@ class AREncoder:
                 )
             outputs.append(EncodeOutput(request.request_id, hidden, token_ids))
         return outputs
+
+    def embed_tokens(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """The model's input embedding of each token id, [tokens, hidden] float32 (no media features: a media
+        placeholder gets its token's row), from the loaded model itself (vLLM's ``apply_model``)."""
+        import torch
+
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+
+        def embed(model: Any) -> torch.Tensor:
+            with torch.no_grad():
+                found: torch.Tensor = model.embed_input_ids(ids).detach().to("cpu").float()
+                return found
+
+        with self._lock:
+            (rows,) = self._llm.apply_model(embed)
+        if rows.shape != (len(ids), self.hidden_size):
+            raise RuntimeError(f"vLLM embedded {len(ids)} tokens as {tuple(rows.shape)}, not [{len(ids)}, "
+                               f"{self.hidden_size}]")
+        return rows
