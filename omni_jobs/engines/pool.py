@@ -18,6 +18,7 @@ from typing import TypeVar
 
 from omni_jobs import telemetry
 from omni_jobs.engines.ar import AREngine
+from omni_jobs.engines.code2wav import Code2Wav
 from omni_jobs.engines.dit import DiTEngine
 from omni_jobs.engines.encoder import AREncoder
 from omni_jobs.engines.model_source import resolve_model
@@ -25,8 +26,8 @@ from omni_jobs.engines.projection import Projection, load_projection
 from omni_jobs.json_types import JsonValue
 from omni_jobs.pipelines.spec import DiTEngineArgs
 
-Engine = AREngine | DiTEngine | AREncoder
-E = TypeVar("E", AREngine, DiTEngine, AREncoder)
+Engine = AREngine | DiTEngine | AREncoder | Code2Wav
+E = TypeVar("E", AREngine, DiTEngine, AREncoder, Code2Wav)
 V = TypeVar("V", AREngine, AREncoder)
 T = TypeVar("T")
 
@@ -62,6 +63,12 @@ class EnginePool:
                              load_args=ctor.model_extra)
 
         return self._get("dit", model, args, DiTEngine, load)
+
+    def code2wav(self, model: str, engine_args: Mapping[str, JsonValue]) -> Code2Wav:
+        """Qwen2.5-Omni's token2wav of the whole checkpoint ``model`` (a ``dit`` stage's ``code2wav`` task)."""
+        if engine_args:
+            raise ValueError(f"a code2wav stage takes no engine_args, got {sorted(engine_args)}")
+        return self._get("code2wav", model, {}, Code2Wav, lambda resolved: Code2Wav(resolved, device=self.device))
 
     def encoder(self, model: str, engine_args: Mapping[str, JsonValue]) -> AREncoder:
         """The AR encoder (vLLM pooling runner) for ``model``: a separate engine from ``ar()``'s."""
