@@ -62,6 +62,7 @@ FORMATS: dict[Modality, PayloadFormat] = {
     "hidden_states": SAFETENSORS,
     "prompt_embeds": SAFETENSORS,
     "latents": SAFETENSORS,
+    "audio_codes": SAFETENSORS,
     "image": PayloadFormat("png", "image/png"),
     "audio": PayloadFormat("wav", "audio/wav"),
     "video": PayloadFormat("mp4", codecs.MEDIA_MP4),
@@ -70,19 +71,20 @@ FORMATS: dict[Modality, PayloadFormat] = {
 
 Payload: TypeAlias = "str | torch.Tensor | PIL.Image.Image | AudioClip | VideoClip"
 """What a decoded payload is: text, a tensor, an image, an audio clip or a video clip."""
-TensorModality = Literal["token_ids", "hidden_states", "prompt_embeds", "latents"]
+TensorModality = Literal["token_ids", "hidden_states", "prompt_embeds", "latents", "audio_codes"]
 
 
 def encode_payload(modality: Modality, value: object) -> bytes:
     """text: str, or a mapping with "text" and what describes it (an AR stage's finish_reason and
-    usage, kept beside the text); token_ids: list[int] or tensor; tensors: tensor; image: PIL image;
+    usage, kept beside the text); token_ids, audio_codes: list[int] or tensor; tensors: tensor; image: PIL image;
     audio: AudioClip; video: VideoClip. A value of another type is a TypeError."""
     if modality == "text":
         return codecs.encode_json(dict(value) if isinstance(value, Mapping) else {"text": value})
     if modality in TENSOR_MODALITIES:
         import torch
 
-        if modality == "token_ids" and not isinstance(value, torch.Tensor) and isinstance(value, Iterable):
+        listed = modality in ("token_ids", "audio_codes")
+        if listed and not isinstance(value, torch.Tensor) and isinstance(value, Iterable):
             value = torch.tensor(list(value), dtype=torch.int64)
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{modality} payloads are tensors, got {type(value).__name__}")

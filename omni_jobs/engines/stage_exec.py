@@ -13,19 +13,24 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from omni_jobs.engines import omni_speech
 from omni_jobs.engines.ar import AREngine, AROutput, ARRequest, SamplingOptions, TextSoFar
 from omni_jobs.engines.batching import BatchPolicy, ar_batcher, dit_batcher
+from omni_jobs.engines.code2wav import Code2Wav, Code2WavRequest, code2wav_batcher
 from omni_jobs.engines.dit import DiTEngine, DiTRequest, PreviewCallback
 from omni_jobs.engines.encoder import AREncoder, EncodeRequest
 from omni_jobs.engines.pool import EnginePool
+from omni_jobs.engines.talker import Talker, TalkSampling, thinker_states
 from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.payloads import AudioClip, VideoClip
-from omni_jobs.pipelines.modalities import MEDIA_PORTS
+from omni_jobs.pipelines.modalities import MEDIA_PORTS, THINKER_OUTPUTS
 from omni_jobs.pipelines.params import (
     AREncodeParams,
     ARParams,
+    ARTalkParams,
     ARTranscribeParams,
     DiTAudioParams,
+    DiTCode2WavParams,
     DiTImageToImageParams,
     DiTParams,
     DiTVideoParams,
@@ -38,27 +43,39 @@ if TYPE_CHECKING:
     import torch
 
 ProgressFn = Callable[[int, int], None]
+CodesSoFar = Callable[[list[int]], None]
+"""A talker's codes so far (its stop code left out), at each engine step: what streamed speech is made from."""
 StageValues = dict[str, object]
 """A stage's values by port: what its engine is handed (text, a tensor, a PIL image...) or made
 (an AudioClip, a VideoClip...); omni_jobs.payloads encodes and decodes them."""
 
 
-def load_stage_engine(engines: EnginePool, stage: StageSpec) -> AREngine | AREncoder | DiTEngine:
-    """The (cached) engine this stage runs on, checked against the stage's task."""
+def load_stage_engine(engines: EnginePool, stage: StageSpec) -> AREngine | AREncoder | DiTEngine | Code2Wav:
+    """The (cached) engine this stage runs on, checked against the stage's task (a thinker stage that hands its
+    talker states loads the model's pooling engine too)."""
     if stage.engine == "ar":
         if stage.task_name == "encode":
             return engines.encoder(stage.model, stage.engine_args)
         engine = engines.ar(stage.model, ar_engine_args(stage))
         if stage.task_name == "transcribe":
             engine.transcriber  # noqa: B018 - a model that is no speech-to-text model is refused here, at load
+        if stage.task_name == "talk":
+            Talker(engine)  # a model that is no whole Qwen2.5-Omni checkpoint is refused here, at load
+        if stage.task_name == "generate" and set(stage.outputs) & set(THINKER_OUTPUTS):
+            engines.encoder(stage.model, ar_engine_args(stage))
         return engine
+    if stage.task_name == "code2wav":
+        return engines.code2wav(stage.model, stage.engine_args)
     return _dit_engine(engines, stage)
 
 
 def ar_engine_args(stage: StageSpec) -> dict[str, JsonValue]:
     """A generating stage's vLLM arguments: its own, plus what its wiring needs (prompt embeddings on; room
-    for as many images, clips and videos a prompt as the stage is wired to), unless it set them itself."""
+    for as many images, clips and videos a prompt as the stage is wired to; a talker's model class), unless it
+    set them itself."""
     args: dict[str, JsonValue] = dict(stage.engine_args)
+    if stage.task_name == "talk":
+        args.setdefault("hf_overrides", {"architectures": [omni_speech.TALKER_ARCH]})
     if "prompt_embeds" in stage.inputs:
         args.setdefault("enable_prompt_embeds", True)
     many = {port: len(bound) for port, bound in stage.inputs.items() if isinstance(bound, tuple) and len(bound) > 1}
@@ -136,6 +153,89 @@ def execute_transcribe(engines: EnginePool, stage: StageSpec, params: StageParam
                   "seconds": round(duration, 3)},
     }
     return {"text": document}
+
+
+def thinker_handover(engines: EnginePool, stage: StageSpec, params: ARParams, inputs: Mapping[str, object],
+                     request_id: str, output: AROutput) -> StageValues:
+    """The thinker outputs (THINKER_OUTPUTS) a generate stage lists, for the request that made ``output``:
+    ``prompt_token_ids`` [L] int64, ``hidden_states`` [L + n, H] and ``token_embeds`` [L + n, H] float32 (n: the
+    reply's ``output.token_ids``, its end token included). Call it after the stage's generation with the same
+    ``params``, ``inputs`` and ``request_id``; it runs a second pass (the model's pooling engine) over prompt + reply
+    with the media. A stage that lists none of them gets {} and nothing runs."""
+    wanted = [port for port in THINKER_OUTPUTS if port in stage.outputs]
+    if not wanted:
+        return {}
+    engine = engines.ar(stage.model, ar_engine_args(stage))
+    encoder = engines.encoder(stage.model, ar_engine_args(stage))
+    states = thinker_states(engine, encoder, ar_request(engines, stage, params, inputs, request_id), output)
+    found: StageValues = {"prompt_token_ids": states.prompt_token_ids, "hidden_states": states.hidden_states,
+                          "token_embeds": states.token_embeds}
+    return {port: found[port] for port in wanted}
+
+
+def thinker_states_of(inputs: Mapping[str, object]) -> omni_speech.ThinkerStates:
+    """A talk stage's inputs as the thinker's states (shapes checked)."""
+    states = omni_speech.ThinkerStates(
+        prompt_token_ids=_ids(inputs["prompt_token_ids"], "prompt_token_ids"),
+        token_ids=_ids(inputs["token_ids"], "token_ids"),
+        hidden_states=_embeds(inputs["hidden_states"]), token_embeds=_embeds(inputs["token_embeds"]))
+    states.check()
+    return states
+
+
+def execute_talk(engines: EnginePool, stage: StageSpec, params: StageParams, inputs: Mapping[str, object],
+                 request_id: str, progress: ProgressFn, *, policy: BatchPolicy | None = None,
+                 on_codes: CodesSoFar | None = None) -> StageValues:
+    """Qwen2.5-Omni's talker: the thinker's states (a thinker stage's THINKER_OUTPUTS and reply token_ids) in, speech
+    codes out (``audio_codes`` [n] int64, its stop code left out), in the ``speaker``'s voice; batched with other
+    jobs' requests through the engine's batcher when a ``policy`` is given. ``on_codes`` gets the codes so far at
+    every engine step (for speech streamed while the talker writes: code2wav.Code2WavStream)."""
+    import torch
+
+    assert isinstance(params, ARTalkParams)
+    engine = engines.ar(stage.model, ar_engine_args(stage))
+    talker = Talker(engine)
+    sampling = TalkSampling(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+                            top_k=params.top_k, repetition_penalty=params.repetition_penalty, seed=params.seed)
+    stream = None if on_codes is None else (lambda ids: on_codes(omni_speech.talker_codes(ids, talker.tokens)))
+    request = talker.request(request_id, thinker_states_of(inputs), params.speaker, sampling, on_codes=stream)
+    if policy is not None:
+        output = ar_batcher(engine, policy).submit(request, progress)
+    else:
+        (output,) = engine.generate([request], on_progress=lambda _rid, done, total: progress(done, total))
+    return {"audio_codes": torch.tensor(talker.codes(output), dtype=torch.long)}
+
+
+def execute_code2wav(engines: EnginePool, stage: StageSpec, params: StageParams, inputs: Mapping[str, object],
+                     request_id: str, progress: ProgressFn, *, policy: BatchPolicy | None = None) -> StageValues:
+    """Qwen2.5-Omni's token2wav: ``audio_codes`` in, ``audio`` out (24 kHz mono, 480 samples a code), in the
+    ``speaker``'s voice from the ``seed``'s noise; requests of one length and voice share a DiT batch."""
+    assert isinstance(params, DiTCode2WavParams)
+    engine = engines.code2wav(stage.model, stage.engine_args)
+    codes = [int(c) for c in _ids(inputs["audio_codes"], "audio_codes").tolist()]
+    progress(0, params.num_inference_steps)
+    if policy is not None and len(codes) <= engine.max_codes:
+        clip = code2wav_batcher(engine, policy).submit(Code2WavRequest(
+            request_id, tuple(codes), params.speaker, seed=params.seed, num_steps=params.num_inference_steps,
+            guidance_scale=params.guidance_scale))
+    else:
+        clip = engine.full(codes, params.speaker, seed=params.seed, num_steps=params.num_inference_steps,
+                           guidance_scale=params.guidance_scale)
+    progress(params.num_inference_steps, params.num_inference_steps)
+    return {"audio": clip}
+
+
+def _ids(value: object, port: str) -> torch.Tensor:
+    """[n] int64 token ids from a handed-over tensor (or a list)."""
+    import torch
+
+    if isinstance(value, list | tuple):
+        value = torch.tensor([int(v) for v in value], dtype=torch.long)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{port} must be a tensor of token ids, got {type(value).__name__}")
+    if value.is_floating_point() or value.ndim > 2 or (value.ndim == 2 and value.shape[0] != 1):
+        raise ValueError(f"{port} must be [n] integer token ids, got {value.dtype} {list(value.shape)}")
+    return value.reshape(-1).to(torch.long)
 
 
 def _dit_engine(engines: EnginePool, stage: StageSpec) -> DiTEngine:

@@ -1,7 +1,8 @@
 """What flows between stages: modalities, and the input/output ports of each engine task.
 
 A stage names its engine kind (``ar`` on vLLM, ``dit`` on diffusers) and the task that engine runs
-(``generate``, ``encode``, ``transcribe``, ``text-to-image``, ``image-to-image``, ``text-to-audio``, ``text-to-video``). The task fixes
+(``generate``, ``encode``, ``transcribe``, ``talk``, ``text-to-image``, ``image-to-image``, ``text-to-audio``,
+``text-to-video``, ``code2wav``). The task fixes
 which named inputs the stage consumes and which outputs it can produce, each with a modality.
 Pipeline validation checks every wire against these tables, so a DiT stage fed token ids instead
 of text, or an audio stage wired into an image input, is an error at load time, not a crash.
@@ -14,12 +15,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 EngineKind = Literal["ar", "dit"]
-Modality = Literal["text", "token_ids", "hidden_states", "prompt_embeds", "latents", "image", "audio", "video"]
+Modality = Literal["text", "token_ids", "hidden_states", "prompt_embeds", "latents", "audio_codes", "image", "audio",
+                   "video"]
 
 MODALITIES: tuple[Modality, ...] = (
-    "text", "token_ids", "hidden_states", "prompt_embeds", "latents", "image", "audio", "video",
+    "text", "token_ids", "hidden_states", "prompt_embeds", "latents", "audio_codes", "image", "audio", "video",
 )
-TENSOR_MODALITIES: frozenset[Modality] = frozenset({"token_ids", "hidden_states", "prompt_embeds", "latents"})
+TENSOR_MODALITIES: frozenset[Modality] = frozenset(
+    {"token_ids", "hidden_states", "prompt_embeds", "latents", "audio_codes"})
+"""Handed over as safetensors. ``audio_codes`` are a speech codec's token ids ([n] int64: what a talker writes and
+a code-to-waveform stage reads), a modality of their own so that a text model's token ids cannot be wired there."""
 MEDIA_MODALITIES: frozenset[Modality] = frozenset({"image", "audio", "video"})
 """What a multimodal AR stage hands vLLM as ``multi_modal_data`` (its port names are the modalities)."""
 MEDIA_PORTS: frozenset[str] = frozenset(MEDIA_MODALITIES)
@@ -45,6 +50,13 @@ class EnginePorts:
     description: str = ""
 
 
+THINKER_OUTPUTS: dict[str, Modality] = {
+    "prompt_token_ids": "token_ids", "hidden_states": "hidden_states", "token_embeds": "prompt_embeds",
+}
+"""What a thinker stage (AR generate) hands its talker beside its reply's ``token_ids``, for its L prompt and
+n reply tokens: the prompt's token ids as the engine saw them [L] (media placeholders expanded), the last layer's
+hidden states [L + n, hidden] and the input embeddings [L + n, hidden] (zero at media placeholders)."""
+
 ENGINE_TASKS: dict[EngineKind, dict[str, EnginePorts]] = {
     "ar": {
         "generate": EnginePorts(
@@ -52,10 +64,22 @@ ENGINE_TASKS: dict[EngineKind, dict[str, EnginePorts]] = {
                     "image": ("image",), "audio": ("audio",), "video": ("video",)},
             exclusive=(frozenset({"prompt", "prompt_embeds"}),),
             many=MEDIA_PORTS,
-            outputs={"text": "text", "token_ids": "token_ids"},
+            outputs={"text": "text", "token_ids": "token_ids", **THINKER_OUTPUTS},
             default_outputs=("text", "token_ids"),
             description="vLLM generates a continuation of the prompt: text, with the images, audio and video "
-                        "a multimodal model takes (multi_modal_data), or upstream embeddings (prompt_embeds).",
+                        "a multimodal model takes (multi_modal_data), or upstream embeddings (prompt_embeds). "
+                        "A Qwen2.5-Omni thinker also hands its talker what it reads: prompt_token_ids, "
+                        "hidden_states and token_embeds of prompt + reply (a second pass on vLLM's pooling runner).",
+        ),
+        "talk": EnginePorts(
+            inputs={"token_ids": ("token_ids",), "prompt_token_ids": ("token_ids",),
+                    "hidden_states": ("hidden_states",), "token_embeds": ("prompt_embeds",)},
+            required_inputs=frozenset({"token_ids", "prompt_token_ids", "hidden_states", "token_embeds"}),
+            outputs={"audio_codes": "audio_codes"},
+            default_outputs=("audio_codes",),
+            description="Qwen2.5-Omni's talker on vLLM writes speech codec codes for the thinker's reply, fed as "
+                        "the real model feeds it (the thinker's states of the prompt, then of one reply token per "
+                        "step), in a voice of the checkpoint (speaker).",
         ),
         "transcribe": EnginePorts(
             inputs={"audio": ("audio",), "prompt": ("text",)},
@@ -101,6 +125,14 @@ ENGINE_TASKS: dict[EngineKind, dict[str, EnginePorts]] = {
             outputs={"video": "video", "latents": "latents"},
             default_outputs=("video",),
             description="A diffusers text-to-video pipeline (Wan family) renders frames, handed over as MP4.",
+        ),
+        "code2wav": EnginePorts(
+            inputs={"audio_codes": ("audio_codes",)},
+            required_inputs=frozenset({"audio_codes"}),
+            outputs={"audio": "audio"},
+            default_outputs=("audio",),
+            description="Qwen2.5-Omni's token2wav (a flow-matching DiT, then BigVGAN) renders speech codes as "
+                        "24 kHz audio (480 samples a code) in the speaker's voice.",
         ),
     },
 }

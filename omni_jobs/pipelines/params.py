@@ -140,6 +140,32 @@ class AREncodeParams(StageParams):
         return _check_template(value)
 
 
+SPEAKER_DESCRIPTION = "The voice: one of the checkpoint's speakers (Qwen2.5-Omni: Chelsie, Ethan)."
+
+
+class ARTalkParams(StageParams):
+    """Sampling parameters of a talker stage (Qwen2.5-Omni's: its generate defaults)."""
+
+    speaker: Literal["Chelsie", "Ethan"] = Field("Chelsie", description=SPEAKER_DESCRIPTION)
+    max_tokens: int = Field(1024, ge=1, le=8192, description="Codes at most (50 a second of speech).")
+    temperature: float = Field(0.9, ge=0.0, le=2.0, description="0 is greedy decoding.")
+    top_p: float = Field(0.8, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(40, ge=0, le=8448, description="Sample among the k likeliest codes; 0: all.")
+    repetition_penalty: float = Field(1.05, ge=1.0, le=2.0, description="Above 1, codes already written are less "
+                                      "likely (transformers' rule).")
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description="Sampling seed (None: engine default).")
+
+
+class DiTCode2WavParams(StageParams):
+    """Parameters of a code-to-waveform stage (Qwen2.5-Omni's token2wav)."""
+
+    speaker: Literal["Chelsie", "Ethan"] = Field("Chelsie", description=SPEAKER_DESCRIPTION)
+    num_inference_steps: int = Field(10, ge=2, le=100, description="Flow-matching ODE steps (Qwen2.5-Omni: 10).")
+    guidance_scale: float = Field(0.5, ge=0.0, le=10.0, description="Classifier-free guidance scale (Qwen2.5-Omni: "
+                                  "0.5).")
+    seed: int = SEED
+
+
 class DiTParams(StageParams):
     """Generation parameters of a diffusion (diffusers) text-to-image stage."""
 
@@ -231,10 +257,12 @@ PARAMS_BY_TASK: dict[tuple[EngineKind, str], type[StageParams]] = {
     ("ar", "generate"): ARParams,
     ("ar", "encode"): AREncodeParams,
     ("ar", "transcribe"): ARTranscribeParams,
+    ("ar", "talk"): ARTalkParams,
     ("dit", "text-to-image"): DiTParams,
     ("dit", "image-to-image"): DiTImageToImageParams,
     ("dit", "text-to-audio"): DiTAudioParams,
     ("dit", "text-to-video"): DiTVideoParams,
+    ("dit", "code2wav"): DiTCode2WavParams,
 }
 
 

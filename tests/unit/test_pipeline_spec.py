@@ -247,7 +247,7 @@ def test_llm_conditioned_user_pipeline_loads(tmp_path: Path) -> None:
 def test_unknown_task_names_stage_and_field(tmp_path: Path) -> None:
     _, problems = problems_of(tmp_path, llm_image(s0={"task": "embed"}))
     assert any(p.startswith("stages[0] (stage 'enc'): task: engine 'ar' has no task 'embed'; tasks: ['encode', "
-                            "'generate', 'transcribe']") for p in problems), problems
+                            "'generate', 'talk', 'transcribe']") for p in problems), problems
 
 
 def test_hidden_size_mismatch_is_a_validation_error(tmp_path: Path) -> None:
