@@ -234,6 +234,31 @@ def test_the_talker_writes_transformers_greedy_codes(pool: EnginePool, thinker: 
     assert streamed and streamed[-1] == want and all(s == want[: len(s)] for s in streamed)
 
 
+def test_talker_requests_of_one_length_share_no_kv_cache(talker: Talker, hf: Any) -> None:
+    """Talker prompts of one length have the same token ids (codec masks) but not the same KV cache (the rows):
+    a later request must not take an earlier one's cached blocks (the engine runs without prefix caching; with
+    it on, the second request here continued from the first one's blocks)."""
+    from vllm.inputs import TokensPrompt
+
+    prompt = talker.tokens.prompt(300)  # longer than a KV block (128), so a prefix cache would have one to reuse
+    base = talker.request("probe", _states_like(len(prompt) - 2), "Chelsie", TalkSampling(max_tokens=8, temperature=0))
+    for seed in (1, 2):
+        rows = torch.randn(len(prompt) + 8, 128, generator=torch.Generator().manual_seed(seed))
+        cond = omni_speech.TalkerConditioning(rows=rows, codec_from=len(prompt) - 2)
+        (out,) = talker.engine.generate([ARRequest(
+            request_id=f"kv{seed}", prompt="", engine_prompt=TokensPrompt(prompt_token_ids=prompt),
+            sampling=base.sampling, extra_args={omni_speech.TALKER_EXTRA_ARG: cond})])
+        inputs = {"input_ids": torch.tensor([prompt]), "input_text_ids": torch.zeros(1, len(prompt), dtype=torch.long),
+                  "inputs_embeds": rows[None, : len(prompt)], "thinker_reply_part": rows[None, len(prompt) :]}
+        assert talker.codes(out) == _hf_talker_greedy(hf, inputs, 8, talker.tokens.stop_codes, 1.05)
+
+
+def _states_like(prompt: int) -> omni_speech.ThinkerStates:
+    return omni_speech.ThinkerStates(prompt_token_ids=torch.zeros(prompt, dtype=torch.long),
+                                     token_ids=torch.zeros(2, dtype=torch.long), hidden_states=torch.zeros(prompt + 2, 128),
+                                     token_embeds=torch.zeros(prompt + 2, 128))
+
+
 def _states(hf: Any, prompt_ids: list[int]) -> omni_speech.ThinkerStates:
     """transformers' thinker's states for the prompt and its greedy reply (as its generate hands them on)."""
     ids = torch.tensor([prompt_ids])

@@ -117,7 +117,10 @@ def test_the_talker_engine_gets_the_talkers_own_config(tmp_path: Path) -> None:
         str(model), {"hf_overrides": {"architectures": [omni_speech.TALKER_ARCH]}})
     config = json.loads((Path(args["hf_config_path"]) / "config.json").read_text())
     assert config["architectures"] == [omni_speech.TALKER_ARCH] and config["vocab_size"] == 48
-    assert args["generation_config"] == "vllm"
+    assert args["generation_config"] == "vllm" and args["enable_prefix_caching"] is False
+    with pytest.raises(ValueError, match="prefix caching"):
+        omni_speech.talker_engine_args(str(model), {"hf_overrides": {"architectures": [omni_speech.TALKER_ARCH]},
+                                                    "enable_prefix_caching": True})
     assert omni_speech.talker_config_dir(model) == Path(args["hf_config_path"])  # content-addressed: the same dir
 
 
