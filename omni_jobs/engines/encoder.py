@@ -119,3 +119,30 @@ class AREncoder:
             raise RuntimeError(f"vLLM embedded {len(ids)} tokens as {tuple(rows.shape)}, not [{len(ids)}, "
                                f"{self.hidden_size}]")
         return rows
+
+    def mrope_positions(self, prompt: Mapping[str, Any]) -> tuple[torch.Tensor, int] | None:
+        """The M-RoPE positions [3, tokens] and delta that this model gives ``prompt`` (token ids with their media),
+        from vLLM's own processor (the media's grids) and model class; None for a model without M-RoPE, or where
+        the processor hands over no media data. Start the engine with ``mm_processor_cache_gb: 0``: a processor
+        cache would answer the media's second processing (this one, then the pass's) without their data."""
+        from vllm import PoolingParams
+
+        engine = self._llm.llm_engine
+        if not engine.model_config.uses_mrope:
+            return None
+        with self._lock:
+            request = engine.input_processor.process_inputs(
+                "omni-positions", dict(prompt), PoolingParams(task="token_embed"),  # type: ignore[arg-type]
+                supported_tasks=engine.get_supported_tasks())
+        features = [f for f in request.mm_features or [] if f.modality != "prompt_embeds"]
+        if any(f.data is None for f in features):
+            return None
+        ids = list(request.prompt_token_ids or [])
+
+        def positions(model: Any) -> tuple[torch.Tensor, int]:
+            found: tuple[torch.Tensor, int] = model.get_mrope_input_positions(ids, features)
+            return found
+
+        with self._lock:
+            (found,) = self._llm.apply_model(positions)
+        return found

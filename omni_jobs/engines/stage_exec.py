@@ -62,7 +62,7 @@ def load_stage_engine(engines: EnginePool, stage: StageSpec) -> AREngine | AREnc
         if stage.task_name == "talk":
             Talker(engine)  # a model that is no whole Qwen2.5-Omni checkpoint is refused here, at load
         if stage.task_name == "generate" and set(stage.outputs) & set(THINKER_OUTPUTS):
-            engines.encoder(stage.model, ar_engine_args(stage))
+            engines.encoder(stage.model, thinker_encoder_args(stage))
         return engine
     if stage.task_name == "code2wav":
         return engines.code2wav(stage.model, stage.engine_args)
@@ -159,26 +159,44 @@ def thinker_handover(engines: EnginePool, stage: StageSpec, params: ARParams, in
                      request_id: str, output: AROutput) -> StageValues:
     """The thinker outputs (THINKER_OUTPUTS) a generate stage lists, for the request that made ``output``:
     ``prompt_token_ids`` [L] int64, ``hidden_states`` [L + n, H] and ``token_embeds`` [L + n, H] float32 (n: the
-    reply's ``output.token_ids``, its end token included). Call it after the stage's generation with the same
+    reply's ``output.token_ids``, its end token included), ``prompt_positions`` [3, L] int64. Call it after the stage's generation with the same
     ``params``, ``inputs`` and ``request_id``; it runs a second pass (the model's pooling engine) over prompt + reply
     with the media. A stage that lists none of them gets {} and nothing runs."""
+    import torch
+
     wanted = [port for port in THINKER_OUTPUTS if port in stage.outputs]
     if not wanted:
         return {}
     engine = engines.ar(stage.model, ar_engine_args(stage))
-    encoder = engines.encoder(stage.model, ar_engine_args(stage))
+    encoder = engines.encoder(stage.model, thinker_encoder_args(stage))
     states = thinker_states(engine, encoder, ar_request(engines, stage, params, inputs, request_id), output)
+    prompt = int(states.prompt_token_ids.numel())
+    positions = states.positions if states.positions is not None else torch.arange(prompt).expand(3, -1).clone()
     found: StageValues = {"prompt_token_ids": states.prompt_token_ids, "hidden_states": states.hidden_states,
-                          "token_embeds": states.token_embeds}
+                          "token_embeds": states.token_embeds, "prompt_positions": positions}
     return {port: found[port] for port in wanted}
+
+
+def thinker_encoder_args(stage: StageSpec) -> dict[str, JsonValue]:
+    """The vLLM arguments of a thinker stage's second pass (its pooling engine): the stage's, without vLLM's media
+    processor cache, so that every request's media data reaches the position code (omni_jobs.engines.talker)."""
+    return {**ar_engine_args(stage), "mm_processor_cache_gb": 0}
 
 
 def thinker_states_of(inputs: Mapping[str, object]) -> omni_speech.ThinkerStates:
     """A talk stage's inputs as the thinker's states (shapes checked)."""
+    import torch
+
+    positions = inputs.get("prompt_positions")
+    if positions is not None and not isinstance(positions, torch.Tensor):
+        raise TypeError(f"prompt_positions must be a tensor, got {type(positions).__name__}")
+    prompt = _ids(inputs["prompt_token_ids"], "prompt_token_ids")
+    if positions is not None and torch.equal(positions.to(torch.long), torch.arange(prompt.numel()).expand(3, -1)):
+        positions = None  # text positions: the talker's own
     states = omni_speech.ThinkerStates(
-        prompt_token_ids=_ids(inputs["prompt_token_ids"], "prompt_token_ids"),
-        token_ids=_ids(inputs["token_ids"], "token_ids"),
-        hidden_states=_embeds(inputs["hidden_states"]), token_embeds=_embeds(inputs["token_embeds"]))
+        prompt_token_ids=prompt, token_ids=_ids(inputs["token_ids"], "token_ids"),
+        hidden_states=_embeds(inputs["hidden_states"]), token_embeds=_embeds(inputs["token_embeds"]),
+        positions=positions.to(torch.long) if positions is not None else None)
     states.check()
     return states
 

@@ -64,9 +64,17 @@ def thinker_states(engine: AREngine, encoder: AREncoder, request: ARRequest, out
     if media:
         at = torch.tensor([i < prompt_len and t in media for i, t in enumerate(expected)], dtype=torch.bool)
         embeds[at] = 0.0
+    positions = None
+    if any(modality in ("image", "video") for modality in second.get("multi_modal_data") or {}):
+        # images and videos sit on a 3-D grid of positions (audio and text count on): the talker's are the thinker's
+        found = encoder.mrope_positions({"prompt_token_ids": ids, "multi_modal_data": second["multi_modal_data"]})
+        if found is None:
+            raise RuntimeError(f"request {request.request_id!r}: vLLM gave no M-RoPE positions for the thinker's "
+                               "prompt with its images or videos")
+        positions = found[0][:, :prompt_len].to(torch.long).contiguous()
     states = ThinkerStates(prompt_token_ids=torch.tensor(output.prompt_token_ids, dtype=torch.long),
                            token_ids=torch.tensor(reply, dtype=torch.long), hidden_states=encoded.hidden_states,
-                           token_embeds=embeds)
+                           token_embeds=embeds, positions=positions)
     states.check()
     return states
 

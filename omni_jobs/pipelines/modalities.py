@@ -52,10 +52,12 @@ class EnginePorts:
 
 THINKER_OUTPUTS: dict[str, Modality] = {
     "prompt_token_ids": "token_ids", "hidden_states": "hidden_states", "token_embeds": "prompt_embeds",
+    "prompt_positions": "token_ids",
 }
 """What a thinker stage (AR generate) hands its talker beside its reply's ``token_ids``, for its L prompt and
 n reply tokens: the prompt's token ids as the engine saw them [L] (media placeholders expanded), the last layer's
-hidden states [L + n, hidden] and the input embeddings [L + n, hidden] (zero at media placeholders)."""
+hidden states [L + n, hidden], the input embeddings [L + n, hidden] (zero at media placeholders) and the prompt's
+M-RoPE positions [3, L] (images and videos sit on a grid; text and audio count on)."""
 
 ENGINE_TASKS: dict[EngineKind, dict[str, EnginePorts]] = {
     "ar": {
@@ -73,13 +75,15 @@ ENGINE_TASKS: dict[EngineKind, dict[str, EnginePorts]] = {
         ),
         "talk": EnginePorts(
             inputs={"token_ids": ("token_ids",), "prompt_token_ids": ("token_ids",),
-                    "hidden_states": ("hidden_states",), "token_embeds": ("prompt_embeds",)},
+                    "hidden_states": ("hidden_states",), "token_embeds": ("prompt_embeds",),
+                    "prompt_positions": ("token_ids",)},
             required_inputs=frozenset({"token_ids", "prompt_token_ids", "hidden_states", "token_embeds"}),
             outputs={"audio_codes": "audio_codes"},
             default_outputs=("audio_codes",),
             description="Qwen2.5-Omni's talker on vLLM writes speech codec codes for the thinker's reply, fed as "
                         "the real model feeds it (the thinker's states of the prompt, then of one reply token per "
-                        "step), in a voice of the checkpoint (speaker).",
+                        "step), in a voice of the checkpoint (speaker). prompt_positions: needed where the thinker's "
+                        "prompt held images or videos (else text positions).",
         ),
         "transcribe": EnginePorts(
             inputs={"audio": ("audio",), "prompt": ("text",)},

@@ -52,11 +52,14 @@ def _stage(raw: dict[str, Any]) -> StageSpec:
     return StageSpec.model_validate({"model": MODEL, **raw})
 
 
-THINKER = _stage({"id": "thinker", "engine": "ar", "inputs": {"prompt": "input.prompt", "audio": "input.audio"},
-                  "outputs": ["text", "token_ids", "prompt_token_ids", "hidden_states", "token_embeds"]})
+THINKER = _stage({"id": "thinker", "engine": "ar",
+                  "inputs": {"prompt": "input.prompt", "audio": "input.audio", "image": "input.image"},
+                  "outputs": ["text", "token_ids", "prompt_token_ids", "hidden_states", "token_embeds",
+                              "prompt_positions"]})
 TALKER = _stage({"id": "talker", "engine": "ar", "task": "talk",
                  "inputs": {"token_ids": "thinker.token_ids", "prompt_token_ids": "thinker.prompt_token_ids",
-                            "hidden_states": "thinker.hidden_states", "token_embeds": "thinker.token_embeds"}})
+                            "hidden_states": "thinker.hidden_states", "token_embeds": "thinker.token_embeds",
+                            "prompt_positions": "thinker.prompt_positions"}})
 CODE2WAV = _stage({"id": "code2wav", "engine": "dit", "task": "code2wav", "inputs": {"audio_codes": "talker.audio_codes"}})
 
 
@@ -113,7 +116,8 @@ def test_the_thinker_hands_over_its_states_with_their_shapes(pool: EnginePool, t
     _, audio_out, audio_states = _think(pool, thinker, {"prompt": "What is this?", "audio": _clip()}, "audio")
     for output, states in ((text_out, text_states), (audio_out, audio_states)):
         prompt, reply = len(output.prompt_token_ids), len(output.token_ids)
-        assert set(states) == {"prompt_token_ids", "hidden_states", "token_embeds"}
+        assert set(states) == {"prompt_token_ids", "hidden_states", "token_embeds", "prompt_positions"}
+        assert states["prompt_positions"].tolist() == [list(range(prompt))] * 3  # type: ignore[attr-defined]
         assert states["prompt_token_ids"].tolist() == output.prompt_token_ids  # type: ignore[attr-defined]
         for name in ("hidden_states", "token_embeds"):
             value = states[name]
@@ -161,7 +165,7 @@ class _Captured(Exception):
 
 
 def _hf_talker_greedy(hf: Any, inputs: dict[str, Any], max_new: int, stop: tuple[int, ...],
-                      repetition_penalty: float) -> list[int]:
+                      repetition_penalty: float, **prefill: Any) -> list[int]:
     """transformers' talker forward, stepped greedily with its attention mask and cache (its generate's rules:
     repetition penalty over prompt and codes, the codec start code suppressed)."""
     from transformers import DynamicCache
@@ -175,7 +179,7 @@ def _hf_talker_greedy(hf: Any, inputs: dict[str, Any], max_new: int, stop: tuple
     with torch.no_grad():
         out = talker(input_ids=seq, input_text_ids=inputs["input_text_ids"], inputs_embeds=inputs["inputs_embeds"].clone(),
                      thinker_reply_part=inputs["thinker_reply_part"], attention_mask=torch.ones_like(seq),
-                     past_key_values=DynamicCache(config=talker.config), use_cache=True)
+                     past_key_values=DynamicCache(config=talker.config), use_cache=True, **prefill)
         for _ in range(max_new):
             logits = penalty(seq, out.logits[:, -1].clone())
             logits[:, talker.codec_bos_token] = float("-inf")
@@ -257,6 +261,43 @@ def _states_like(prompt: int) -> omni_speech.ThinkerStates:
     return omni_speech.ThinkerStates(prompt_token_ids=torch.zeros(prompt, dtype=torch.long),
                                      token_ids=torch.zeros(2, dtype=torch.long), hidden_states=torch.zeros(prompt + 2, 128),
                                      token_embeds=torch.zeros(prompt + 2, 128))
+
+
+def test_a_prompt_with_an_image_gives_the_talker_the_thinkers_grid_positions(
+        pool: EnginePool, thinker: AREngine, talker: Talker, model_dir: str, hf: Any) -> None:
+    """Images sit on a 3-D grid of M-RoPE positions: the thinker hands them over (vLLM's own, for its prompt) and
+    the talker continues after them, as transformers' talker does from the image's grid."""
+    from PIL import Image
+    from transformers import AutoProcessor
+
+    image = Image.fromarray(np.random.default_rng(5).integers(0, 256, (84, 56, 3), dtype=np.uint8))
+    text = CHAT.format(prompt="<|vision_bos|><|IMAGE|><|vision_eos|>What is it?")
+    _, output, states = _think(pool, thinker, {"prompt": text, "image": image}, "image", chat=False)
+    positions = states["prompt_positions"]
+    assert isinstance(positions, torch.Tensor) and positions.shape == (3, len(output.prompt_token_ids))
+    grid = AutoProcessor.from_pretrained(model_dir).image_processor(images=[image], return_tensors="pt")["image_grid_thw"]
+    ids = torch.tensor([output.prompt_token_ids])
+    want_positions, _ = hf.thinker.get_rope_index(ids, grid, None, torch.ones_like(ids))
+    assert torch.equal(positions, want_positions[:, 0])
+    assert not torch.equal(positions[0], positions[1])  # a grid, not text positions
+
+    inputs = {**states, "token_ids": torch.tensor(output.token_ids)}
+    codes = execute_talk(pool, TALKER, ARTalkParams(temperature=0.0, max_tokens=CODES), inputs, "image:talk",
+                         lambda done, total: None)["audio_codes"]
+    from omni_jobs.engines.stage_exec import thinker_states_of
+
+    bos = omni_speech.speaker(model_dir, "Chelsie").bos_token
+    cond = omni_speech.talker_rows(thinker_states_of(inputs), speaker_bos=_row(model_dir, bos),
+                                   text_eos=_row(model_dir, talker.tokens.text_eos),
+                                   text_pad=_row(model_dir, talker.tokens.text_pad),
+                                   thinker_eos_ids=talker.thinker_eos_ids)
+    L = len(output.prompt_token_ids)
+    hf_inputs = {"input_ids": torch.tensor([talker.tokens.prompt(L)]),
+                 "input_text_ids": torch.tensor([output.prompt_token_ids + [bos, output.token_ids[0]]]),
+                 "inputs_embeds": cond.rows[None, : L + 2], "thinker_reply_part": cond.rows[None, L + 2 :]}
+    want = _hf_talker_greedy(hf, hf_inputs, CODES, talker.tokens.stop_codes, 1.05,
+                             image_grid_thw=grid)
+    assert codes.tolist() == want  # type: ignore[union-attr]
 
 
 def _states(hf: Any, prompt_ids: list[int]) -> omni_speech.ThinkerStates:
