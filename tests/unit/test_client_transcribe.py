@@ -3,7 +3,6 @@ how they read each response format; the CLI command prints it."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 
 from omni_jobs.cli.app import main
 from omni_jobs.client import AsyncClient, Client, InvalidRequestError, TranscriptionView
+from tests.own_loop import run_in_own_loop
 
 VERBOSE = {"task": "transcribe", "language": "en", "duration": 1.5, "text": "Hi.",
            "segments": [{"id": 0, "seek": 0, "start": 0.0, "end": 1.5, "text": "Hi.", "tokens": [],
@@ -68,7 +68,7 @@ def test_the_async_client_the_same() -> None:
         async with AsyncClient("http://api", transport=fake_api(seen)) as omni:
             return await omni.transcribe(b"RIFF", response_format="json")
 
-    assert asyncio.run(run()).text == "Hi."
+    assert run_in_own_loop(run()).text == "Hi."  # Playwright's loop may run in this thread
     assert 'name="response_format"\r\n\r\njson' in form_of(seen[0])
 
 
