@@ -111,9 +111,10 @@ def intermediate_artifact(job_id: str, stage_id: str, name: str, attempt: int | 
     return f"jobs/{job_id}/stages/{stage_id}/attempt-{attempt}/{name}"
 
 
-def output_artifact(job_id: str, filename: str) -> str:
-    """Artifact key of a final output file."""
-    return f"jobs/{job_id}/outputs/{filename}"
+def output_artifact(job_id: str, filename: str, writer: str | None = None) -> str:
+    """Artifact key of a final output file; ``writer``: the attempt that writes it, when not the
+    first attempt of the last stage (omni_jobs.results.writer_of): each writer has keys of its own."""
+    return f"jobs/{job_id}/outputs/{writer}/{filename}" if writer else f"jobs/{job_id}/outputs/{filename}"
 
 
 def input_artifact(job_id: str, name: str) -> str:

@@ -5,6 +5,14 @@ bundle) writes a standard file (JSON, PNG, WAV, MP4, safetensors) under ``jobs/{
 describes it in the job's manifest: name, type, media type, size, and what a client needs before
 downloading (the text itself; an image's width and height; a clip's duration and sample rate; a
 video's frames, fps, duration, width and height; a tensor's shape). It runs once in effect: it holds a lease like a stage, and a job that ended is left alone.
+
+Each attempt that writes a job's files writes them under keys of its own (``writer_of``): the first
+attempt of the last stage (results inline) under ``jobs/{id}/outputs/``, any other under
+``jobs/{id}/outputs/<its attempt>/``. The files are written before the lease-checked write that
+records them, so a stale attempt (one whose lease was taken back while it worked) still writes; under
+shared keys it replaced the files of the job that had succeeded meanwhile, whose recorded checksums
+then failed every download. Now it writes files no job names. Once a job has succeeded from another
+attempt than the first, the files of the attempts that lost are deleted (``sweep``).
 """
 
 from __future__ import annotations
@@ -17,12 +25,12 @@ import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, codecs, mp4
 from omni_jobs.jobs.ledger import JobLedger, Lease, Refused
-from omni_jobs.jobs.models import Job, JobOutput
+from omni_jobs.jobs.models import EventType, Job, JobEvent, JobOutput
 from omni_jobs.jobs.patience import while_store_down
 from omni_jobs.leases import LeaseKeeper
 from omni_jobs.payloads import FORMATS, SAFETENSORS, PayloadFormat, decode_payload
@@ -41,43 +49,70 @@ def _writers() -> ThreadPoolExecutor:
     """The threads that write a job's outputs side by side (one pool per process, made on first use)."""
     return ThreadPoolExecutor(max_workers=8, thread_name_prefix="omni-outputs")
 
-OutputHandler = Callable[[ArtifactStore, str, str, Sequence[bytes]], JobOutput]
-"""(store, job id, output name, the stage payloads it is made of) -> the manifest entry of the written file."""
+class OutputHandler(Protocol):
+    """(store, job id, output name, the stage payloads it is made of, the writing attempt) -> the
+    manifest entry of the written file."""
+
+    def __call__(self, store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes],
+                 writer: str | None = None) -> JobOutput: ...
 
 
-def _write(store: ArtifactStore, job_id: str, name: str, fmt: PayloadFormat, data: bytes) -> ArtifactRef:
-    return store.put_output(keys.output_artifact(job_id, f"{name}.{fmt.extension}"), data, fmt.media_type)
+def writer_of(job: Job, fresh: Mapping[tuple[str, str], bytes] | None) -> str | None:
+    """Whose keys a write of ``job``'s files uses: None for the first attempt of its last stage (results
+    inline, from that stage's ``fresh`` bytes), ``<stage>.<attempt>`` for a later attempt of it, and
+    ``results-<attempt>`` for the results step. A stage id never holds a '.', so the two never meet."""
+    stages = {stage for stage, _port in fresh or {}}
+    if len(stages) == 1:
+        (stage,) = stages
+        attempt = job.stage_record(stage).attempts
+        return None if attempt <= 1 else f"{stage}.{attempt}"
+    return f"results-{job.results.attempts}"
+
+
+def _writer_in(key: str, job_id: str) -> str | None:
+    """The writer part of an output file's key (the inverse of keys.output_artifact)."""
+    rest = key.removeprefix(keys.output_artifact(job_id, ""))
+    return rest.split("/", 1)[0] if "/" in rest else None
+
+
+def _write(store: ArtifactStore, job_id: str, name: str, fmt: PayloadFormat, data: bytes,
+           writer: str | None = None) -> ArtifactRef:
+    return store.put_output(keys.output_artifact(job_id, f"{name}.{fmt.extension}", writer), data, fmt.media_type)
 
 
 def _entry(name: str, type_: str, ref: ArtifactRef, **fields: object) -> JobOutput:
     return JobOutput(name=name, type=type_, media_type=ref.media_type, size=ref.size, artifact=ref, **fields)
 
 
-def text_output(store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes]) -> JobOutput:
+def text_output(store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes],
+                writer: str | None = None) -> JobOutput:
     """``{"text": ...}`` as JSON; the manifest carries the text too."""
     text = decode_payload("text", parts[0])
-    ref = _write(store, job_id, name, FORMATS["text"], codecs.encode_json({"text": text}))
+    ref = _write(store, job_id, name, FORMATS["text"], codecs.encode_json({"text": text}), writer)
     return _entry(name, "text", ref, text=text)
 
 
-def image_output(store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes]) -> JobOutput:
+def image_output(store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes],
+                 writer: str | None = None) -> JobOutput:
     """The PNG as the stage wrote it, with its width and height."""
     info = codecs.png_info(parts[0])
-    ref = _write(store, job_id, name, FORMATS["image"], parts[0])
+    ref = _write(store, job_id, name, FORMATS["image"], parts[0], writer)
     return _entry(name, "image", ref, width=info["width"], height=info["height"])
 
 
-def audio_output(store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes]) -> JobOutput:
+def audio_output(store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes],
+                 writer: str | None = None) -> JobOutput:
     """The WAV as the stage wrote it, with its duration and sample rate."""
     info = codecs.wav_info(parts[0])
-    ref = _write(store, job_id, name, FORMATS["audio"], parts[0])
+    ref = _write(store, job_id, name, FORMATS["audio"], parts[0], writer)
     return _entry(name, "audio", ref, duration_s=info["duration_s"], sample_rate=info["sample_rate"])
 
 
-def video_output(store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes]) -> JobOutput:
+def video_output(store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes],
+                 writer: str | None = None) -> JobOutput:
     """The MP4 (H.264) as the stage wrote it, with its frames, fps, duration, width and height."""
     info = mp4.mp4_info(parts[0])
-    ref = _write(store, job_id, name, FORMATS["video"], parts[0])
+    ref = _write(store, job_id, name, FORMATS["video"], parts[0], writer)
     return _entry(name, "video", ref, frames=info["frames"], fps=info["fps"], duration_s=info["duration_s"],
                   width=info["width"], height=info["height"])
 
@@ -85,15 +120,17 @@ def video_output(store: ArtifactStore, job_id: str, name: str, parts: Sequence[b
 def tensor_output(modality: Modality) -> OutputHandler:
     """A tensor (latents, hidden states, ...) as safetensors, with its shape."""
 
-    def handle(store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes]) -> JobOutput:
+    def handle(store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes],
+               writer: str | None = None) -> JobOutput:
         tensor = codecs.decode_tensors(parts[0])[modality]
-        ref = _write(store, job_id, name, SAFETENSORS, parts[0])
+        ref = _write(store, job_id, name, SAFETENSORS, parts[0], writer)
         return _entry(name, modality, ref, shape=list(tensor.shape))
 
     return handle
 
 
-def text_and_image_output(store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes]) -> JobOutput:
+def text_and_image_output(store: ArtifactStore, job_id: str, name: str, parts: Sequence[bytes],
+                          writer: str | None = None) -> JobOutput:
     """One self-contained JSON document: the text and the PNG (base64) that belong together."""
     text = decode_payload("text", parts[0])
     png = parts[1]
@@ -103,7 +140,7 @@ def text_and_image_output(store: ArtifactStore, job_id: str, name: str, parts: S
         "image": {"media_type": codecs.MEDIA_PNG, "width": info["width"], "height": info["height"],
                   "data": base64.b64encode(png).decode("ascii")},
     }
-    ref = _write(store, job_id, name, FORMATS["text"], codecs.encode_json(document))
+    ref = _write(store, job_id, name, FORMATS["text"], codecs.encode_json(document), writer)
     return _entry(name, "text+image", ref, text=text, width=info["width"], height=info["height"])
 
 
@@ -124,8 +161,9 @@ assert set(OUTPUT_HANDLERS) == set(OUTPUT_TYPES), "every output type a pipeline 
 class ResultsAssembler:
     """Runs the results step: takes its lease, writes the final files, ends the job succeeded.
 
-    The files are a pure function of the stages' recorded outputs, so a repeated attempt (after a
-    killed worker) rewrites the same bytes under the same keys: one file per output, however often.
+    Each attempt writes under keys of its own (``writer_of``), and once the job has succeeded from
+    an attempt other than the first, the files of the others are deleted (``sweep``): one file per
+    output, whoever wrote it, and none that a stale attempt can replace.
     """
 
     def __init__(self, *, ledger: JobLedger, catalogue: PipelineCatalogue, artifacts: ArtifactStore,
@@ -136,6 +174,30 @@ class ResultsAssembler:
         self.keeper = keeper
         self.retry_backoff_s = retry_backoff_s
         self.store_wait_s = store_wait_s
+        ledger.listeners.append(self._on_events)  # whichever write ends a job succeeded, in this process
+
+    def _on_events(self, job: Job, events: Sequence[JobEvent]) -> None:
+        if any(e.type is EventType.job_succeeded for e in events):
+            self.sweep(job)
+
+    def sweep(self, job: Job) -> list[str]:
+        """Delete the files that attempts other than the recorded one may have written for ``job``
+        (killed while writing, or refused); the keys it deleted, or found absent. Nothing to do, and no
+        call made, when the job's files are the first attempt's of its last stage, as nearly always."""
+        if not job.outputs or (winner := _writer_in(job.outputs[0].artifact.key, job.id)) is None:
+            return []
+        writers: set[str | None] = {None, *(f"results-{n}" for n in range(1, job.results.attempts + 1))}
+        writers |= {f"{r.id}.{n}" for r in job.stages for n in range(2, r.attempts + 1)}
+        writers.discard(winner)
+        names = sorted({o.artifact.key.rsplit("/", 1)[1] for o in job.outputs})
+        swept = [keys.output_artifact(job.id, name, writer) for writer in writers for name in names]
+        for key in swept:
+            try:
+                self.artifacts.large.delete(key)  # absent: nothing happens
+            except Exception:  # a file left over is only space: retention deletes the job's
+                log.warning("job %s: could not delete %s", job.id, key, exc_info=True)
+        log.info("job %s: its files are %s's; deleted those other attempts may have left", job.id, winner)
+        return swept
 
     def _patiently(self, call: Callable[[], T], what: str) -> T:
         return while_store_down(call, wait_s=self.store_wait_s, what=what)
@@ -201,21 +263,23 @@ class ResultsAssembler:
         ``fresh``: the bytes of the (stage, port) outputs to use as they are instead of reading them
         from the store: the last stage's own, handed over before they are stored (results inline)."""
         spec = self.catalogue.get(job.pipeline)
+        writer = writer_of(job, fresh)
         if len(spec.outputs) == 1:  # nothing to write beside it: on this thread, without a handoff
             written: Future[JobOutput] = Future()
             try:
-                written.set_result(self._write_output(spec, job, spec.outputs[0], fresh or {}))
+                written.set_result(self._write_output(spec, job, spec.outputs[0], fresh or {}, writer))
             except Exception as exc:  # noqa: BLE001 - handed over in the future, as from the writer threads
                 written.set_exception(exc)
             return [written]
-        return [_writers().submit(contextvars.copy_context().run, self._write_output, spec, job, out, fresh or {})
+        return [_writers().submit(contextvars.copy_context().run, self._write_output, spec, job, out, fresh or {},
+                                  writer)
                 for out in spec.outputs]
 
     def _write_output(self, spec: PipelineSpec, job: Job, out: OutputSpec,
-                      fresh: Mapping[tuple[str, str], bytes]) -> JobOutput:
+                      fresh: Mapping[tuple[str, str], bytes], writer: str | None) -> JobOutput:
         parts = [fresh[(s.source, s.port)] if (s.source, s.port) in fresh
                  else self.artifacts.get(job.stage_record(s.source).outputs[s.port]) for s in out.sources]
-        return OUTPUT_HANDLERS[spec.output_type(out)](self.artifacts, job.id, out.name, parts)
+        return OUTPUT_HANDLERS[spec.output_type(out)](self.artifacts, job.id, out.name, parts, writer)
 
     @staticmethod
     def verbatim_ports(spec: PipelineSpec, stage_id: str) -> dict[str, str]:

@@ -19,7 +19,7 @@ from api.json_body import read_json, validate_body
 from api.prefer import prefer_wait
 from api.responses import JSONText
 from api.schemas import JobList, JobRequest, errors
-from omni_jobs.artifacts import ArtifactNotFound
+from omni_jobs.artifacts import ArtifactCorrupted, ArtifactNotFound
 from omni_jobs.cancellation import cancel_job
 from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound, NotDurable
 from omni_jobs.jobs.ledger import RequirementFailed
@@ -205,6 +205,16 @@ async def _submit(ctx: ApiContext, request: Request, body: JobRequest, tenant: s
     return JSONText(_present(ctx, job, position=position), status_code=code, headers=answer_headers)
 
 
+def corrupted(exc: ArtifactCorrupted, what: str) -> JSONText:
+    """A stored file whose bytes are not the ones the job recorded (its size or sha256): 502, the
+    artifact store having answered with other bytes. No system write replaces a recorded file (each
+    attempt writes under keys of its own: omni_jobs.results), so something else changed it."""
+    log.error("%s: %s", what, exc)
+    return JSONText({"detail": f"the stored file of {what} does not match the job's record of it (it was "
+                               "changed outside this system); ask the operator to restore it, or run the job again"},
+                    status_code=status.HTTP_502_BAD_GATEWAY)
+
+
 async def _not_durable(ctx: ApiContext, exc: NotDurable, job_id: str) -> JSONText:
     """A submit whose write applied but did not reach the disk or a replica in time: still a 503 (a 202
     is given only once the job is durable), naming the job that was made, with its URL: a client that
@@ -269,7 +279,9 @@ def cancel(job_id: str, ctx: Ctx, tenant: Tenant) -> Any:
 @router.get("/{job_id}/outputs/{name}", summary="Download one output file", response_class=Response,
             responses={200: {"description": "The output's bytes, with its media type.",
                              "content": {"*/*": {"schema": {"type": "string", "format": "binary"}}}},
-                       **errors(404, e404="No such job (for this tenant), output, or stored file.")})
+                       **errors(404, e404="No such job (for this tenant), output, or stored file."),
+                       502: {"description": "The stored file does not match the job's record of it (size or "
+                             "sha256): it was changed outside this system."}})
 def download_output(job_id: str, name: str, ctx: Ctx, tenant: Tenant) -> Response:
     job = ctx.runtime.jobs.require(job_id, tenant=tenant)
     out = job.output(name)
@@ -279,6 +291,8 @@ def download_output(job_id: str, name: str, ctx: Ctx, tenant: Tenant) -> Respons
         data = ctx.runtime.artifacts.get(out.artifact)
     except ArtifactNotFound:
         raise JobNotFound(f"{job_id}/outputs/{name}") from None
+    except ArtifactCorrupted as exc:  # never a 500: the store gave bytes other than those recorded
+        return corrupted(exc, f"{job_id}/outputs/{name}")
     filename = out.artifact.key.rsplit("/", 1)[-1]
     return Response(
         content=data,

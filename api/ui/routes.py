@@ -26,7 +26,7 @@ from fastapi.routing import APIRoute
 
 from api.deps import ApiContext, get_context
 from api.ui import forms, graph, session, templating, views
-from omni_jobs.artifacts import ArtifactNotFound, ArtifactStoreUnavailable
+from omni_jobs.artifacts import ArtifactCorrupted, ArtifactNotFound, ArtifactStoreUnavailable
 from omni_jobs.cancellation import cancel_job
 from omni_jobs.errors import (
     IdempotencyConflict,
@@ -87,6 +87,12 @@ class ConsoleRoute(APIRoute):
             except (JobNotFound, UnknownPipeline) as exc:
                 return templating.render(request, "error.html", status_code=404, title="Not found",
                                          message=str(exc), viewer=getattr(request.state, "viewer", None))
+            except ArtifactCorrupted as exc:  # a stored file that is not what its job recorded: never a 500
+                log.error("console: %s", exc)
+                return templating.render(request, "error.html", status_code=502, title="File damaged",
+                                         message="This file's stored bytes do not match what the job recorded "
+                                                 "(it was changed outside omni-jobs).",
+                                         viewer=getattr(request.state, "viewer", None))
             except (redis.ConnectionError, ArtifactStoreUnavailable) as exc:
                 log.warning("console: backing service unavailable: %s", exc)
                 response = templating.render(request, "error.html", status_code=503, title="Unavailable",

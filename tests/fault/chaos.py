@@ -303,7 +303,9 @@ def _count_effects(result: ChaosResult, journal: Path, receiver: WebhookReceiver
                 result.findings.append(f"{job_id}: {n} webhook ids for its '{event}' event")
     for job_id in result.accepted:
         outputs = artifacts / "jobs" / job_id / "outputs"
-        names = sorted(p.name for p in outputs.iterdir()) if outputs.exists() else []
+        # files, at any depth: an attempt after the first writes under a directory of its own (omni_jobs.results)
+        names = sorted(p.relative_to(outputs).as_posix() for p in outputs.rglob("*") if p.is_file()) \
+            if outputs.exists() else []
         expected = OUTPUTS[result.kinds[job_id]]
         if result.final.get(job_id, {}).get("status") == "succeeded":
             result.duplicate_files += abs(len(names) - expected)

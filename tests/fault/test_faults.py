@@ -188,8 +188,9 @@ def test_sigkill_dit_worker_during_an_s3_upload(faults: FaultSystem, api: httpx.
 def test_sigkill_mid_assembly(faults: FaultSystem, api: httpx.Client) -> None:
     """The results are written inline by the last stage's worker (OMNI_RESULTS_INLINE), before the one
     write that records its stage and ends the job: killed while it uploads them, the stage runs again
-    on its restarted node and writes them again, under the same keys; the completed webhook goes out
-    once."""
+    on its restarted node and writes them again, under keys of its own attempt (a stale attempt can then
+    never replace them), and what the killed attempt uploaded is deleted once the job has succeeded;
+    the completed webhook goes out once."""
     url = faults.receiver.script("/results-kill", [])
     response = api.post("/v1/jobs", json={"pipeline": "text-to-image", "input": {"prompt": "assembly kill"},
                                           "params": image_params(seed=6, steps=2, size=64),
@@ -207,8 +208,8 @@ def test_sigkill_mid_assembly(faults: FaultSystem, api: httpx.Client) -> None:
     done = wait_for_job(api, job["id"], timeout_s=180)
     assert done["status"] == "succeeded" and {o["name"] for o in done["outputs"]} == {"image", "text"}
     assert done["stages"][-1]["attempts"] == 2
-    assert faults.output_files(job["id"]) == [f"jobs/{job['id']}/outputs/image.png",
-                                              f"jobs/{job['id']}/outputs/text.json"]
+    assert faults.output_files(job["id"]) == [f"jobs/{job['id']}/outputs/dit.2/image.png",
+                                              f"jobs/{job['id']}/outputs/dit.2/text.json"]
     faults.receiver.wait_until(lambda: bool(faults.receiver.at("/results-kill")), what="the completed webhook")
     time.sleep(1)
     assert len(webhook_ids(faults.receiver.at("/results-kill"), job["id"], "completed")) == 1
