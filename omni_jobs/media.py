@@ -112,7 +112,12 @@ def _no_stream(container: av.container.InputContainer, kind: MediaKind) -> Media
                       f"{' and '.join(held)})")
 
 
-def _check_codec(name: str, kind: MediaKind) -> None:
+def _check_codec(context: av.codec.context.CodecContext | None, kind: MediaKind) -> None:
+    """The stream's codec is one taken; a stream whose codec FFmpeg does not know has no context at all
+    (a damaged M4A's, say), refused as such rather than an AttributeError (a 500)."""
+    if context is None:
+        raise MediaError(f"holds {kind} in a codec FFmpeg does not know (is the file damaged?)")
+    name = context.name
     codecs = AUDIO_CODECS if kind == "audio" else VIDEO_CODECS
     if name not in codecs and not (kind == "audio" and name.startswith("pcm_")):
         raise MediaError(f"holds {kind} in codec '{name}', which is not taken; codecs: {sorted(codecs)}"
@@ -123,7 +128,7 @@ def _audio_stream(container: av.container.InputContainer) -> av.audio.stream.Aud
     if not container.streams.audio:
         raise _no_stream(container, "audio")
     stream = container.streams.audio[0]
-    _check_codec(stream.codec_context.name, "audio")
+    _check_codec(stream.codec_context, "audio")
     return stream
 
 
@@ -131,7 +136,7 @@ def _video_stream(container: av.container.InputContainer) -> av.video.stream.Vid
     if not container.streams.video:
         raise _no_stream(container, "video")
     stream = container.streams.video[0]
-    _check_codec(stream.codec_context.name, "video")
+    _check_codec(stream.codec_context, "video")
     return stream
 
 

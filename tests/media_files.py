@@ -145,3 +145,82 @@ MEDIA_PIPELINE = {
     "outputs": [{"name": "text", "from": "ar.text"}],
 }
 """A pipeline (YAML as a dict) whose job inputs include audio and video."""
+
+
+# --- malformed files: what every upload path must refuse with a 4xx (tests/integration/test_malformed_media.py) ---
+def _png(width: int = 24, height: int = 16) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 60)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _jpeg(width: int = 24, height: int = 16) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (20, 130, 60)).save(buffer, format="JPEG")
+    return buffer.getvalue()
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width`` x ``height`` (its CRC fixed), holding a 1x1 image's data."""
+    import zlib
+
+    data = bytearray(_png(1, 1))
+    data[16:24] = struct.pack(">II", width, height)
+    data[29:33] = struct.pack(">I", zlib.crc32(bytes(data[12:29])) & 0xFFFFFFFF)
+    return bytes(data)
+
+
+def _wav_header(channels: int, rate: int, bits: int, data_size: int = 64) -> bytes:
+    """A WAV header with the given fields (nonsense ones included) and ``data_size`` bytes of data."""
+    block = max(1, channels * bits // 8) & 0xFFFF
+    fmt = struct.pack("<HHIIHH", 1, channels, rate, (rate * block) & 0xFFFFFFFF, block, bits)
+    body = b"WAVEfmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", data_size) + bytes(data_size)
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def _damaged(name: str, data: bytes, seed: int) -> dict[str, bytes]:
+    """Cuts of ``data`` (its header only, a tenth, half, all but its last bytes) and copies with bytes
+    overwritten at random (seeded) past the first 8, so that the type still looks right."""
+    rng = np.random.default_rng(seed)
+    out = {f"{name}-cut-{label}": data[:size] for label, size in
+           (("header", min(len(data), 32)), ("tenth", len(data) // 10), ("half", len(data) // 2),
+            ("end", max(1, len(data) - 7)))}
+    for n in range(3):
+        mangled = bytearray(data)
+        where = rng.integers(8, max(9, len(data)), size=max(1, len(data) // 50))
+        mangled_values = rng.integers(0, 256, size=len(where), dtype=np.uint8)
+        for at, value in zip(where, mangled_values, strict=True):
+            mangled[int(at)] = int(value)
+        out[f"{name}-flipped-{n}"] = bytes(mangled)
+    return out
+
+
+def malformed_corpus() -> dict[str, dict[str, bytes]]:
+    """File type -> name -> bytes that are not a usable file of that type: empty, random, another
+    format, cut short, overwritten at random, or lying in their headers (sizes, channels, rates)."""
+    rng = np.random.default_rng(62)
+    common = {"empty": b"", "one-byte": b"\x00", "random": rng.bytes(4096), "text": b"hello, not a file\n" * 20,
+              "zip": zip_file(), "html": b"<!doctype html><html><body>not media</body></html>"}
+    image = {**common, "gif-header": b"GIF89a", "bmp-header": b"BM" + bytes(12),
+             "png-signature-only": b"\x89PNG\r\n\x1a\n", "jpeg-soi-only": b"\xff\xd8\xff",
+             "webp-header": b"RIFF\x10\x00\x00\x00WEBPVP8 ", "tiff-header": b"II*\x00\x08\x00\x00\x00",
+             "png-claims-1e5-square": _png_claiming(100_000, 100_000), "png-claims-0x0": _png_claiming(0, 0),
+             "svg": b'<svg xmlns="http://www.w3.org/2000/svg" width="10" height="10"/>',
+             "wav-as-image": wav(0.1),
+             **_damaged("png", _png(), 1), **_damaged("jpeg", _jpeg(), 2)}
+    audio = {**common, "wav-header-only": wav(0.5)[:44], "wav-zero-channels": _wav_header(0, 16_000, 16),
+             "wav-zero-rate": _wav_header(1, 0, 16), "wav-65535-channels": _wav_header(65535, 16_000, 16),
+             "wav-3-bits": _wav_header(1, 16_000, 3), "wav-huge-rate": _wav_header(2, 0xFFFFFFFF, 16),
+             "wav-claims-a-day": lying_wav(86_400.0), "ogg-capture-only": b"OggS" + bytes(23),
+             "mp3-sync-only": b"\xff\xfb\x90\x64" + bytes(100), "png-as-audio": _png(),
+             **_damaged("wav", wav(0.5), 3), **_damaged("mp3", encode_audio("mp3", 0.5), 4),
+             **_damaged("m4a", encode_audio("m4a", 0.5), 5), **_damaged("ogg", encode_audio("ogg", 0.5), 6)}
+    video = {**common, "mp4-ftyp-only": mp4()[:32], "audio-only-mp4": audio_only_mp4(0.3),
+             "avi-header": b"RIFF\x00\x01\x00\x00AVI LIST" + bytes(40), "mkv-header": b"\x1aE\xdf\xa3" + bytes(60),
+             "png-as-video": _png(), "wav-as-video": wav(0.2),
+             **_damaged("mp4", mp4(), 7), **_damaged("webm", webm(), 8)}
+    return {"image": image, "audio": audio, "video": video}
