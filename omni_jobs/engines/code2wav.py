@@ -14,7 +14,8 @@ looks back, and BigVGAN's convolutions reach a few frames) and ``right`` codes a
 ``crossfade`` samples, which the next chunk renders again inside its left context and fades into (equal-power),
 so the joins have no step. Windows start on DiT block boundaries (multiples of 12 codes) as the whole clip's do.
 The DiT's attention reaches further with every ODE step, so a chunked clip is close to, not equal to, the whole
-clip: README "Qwen2.5-Omni speech" gives the measured difference.
+clip: README "Qwen2.5-Omni speech" gives the measured difference (tiny model, default settings: max |diff|
+1.1e-3, 61 dB SNR).
 """
 
 from __future__ import annotations
