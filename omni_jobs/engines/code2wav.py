@@ -11,8 +11,9 @@ Streaming (``Code2WavStream``): the codes arrive as the talker writes them; ever
 rendered with ``left`` codes before it (the DiT attends a block of 24 mel frames = 12 codes back per layer that
 looks back, and BigVGAN's convolutions reach a few frames) and ``right`` codes after it where ``right`` > 0
 (the DiT also looks a block ahead); the context's samples are dropped. Each chunk holds back its last
-``crossfade`` samples, which the next chunk renders again inside its left context and fades into (equal-power),
-so the joins have no step. Windows start on DiT block boundaries (multiples of 12 codes) as the whole clip's do.
+``holdback`` samples (rendered next to its window's end, where BigVGAN sees no further), which the next chunk
+renders again inside its left context and fades into over ``crossfade`` samples (a raised cosine), so the joins
+have no step. Windows start on DiT block boundaries (multiples of 12 codes) as the whole clip's do.
 The DiT's attention reaches further with every ODE step, so a chunked clip is close to, not equal to, the whole
 clip: README "Qwen2.5-Omni speech" gives the measured difference (tiny model, default settings: max |diff|
 1.1e-3, 61 dB SNR).
