@@ -3,8 +3,10 @@
 ``python -m bench`` (``--quick`` for a ~2-minute run) builds the benchmark models (omni_jobs.local.tiny),
 starts one EmbeddedSystem (real API, Redis, Celery workers) and, for each workload, in one run:
 
-* direct: the limit. ``LLM.generate`` on all prompts at once; the diffusers pipeline on batches of
-  the system's batch size. In this (driver) process, with the same engine arguments.
+* direct: the limit. ``LLM.generate`` on all prompts at once (for the image+text row, every prompt with
+  its image, as the AR engine hands them to vLLM: the chat template, the image's placeholders); the
+  diffusers pipeline on batches of the system's batch size. In a child process, with the same engine
+  arguments.
 * system: N jobs POSTed through the API to batched stage workers (threads pool, one engine,
   omni_jobs.engines.batching).
 * naive: the same jobs on a solo-pool worker, one job per task, batch size 1 (what a user would
@@ -23,6 +25,8 @@ each, and the ratios are medians of the per-repetition ratios (paired: they shar
 from __future__ import annotations
 
 import argparse
+import base64
+import io
 import json
 import os
 import shutil
@@ -55,6 +59,8 @@ from omni_jobs.steps import WORKER_QUEUES
 
 ROOT = Path("var/bench")
 AR_MODEL, DIT_SMALL, DIT_LARGE = "tiny:bench-llama-1024", "tiny:bench-pixart-128", "tiny:bench-pixart"
+VLM_MODEL = "tiny:bench-qwen2.5-vl"  # the Llama's text model in Qwen2.5-VL's layout, with a vision tower
+IMAGE_SIDE = 224  # a VLM job's image: 64 of the model's tokens (one per 28x28 pixels), its processor's most
 DIT_TEST = "tiny:pixart"  # the test suite's DiT: per-job overhead, not compute, sets its pace
 WORDS = ["harbor", "forest", "glacier", "market", "lantern", "orchard", "canyon", "meadow", "bridge", "castle"]
 
@@ -65,7 +71,7 @@ class Workload:
 
     name: str
     pipeline: str
-    kind: str  # "ar" | "dit" | "multi"
+    kind: str  # "ar" | "dit" | "multi" | "vlm" (the AR worker, a prompt and an image a job)
     dit_model: str = DIT_SMALL
     size: int = 32
 
@@ -126,6 +132,32 @@ def prompts(n: int, rep: int = 0) -> list[str]:
             f"at dawn, number {i * 31 + rep}" for i in range(n)]
 
 
+def images(n: int, rep: int = 0, side: int = IMAGE_SIDE) -> list[bytes]:
+    """Distinct RGB PNGs, ``side`` x ``side`` (no two repeat, so neither vLLM's multimodal cache nor the
+    stage-output cache hits by accident): a smooth pattern of each one's own with a little noise,
+    ~80 KB each at 224 px, about as large as a photo's PNG."""
+    import numpy as np
+    from PIL import Image
+
+    out = []
+    y, x = np.mgrid[0:side, 0:side] / side
+    for i in range(n):
+        rng = np.random.default_rng([rep, i])
+        freq, phase = rng.uniform(0.5, 4.0, (3, 2)), rng.uniform(0, 2 * np.pi, 3)
+        pixels = np.stack([127.5 + 100 * np.sin(2 * np.pi * (fx * x + fy * y) + ph)
+                           for (fx, fy), ph in zip(freq, phase, strict=True)], axis=-1)
+        pixels += rng.normal(0, 2, pixels.shape)
+        buffer = io.BytesIO()
+        Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB").save(buffer, format="PNG")
+        out.append(buffer.getvalue())
+    return out
+
+
+def data_uri(png: bytes) -> str:
+    """An image job input as a client sends it in JSON."""
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
 KV_BLOCK_BYTES = 8 * 2**20
 """A KV-cache block of the benchmark's AR model: 128 tokens x 64 KiB (vLLM: 256 MiB hold 4,096 tokens)."""
 
@@ -139,14 +171,16 @@ def generate_images(dit: Any, texts: list[str], size: int, steps: int, batch: in
                                  seed=i + j) for j, t in enumerate(texts[i:i + batch])])
 
 
-def ar_engine_args(batch: int) -> dict[str, Any]:
+def ar_engine_args(batch: int, blocks: int = 1) -> dict[str, Any]:
     """The AR engine of both arms: a batch of running requests, and a KV cache that holds it (every
-    request here fits one block, vLLM keeps one block back, and 8 more leave room for a longer prompt;
-    ``max_num_seqs`` still caps the batch). At the default 256 MiB it held 31:
+    request here fits ``blocks`` blocks: a text job one, an image+text job two (~155 prompt tokens + its
+    new ones); vLLM keeps one block back, and 8 more leave room for a longer prompt; ``max_num_seqs``
+    still caps the batch). At the default 256 MiB it held 31:
     64 jobs ran as 31 + 31 + 2 in both arms, the last 2 alone for a wave's steps, and the multi-stage
-    row's DiT batches followed the waves (31, 31, 2) where its direct arm ran 32 + 32."""
+    row's DiT batches followed the waves (31, 31, 2) where its direct arm ran 32 + 32. (The VLM's text
+    model has the Llama's KV size a token, 64 KiB.)"""
     seqs = max(batch, 16)
-    return {"max_num_seqs": seqs, "kv_cache_memory_bytes": (seqs + 8) * KV_BLOCK_BYTES}
+    return {"max_num_seqs": seqs, "kv_cache_memory_bytes": (seqs * blocks + 8) * KV_BLOCK_BYTES}
 
 
 def pipelines(batch: int, ar_tokens: int, steps: int) -> list[dict[str, Any]]:
@@ -159,6 +193,12 @@ def pipelines(batch: int, ar_tokens: int, steps: int) -> list[dict[str, Any]]:
         return {"id": "ar", "engine": "ar", "model": AR_MODEL, "queue": queue, "inputs": {"prompt": "input.prompt"},
                 "engine_args": ar_args, "batching": batching,
                 "defaults": {"max_tokens": tokens, "temperature": 0.0, "prompt_template": "{prompt}"}}
+
+    def vlm_stage(queue: str, batching: dict[str, Any]) -> dict[str, Any]:  # the image-to-text pipeline's stage
+        return {"id": "ar", "engine": "ar", "model": VLM_MODEL, "queue": queue,
+                "inputs": {"prompt": "input.prompt", "image": "input.image"},
+                "engine_args": ar_engine_args(batch, blocks=2), "batching": batching,
+                "defaults": {"max_tokens": ar_tokens, "temperature": 0.0, "chat": True}}
 
     def dit_stage(queue: str, batching: dict[str, Any], model: str, size: int, source: str,
                   **extra: Any) -> dict[str, Any]:
@@ -175,6 +215,8 @@ def pipelines(batch: int, ar_tokens: int, steps: int) -> list[dict[str, Any]]:
             out.append({"name": f"b-image-{label}{suffix}", "inputs": inputs,
                         "stages": [dit_stage("dit" + queue_sfx, policy, model, size, "input.prompt")],
                         "outputs": [{"name": "image", "from": "dit.image"}]})
+        out.append({"name": f"b-vlm{suffix}", "inputs": {**inputs, "image": {"type": "image"}},
+                    "stages": [vlm_stage("ar" + queue_sfx, policy)], "outputs": [{"name": "text", "from": "ar.text"}]})
         out.append({"name": f"b-multi{suffix}", "inputs": inputs,
                     "stages": [ar_stage("ar" + queue_sfx, policy, 16),
                                dit_stage("dit" + queue_sfx, policy, DIT_SMALL, 32, "ar.text")],
@@ -187,6 +229,7 @@ def pipelines(batch: int, ar_tokens: int, steps: int) -> list[dict[str, Any]]:
 
 WORKLOADS = [
     Workload("text-to-text (AR)", "b-text", "ar"),
+    Workload("image+text (VLM)", "b-vlm", "vlm"),
     Workload("text-to-image DiT 32px small", "b-image-small", "dit", DIT_SMALL, 32),
     Workload("text-to-image DiT 64px large", "b-image-large", "dit", DIT_LARGE, 64),
     Workload("multi-stage AR->DiT", "b-multi", "multi", DIT_SMALL, 32),
@@ -212,7 +255,7 @@ class Bench:
         # as `omni-jobs up`, plus the naive twins where their arm runs: idle, the two took ~0.35 ms of CPU a
         # job of the DiT row from the engines' cores (python -m bench.worker_threads)
         naive = {} if self.args.no_naive else {"ar-naive": "solo", "dit-naive": "solo"}
-        self.start_system([AR_MODEL, DIT_SMALL, DIT_LARGE, DIT_TEST],
+        self.start_system([AR_MODEL, VLM_MODEL, DIT_SMALL, DIT_LARGE, DIT_TEST],
                           pipelines(self.args.batch, self.args.ar_tokens, self.args.steps), {**WORKER_QUEUES, **naive})
         if self.args.ab is not None:
             assert self.system
@@ -329,13 +372,17 @@ class Bench:
         assert self.store
         return redis_snapshot(self.store.redis, {pid: name for name, pid in self.processes().items()})
 
-    def run_jobs(self, pipeline: str, texts: list[str], params: dict[str, Any] | None = None) -> list[Job]:
-        """POST every job through the API, then wait for all; returns the final jobs (from Redis)."""
+    def run_jobs(self, pipeline: str, texts: list[str], params: dict[str, Any] | None = None,
+                 image_uris: list[str] | None = None) -> list[Job]:
+        """POST every job through the API (job i: ``texts[i]``, and ``image_uris[i]`` as its image where
+        given), then wait for all; returns the final jobs (from Redis)."""
         assert self.poster and self.store
         poster = self.poster
+        inputs = [{"prompt": t} if image_uris is None else {"prompt": t, "image": image_uris[i]}
+                  for i, t in enumerate(texts)]
 
-        def post(t: str) -> str:
-            code, body = poster.post("/v1/jobs", {"pipeline": pipeline, "input": {"prompt": t}, "params": params or {}})
+        def post(input_: dict[str, str]) -> str:
+            code, body = poster.post("/v1/jobs", {"pipeline": pipeline, "input": input_, "params": params or {}})
             if code != 202:
                 raise RuntimeError(f"submit {pipeline}: {code} {body.decode(errors='replace')}")
             return str(json.loads(body)["id"])
@@ -343,7 +390,7 @@ class Bench:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(min(8, len(texts))) as pool:  # clients submit concurrently
-            ids = list(pool.map(post, texts))
+            ids = list(pool.map(post, inputs))
         deadline = time.monotonic() + 900
         pending = list(ids)
         finished: dict[str, Job] = {}
@@ -367,11 +414,13 @@ class Bench:
         return jobs
 
     def system_rep(self, pipeline: str, rep: int, arm: Arm, params: dict[str, Any] | None = None,
-                   salt: int = 0) -> list[Job]:
-        """One repetition of N jobs through the API; adds its figures to ``arm``."""
-        # every arm of a row gets the same prompts in a repetition (direct_rep too): the same work. Each
-        # arm runs in its own process, so no arm finds another's prompts in its prefix cache.
+                   salt: int = 0, with_images: bool = False) -> list[Job]:
+        """One repetition of N jobs through the API (``with_images``: each with its image); adds its
+        figures to ``arm``."""
+        # every arm of a row gets the same prompts (and images) in a repetition (direct_rep too): the same
+        # work. Each arm runs in its own process, so no arm finds another's prompts in its prefix cache.
         texts = prompts(self.n, rep + salt)
+        image_uris = [data_uri(png) for png in images(self.n, rep + salt)] if with_images else None
         nodes = [] if pipeline.endswith("-naive") else ([node for _, node, _ in self.b_nodes()] if pipeline.endswith("-b")
                                                         else self.stage_nodes(("ar", "dit")))
         batches_before = {n: self.batch_totals(n) for n in nodes}
@@ -379,7 +428,7 @@ class Bench:
         # ~25 ms per read and the worker its render, outside the repetition's window
         calls_before, wakeups_before = self.redis_calls(), self.wakeups()
         cpu_before = self.cpu_times()
-        jobs = self.run_jobs(pipeline, texts, params)
+        jobs = self.run_jobs(pipeline, texts, params, image_uris)
         cpu_after = self.cpu_times()
         arm.redis_calls += self.redis_calls() - calls_before
         arm.add_wakeups(wakeups_before, self.wakeups())
@@ -514,9 +563,10 @@ class Bench:
         as_engine_process()  # as workers/app.py does; the parent gave this child the environment
         from omni_jobs.engines.ar import AREngine
 
-        self._ar = AREngine(resolve_model(AR_MODEL, self.models_dir),
-                            engine_args=ar_engine_args(self.args.batch))
-        dit = self._dit(w.dit_model) if w.kind != "ar" else None
+        vlm = w.kind == "vlm"
+        self._ar = AREngine(resolve_model(VLM_MODEL if vlm else AR_MODEL, self.models_dir),
+                            engine_args=ar_engine_args(self.args.batch, blocks=2 if vlm else 1))
+        dit = self._dit(w.dit_model) if w.kind in ("dit", "multi") else None
         self._warm_up(w, dit)  # as the system's warm-up jobs do: no arm pays first-call costs
         _reply({"ready": True})
         for line in sys.stdin:
@@ -529,6 +579,7 @@ class Bench:
         """One repetition of the same work as N jobs, by direct engine calls."""
         part, parts = map(int, self.args.direct_part.split("/"))
         texts = prompts(self.n, rep)[part::parts]  # the system arm's prompts of this repetition (system_rep)
+        pngs = images(self.n, rep)[part::parts] if w.kind == "vlm" else []  # and its images
         cpu0 = time.process_time()
         t0 = time.perf_counter()
         stage: dict[str, float] = {}
@@ -539,6 +590,9 @@ class Bench:
             outs = self._ar._llm.generate(texts, SamplingParams(max_tokens=tokens, temperature=0.0), use_tqdm=False)
             texts = [o.outputs[0].text or "empty" for o in outs]
             stage["ar"] = time.perf_counter() - t0
+        if w.kind == "vlm":
+            self.generate_vlm(texts, pngs, f"d{rep}")
+            stage["ar"] = time.perf_counter() - t0
         if dit is not None:
             t1 = time.perf_counter()
             generate_images(dit, texts, w.size, self.args.steps, self.args.batch)
@@ -548,10 +602,24 @@ class Bench:
         return {"jobs_per_s": len(texts) / elapsed, "latency": elapsed, "stage_s": stage,
                 "cpu_s": time.process_time() - cpu0}
 
+    def generate_vlm(self, texts: list[str], pngs: list[bytes], prefix: str) -> None:
+        """Image+text jobs by one direct engine call: each PNG decoded (as the system's worker decodes its
+        stored input), then every prompt with its image as ONE ``LLM.generate``, built as the AR engine
+        builds a stage's request (omni_jobs.engines.ar: the chat template, the image's placeholders,
+        ``multi_modal_data``), so that both arms hand vLLM the same inputs."""
+        from omni_jobs.artifacts import codecs
+        from omni_jobs.engines.ar import ARRequest, SamplingOptions
+
+        sampling = SamplingOptions(max_tokens=self.args.ar_tokens, temperature=0.0)
+        self._ar.generate([ARRequest(f"{prefix}-{i}", t, sampling, media={"image": [codecs.decode_png(png)]}, chat=True)
+                           for i, (t, png) in enumerate(zip(texts, pngs, strict=True))])
+
     def _warm_up(self, w: Workload, dit: Any) -> None:
         from vllm import SamplingParams
 
         n = min(self.args.batch, self.n)  # a full batch: the first call at a batch size allocates for it
+        if w.kind == "vlm":  # a repetition's call, as for text
+            self.generate_vlm(prompts(self.n, 999), images(self.n, 999), "warm")
         if w.kind in ("ar", "multi"):  # a repetition's call: after 4 tokens, the first ran 1.5-2x slower than the next
             tokens = self.args.ar_tokens if w.kind == "ar" else 16
             self._ar._llm.generate(prompts(self.n, 999), SamplingParams(max_tokens=tokens, temperature=0.0),
@@ -574,14 +642,20 @@ class Bench:
         drift (on a shared 2-core VM, speed moves by tens of % over minutes); the ratios are the
         medians of the per-repetition ratios."""
         print(f"\n== {w.name}: {self.n} jobs x {self.reps} reps", flush=True)
-        queues = {"ar": ["ar"], "dit": ["dit"], "multi": ["ar", "dit"]}[w.kind]
+        queues = {"ar": ["ar"], "vlm": ["ar"], "dit": ["dit"], "multi": ["ar", "dit"]}[w.kind]
+        with_images = w.kind == "vlm"
+
+        def warm_up(pipeline: str, n: int, rep: int) -> None:
+            uris = [data_uri(png) for png in images(n, rep)] if with_images else None
+            self.run_jobs(pipeline, [f"warm up {t}" for t in prompts(n, rep)], image_uris=uris)
+
         # warm-up: a full batch through the system, a job through the naive path: no arm pays first-call costs
-        self.run_jobs(w.pipeline, [f"warm up {t}" for t in prompts(min(self.args.batch, self.n), 998)])
+        warm_up(w.pipeline, min(self.args.batch, self.n), 998)
         if not self.args.no_naive:
-            self.run_jobs(w.pipeline + "-naive", ["warm up two"])
+            warm_up(w.pipeline + "-naive", 1, 996)
         direct, system, naive, b = Arm(), Arm(), Arm(), Arm()
         if self.args.ab is not None:
-            self.run_jobs(w.pipeline + "-b", [f"warm up {t}" for t in prompts(min(self.args.batch, self.n), 997)])
+            warm_up(w.pipeline + "-b", min(self.args.batch, self.n), 997)
         with self.direct_process(w) as child:
             for rep in range(self.reps):
                 idle_before = self.cpu_times()
@@ -598,12 +672,12 @@ class Bench:
                 for k, v in d["stage_s"].items():
                     direct.stage_s.setdefault(k, []).append(v)
                 if self.args.ab is not None and rep % 2:  # alternate which of the two goes first
-                    self.system_rep(w.pipeline + "-b", rep, b)
-                self.system_rep(w.pipeline, rep, system)
+                    self.system_rep(w.pipeline + "-b", rep, b, with_images=with_images)
+                self.system_rep(w.pipeline, rep, system, with_images=with_images)
                 if self.args.ab is not None and not rep % 2:
-                    self.system_rep(w.pipeline + "-b", rep, b)
+                    self.system_rep(w.pipeline + "-b", rep, b, with_images=with_images)
                 if not self.args.no_naive:
-                    self.system_rep(w.pipeline + "-naive", rep, naive)
+                    self.system_rep(w.pipeline + "-naive", rep, naive, with_images=with_images)
                 print(f"  rep {rep + 1}: direct {direct.jobs_per_s[-1]:.2f}, system {system.jobs_per_s[-1]:.2f}, "
                       + (f"B {b.jobs_per_s[-1]:.2f}, " if self.args.ab is not None else "")
                       + (f"naive {naive.jobs_per_s[-1]:.2f} " if naive.jobs_per_s else "") + "jobs/s", flush=True)

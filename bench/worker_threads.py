@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from bench.procfs import thread_cpu_s, thread_wakeups
-from bench.run import WORKLOADS, Bench, parse, prompts
+from bench.run import WORKLOADS, Bench, data_uri, images, parse, prompts
 from omni_jobs.local.devservices import exit_on_sigterm
 
 NATIVE = "native (no Python frames)"
@@ -76,17 +76,22 @@ def main(argv: list[str] | None = None) -> int:
                         "the first one's, per job it ran (~1/N of them)")
     args = p.parse_args(argv)
     (workload,) = [w for w in WORKLOADS if args.only in w.name]
-    worker = args.process or {"ar": "ar", "dit": "dit", "multi": "dit"}[workload.kind]
+    worker = args.process or {"ar": "ar", "vlm": "ar", "dit": "dit", "multi": "dit"}[workload.kind]
+
+    def job_images(rep: int) -> list[str] | None:  # the image+text row's inputs, made before any CPU is read
+        return [data_uri(png) for png in images(args.jobs, rep)] if workload.kind == "vlm" else None
+
     bench = Bench(parse(["--jobs", str(args.jobs), "--no-naive", "--engine-workers", str(args.engine_workers)]))
     try:
         bench.start()
         for rep in range(2):  # warm: first calls at each batch size, the prefix caches of the prompts
-            bench.run_jobs(workload.pipeline, prompts(args.jobs, 900 + rep))
+            bench.run_jobs(workload.pipeline, prompts(args.jobs, 900 + rep), image_uris=job_images(900 + rep))
+        uris = [job_images(rep) for rep in range(args.reps)]
         pid = bench.processes()[worker]
         names = thread_names(py_spy_dump(pid))
         procs_before, threads_before, woken_before = bench.cpu_times(), thread_cpu_s(pid), thread_wakeups(pid)
         for rep in range(args.reps):
-            bench.run_jobs(workload.pipeline, prompts(args.jobs, rep))
+            bench.run_jobs(workload.pipeline, prompts(args.jobs, rep), image_uris=uris[rep])
         procs_after, threads_after, woken_after = bench.cpu_times(), thread_cpu_s(pid), thread_wakeups(pid)
     finally:
         bench.stop()

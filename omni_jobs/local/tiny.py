@@ -481,11 +481,48 @@ def build_bench_pixart_sigma(path: Path) -> Path:
     return build_tiny_pixart(path, num_heads=16, head_dim=72, num_layers=28)
 
 
+def build_bench_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
+    """The benchmark's vision-language model: tiny:qwen2.5-vl's layout (Qwen2.5-VL-3B-Instruct's files,
+    tokenizer, processor and chat template; omni_jobs.local.tiny_multimodal) with the benchmark Llama's
+    text model, hidden 1024 x 8 layers (16 heads of 64), and a vision tower of 256 x 4 layers (4 heads of
+    64), so that the engine's compute, not the per-job work around it, sets the pace (build_bench_llama).
+    One LLM token per 28x28 pixels: a 224x224 image is 64 of them (the processor's most)."""
+    from omni_jobs.engines.torchvision_free import install
+
+    install()
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from omni_jobs.local import tiny_multimodal as tm
+
+    path = Path(path)
+    tokenizer = tm.qwen_tokenizer(tm.QWEN_VL_SPECIALS, tm.QWEN_VL_CHAT_TEMPLATE)
+    ids = tokenizer.convert_tokens_to_ids
+    text = {**tm._qwen_text_config(tm._padded(len(tokenizer)), tokenizer), "hidden_size": 1024,
+            "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 16}
+    vision = {**tm._qwen_vision_config(1024), "hidden_size": 256, "intermediate_size": 512, "num_heads": 4,
+              "depth": 4, "fullatt_block_indexes": [1, 3], "tokens_per_second": 2}
+    config = Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids("<|image_pad|>"),
+        video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
+        vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=False,
+    )
+    with _seeded(seed):
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tm.save_processor_files(path, "Qwen2_5_VLProcessor", tokenizer, tm._qwen_image_processor(),
+                            chat_template=tm.QWEN_VL_CHAT_TEMPLATE)
+    tm._generation_config(path, bos_token_id=text["bos_token_id"], pad_token_id=text["pad_token_id"],
+                          eos_token_id=[text["eos_token_id"], text["bos_token_id"]])
+    return path
+
+
 BENCH_MODELS: dict[str, Callable[[Path], Path]] = {
     "bench-llama-1024": build_bench_llama,
     "bench-pixart": build_bench_pixart,
     "bench-pixart-128": build_bench_pixart_small,
     "bench-pixart-sigma": build_bench_pixart_sigma,
+    "bench-qwen2.5-vl": build_bench_qwen2_5_vl,
 }
 """Larger random-weight models for bench/ (``tiny:bench-llama-1024``); built on demand, never by ``up``."""
 

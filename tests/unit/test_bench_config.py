@@ -8,7 +8,22 @@ from typing import Any
 
 import pytest
 
-from bench.run import WORKLOADS, Arm, Bench, DirectGroup, _cpu_split, engine_cores_env, parse, pipelines, table
+from bench.run import (
+    KV_BLOCK_BYTES,
+    VLM_MODEL,
+    WORKLOADS,
+    Arm,
+    Bench,
+    DirectGroup,
+    _cpu_split,
+    ar_engine_args,
+    data_uri,
+    engine_cores_env,
+    images,
+    parse,
+    pipelines,
+    table,
+)
 from omni_jobs.local import tiny
 from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.pipelines.catalogue import parse_pipeline
@@ -34,6 +49,42 @@ def test_every_benchmark_model_is_one_omni_jobs_tiny_builds(specs: dict[str, Any
     names = {s.model.removeprefix("tiny:") for spec in specs.values() for s in spec.stages}
     assert names <= set(tiny.TINY_MODELS) | set(tiny.BENCH_MODELS)
     assert {"bench-llama-1024", "bench-pixart-128", "bench-pixart"} <= names  # larger than the test models
+
+
+def test_the_vlm_row_posts_a_prompt_and_an_image_to_a_chat_stage_on_the_ar_worker(specs: dict[str, Any]) -> None:
+    (w,) = [w for w in WORKLOADS if w.kind == "vlm"]
+    spec = specs[w.pipeline]
+    assert {name: f.type for name, f in spec.inputs.items()} == {"prompt": "text", "image": "image"}
+    (stage,) = spec.stages
+    assert (stage.model, stage.engine, stage.queue, stage.id) == (VLM_MODEL, "ar", "ar", "ar")  # the AR row's worker
+    assert {port: (b.source, b.port) for port, b in stage.inputs.items()} == {"prompt": ("input", "prompt"),
+                                                                               "image": ("input", "image")}
+    assert stage.defaults["chat"] is True and stage.defaults["max_tokens"] == 32
+    assert VLM_MODEL.removeprefix("tiny:") in tiny.BENCH_MODELS
+    # two KV blocks a request (an image's 64 tokens, the chat template, the prompt and the new tokens)
+    assert stage.engine_args == ar_engine_args(32, blocks=2)
+    assert ar_engine_args(32, blocks=2)["kv_cache_memory_bytes"] == (2 * 32 + 8) * KV_BLOCK_BYTES
+    assert ar_engine_args(32) == {"max_num_seqs": 32, "kv_cache_memory_bytes": 40 * KV_BLOCK_BYTES}  # as before
+
+
+def test_the_vlm_rows_images_are_distinct_repeatable_pngs_the_api_takes_as_they_are() -> None:
+    import io
+
+    from PIL import Image
+
+    from omni_jobs.input_files import FileUpload, normalize_image, parse_file_value
+    from omni_jobs.pipelines.spec import InputField
+
+    first, again, other = images(4, rep=0), images(4, rep=0), images(4, rep=1)
+    assert first == again  # both arms (two processes) make the same repetition's images
+    assert len(set(first) | set(other)) == 8  # no two alike, within a repetition or across them
+    with Image.open(io.BytesIO(first[0])) as image:
+        assert (image.format, image.mode, image.size) == ("PNG", "RGB", (224, 224))
+    source = parse_file_value(data_uri(first[0]), InputField(type="image"))
+    assert isinstance(source, FileUpload) and source.data == first[0]
+    png, width, height = normalize_image(source.data)  # what the API stores: the same pixels
+    with Image.open(io.BytesIO(png)) as stored, Image.open(io.BytesIO(first[0])) as sent:
+        assert (width, height) == (224, 224) and stored.tobytes() == sent.tobytes()
 
 
 def test_table_prints_ratios_and_where_the_cpu_went() -> None:
