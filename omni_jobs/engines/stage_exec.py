@@ -159,9 +159,9 @@ def thinker_handover(engines: EnginePool, stage: StageSpec, params: ARParams, in
                      request_id: str, output: AROutput) -> StageValues:
     """The thinker outputs (THINKER_OUTPUTS) a generate stage lists, for the request that made ``output``:
     ``prompt_token_ids`` [L] int64, ``hidden_states`` [L + n, H] and ``token_embeds`` [L + n, H] float32 (n: the
-    reply's ``output.token_ids``, its end token included), ``prompt_positions`` [3, L] int64. Call it after the stage's generation with the same
-    ``params``, ``inputs`` and ``request_id``; it runs a second pass (the model's pooling engine) over prompt + reply
-    with the media. A stage that lists none of them gets {} and nothing runs."""
+    reply's ``output.token_ids``, its end token included), ``prompt_positions`` [3, L] int64. Call it after the
+    stage's generation with the same ``params``, ``inputs`` and ``request_id``; it runs a second pass (the model's
+    pooling engine) over prompt + reply with the media. A stage that lists none of them gets {} and nothing runs."""
     import torch
 
     wanted = [port for port in THINKER_OUTPUTS if port in stage.outputs]
