@@ -45,6 +45,9 @@ def fill_playground(page: Any, pipeline: str, prompt: str, values: dict[str, str
 
 
 def submit_and_open(page: Any) -> str:
+    # Leaving the last filled field re-renders its hint (the page moves): leave it first, as a person
+    # does before reaching for the button, so that the click lands where the button then is.
+    page.evaluate("document.activeElement && document.activeElement.blur()")
     page.click("#submit-job")
     page.wait_for_url(re.compile(r".*/ui/jobs/job_[0-9a-f]+$"))
     return str(page.url.rsplit("/", 1)[-1])
