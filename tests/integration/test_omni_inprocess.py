@@ -73,8 +73,10 @@ def test_package_level_api_runs_text_to_image(settings: Settings, engines: Engin
     assert_settled(store, result.job.id)
     steps = [e.data["step"] for e in events if e.type == "stage.progress" and e.data["stage"] == "dit"]
     assert steps and steps[-1] == 3  # diffusion progress reached the last step
-    # The files are where a worker would have written them.
-    assert (settings.artifacts_dir / "jobs" / result.job.id / "outputs" / "image.png").read_bytes() == result["image"].data
+    # The files are where the job's record says: under its outputs (a results step's attempt has keys of its own).
+    key = result["image"].entry.artifact.key
+    assert key.startswith(f"jobs/{result.job.id}/outputs/") and key.endswith("/image.png")
+    assert (settings.artifacts_dir / key).read_bytes() == result["image"].data
 
 
 def test_llm_conditioned_image_and_latents(settings: Settings, engines: EnginePool, store: MemoryJobStore) -> None:
