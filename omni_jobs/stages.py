@@ -31,9 +31,12 @@ from omni_jobs.engines.stage_exec import (
     StageValues,
     ar_engine_args,
     ar_request,
+    execute_code2wav,
     execute_dit,
     execute_encode,
+    execute_talk,
     execute_transcribe,
+    thinker_handover,
 )
 from omni_jobs.errors import JobAlreadyFinished, JobNotFound, StageError, TransientStageError
 from omni_jobs.followed import Ask, FollowedJobs
@@ -482,8 +485,14 @@ class StageRunner:
             if stage.engine == "ar" and stage.task_name == "transcribe":
                 return execute_transcribe(self.engines, stage, stage.params(params), inputs, request_id, progress,
                                           policy=policy)
+            if stage.engine == "ar" and stage.task_name == "talk":
+                return execute_talk(self.engines, stage, stage.params(params), inputs, request_id, progress,
+                                    policy=policy)
             if stage.engine == "ar":
                 return execute_encode(self.engines, stage, stage.params(params), inputs, request_id, progress)
+            if stage.task_name == "code2wav":
+                return execute_code2wav(self.engines, stage, stage.params(params), inputs, request_id, progress,
+                                        policy=policy)
             return execute_dit(self.engines, stage, stage.params(params), inputs, request_id, progress, policy=policy,
                                preview=self._preview_publisher(job, stage, lease))
         except (JobCanceled, StageError):
@@ -502,7 +511,8 @@ class StageRunner:
                                  policy=policy, on_text=deltas.update if deltas is not None else None)
             if deltas is not None:
                 self._finish_text(deltas, output.text, job, tail)
-            return _ar_values(output)
+            handover = thinker_handover(self.engines, stage, params, inputs, f"{job.id}:{stage.id}", output)
+            return {**_ar_values(output), **handover}
         finally:
             if deltas is not None:
                 self.text_streams.discard(deltas)
