@@ -31,8 +31,8 @@ from omni_jobs.local.tiny import LLAMA_HIDDEN_SIZE
 from omni_jobs.omni import Omni, OmniResult
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.settings import Settings
-from tests.e2e.conftest import models_dir
 from tests import media_files
+from tests.e2e.conftest import models_dir
 from tests.e2e.helpers import wait_for_job
 
 

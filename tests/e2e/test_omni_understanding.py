@@ -17,8 +17,11 @@ import numpy as np
 from PIL import Image
 
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, codecs
-from tests.e2e.test_omni_pipelines import by_name, download, run_queued, system_artifacts  # noqa: F401 (fixture)
+from tests.e2e import test_omni_pipelines
+from tests.e2e.test_omni_pipelines import by_name, download, run_queued
 from tests.media_files import mp4, wav
+
+system_artifacts = test_omni_pipelines.system_artifacts  # the system's artifact store (a module fixture)
 
 
 def _data_uri(data: bytes, media_type: str) -> str:
