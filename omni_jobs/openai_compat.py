@@ -634,6 +634,7 @@ def request_schema(name: str, base: JsonObject, catalogue: PipelineCatalogue, li
             continue
         modalities = None if endpoint.modality else _modalities_within(offered)
         route = _route(base, spec, endpoint, limits, {"const": spec.name}, modalities)
+        _with_required(route, "model")  # a body without a model is not this route (the routes of other names take it)
         if modalities is not None and "text" not in offered:  # the default, ['text'], is not one
             _with_required(route, "modalities")
         routes.append(route)
