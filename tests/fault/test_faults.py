@@ -179,7 +179,7 @@ def test_sigkill_dit_worker_during_an_s3_upload(faults: FaultSystem, api: httpx.
     done = wait_for_job(api, job["id"], timeout_s=180)
     assert done["status"] == "succeeded" and done["stages"][1]["attempts"] == 2
     recorded = done["stages"][1]["outputs"]["image"]["key"]
-    assert recorded == f"jobs/{job['id']}/outputs/image.png"  # the whole file the second attempt wrote
+    assert recorded == f"jobs/{job['id']}/outputs/dit.2/image.png"  # the whole file the second attempt wrote, under its keys
     duplicated = duplicates(faults, [done], outputs_per_job=2)
     assert duplicated == 0
     report("SIGKILL DiT worker during an S3 upload", [done], duplicated, done["completed_at"] - killed_at)
