@@ -296,10 +296,10 @@ def read_rows(model_dir: str | Path, tensor: str, rows: Iterable[int]) -> torch.
     import torch
     from safetensors import safe_open
 
-    from omni_jobs.engines.projection import _shards
+    from omni_jobs.engines.projection import safetensors_shards
 
     wanted = list(rows)
-    for shard in _shards(Path(model_dir), tensor):
+    for shard in safetensors_shards(Path(model_dir), tensor):
         with safe_open(str(shard), framework="pt") as f:
             if tensor in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 table = f.get_slice(tensor)

@@ -45,7 +45,7 @@ class Projection:
             return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias)
 
 
-def _shards(root: Path, tensor: str) -> list[Path]:
+def safetensors_shards(root: Path, tensor: str) -> list[Path]:
     """The safetensors files that may hold ``tensor``: the one the index names, or every file."""
     index = root / "model.safetensors.index.json"
     if index.is_file():
@@ -58,7 +58,7 @@ def _shards(root: Path, tensor: str) -> list[Path]:
 def _read(root: Path, tensor: str) -> torch.Tensor | None:
     from safetensors import safe_open
 
-    for shard in _shards(root, tensor):
+    for shard in safetensors_shards(root, tensor):
         with safe_open(str(shard), framework="pt") as f:
             if tensor in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 found: torch.Tensor = f.get_tensor(tensor)
