@@ -15,12 +15,6 @@ cleanup, one pass at a time under a lock. It:
   worker that died before starting it). A duplicate is harmless: the ledger starts each attempt once.
 
 So recovery takes seconds (``lease_s`` plus a reaper pass), not the broker's visibility timeout.
-
-While Redis is away nobody can renew, so every lease runs out; once it is back, the keepers of the
-live workers renew theirs within a second. The reaper leaves expired leases alone for ``lease_s``
-after the store comes back (seen by its own failed passes, or by the server's uptime, for a process
-that did not see the outage), so that it takes back only the steps whose workers did not renew them:
-it took live workers' steps, which then ran again.
 """
 
 from __future__ import annotations
@@ -41,9 +35,6 @@ from omni_jobs.jobs.models import now
 from omni_jobs.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
-
-RETRY_RENEW_S = 0.5
-"""How soon a keeper tries again after a renewal failed (Redis away), instead of a third of a lease."""
 
 
 def lease_owner(worker: str) -> str:
@@ -112,18 +103,12 @@ class LeaseKeeper:
             self._thread.start()
 
     def _loop(self) -> None:
-        pause = self.every_s
         while True:
-            time.sleep(pause)
+            time.sleep(self.every_s)
             try:
                 self.renew_now()
-                pause = self.every_s
             except Exception as exc:  # noqa: BLE001 - Redis away: the leases keep until they expire; try again
-                # soon: renewed as soon as the store is back, within the reaper's grace (Reaper)
-                if pause == self.every_s:
-                    log.warning("cannot renew leases (%s: %s); retrying every %.1fs", type(exc).__name__, exc,
-                                min(self.every_s, RETRY_RENEW_S))
-                pause = min(self.every_s, RETRY_RENEW_S)
+                log.warning("cannot renew leases (%s: %s); retrying in %.1fs", type(exc).__name__, exc, self.every_s)
 
 
 @dataclass
@@ -150,19 +135,12 @@ class ReapReport:
 class Reaper:
     def __init__(self, ledger: JobLedger, store: JobStore, *, owner: str, queues: Callable[[], Iterable[str]],
                  queue_depth: Callable[[str], int] | None = None, dispatch_timeout_s: float = 20.0,
-                 backlog_timeout_s: float = 3600.0, interval_s: float = 2.0, batch: int = 100,
-                 grace_s: float | None = None) -> None:
+                 backlog_timeout_s: float = 3600.0, interval_s: float = 2.0, batch: int = 100) -> None:
         """``queue_depth``: messages waiting in the broker for a queue (None: no dispatch watchdog).
         A step sent and not started is sent again after ``dispatch_timeout_s`` once its queue is empty,
         and after ``backlog_timeout_s`` even behind a backlog (the broker keeps no copy of a message a
-        worker took: see omni_jobs.queueing); a copy that was not lost after all is skipped.
-        ``grace_s``: how long after the store comes back expired leases are left to their keepers
-        (default: the ledger's lease, three of their renewals)."""
+        worker took: see omni_jobs.queueing); a copy that was not lost after all is skipped."""
         self.ledger = ledger
-        self.grace_s = ledger.lease_s if grace_s is None else grace_s
-        self._back_at = float("-inf")
-        """When this process's passes found the store again after failing (monotonic); -inf: never failed."""
-        self._failing = False
         self.store = store
         self.owner = owner
         self.queues = queues
@@ -175,35 +153,12 @@ class Reaper:
         self._stop = threading.Event()
 
     def run_once(self) -> ReapReport:
-        try:
-            return self._pass()
-        except Exception:
-            self._failing = True
-            raise
-
-    def _store_back_lately(self) -> bool:
-        """Whether the store came back from an outage less than ``grace_s`` ago: seen by this process's
-        own passes, or by the server's uptime (one restarted from its AOF, for a process that started
-        during the outage or whose passes fell between its failures)."""
-        if time.monotonic() - self._back_at < self.grace_s:
-            return True
-        uptime = self.store.server_uptime_s()
-        return uptime is not None and uptime < self.grace_s
-
-    def _pass(self) -> ReapReport:
         report = ReapReport()
         # One pass per interval across all processes. The lock saves work, not correctness: every
         # transition below is guarded, so two overlapping passes cannot both take a slot back.
         if not self.store.try_lock(keys.REAPER_LOCK, self.owner, max(0.2, self.interval_s * 0.9)):
             return report
-        if self._failing:  # the store answers again: its keepers renew what their live workers hold
-            self._failing = False
-            self._back_at = time.monotonic()
-            log.info("reaper: the job store answers again; expired leases wait %.0fs for their keepers", self.grace_s)
-        expired = self.store.expired_leases(now=now(), limit=self.batch)
-        if expired and self._store_back_lately():
-            expired = []  # an outage let them run out: left to their keepers until the grace ends
-        for slot in expired:
+        for slot in self.store.expired_leases(now=now(), limit=self.batch):
             report.count(self.ledger.expire(slot), slot)
         for job_id in cancel_overdue(self.ledger, at=now(), limit=self.batch):
             report.canceled += 1

@@ -333,9 +333,6 @@ class MemoryJobStore:
                                       rank(keys.queue_ready(record.queue, job.tenant), entry),
                                       len(self._zset(keys.queue_tenants(record.queue)))])
 
-    def server_uptime_s(self) -> float | None:
-        return None  # in the process: it is never away
-
     def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
         with self._changed:
             if self._string(name) is not None:

@@ -145,9 +145,6 @@ class JobStore(Protocol):
         ...
     def queue_position(self, job: Job) -> int | None: ...
     def try_lock(self, name: str, owner: str, ttl_s: float) -> bool: ...
-    def server_uptime_s(self) -> float | None:
-        """How long the store's server has run (a Redis restarted from its AOF is young); None: unknown."""
-        ...
     def throttle(self, name: str, interval_s: float) -> bool:
         """True at most once per ``interval_s`` for ``name``, across all processes."""
         ...
@@ -861,11 +858,6 @@ class RedisJobStore:
         with self.redis.pipeline(transaction=False) as pipe:
             _read_position(pipe, job, record)
             return estimate_position(pipe.execute())
-
-    def server_uptime_s(self) -> float | None:
-        info = self.redis.info("server")
-        uptime = info.get("uptime_in_seconds") if isinstance(info, dict) else None
-        return float(uptime) if uptime is not None else None
 
     def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
         return bool(self.redis.set(name, owner, nx=True, px=max(1, int(ttl_s * 1000))))
