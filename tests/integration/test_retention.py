@@ -14,6 +14,7 @@ from omni_jobs.jobs.ledger import Acquired, JobLedger
 from omni_jobs.jobs.models import EventType, Job, JobStatus, StageStatus, now
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.leases import Reaper
+from omni_jobs.local.devservices import RunningService
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.retention import cleanup
 from omni_jobs.scheduling import Scheduler
@@ -94,9 +95,12 @@ def test_cleanup_removes_expired_jobs_and_intermediates_and_cancels_overdue(
     assert later.intermediates_deleted == 1 and not (tmp_path / "jobs" / old_running / "stages").exists()
 
 
-def test_cleanup_brings_back_the_steps_of_dead_workers(redis_client: redis.Redis, tmp_path: Path) -> None:
+def test_cleanup_brings_back_the_steps_of_dead_workers(redis_service: RunningService, tmp_path: Path) -> None:
     """With no worker left to run a reaper, cleanup's pass does: an expired lease queues the next
-    attempt; a waiting step whose message the broker lost is published again."""
+    attempt; a waiting step whose message the broker lost is published again. On a DB of its own: a
+    relay another test left on DB 0 would publish the outbox under this test's feet."""
+    redis_client = redis.Redis.from_url(f"redis://127.0.0.1:{redis_service.port}/12")
+    redis_client.flushdb()
     store = RedisJobStore(redis_client, ttl_s=3600)
     ledger = JobLedger(store, lease_s=0.05)
     artifacts = ArtifactStore(LocalBackend(tmp_path))
