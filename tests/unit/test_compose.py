@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from omni_jobs.steps import STAGE_QUEUES
+
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
 COMPOSE_CPU = ROOT / "compose.cpu.yaml"
@@ -27,15 +29,22 @@ ENV_EXAMPLE = ROOT / ".env.example"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
-OMNI_SERVICES = ("models", "api", "ar-worker", "dit-worker", "results-worker", "webhooks-worker", "flower")
-WORKERS = {"ar-worker": "ar", "dit-worker": "dit", "results-worker": "results", "webhooks-worker": "webhooks"}
-GPU_WORKERS = ("ar-worker", "dit-worker")
+# Every stage queue (omni_jobs.steps.STAGE_QUEUES) has a GPU worker service of its own, `<queue>-worker`,
+# so that each scales on its own; Qwen2.5-Omni's speech stages run on `talker` and `code2wav`.
+SPEECH_QUEUES = ("talker", "code2wav")
+STAGE_WORKER_QUEUES = tuple(dict.fromkeys((*STAGE_QUEUES, "ar", "dit", *SPEECH_QUEUES)))
+GPU_WORKERS = tuple(f"{queue}-worker" for queue in STAGE_WORKER_QUEUES)
+WORKERS = {**{f"{queue}-worker": queue for queue in STAGE_WORKER_QUEUES},
+           "results-worker": "results", "webhooks-worker": "webhooks"}
+OMNI_SERVICES = ("models", "api", *GPU_WORKERS, "results-worker", "webhooks-worker", "flower")
 
 # The commands the images run, fixed by the lead.
 EXPECTED_COMMANDS = {
     "api": "uvicorn api.main:app --host 0.0.0.0 --port 8000 --forwarded-allow-ips ${OMNI_FORWARDED_ALLOW_IPS:-*}",
     "ar-worker": "celery -A workers.app:app worker -Q ar -P threads -c 16 -n ar@%h --loglevel INFO",
     "dit-worker": "celery -A workers.app:app worker -Q dit -P threads -c 16 -n dit@%h --loglevel INFO",
+    "talker-worker": "celery -A workers.app:app worker -Q talker -P threads -c 16 -n talker@%h --loglevel INFO",
+    "code2wav-worker": "celery -A workers.app:app worker -Q code2wav -P threads -c 16 -n code2wav@%h --loglevel INFO",
     "results-worker": "celery -A workers.app:app worker -Q results -c 2 -n results@%h --loglevel INFO",
     "webhooks-worker": "celery -A workers.app:app worker -Q webhooks -P threads -c 8 -n webhooks@%h --loglevel INFO",
     "models": "omni-jobs tiny build --out /models",
@@ -195,7 +204,7 @@ def test_no_secret_is_written_literally(services):
                 assert value and INTERPOLATION.fullmatch(value), f"{name}.{key} is a literal secret"
 
 
-@pytest.mark.parametrize("name", ["api", "ar-worker", "dit-worker", "results-worker", "webhooks-worker", "flower"])
+@pytest.mark.parametrize("name", ["api", *WORKERS, "flower"])
 def test_long_running_services_restart(services, name):
     assert services[name].get("restart") in ("unless-stopped", "always", "on-failure"), name
 
@@ -291,10 +300,42 @@ def test_api_command_port_and_healthcheck(services):
 @pytest.mark.parametrize(("name", "queue"), sorted(WORKERS.items()))
 def test_worker_listens_on_its_queue(services, name, queue):
     args = argv(services[name])
-    assert " ".join(args) == EXPECTED_COMMANDS[name]
+    expected = EXPECTED_COMMANDS.get(name, f"celery -A workers.app:app worker -Q {queue} -P threads -c 16 "
+                                           f"-n {queue}@%h --loglevel INFO")  # a stage queue added later
+    assert " ".join(args) == expected
     assert option_value(args, "-Q") == queue
     assert option_value(args, "-n") == f"{queue}@%h"
     assert f"{queue}@$$HOSTNAME" in healthcheck_text(services[name]), "healthcheck pings this worker"
+
+
+@pytest.mark.parametrize("queue", STAGE_WORKER_QUEUES)
+def test_stage_workers_run_the_command_doctor_suggests(services, queue):
+    """`omni-jobs doctor` and /readyz tell the operator to start `worker_command(queue)` for a queue
+    without a worker: the compose service runs that same worker."""
+    from omni_jobs.checks import worker_command
+
+    assert " ".join(argv(services[f"{queue}-worker"])) == f"{worker_command(queue)} --loglevel INFO"
+
+
+def test_every_queue_the_api_waits_for_has_a_worker_that_always_runs(services, cpu_override):
+    """The API's healthcheck is /readyz, which needs a live worker on every queue of the built-in
+    catalogue (results and webhooks too): each of them has a worker outside any profile, in
+    compose.yaml and in the CPU stack, or `up --wait` never returns."""
+    from omni_jobs.checks import required_queues
+    from omni_jobs.pipelines.catalogue import load_catalogue
+
+    wanted = required_queues(load_catalogue()) | {"webhooks"}
+    assert set(SPEECH_QUEUES) <= set(WORKERS.values())
+
+    def always_running(stack: dict) -> set[str]:
+        return {option_value(argv(svc), "-Q") for svc in stack.values()
+                if not svc.get("profiles") and svc.get("command") and argv(svc)[:4] == [
+                    "celery", "-A", "workers.app:app", "worker"]}
+
+    assert wanted <= always_running(services), f"no compose worker for {sorted(wanted - always_running(services))}"
+    over = cpu_override["services"]
+    cpu_stack = {name: {**services.get(name, {}), **over.get(name, {})} for name in {*services, *over}}
+    assert wanted <= always_running(cpu_stack), f"no CPU worker for {sorted(wanted - always_running(cpu_stack))}"
 
 
 @pytest.mark.parametrize("name", GPU_WORKERS)
@@ -526,7 +567,7 @@ def test_cpu_override_runs_each_stage_queue_on_a_cpu_worker(cpu_override, servic
 
 def test_cpu_override_builds_every_omni_image_offline_from_the_debian_base(cpu_override, services):
     over = cpu_override["services"]
-    for name in (*[n for n in OMNI_SERVICES if n not in GPU_WORKERS], "beat", "ar-worker-cpu", "dit-worker-cpu"):
+    for name in (*[n for n in OMNI_SERVICES if n not in GPU_WORKERS], "beat", *[f"{n}-cpu" for n in GPU_WORKERS]):
         service = over[name]
         assert service["image"] == "${OMNI_CPU_IMAGE:-omni-jobs:cpu}", name
         args = service["build"]["args"]
@@ -562,9 +603,9 @@ def test_merged_cpu_stack_has_every_queue_and_no_device(tmp_path, compose):
     assert "devices" not in json_dump(active), "an active service still reserves a GPU"
     queues = {option_value(argv(svc), "-Q") for svc in active.values() if argv(svc)[:4] == [
         "celery", "-A", "workers.app:app", "worker"]}
-    assert queues == {"ar", "dit", "results", "webhooks"}, queues
+    assert queues == set(WORKERS.values()), queues
     shared = {k: str(v) for k, v in compose["x-omni-env"].items()}
-    for name in ("ar-worker-cpu", "dit-worker-cpu"):
+    for name in (f"{n}-cpu" for n in GPU_WORKERS):
         env = {k: str(v) for k, v in merged[name]["environment"].items()}
         assert set(env) == set(shared) | {"OMNI_DEVICE"}, name
         assert merged[name]["image"] == "omni-jobs:cpu" and merged[name]["init"] is True

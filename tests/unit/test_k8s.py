@@ -28,6 +28,7 @@ import yaml
 
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.settings import Settings
+from omni_jobs.steps import STAGE_QUEUES
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -44,6 +45,8 @@ PROMETHEUS_TRIGGER_KEYS = {
     "customHeaders", "ignoreNullValues", "unsafeSsl", "awsRegion", "timeout", "identityOwner",
 }
 SCALED_WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+# Qwen2.5-Omni's speech stages: the talker and code2wav run on queues of their own, each scaled on its own.
+SPEECH_QUEUES = ("talker", "code2wav")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,8 +139,9 @@ def config_env(overlay: str) -> dict[str, str]:
 
 
 def stage_queues() -> set[str]:
-    """The queues the built-in catalogue's stages run on (results/webhooks are not stages)."""
-    return {q for spec in load_catalogue() for q in spec.queues()}
+    """The queues stages run on (results/webhooks are not stages): every queue of the built-in
+    catalogue's stages, every stage queue omni_jobs.steps knows, and the speech stages' queues."""
+    return {q for spec in load_catalogue() for q in spec.queues()} | set(STAGE_QUEUES) | set(SPEECH_QUEUES)
 
 
 def scaled_objects(overlay: str) -> dict[str, dict[str, Any]]:
@@ -261,7 +265,7 @@ def test_the_keda_check_rejects_a_misspelt_field():
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_stage_queue_has_one_scaled_worker_deployment(overlay):
     queues = stage_queues()
-    assert queues >= {"ar", "dit"}, queues
+    assert queues >= {"ar", "dit", *SPEECH_QUEUES}, queues
     sos = scaled_objects(overlay)
     assert set(sos) == queues, f"ScaledObjects for {sorted(sos)}, stage queues {sorted(queues)}"
     for queue in queues:
@@ -405,7 +409,7 @@ def test_one_worker_per_queue_with_the_compose_commands(overlay):
             queues[queue] = command
             assert option(command, "-n") == f"{queue}@%h"
     assert set(queues) == stage_queues() | {"results", "webhooks"}
-    for queue in ("ar", "dit", "webhooks"):
+    for queue in (*sorted(stage_queues()), "webhooks"):
         assert queues[queue] == compose[f"{queue}-worker"], f"{queue}: k8s and compose run different workers"
     # One process per pod: the results worker runs solo (compose's prefork -c 2 is two of them).
     assert option(queues["results"], "-P") == "solo"
@@ -437,6 +441,31 @@ def test_every_worker_gets_time_to_finish_and_a_metrics_port(overlay):
         assert {"name": "metrics", "containerPort": int(config_env(overlay)["OMNI_METRICS_PORT"])} in c["ports"]
         annotations = deployment["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/port"] == config_env(overlay)["OMNI_METRICS_PORT"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlays_patch_every_stage_worker_alike(overlay):
+    """An overlay patches the stage workers by label (omni-jobs/queue in (...)): a queue left out of
+    the selector would keep the base's sizing, so every stage worker's pod and ScaledObject must
+    come out the same, less the queue's own names."""
+    sos = scaled_objects(overlay)
+
+    def shape(queue: str) -> dict[str, Any]:
+        worker = worker_for(overlay, queue)
+        spec = pod_spec(worker)
+        so = sos[queue]["spec"]
+        return {
+            "resources": main_container(worker)["resources"],
+            "init": [c["resources"] for c in spec.get("initContainers", [])],
+            "nodeSelector": spec.get("nodeSelector"), "tolerations": spec.get("tolerations"),
+            "grace": spec["terminationGracePeriodSeconds"], "volumes": spec.get("volumes"),
+            "scaledObject": {k: v for k, v in so.items() if k not in ("scaleTargetRef", "triggers")},
+            "trigger": {k: v for k, v in so["triggers"][0]["metadata"].items() if k != "query"},
+        }
+
+    reference = shape("ar")
+    for queue in sorted(stage_queues()):
+        assert shape(queue) == reference, f"{overlay}: the {queue} worker is not patched like the ar worker"
 
 
 def _gpus(container: dict[str, Any]) -> dict[str, str]:

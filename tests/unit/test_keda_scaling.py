@@ -32,6 +32,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from omni_jobs.steps import STAGE_QUEUES
+
 ROOT = Path(__file__).resolve().parents[2]
 KEDA_YAML = ROOT / "deploy" / "k8s" / "base" / "keda.yaml"
 HPA_SYNC_S = 15          # kube-controller-manager --horizontal-pod-autoscaler-sync-period
@@ -39,6 +41,8 @@ HPA_TOLERANCE = 0.1      # --horizontal-pod-autoscaler-tolerance
 SCRAPE_S = 15            # Prometheus scrape interval of the API
 STAGE_S = 20             # one DiT stage on a GPU, seconds
 READY_S = 60             # a new worker loads its engines before it takes work
+# Every stage queue has a ScaledObject of its own (Qwen2.5-Omni's talker and code2wav included).
+SCALED_QUEUES = tuple(dict.fromkeys((*STAGE_QUEUES, "ar", "dit", "talker", "code2wav")))
 
 
 @dataclass
@@ -285,3 +289,10 @@ def test_a_waiting_only_metric_scales_busy_workers_away_and_flaps(replays):
     print(f"\nwaiting + running: {ours.activations} activation(s), {len(ours.short_scale_downs)} scale-downs below "
           f"the work, p95 queue wait {p95(ours.waits)} s; waiting only: {llen.activations} activations, "
           f"{len(llen.short_scale_downs)} scale-downs below the work, p95 queue wait {p95(llen.waits)} s")
+
+
+@pytest.mark.parametrize("queue", SCALED_QUEUES)
+def test_every_stage_queue_scales_by_the_rule_replayed_here(queue):
+    """The replay reads the dit ScaledObject; every stage queue's own ScaledObject (its worker
+    Deployment scaled apart from the others) sets the same rule, so what is shown holds for each."""
+    assert Rule.from_manifest(queue) == Rule.from_manifest("dit"), f"{queue}: a scaling rule of its own"
