@@ -34,6 +34,7 @@ from omni_jobs.engines.stage_exec import (
     execute_code2wav,
     execute_dit,
     execute_encode,
+    execute_recite,
     execute_talk,
     execute_transcribe,
     thinker_handover,
@@ -485,6 +486,8 @@ class StageRunner:
             if stage.engine == "ar" and stage.task_name == "transcribe":
                 return execute_transcribe(self.engines, stage, stage.params(params), inputs, request_id, progress,
                                           policy=policy)
+            if stage.engine == "ar" and stage.task_name == "recite":
+                return execute_recite(self.engines, stage, stage.params(params), inputs, request_id, progress)
             if stage.engine == "ar" and stage.task_name == "talk":
                 return execute_talk(self.engines, stage, stage.params(params), inputs, request_id, progress,
                                     policy=policy)

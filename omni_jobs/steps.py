@@ -27,14 +27,16 @@ CLEANUP_TASK = "omni.cleanup"
 RESULTS_QUEUE = "results"
 WEBHOOKS_QUEUE = "webhooks"
 
-WORKER_QUEUES: dict[str, str] = {"ar": "threads", "dit": "threads", "results": "solo", "webhooks": "threads"}
+WORKER_QUEUES: dict[str, str] = {"ar": "threads", "dit": "threads", "talker": "threads", "code2wav": "threads",
+                                  "results": "solo", "webhooks": "threads"}
 """Queue -> Celery pool. Stage workers run threads: one engine per process, loaded once, vLLM in
 single-process mode (VLLM_ENABLE_V1_MULTIPROCESSING=0: no engine-core child to start or lose),
 and several jobs in flight whose engine calls the batcher (omni_jobs.engines.batching) turns into one
 batch. Webhook deliveries wait on other people's servers, so they run in threads, several at once."""
 
-STAGE_QUEUES = ("ar", "dit")
-"""Queues whose worker runs OMNI_STAGE_MAX_IN_FLIGHT tasks at once (the batch the engine sees)."""
+STAGE_QUEUES = ("ar", "dit", "talker", "code2wav")
+"""Queues whose worker runs OMNI_STAGE_MAX_IN_FLIGHT tasks at once (the batch the engine sees). ``talker`` and
+``code2wav``: Qwen2.5-Omni's speech stages, each on a queue of its own so that it scales on its own."""
 
 
 class StepKind(str, Enum):

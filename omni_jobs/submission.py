@@ -78,6 +78,8 @@ def _check_input_value(name: str, field: InputField, value: object) -> list[Fiel
             return [FieldError(loc, "must not be empty", "missing")]
         if field.max_length is not None and len(value) > field.max_length:
             return [FieldError(loc, f"is {len(value)} characters; at most {field.max_length}", "too_long")]
+        if field.choices is not None and value not in field.choices:
+            return [FieldError(loc, f"is {value!r}; one of {', '.join(field.choices)}", "not_a_choice")]
         if not value.isascii():
             try:
                 value.encode("utf-8")
@@ -163,6 +165,9 @@ def input_field_schema(field: InputField, *, max_text_chars: int | None = None) 
     if field.type != "text":
         return {"type": field.type}
     schema: JsonObject = {"type": "string"}
+    if field.choices is not None:
+        schema["enum"] = list(field.choices)
+        return schema
     caps = [n for n in (field.max_length, max_text_chars) if n is not None]
     if caps:
         schema["maxLength"] = min(caps)

@@ -25,7 +25,7 @@ from omni_jobs.errors import FieldError
 from omni_jobs.pipelines.params import bounds_in_words, number_in_words
 from omni_jobs.pipelines.spec import PipelineSpec, StageSpec
 
-Kind = Literal["textarea", "text", "integer", "number", "checkbox", "file", "url"]
+Kind = Literal["textarea", "text", "integer", "number", "checkbox", "file", "url", "select"]
 
 LONG_TEXT = 200
 """Text fields allowing more than this many characters (or with no limit) are text areas."""
@@ -59,6 +59,8 @@ class FormField:
     max_bytes: int | None = None
     file_type: str | None = None
     """For a file field: image, audio or video (what it accepts, and how a chosen file is previewed)."""
+    choices: tuple[str, ...] = ()
+    """For a select: the values offered (a voice, say)."""
     error: str | None = None
 
     @property
@@ -223,6 +225,8 @@ def _param_field(stage: StageSpec, name: str, prop: dict[str, Any], required: bo
         kind = "number"
     elif json_type == "boolean":
         kind = "checkbox"
+    elif isinstance(branch.get("enum"), list):
+        kind = "select"
     else:
         max_length = branch.get("maxLength")
         kind = "textarea" if max_length is None or max_length > LONG_TEXT else "text"
@@ -232,6 +236,7 @@ def _param_field(stage: StageSpec, name: str, prop: dict[str, Any], required: bo
         minimum=branch.get("minimum"), maximum=branch.get("maximum"),
         exclusive_minimum=branch.get("exclusiveMinimum"), exclusive_maximum=branch.get("exclusiveMaximum"),
         multiple_of=branch.get("multipleOf"), max_length=branch.get("maxLength"),
+        choices=tuple(str(c) for c in branch.get("enum") or ()),
     )
 
 
@@ -247,12 +252,14 @@ def input_fields(spec: PipelineSpec) -> list[FormField]:
                               "audio": "file", "video": "file"}
     fields = []
     for name, inp in spec.inputs.items():
-        kind = kinds.get(inp.type) or ("textarea" if inp.max_length is None or inp.max_length > LONG_TEXT else "text")
+        kind = kinds.get(inp.type) or ("select" if inp.choices else
+                                       "textarea" if inp.max_length is None or inp.max_length > LONG_TEXT else "text")
         fields.append(FormField(
             name=f"input.{name}", label=_label(name), kind=kind, value=_as_text(inp.default), default=inp.default,
             required=inp.required and inp.default is None, nullable=not inp.required, description=inp.description,
             max_length=inp.max_length,
             max_bytes=inp.byte_limit if inp.is_file else None, file_type=inp.type if inp.is_file else None,
+            choices=inp.choices or (),
         ))
     return fields
 

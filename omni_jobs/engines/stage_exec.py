@@ -11,7 +11,7 @@ encoder fed text) is refused the same way at worker start and at run time.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from omni_jobs.engines import omni_speech
 from omni_jobs.engines.ar import AREngine, AROutput, ARRequest, SamplingOptions, TextSoFar
@@ -27,6 +27,7 @@ from omni_jobs.pipelines.modalities import MEDIA_PORTS, THINKER_OUTPUTS
 from omni_jobs.pipelines.params import (
     AREncodeParams,
     ARParams,
+    ARReciteParams,
     ARTalkParams,
     ARTranscribeParams,
     DiTAudioParams,
@@ -61,7 +62,7 @@ def load_stage_engine(engines: EnginePool, stage: StageSpec) -> AREngine | AREnc
             engine.transcriber  # noqa: B018 - a model that is no speech-to-text model is refused here, at load
         if stage.task_name == "talk":
             Talker(engine)  # a model that is no whole Qwen2.5-Omni checkpoint is refused here, at load
-        if stage.task_name == "generate" and set(stage.outputs) & set(THINKER_OUTPUTS):
+        if stage.task_name in ("generate", "recite") and set(stage.outputs) & set(THINKER_OUTPUTS):
             engines.encoder(stage.model, thinker_encoder_args(stage))
         return engine
     if stage.task_name == "code2wav":
@@ -156,7 +157,7 @@ def execute_transcribe(engines: EnginePool, stage: StageSpec, params: StageParam
 
 
 def thinker_handover(engines: EnginePool, stage: StageSpec, params: ARParams, inputs: Mapping[str, object],
-                     request_id: str, output: AROutput) -> StageValues:
+                     request_id: str, output: AROutput, *, request: ARRequest | None = None) -> StageValues:
     """The thinker outputs (THINKER_OUTPUTS) a generate stage lists, for the request that made ``output``:
     ``prompt_token_ids`` [L] int64, ``hidden_states`` [L + n, H] and ``token_embeds`` [L + n, H] float32 (n: the
     reply's ``output.token_ids``, its end token included), ``prompt_positions`` [3, L] int64. Call it after the
@@ -169,12 +170,67 @@ def thinker_handover(engines: EnginePool, stage: StageSpec, params: ARParams, in
         return {}
     engine = engines.ar(stage.model, ar_engine_args(stage))
     encoder = engines.encoder(stage.model, thinker_encoder_args(stage))
-    states = thinker_states(engine, encoder, ar_request(engines, stage, params, inputs, request_id), output)
+    request = request or ar_request(engines, stage, params, inputs, request_id)
+    states = thinker_states(engine, encoder, request, output)
     prompt = int(states.prompt_token_ids.numel())
     positions = states.positions if states.positions is not None else torch.arange(prompt).expand(3, -1).clone()
     found: StageValues = {"prompt_token_ids": states.prompt_token_ids, "hidden_states": states.hidden_states,
                           "token_embeds": states.token_embeds, "prompt_positions": positions}
     return {port: found[port] for port in wanted}
+
+
+def execute_recite(engines: EnginePool, stage: StageSpec, params: StageParams, inputs: Mapping[str, object],
+                   request_id: str, progress: ProgressFn) -> StageValues:
+    """Text to speech on Qwen2.5-Omni: the thinker takes the prompt as its reply, word for word, to a user turn
+    (``instructions``), as if it had written it; its talker then speaks exactly that text. Nothing is sampled: the
+    reply's tokens are the text's and the thinker's end token, and the handover's pass reads prompt + reply."""
+    import torch
+
+    assert isinstance(params, ARReciteParams)
+    text = _prompt(inputs["prompt"])
+    engine = engines.ar(stage.model, ar_engine_args(stage))
+    eos = talker_eos(engine.model)
+    turn = ARParams(max_tokens=1, chat=True, system_prompt=params.system_prompt)
+    request = ar_request(engines, stage, turn, {"prompt": params.instructions}, request_id)
+    prompt: Mapping[str, Any] = engine.engine_prompt(request)  # type: ignore[assignment]  # a TypedDict of vLLM's
+    prompt_ids = (list(prompt["prompt_token_ids"]) if "prompt_token_ids" in prompt
+                  else engine.tokenize(str(prompt["prompt"])))
+    reply = engine.tokenize(text)
+    if not reply:
+        raise ValueError("input 'prompt': the text to say tokenizes to no tokens")
+    room = engine.max_model_len - len(prompt_ids) - 1
+    if len(reply) > room:
+        raise ValueError(f"input 'prompt': the text to say is {len(reply)} tokens; this stage takes at most {room} "
+                         f"(max_model_len {engine.max_model_len}); split it into several jobs")
+    output = AROutput(request_id=request_id, text=text, token_ids=[*reply, eos], prompt_token_ids=prompt_ids,
+                      finish_reason="stop")
+    progress(0, 1)
+    values: StageValues = {"text": text, "token_ids": torch.tensor(output.token_ids, dtype=torch.long)}
+    values.update(thinker_handover(engines, stage, turn, {"prompt": params.instructions}, request_id, output,
+                                   request=request))
+    progress(1, 1)
+    return {port: value for port, value in values.items() if port in stage.outputs}
+
+
+def talker_eos(model_dir: str) -> int:
+    """The token a thinker's reply ends with (its first end token: Qwen2.5-Omni's <|im_end|>)."""
+    from omni_jobs.engines.talker import thinker_eos_ids
+
+    ids = thinker_eos_ids(model_dir)
+    if not ids:
+        raise ValueError(f"model {model_dir!r} names no end token (generation_config.json eos_token_id)")
+    return ids[0]
+
+
+def speaker_of(stage: StageSpec, inputs: Mapping[str, object], param: str) -> str:
+    """The voice a speech stage speaks in: its ``speaker`` input where it is wired and given, else its parameter."""
+    given = inputs.get("speaker")
+    if given is None:
+        return param
+    voice = _prompt(given).strip()
+    if not voice:
+        raise ValueError(f"stage '{stage.id}' input 'speaker': empty; name one of the checkpoint's voices")
+    return voice
 
 
 def thinker_encoder_args(stage: StageSpec) -> dict[str, JsonValue]:
@@ -216,7 +272,8 @@ def execute_talk(engines: EnginePool, stage: StageSpec, params: StageParams, inp
     sampling = TalkSampling(max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
                             top_k=params.top_k, repetition_penalty=params.repetition_penalty, seed=params.seed)
     stream = None if on_codes is None else (lambda ids: on_codes(omni_speech.talker_codes(ids, talker.tokens)))
-    request = talker.request(request_id, thinker_states_of(inputs), params.speaker, sampling, on_codes=stream)
+    request = talker.request(request_id, thinker_states_of(inputs), speaker_of(stage, inputs, params.speaker), sampling,
+                             on_codes=stream)
     if policy is not None:
         output = ar_batcher(engine, policy).submit(request, progress)
     else:
@@ -231,13 +288,14 @@ def execute_code2wav(engines: EnginePool, stage: StageSpec, params: StageParams,
     assert isinstance(params, DiTCode2WavParams)
     engine = engines.code2wav(stage.model, stage.engine_args)
     codes = [int(c) for c in _ids(inputs["audio_codes"], "audio_codes").tolist()]
+    voice = speaker_of(stage, inputs, params.speaker)
     progress(0, params.num_inference_steps)
     if policy is not None and len(codes) <= engine.max_codes:
         clip = code2wav_batcher(engine, policy).submit(Code2WavRequest(
-            request_id, tuple(codes), params.speaker, seed=params.seed, num_steps=params.num_inference_steps,
+            request_id, tuple(codes), voice, seed=params.seed, num_steps=params.num_inference_steps,
             guidance_scale=params.guidance_scale))
     else:
-        clip = engine.full(codes, params.speaker, seed=params.seed, num_steps=params.num_inference_steps,
+        clip = engine.full(codes, voice, seed=params.seed, num_steps=params.num_inference_steps,
                            guidance_scale=params.guidance_scale)
     progress(params.num_inference_steps, params.num_inference_steps)
     return {"audio": clip}

@@ -73,17 +73,26 @@ ENGINE_TASKS: dict[EngineKind, dict[str, EnginePorts]] = {
                         "A Qwen2.5-Omni thinker also hands its talker what it reads: prompt_token_ids, "
                         "hidden_states and token_embeds of prompt + reply (a second pass on vLLM's pooling runner).",
         ),
+        "recite": EnginePorts(
+            inputs={"prompt": ("text",)},
+            required_inputs=frozenset({"prompt"}),
+            outputs={"text": "text", "token_ids": "token_ids", **THINKER_OUTPUTS},
+            default_outputs=("text", "token_ids"),
+            description="A Qwen2.5-Omni thinker takes the prompt as its own reply, word for word (text to speech): "
+                        "no sampling, only the pass that hands its talker the states of prompt + reply.",
+        ),
         "talk": EnginePorts(
             inputs={"token_ids": ("token_ids",), "prompt_token_ids": ("token_ids",),
                     "hidden_states": ("hidden_states",), "token_embeds": ("prompt_embeds",),
-                    "prompt_positions": ("token_ids",)},
+                    "prompt_positions": ("token_ids",), "speaker": ("text",)},
             required_inputs=frozenset({"token_ids", "prompt_token_ids", "hidden_states", "token_embeds"}),
             outputs={"audio_codes": "audio_codes"},
             default_outputs=("audio_codes",),
             description="Qwen2.5-Omni's talker on vLLM writes speech codec codes for the thinker's reply, fed as "
                         "the real model feeds it (the thinker's states of the prompt, then of one reply token per "
-                        "step), in a voice of the checkpoint (speaker). prompt_positions: needed where the thinker's "
-                        "prompt held images or videos (else text positions).",
+                        "step), in a voice of the checkpoint (the speaker input, else the speaker parameter). "
+                        "prompt_positions: needed where the thinker's prompt held images or videos (else text "
+                        "positions).",
         ),
         "transcribe": EnginePorts(
             inputs={"audio": ("audio",), "prompt": ("text",)},
@@ -131,12 +140,13 @@ ENGINE_TASKS: dict[EngineKind, dict[str, EnginePorts]] = {
             description="A diffusers text-to-video pipeline (Wan family) renders frames, handed over as MP4.",
         ),
         "code2wav": EnginePorts(
-            inputs={"audio_codes": ("audio_codes",)},
+            inputs={"audio_codes": ("audio_codes",), "speaker": ("text",)},
             required_inputs=frozenset({"audio_codes"}),
             outputs={"audio": "audio"},
             default_outputs=("audio",),
             description="Qwen2.5-Omni's token2wav (a flow-matching DiT, then BigVGAN) renders speech codes as "
-                        "24 kHz audio (480 samples a code) in the speaker's voice.",
+                        "24 kHz audio (480 samples a code) in the speaker's voice (the speaker input, else the "
+                        "speaker parameter: the talker's).",
         ),
     },
 }

@@ -140,6 +140,15 @@ class AREncodeParams(StageParams):
         return _check_template(value)
 
 
+class ARReciteParams(StageParams):
+    """Parameters of a thinker that recites its prompt (text to speech): the turn its talker hears it in."""
+
+    system_prompt: str | None = Field(None, max_length=4000, description="A system turn before the user turn whose "
+                                      "reply the text is.")
+    instructions: str = Field("Say this.", min_length=1, max_length=4000, description="The user turn the text "
+                              "answers (how to say it, say).")
+
+
 SPEAKER_DESCRIPTION = "The voice: one of the checkpoint's speakers (Qwen2.5-Omni: Chelsie, Ethan)."
 
 
@@ -258,6 +267,7 @@ PARAMS_BY_TASK: dict[tuple[EngineKind, str], type[StageParams]] = {
     ("ar", "encode"): AREncodeParams,
     ("ar", "transcribe"): ARTranscribeParams,
     ("ar", "talk"): ARTalkParams,
+    ("ar", "recite"): ARReciteParams,
     ("dit", "text-to-image"): DiTParams,
     ("dit", "image-to-image"): DiTImageToImageParams,
     ("dit", "text-to-audio"): DiTAudioParams,

@@ -73,11 +73,17 @@ class InputField(Strict):
         + ", ".join(f"{kind} {size // 2**20} MiB" for kind, size in DEFAULT_MAX_BYTES.items()) + ").",
     )
     default: JsonScalar = None
+    choices: tuple[str, ...] | None = Field(
+        None, min_length=1, description="For text: the only values accepted (a voice of the checkpoint's, say).")
 
     @model_validator(mode="after")
     def _check_kind_options(self) -> InputField:
         if self.max_length is not None and self.type != "text":
             raise ValueError(f"max_length applies to text inputs, not {self.type}")
+        if self.choices is not None and self.type != "text":
+            raise ValueError(f"choices apply to text inputs, not {self.type}")
+        if self.choices is not None and self.default is not None and self.default not in self.choices:
+            raise ValueError(f"default {self.default!r} is not one of the choices {list(self.choices)}")
         if self.max_bytes is not None and not self.is_file:
             raise ValueError(f"max_bytes applies to file inputs ({', '.join(FILE_INPUT_TYPES)}), not {self.type}")
         if self.is_file and self.default is not None:
@@ -187,8 +193,9 @@ class StageSpec(Strict):
     id: str = Field(pattern=_ID)
     engine: EngineKind
     task: str | None = Field(
-        None, description="What the engine does: ar: generate | encode; dit: text-to-image | image-to-image | "
-        "text-to-audio | text-to-video. Default: generate (ar), text-to-image (dit)."
+        None, description="What the engine does: ar: generate | encode | transcribe | recite | talk; dit: "
+        "text-to-image | image-to-image | text-to-audio | text-to-video | code2wav. Default: generate (ar), "
+        "text-to-image (dit)."
     )
     model: str = Field(min_length=1, description="Local path, hub id, or tiny:<name> (built locally).")
     queue: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Celery queue; default: engine.")

@@ -101,9 +101,9 @@ def test_a_part_the_pipeline_cannot_take_is_named_with_the_models_that_take_it(c
     err = refusal(catalogue, TEXT, IMAGE, model="text-to-text")
     assert err.param == "messages[0].content[1]" and err.code == "unsupported_content"
     assert "pipeline 'text-to-text' takes no image input" in err.message
-    assert "models that take it: image-to-text, image-to-text-to-image, omni-understanding, two-views" in err.message
+    assert "models that take it: image-to-text, image-to-text-to-image, omni-chat, omni-understanding, two-views" in err.message
     err = refusal(catalogue, TEXT, AUDIO, model="image-to-text")
-    assert err.param == "messages[0].content[1]" and "models that take it: omni-understanding, speech-to-text" in err.message
+    assert err.param == "messages[0].content[1]" and "models that take it: omni-chat, omni-understanding, speech-to-text" in err.message
     err = refusal(catalogue, TEXT, AUDIO, model="media-inputs")
     assert err.param == "messages[0].content[1]" and "pipeline 'media-inputs' takes no audio input" in err.message
     assert plan(catalogue, TEXT, model="media-inputs").input == {"prompt": "What is in it?"}

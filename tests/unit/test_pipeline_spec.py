@@ -54,7 +54,8 @@ def test_builtin_catalogue_has_text_to_text_and_text_to_image() -> None:
     catalogue = load_catalogue()
     assert set(catalogue.names()) == {"text-to-text", "text-to-image", "llm-conditioned-image", "text-to-audio",
                                       "image-to-image", "text-to-text-and-image", "text-to-video", "image-to-text",
-                                      "speech-to-text", "omni-understanding", "image-to-text-to-image"}
+                                      "speech-to-text", "omni-understanding", "image-to-text-to-image", "omni-chat",
+                                      "text-to-speech"}
     t2i = catalogue.get("text-to-image")
     assert [s.id for s in t2i.stages] == ["ar", "dit"]
     assert [s.engine for s in t2i.stages] == ["ar", "dit"]
@@ -247,7 +248,7 @@ def test_llm_conditioned_user_pipeline_loads(tmp_path: Path) -> None:
 def test_unknown_task_names_stage_and_field(tmp_path: Path) -> None:
     _, problems = problems_of(tmp_path, llm_image(s0={"task": "embed"}))
     assert any(p.startswith("stages[0] (stage 'enc'): task: engine 'ar' has no task 'embed'; tasks: ['encode', "
-                            "'generate', 'talk', 'transcribe']") for p in problems), problems
+                            "'generate', 'recite', 'talk', 'transcribe']") for p in problems), problems
 
 
 def test_hidden_size_mismatch_is_a_validation_error(tmp_path: Path) -> None:
