@@ -22,7 +22,7 @@ def tone(rate: int, channels: int = 1) -> bytes:
 
 def decoded(data: bytes) -> tuple[str, str, int, int, float]:
     """(container, codec, rate, channels, seconds) of a file, as PyAV reads it back."""
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), mode="r") as container:
         stream = container.streams.audio[0]
         frames = list(container.decode(stream))
         rate = frames[0].sample_rate
