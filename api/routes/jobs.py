@@ -20,6 +20,7 @@ from api.prefer import prefer_wait
 from api.responses import JSONText
 from api.schemas import JobList, JobRequest, errors
 from omni_jobs.artifacts import ArtifactCorrupted, ArtifactNotFound
+from omni_jobs.audio_formats import AUDIO_FORMATS, ENCODINGS, AudioFormat, convert, is_wav
 from omni_jobs.cancellation import cancel_job
 from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound, NotDurable
 from omni_jobs.jobs.ledger import RequirementFailed
@@ -276,17 +277,28 @@ def cancel(job_id: str, ctx: Ctx, tenant: Tenant) -> Any:
     return _present(ctx, cancel_job(ctx.runtime.jobs, job_id))
 
 
+AUDIO_FORMAT_DOC = (f"Audio outputs only: the audio re-encoded as {', '.join(AUDIO_FORMATS)} (omni_jobs.audio_formats; "
+                    "pcm: raw 16-bit LE mono at 24 kHz, as OpenAI's). Absent: the stored file as it is.")
+
+
 @router.get("/{job_id}/outputs/{name}", summary="Download one output file", response_class=Response,
-            responses={200: {"description": "The output's bytes, with its media type.",
+            responses={200: {"description": "The output's bytes, with its media type (with `format`: that format's).",
                              "content": {"*/*": {"schema": {"type": "string", "format": "binary"}}}},
-                       **errors(404, e404="No such job (for this tenant), output, or stored file."),
+                       **errors(404, 422, e404="No such job (for this tenant), output, or stored file.",
+                                e422="`format` is not one of the audio formats, or the output is not audio."),
                        502: {"description": "The stored file does not match the job's record of it (size or "
                              "sha256): it was changed outside this system."}})
-def download_output(job_id: str, name: str, ctx: Ctx, tenant: Tenant) -> Response:
+def download_output(job_id: str, name: str, ctx: Ctx, tenant: Tenant,
+                    format_: Annotated[AudioFormat | None, Query(alias="format", description=AUDIO_FORMAT_DOC)] = None,
+                    ) -> Response:
     job = ctx.runtime.jobs.require(job_id, tenant=tenant)
     out = job.output(name)
     if out is None:
         raise JobNotFound(f"{job_id}/outputs/{name}")
+    if format_ is not None and (out.type != "audio" or not is_wav(out.media_type)):
+        raise InvalidRequest([FieldError(("query", "format"), f"output '{name}' is {out.type} ({out.media_type}); "
+                                         f"format ({', '.join(AUDIO_FORMATS)}) converts WAV audio outputs only: "
+                                         "leave it out to download the file as stored", "unsupported_format")])
     try:
         data = ctx.runtime.artifacts.get(out.artifact)
     except ArtifactNotFound:
@@ -294,8 +306,19 @@ def download_output(job_id: str, name: str, ctx: Ctx, tenant: Tenant) -> Respons
     except ArtifactCorrupted as exc:  # never a 500: the store gave bytes other than those recorded
         return corrupted(exc, f"{job_id}/outputs/{name}")
     filename = out.artifact.key.rsplit("/", 1)[-1]
+    media_type_ = out.media_type
+    if format_ is not None:
+        try:
+            data = convert(data, format_)
+        except ValueError as exc:  # the recorded bytes, yet no WAV codecs reads: say so, never a 500
+            log.error("%s/outputs/%s is not a readable WAV: %s", job_id, name, exc)
+            raise InvalidRequest([FieldError(("query", "format"), f"output '{name}' is not a WAV this server can "
+                                             f"convert ({exc}); leave format out to download it as stored",
+                                             "unsupported_format")]) from None
+        filename = filename.rsplit(".", 1)[0] + ENCODINGS[format_].extension
+        media_type_ = ENCODINGS[format_].media_type
     return Response(
         content=data,
-        media_type=out.media_type,
+        media_type=media_type_,
         headers={"Content-Disposition": f'inline; filename="{filename}"'},
     )

@@ -21,7 +21,7 @@ import httpx
 
 from omni_jobs.cli.progress import ProgressDisplay
 from omni_jobs.client import DEFAULT_API_URL, ApiError, Client, ConflictError, JobView, NotFoundError
-from omni_jobs.client.protocol import TRANSCRIBE_TIMEOUT_S
+from omni_jobs.client.protocol import AUDIO_EXTENSIONS, TRANSCRIBE_TIMEOUT_S
 from omni_jobs.webhooks import generate_secret
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE, EXIT_API = 0, 1, 2, 3
@@ -221,7 +221,7 @@ def cmd_download(args: argparse.Namespace) -> int:
         if not job.outputs:
             _say(f"job {job.id} is {job.status.value} and has no outputs")
             return EXIT_JOB_FAILED
-        paths = omni.download_outputs(job, Path(args.out) / job.id)
+        paths = omni.download_outputs(job, Path(args.out) / job.id, audio_format=args.audio_format)
     _print_outputs(job, paths)
     return EXIT_OK
 
@@ -322,6 +322,8 @@ def add_job_commands(sub: Any) -> None:
     d = sub.add_parser("download", parents=[common], help="download a job's outputs")
     d.add_argument("job_id")
     d.add_argument("--out", default="omni-outputs", help="outputs go to OUT/<job id>/")
+    d.add_argument("--audio-format", choices=list(AUDIO_EXTENSIONS), default=None,
+                   help="audio outputs converted by the API (pcm: raw 16-bit mono at 24 kHz); default: as stored (WAV)")
     d.set_defaults(func=_run(cmd_download))
 
     tr = sub.add_parser("transcribe", parents=[common],

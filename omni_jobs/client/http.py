@@ -14,6 +14,7 @@ import httpx
 
 from omni_jobs.client.protocol import (
     DEFAULT_API_URL,
+    AudioFormat,
     Call,
     EventStream,
     FileInput,
@@ -31,6 +32,7 @@ from omni_jobs.client.protocol import (
     client_headers,
     download_call,
     download_target,
+    format_for,
     get_call,
     list_call,
     output_targets,
@@ -147,18 +149,24 @@ class Client:
                 return job
             time.sleep(delay)
 
-    def download(self, output: OutputView, path: str | Path) -> Path:
-        """Write one output to ``path`` (a file, or a directory to put ``<name>.<ext>`` in)."""
-        target = download_target(output, path)
-        with self._open(download_call(output, self.api_url)) as response, target.open("wb") as f:
+    def download(self, output: OutputView, path: str | Path, *, audio_format: AudioFormat | None = None,
+                 job_id: str | None = None) -> Path:
+        """Write one output to ``path`` (a file, or a directory to put ``<name>.<ext>`` in). ``audio_format``
+        (mp3, opus, aac, flac, wav, pcm): an audio output converted by the API (``job_id``: whose output)."""
+        target = download_target(output, path, audio_format)
+        call = download_call(output, self.api_url, audio_format=audio_format, job_id=job_id)
+        with self._open(call) as response, target.open("wb") as f:
             for chunk in response.iter_bytes():
                 f.write(chunk)
         return target
 
-    def download_outputs(self, job: JobView | str, directory: str | Path) -> dict[str, Path]:
-        """Every output of a finished job into ``directory``: {output name: file path}."""
+    def download_outputs(self, job: JobView | str, directory: str | Path, *,
+                         audio_format: AudioFormat | None = None) -> dict[str, Path]:
+        """Every output of a finished job into ``directory``: {output name: file path}; ``audio_format``:
+        its audio outputs in that format (the others as stored)."""
         info = self.get(job) if isinstance(job, str) else job
-        return {o.name: self.download(o, path) for o, path in output_targets(info, directory)}
+        return {o.name: self.download(o, path, audio_format=format_for(o, audio_format), job_id=info.id)
+                for o, path in output_targets(info, directory, audio_format)}
 
     @overload
     def transcribe(self, file: FileInput, *, response_format: JsonFormat = "verbose_json",
@@ -277,17 +285,21 @@ class AsyncClient:
                 return job
             await asyncio.sleep(delay)
 
-    async def download(self, output: OutputView, path: str | Path) -> Path:
-        target = download_target(output, path)
-        async with self._open(download_call(output, self.api_url)) as response:
+    async def download(self, output: OutputView, path: str | Path, *, audio_format: AudioFormat | None = None,
+                       job_id: str | None = None) -> Path:
+        target = download_target(output, path, audio_format)
+        call = download_call(output, self.api_url, audio_format=audio_format, job_id=job_id)
+        async with self._open(call) as response:
             with target.open("wb") as f:
                 async for chunk in response.aiter_bytes():
                     f.write(chunk)
         return target
 
-    async def download_outputs(self, job: JobView | str, directory: str | Path) -> dict[str, Path]:
+    async def download_outputs(self, job: JobView | str, directory: str | Path, *,
+                               audio_format: AudioFormat | None = None) -> dict[str, Path]:
         info = await self.get(job) if isinstance(job, str) else job
-        return {o.name: await self.download(o, path) for o, path in output_targets(info, directory)}
+        return {o.name: await self.download(o, path, audio_format=format_for(o, audio_format), job_id=info.id)
+                for o, path in output_targets(info, directory, audio_format)}
 
     @overload
     async def transcribe(self, file: FileInput, *, response_format: JsonFormat = "verbose_json",

@@ -44,6 +44,11 @@ FileInput = bytes | str | Path
 _EXTENSIONS = {"image/png": ".png", "application/json": ".json", "audio/wav": ".wav", "audio/x-wav": ".wav",
                "video/mp4": ".mp4", "image/jpeg": ".jpg",
                "application/vnd.safetensors": ".safetensors", "application/octet-stream": ".bin"}
+AudioFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
+AUDIO_EXTENSIONS: dict[str, str] = {"mp3": ".mp3", "opus": ".opus", "aac": ".aac", "flac": ".flac", "wav": ".wav",
+                                    "pcm": ".pcm"}
+"""The formats the API converts an audio output to (``?format=``, omni_jobs.audio_formats, not imported here: it
+needs numpy) and the extension of each one's file."""
 
 
 # --- requests ---
@@ -109,9 +114,27 @@ def pipelines_call() -> Call:
     return Call("GET", "/v1/pipelines")
 
 
-def download_call(output: OutputView, api_url: str) -> Call:
-    """GET an output: the API's own route with the client's key; any other URL (presigned) without it."""
-    return Call("GET", output.url, anonymous=not _is_under(output.url, api_url))
+def download_call(output: OutputView, api_url: str, *, audio_format: AudioFormat | None = None,
+                  job_id: str | None = None) -> Call:
+    """GET an output: the API's own route with the client's key; any other URL (presigned) without it.
+
+    ``audio_format``: the API converts an audio output (``?format=``), so it is the API's route, built from
+    ``job_id`` when the output's URL is elsewhere (a presigned store URL knows no format)."""
+    if audio_format is None:
+        return Call("GET", output.url, anonymous=not _is_under(output.url, api_url))
+    if job_id is not None:
+        url = f"/v1/jobs/{quote(job_id, safe='')}/outputs/{quote(output.name, safe='')}"
+    elif _is_under(output.url, api_url):
+        url = output.url
+    else:
+        raise ValueError(f"audio_format needs the API's download route and output '{output.name}' is at "
+                         f"{output.url.split('?')[0]}: pass job_id=, or use download_outputs(job, ..., audio_format=)")
+    return Call("GET", url, params={"format": audio_format})
+
+
+def format_for(output: OutputView, audio_format: AudioFormat | None) -> AudioFormat | None:
+    """The format to ask for ``output``: ``audio_format`` for an audio output; the stored file for the others."""
+    return audio_format if output.type == "audio" else None
 
 
 def _is_under(url: str, api_url: str) -> bool:
@@ -433,23 +456,27 @@ class TextPieces:
 
 
 # --- downloads ---
-def output_filename(output: OutputView) -> str:
-    """``<name>.<ext>``, the extension from the output's media type (image.png, text.json, ...)."""
+def output_filename(output: OutputView, audio_format: AudioFormat | None = None) -> str:
+    """``<name>.<ext>``, the extension from the output's media type (image.png, text.json, ...), or from
+    ``audio_format`` for an audio output (audio.mp3)."""
+    if (fmt := format_for(output, audio_format)) is not None:
+        return f"{output.name}{AUDIO_EXTENSIONS[fmt]}"
     ext = _EXTENSIONS.get(output.media_type) or mimetypes.guess_extension(output.media_type) or ""
     return f"{output.name}{ext}"
 
 
-def download_target(output: OutputView, path: str | Path) -> Path:
+def download_target(output: OutputView, path: str | Path, audio_format: AudioFormat | None = None) -> Path:
     """Where ``download`` writes: ``path``, or ``path/<name>.<ext>`` when it is a directory (parents made)."""
     target = Path(path)
     if target.is_dir():
-        target = target / output_filename(output)
+        target = target / output_filename(output, audio_format)
     target.parent.mkdir(parents=True, exist_ok=True)
     return target
 
 
-def output_targets(job: JobView, directory: str | Path) -> list[tuple[OutputView, Path]]:
+def output_targets(job: JobView, directory: str | Path,
+                   audio_format: AudioFormat | None = None) -> list[tuple[OutputView, Path]]:
     """Each output of ``job`` and its file in ``directory`` (made if missing)."""
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
-    return [(o, folder / output_filename(o)) for o in job.outputs]
+    return [(o, folder / output_filename(o, audio_format)) for o in job.outputs]

@@ -162,3 +162,22 @@ def test_the_client_imports_without_the_storage_layer() -> None:
             "'omni_jobs.artifacts.store', 'omni_jobs.jobs.store') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
+
+
+def test_an_audio_format_download_goes_to_the_api_route(tmp_path: Path) -> None:
+    from omni_jobs.audio_formats import AUDIO_FORMATS
+    from omni_jobs.client.protocol import AUDIO_EXTENSIONS, output_filename
+
+    assert tuple(AUDIO_EXTENSIONS) == AUDIO_FORMATS  # the client's copy of the API's formats
+    http = httpx.Client(base_url=API, headers=client_headers("ok_secret", {}), timeout=7)
+    image = JobView.model_validate(job_json(tmp_path)).outputs[0]
+    audio = image.model_copy(update={"name": "audio", "type": "audio", "media_type": "audio/wav",
+                                     "url": "https://bucket.s3.example/jobs/job_1/audio.wav?X-Amz-Signature=abc"})
+    call = download_call(audio, API, audio_format="mp3", job_id="job_1")
+    request = call.build(http)
+    assert not call.anonymous and request.headers["authorization"] == "Bearer ok_secret"
+    assert str(request.url) == f"{API}/v1/jobs/job_1/outputs/audio?format=mp3"
+    with pytest.raises(ValueError, match="audio_format needs the API's download route"):
+        download_call(audio, API, audio_format="mp3")  # a presigned URL, and no job id to build the route from
+    assert output_filename(audio, "flac") == "audio.flac" and output_filename(image, "flac") == "image.png"
+    http.close()
