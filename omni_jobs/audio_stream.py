@@ -32,9 +32,10 @@ take as ``pcm16``."""
 
 
 def pcm16(samples: np.ndarray) -> bytes:
-    """Float samples in [-1, 1] (clipped) as 16-bit little-endian PCM bytes."""
-    clipped = np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0)
-    return (clipped * 32767.0).round().astype("<i2").tobytes()
+    """Float samples in [-1, 1] (clipped) as 16-bit little-endian PCM bytes, rounded as the stored WAV's are
+    (omni_jobs.artifacts.codecs.encode_wav), so that the streamed samples are the stored ones."""
+    clipped = np.clip(np.asarray(samples, dtype=np.float64).reshape(-1), -1.0, 1.0)
+    return np.round(clipped * 32767.0).astype("<i2").tobytes()
 
 
 def audio_delta(*, stage: str, output: str, attempt: int, index: int, source_attempt: int | None, start: int,

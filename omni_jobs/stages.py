@@ -29,6 +29,7 @@ from omni_jobs.engines.batching import BatchDefaults, BatchPolicy, ar_batcher
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.engines.stage_exec import (
     StageValues,
+    code_ids,
     ar_engine_args,
     ar_request,
     execute_code2wav,
@@ -49,19 +50,23 @@ from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.leases import LeaseKeeper
 from omni_jobs.payloads import FORMATS, Payload, decode_payload, encode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
-from omni_jobs.pipelines.params import ARParams
+from omni_jobs.code_stream import CODES_FIELD, codes_text
+from omni_jobs.pipelines.params import ARParams, DiTCode2WavParams, StageParams
 from omni_jobs.pipelines.spec import INPUT_SOURCE, Binding, PipelineSpec, StageSpec
 from omni_jobs.previews import LatentPreview
 from omni_jobs.progress_writer import ProgressWriter
 from omni_jobs.run_journal import RunJournal
 from omni_jobs.stage_cache import CachedOutputs, Eviction, StageOutputCache, cache_key, text_digest
 from omni_jobs.steps import AssembleResults, RunStage, StepOutcome
+from omni_jobs.speech_stage import JobEnded, run_streamed_code2wav
 from omni_jobs.text_stream import DELTA_INTERVAL_S, Publish, TextDeltas, TextStreams, publish_each
 from omni_jobs.watchdog import hard_time_limit
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+STREAM_READ_MS = 500
+"""How long a streamed stage's read of its job's events waits for its upstream's next delta."""
 ProgressFn = Callable[[int, int], None]
 
 
@@ -404,6 +409,8 @@ class StageRunner:
     def _load_inputs(self, spec: PipelineSpec, stage: StageSpec, job: Job) -> StageInputs:
         inputs: StageInputs = {}
         for port, bound in stage.inputs.items():
+            if port == stage.stream_input:
+                continue  # read while its upstream writes it (omni_jobs.speech_stage)
             given = [b for b in (bound if isinstance(bound, tuple) else (bound,)) if self._given(b, job)]
             if not given:
                 continue  # an optional job input left out: the port is not fed (a chat without an image)
@@ -489,8 +496,9 @@ class StageRunner:
             if stage.engine == "ar" and stage.task_name == "recite":
                 return execute_recite(self.engines, stage, stage.params(params), inputs, request_id, progress)
             if stage.engine == "ar" and stage.task_name == "talk":
-                return execute_talk(self.engines, stage, stage.params(params), inputs, request_id, progress,
-                                    policy=policy)
+                return self._execute_talk(stage, job, stage.params(params), inputs, lease, progress, policy, tail)
+            if stage.stream_source is not None:
+                return self._execute_streamed_code2wav(stage, job, stage.params(params), inputs, lease, progress)
             if stage.engine == "ar":
                 return execute_encode(self.engines, stage, stage.params(params), inputs, request_id, progress)
             if stage.task_name == "code2wav":
@@ -500,6 +508,8 @@ class StageRunner:
                                preview=self._preview_publisher(job, stage, lease))
         except (JobCanceled, StageError):
             raise
+        except JobEnded as exc:
+            raise JobCanceled(job.id) from exc
         except (ValueError, TypeError, RuntimeError, OSError, KeyError) as exc:
             # Engine-level errors (bad model path, bad shape, too long a prompt) do not pass on retry.
             raise StageError(f"{type(exc).__name__}: {exc}") from exc
@@ -519,6 +529,55 @@ class StageRunner:
         finally:
             if deltas is not None:
                 self.text_streams.discard(deltas)
+
+    def _execute_talk(self, stage: StageSpec, job: Job, params: StageParams, inputs: StageInputs, lease: Lease,
+                      progress: ProgressFn, policy: BatchPolicy | None, tail: list[JobEvent]) -> StageValues:
+        """A talker; where a stage downstream reads its codes while they are written (a streamed code2wav), they go
+        to the job's stream as they come (``output.delta`` of ``audio_codes``; omni_jobs.code_stream), whether or
+        not a client follows the job: that stage does."""
+        streamed = "audio_codes" in self.catalogue.get(job.pipeline).streamed_outputs(stage.id)
+        deltas = self.text_streams.open(stage.id, "audio_codes", _DeltaTarget(self.ledger, lease, job),
+                                        attempt=lease.attempt, on_stop=lambda why: self.progress.stop(lease, why),
+                                        field=CODES_FIELD) if streamed else None
+        try:
+            values = execute_talk(self.engines, stage, params, inputs, f"{job.id}:{stage.id}", progress, policy=policy,
+                                  on_codes=(lambda codes: deltas.update(codes_text(codes))) if deltas else None)
+            if deltas is not None:
+                codes = code_ids(values["audio_codes"], "audio_codes")
+                self._finish_text(deltas, codes_text([int(c) for c in codes.tolist()]), job, tail)
+            return values
+        finally:
+            if deltas is not None:
+                self.text_streams.discard(deltas)
+
+    def _execute_streamed_code2wav(self, stage: StageSpec, job: Job, params: StageParams, inputs: StageInputs,
+                                   lease: Lease, progress: ProgressFn) -> StageValues:
+        """A code2wav that runs beside its talker (omni_jobs.speech_stage), its audio deltas published under this
+        attempt's lease."""
+        assert isinstance(params, DiTCode2WavParams)
+        source = stage.stream_source
+        assert source is not None
+        target = _DeltaTarget(self.ledger, lease, job)
+        where = f"job {job.id} stage {stage.id}"
+
+        def publish(data: JsonObject) -> None:
+            outcome = self._patiently(lambda: target(data), where)
+            if outcome == "lost":
+                raise LeaseLost(job.id)
+            if outcome != "ok":
+                raise JobCanceled(job.id)
+
+        def recorded_codes() -> object:
+            current = self._patiently(lambda: self.ledger.get(job.id), where)
+            if current is None:
+                raise JobCanceled(job.id)
+            return self._load_input(self.catalogue.get(job.pipeline), source, current)
+
+        return run_streamed_code2wav(
+            self.engines, stage, job.id, params, inputs, lease.attempt,
+            read=lambda after: self._patiently(
+                lambda: self.ledger.events(job.id, after=after, block_ms=STREAM_READ_MS), where),
+            recorded_codes=recorded_codes, publish=publish, progress=progress)
 
     def _finish_text(self, deltas: TextDeltas, text: str, job: Job, tail: list[JobEvent]) -> None:
         """The rest of a streamed text becomes the last delta, in ``tail``; a refused publish

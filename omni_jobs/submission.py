@@ -313,7 +313,8 @@ def build_job(spec: PipelineSpec, input_: JsonObject, params: StageParamValues) 
         pipeline=spec.name,
         input=input_,
         params=params,
-        stages=[StageRecord(id=s.id, engine=s.engine, queue=s.queue_name, needs=sorted(s.upstream()))
+        stages=[StageRecord(id=s.id, engine=s.engine, queue=s.queue_name, needs=sorted(s.upstream()),
+                            streams=[s.stream_source.source] if s.stream_source is not None else [])
                 for s in spec.stages],
     )
 

@@ -56,9 +56,11 @@ class TextDeltas:
                  attempt: int | None = None, on_stop: Callable[[str], None] | None = None,
                  inline: bool = False, notify: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-                 job_id: str | None = None) -> None:
+                 job_id: str | None = None, field: str = "text") -> None:
         self.stage = stage
         self.output = output
+        self.field = field
+        """The delta's key for the new text ('codes' for a talker's codes, written as text: omni_jobs.code_stream)."""
         self.job_id = job_id
         """The job whose readers this text is for (the writer asks whether any follows it)."""
         self.interval_s = interval_s
@@ -147,7 +149,7 @@ class TextDeltas:
     def _next_delta(self) -> JsonObject:
         with self._lock:
             text, index = self._text[self._sent:], self._index
-        data: JsonObject = {"stage": self.stage, "output": self.output, "text": text, "index": index}
+        data: JsonObject = {"stage": self.stage, "output": self.output, self.field: text, "index": index}
         if self.attempt is not None:
             data["attempt"] = self.attempt
         return data
@@ -156,7 +158,7 @@ class TextDeltas:
         """The delta ``data`` was published ('ok') or refused (the stage must stop)."""
         with self._lock:
             if outcome == "ok":
-                self._sent += len(str(data["text"]))
+                self._sent += len(str(data[self.field]))
                 self._index += 1
                 self._last = self._clock()
             else:
@@ -246,10 +248,13 @@ class TextStreams:
         self._thread: threading.Thread | None = None
 
     def open(self, stage: str, output: str, publish: Publish, *, attempt: int | None = None,
-             on_stop: Callable[[str], None] | None = None, job_id: str | None = None) -> TextDeltas:
-        """A new output to stream; ``close`` it (or ``discard`` it) when its stage attempt ends."""
+             on_stop: Callable[[str], None] | None = None, job_id: str | None = None,
+             field: str = "text") -> TextDeltas:
+        """A new output to stream; ``close`` it (or ``discard`` it) when its stage attempt ends. ``job_id``: held
+        back while nobody follows that job (None: always published, for a stage that reads it as it comes)."""
         deltas = TextDeltas(stage, output, publish, interval_s=self.interval_s, attempt=attempt, on_stop=on_stop,
-                            inline=not self.background, notify=self._wake, clock=self._clock, job_id=job_id)
+                            inline=not self.background, notify=self._wake, clock=self._clock, job_id=job_id,
+                            field=field)
         if self.background:
             with self._cond:
                 self._open.add(deltas)

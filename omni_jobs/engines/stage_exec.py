@@ -246,11 +246,11 @@ def thinker_states_of(inputs: Mapping[str, object]) -> omni_speech.ThinkerStates
     positions = inputs.get("prompt_positions")
     if positions is not None and not isinstance(positions, torch.Tensor):
         raise TypeError(f"prompt_positions must be a tensor, got {type(positions).__name__}")
-    prompt = _ids(inputs["prompt_token_ids"], "prompt_token_ids")
+    prompt = code_ids(inputs["prompt_token_ids"], "prompt_token_ids")
     if positions is not None and torch.equal(positions.to(torch.long), torch.arange(prompt.numel()).expand(3, -1)):
         positions = None  # text positions: the talker's own
     states = omni_speech.ThinkerStates(
-        prompt_token_ids=prompt, token_ids=_ids(inputs["token_ids"], "token_ids"),
+        prompt_token_ids=prompt, token_ids=code_ids(inputs["token_ids"], "token_ids"),
         hidden_states=_embeds(inputs["hidden_states"]), token_embeds=_embeds(inputs["token_embeds"]),
         positions=positions.to(torch.long) if positions is not None else None)
     states.check()
@@ -287,7 +287,7 @@ def execute_code2wav(engines: EnginePool, stage: StageSpec, params: StageParams,
     ``speaker``'s voice from the ``seed``'s noise; requests of one length and voice share a DiT batch."""
     assert isinstance(params, DiTCode2WavParams)
     engine = engines.code2wav(stage.model, stage.engine_args)
-    codes = [int(c) for c in _ids(inputs["audio_codes"], "audio_codes").tolist()]
+    codes = [int(c) for c in code_ids(inputs["audio_codes"], "audio_codes").tolist()]
     voice = speaker_of(stage, inputs, params.speaker)
     progress(0, params.num_inference_steps)
     if policy is not None and len(codes) <= engine.max_codes:
@@ -301,7 +301,7 @@ def execute_code2wav(engines: EnginePool, stage: StageSpec, params: StageParams,
     return {"audio": clip}
 
 
-def _ids(value: object, port: str) -> torch.Tensor:
+def code_ids(value: object, port: str) -> torch.Tensor:
     """[n] int64 token ids from a handed-over tensor (or a list)."""
     import torch
 

@@ -51,12 +51,19 @@ def _put(fields: Fields, name: str, value: float | str | None) -> None:
         fields[name] = repr(value) if isinstance(value, float) else str(value)
 
 
+def _stage_info(record: StageRecord) -> dict[str, object]:
+    info: dict[str, object] = {"id": record.id, "engine": record.engine, "queue": record.queue, "needs": record.needs}
+    if record.streams:
+        info["streams"] = record.streams
+    return info
+
+
 def encode(job: Job) -> Fields:
     """Every stored field of ``job`` (progress and webhook deliveries excluded: they have their own keys)."""
     fields: Fields = {"id": job.id, "pipeline": job.pipeline, "status": job.status.value, "tenant": job.tenant,
                       "priority": job.priority.value,
                       "input": _json(job.input), "params": _json(job.params),
-                      "stages": _json([{"id": r.id, "engine": r.engine, "queue": r.queue, "needs": r.needs} for r in job.stages])}
+                      "stages": _json([_stage_info(r) for r in job.stages])}
     for name in _JOB_FLOATS:
         _put(fields, name, getattr(job, name))
     _put(fields, "stage", job.stage)
@@ -124,6 +131,7 @@ def decode(raw: RawFields, progress: bytes | str | None = None,
         outputs = jsontext.loads(f.get(stage_field(sid, "outputs"), "{}"))
         stages.append(StageRecord(
             id=sid, engine=info["engine"], queue=info["queue"], needs=info.get("needs", []),
+            streams=info.get("streams", []),
             status=StageStatus(f[stage_field(sid, "status")]),
             attempts=int(f.get(stage_field(sid, "attempts"), "0")),
             outputs=outputs, metrics=jsontext.loads(f.get(stage_field(sid, "metrics"), "{}")),

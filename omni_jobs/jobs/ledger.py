@@ -553,7 +553,10 @@ class JobLedger:
             if isinstance(step, RunStage):
                 events = state.stage_started(after, step.stage_id, worker, at)
                 held: StageRecord | StepSlot = after.stage_record(step.stage_id)
-                guard = (f"stage:{step.stage_id}:status", f"stage:{step.stage_id}:attempts")
+                guard: tuple[str, ...] = (f"stage:{step.stage_id}:status", f"stage:{step.stage_id}:attempts")
+                for rec in _runnable(after):  # a stage that reads this one's output while it is written starts too
+                    events += state.stage_queued(after, rec.id, at)
+                    guard += (f"stage:{rec.id}:status", f"stage:{rec.id}:attempts")
             else:
                 if job.status is not JobStatus.running:
                     return _Decision(Refused(f"job is {job.status.value}"))
@@ -696,9 +699,8 @@ class JobLedger:
             after = job.clone()
             events = [*first, *state.stage_succeeded(after, step.stage_id, outputs, metrics, at)]
             done = {r.id for r in after.stages if r.status is StageStatus.succeeded}
-            for rec in after.stages:
-                if rec.status is StageStatus.pending and set(rec.needs) <= done:
-                    events += state.stage_queued(after, rec.id, at)
+            for rec in _runnable(after):
+                events += state.stage_queued(after, rec.id, at)
             guard = tuple(f"stage:{r.id}:{f}" for r in job.stages for f in ("status", "attempts")) + (
                 f"stage:{step.stage_id}:lease_owner",)
             if done == {r.id for r in after.stages}:
@@ -914,6 +916,17 @@ class JobLedger:
                 log.info("%s: released on queue '%s' but waits for nothing there; its place is freed",
                          slot_name, queue)
         return False
+
+
+def _runnable(job: Job) -> list[StageRecord]:
+    """Pending stages whose inputs are ready: every stage they need succeeded, but the one whose output they read
+    while it is written (``streams``), which need only have started."""
+    status = {r.id: r.status for r in job.stages}
+    return [rec for rec in job.stages if rec.status is StageStatus.pending
+            and all(status[n] is StageStatus.succeeded
+                    or (n in rec.streams and status[n] in (StageStatus.running, StageStatus.queued)
+                        and job.stage_record(n).attempts > 0)
+                    for n in rec.needs)]
 
 
 def _raise(exc: Exception) -> Job:

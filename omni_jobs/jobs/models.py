@@ -118,6 +118,8 @@ class StageRecord(Model):
     """When that lease expires unless renewed (internal: the reaper reads it)."""
     needs: list[str] = Field(default_factory=list, exclude=True)
     """Stages whose outputs this one reads: it is queued once they all succeeded (internal)."""
+    streams: list[str] = Field(default_factory=list, exclude=True)
+    """Of ``needs``, the stage whose output this one reads while it is written: queued once that one runs."""
 
     @property
     def duration_s(self) -> float | None:

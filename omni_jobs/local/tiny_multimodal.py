@@ -351,6 +351,22 @@ def _audible(module: Any) -> None:
             layer.reset_parameters()
 
 
+TALKER_LOGIT_SCALE = 20.0
+"""How much wider the tiny talker's code logits are spread than its init gives them (std ~0.2 -> ~3)."""
+
+
+def _talks_until_stopped(codec_head: Any, stop_codes: tuple[int, ...]) -> None:
+    """A random talker's head, made to speak until its ``max_tokens``: its stop codes' rows are zero (logit 0)
+    and the other codes' logits are spread wide, so a stop code is seldom sampled. With transformers' init every
+    code is about as likely, and a stop code (2 of 48) ends a clip after ~24 codes, half a second: too short for
+    speech streamed in chunks to be seen."""
+    import torch
+
+    with torch.no_grad():
+        codec_head.weight.mul_(TALKER_LOGIT_SCALE)
+        codec_head.weight[list(stop_codes)] = 0.0
+
+
 def build_tiny_qwen2_5_omni(path: Path, *, seed: int = 0) -> Path:
     """Save a random-weight Qwen2.5-Omni, the whole checkpoint (Qwen/Qwen2.5-Omni-7B's layout, ~1.3M
     parameters), to ``path``: the thinker (text 128 x 2 layers, a 1-layer audio encoder, a 2-layer vision
@@ -420,6 +436,7 @@ def build_tiny_qwen2_5_omni(path: Path, *, seed: int = 0) -> Path:
     with _seeded(seed):
         model = Qwen2_5OmniForConditionalGeneration(config)
         _audible(model.token2wav)
+        _talks_until_stopped(model.talker.codec_head, stop_codes=(codec_pad, codec_eos))
         speakers = {
             name: {"bos_token": bos, "cond": torch.randn(1, OMNI_SPEAKER_DIM),
                    "ref_mel": torch.randn(1, OMNI_REF_MEL_FRAMES, 80)}

@@ -151,6 +151,13 @@ ENGINE_TASKS: dict[EngineKind, dict[str, EnginePorts]] = {
     },
 }
 
+STREAMED_OUTPUTS: dict[tuple[EngineKind, str], frozenset[str]] = {("ar", "talk"): frozenset({"audio_codes"})}
+"""Outputs a task publishes while it runs (``output.delta`` events), so that a stage downstream can start beside it
+and read them as they come (its ``stream_input``): a talker's speech codes."""
+
+STREAMING_INPUTS: dict[tuple[EngineKind, str], frozenset[str]] = {("dit", "code2wav"): frozenset({"audio_codes"})}
+"""Inputs a task can read while its upstream still writes them: code2wav renders the codes in chunks as they come."""
+
 DEFAULT_TASK: dict[EngineKind, str] = {"ar": "generate", "dit": "text-to-image"}
 
 ENGINE_PORTS: dict[EngineKind, EnginePorts] = {kind: ENGINE_TASKS[kind][DEFAULT_TASK[kind]] for kind in ENGINE_TASKS}

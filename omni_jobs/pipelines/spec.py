@@ -23,6 +23,8 @@ from omni_jobs.pipelines.modalities import (
     DEFAULT_TASK,
     ENGINE_TASKS,
     OUTPUT_TYPES,
+    STREAMED_OUTPUTS,
+    STREAMING_INPUTS,
     EngineKind,
     EnginePorts,
     Modality,
@@ -209,6 +211,9 @@ class StageSpec(Strict):
     projection: ProjectionSpec | None = Field(
         None, description="A linear map from the upstream hidden states to this stage's prompt_embeds input."
     )
+    stream_input: str | None = Field(
+        None, description="An input port read while its upstream stage still writes it (code2wav: audio_codes): "
+        "this stage starts as soon as that stage starts, and streams its own output as it goes.")
     defaults: dict[str, JsonScalar] = Field(default_factory=dict, description="Stage parameters; jobs may override.")
     soft_time_limit_s: float | None = Field(None, gt=0, description="Default: OMNI_STAGE_SOFT_TIME_LIMIT_S.")
     time_limit_s: float | None = Field(None, gt=0, description="Hard limit; default: OMNI_STAGE_TIME_LIMIT_S.")
@@ -242,6 +247,13 @@ class StageSpec(Strict):
                 raise ValueError(f"inputs.{port}: {self._what} takes one source for '{port}', not a list")
             if isinstance(sources, tuple) and not sources:
                 raise ValueError(f"inputs.{port}: an empty list; name at least one source")
+        if self.stream_input is not None:
+            streamable = STREAMING_INPUTS.get((self.engine, self.task_name), frozenset())
+            if self.stream_input not in streamable:
+                raise ValueError(f"stream_input: {self._what} reads no input while it is written"
+                                 + (f"; it can stream {sorted(streamable)}" if streamable else ""))
+            if self.stream_input not in self.inputs or isinstance(self.inputs[self.stream_input], tuple):
+                raise ValueError(f"stream_input: '{self.stream_input}' must be an input wired to one source")
         if self.projection is not None and "prompt_embeds" not in self.inputs:
             raise ValueError("projection: it maps the stage's prompt_embeds input, which is not wired")
         missing = sorted(ports.required_inputs - set(self.inputs))
@@ -328,6 +340,11 @@ class StageSpec(Strict):
     def upstream(self) -> set[str]:
         return {b.source for _, b in self.bindings() if b.source != INPUT_SOURCE}
 
+    @property
+    def stream_source(self) -> Binding | None:
+        """The upstream output this stage reads while it is written (its ``stream_input``'s source)."""
+        return self.binding(self.stream_input) if self.stream_input is not None else None
+
 
 class OutputSpec(Strict):
     """A final output of the pipeline: a name clients see, and the stage port(s) it comes from.
@@ -392,6 +409,7 @@ class PipelineSpec(Strict):
                     want = " or ".join(accepted)
                     raise ValueError(f"stage '{stage.id}' input '{port}' wants {want} but '{binding}' gives {got}")
             self._check_sizes(stage, by_id)
+            self._check_stream(stage, by_id)
         self._check_acyclic(by_id)
         names = [o.name for o in self.outputs]
         if len(set(names)) != len(names):
@@ -399,6 +417,22 @@ class PipelineSpec(Strict):
         for out in self.outputs:
             self.output_type(out)
         return self
+
+    @staticmethod
+    def _check_stream(stage: StageSpec, by_id: dict[str, StageSpec]) -> None:
+        """A streamed input must come from a stage that publishes that output while it runs."""
+        source = stage.stream_source
+        if source is None:
+            return
+        upstream = by_id.get(source.source)
+        if upstream is None or source.port not in STREAMED_OUTPUTS.get((upstream.engine, upstream.task_name), ()):
+            raise ValueError(f"stage '{stage.id}' stream_input '{stage.stream_input}': '{source}' is not written "
+                             "while its stage runs (streamed outputs: ar talk audio_codes)")
+
+    def streamed_outputs(self, stage_id: str) -> set[str]:
+        """The outputs of ``stage_id`` that a stage downstream reads while they are written: its run publishes them."""
+        return {s.stream_source.port for s in self.stages
+                if s.stream_source is not None and s.stream_source.source == stage_id}
 
     def _check_sizes(self, stage: StageSpec, by_id: dict[str, StageSpec]) -> None:
         """Sizes that must agree across a wire, where the model configs are knowable (model_info)."""
