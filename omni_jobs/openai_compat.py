@@ -29,8 +29,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, TypeAlias
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
+from omni_jobs.audio_formats import AUDIO_FORMATS, PCM_RATE, AudioFormat, check_format, pcm16
+from omni_jobs.audio_stream import AudioChunk
 from omni_jobs.checks import is_builtin
 from omni_jobs.errors import InvalidRequest
 from omni_jobs.jobs.models import Job, JobOutput, JobStatus
@@ -55,7 +58,7 @@ from omni_jobs.openai_errors import OpenAIError
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.modalities import EngineKind
 from omni_jobs.pipelines.params import SEED_MAX, whole_numbers
-from omni_jobs.pipelines.spec import PipelineSpec, StageSpec
+from omni_jobs.pipelines.spec import InputField, PipelineSpec, StageSpec
 from omni_jobs.submission import NOT_BLANK, input_field_schema, json_object, params_schema, stage_params_schema
 
 OutputModality = Literal["text", "image", "audio"]
@@ -96,12 +99,26 @@ def only(value: JsonScalar) -> WithJsonSchema:
     return WithJsonSchema({"anyOf": [{"enum": [value]}, {"type": "null"}]})
 
 
+CHAT_AUDIO_FORMATS = ("wav", "mp3", "flac", "opus", "aac", "pcm16")
+"""A chat's ``audio.format`` (OpenAI's names: ``pcm16`` is omni_jobs.audio_formats' ``pcm``); streamed, only
+``pcm16``, as OpenAI streams audio."""
+STREAMED_AUDIO_FORMAT = "pcm16"
+VOICE_INPUT = "voice"
+"""The pipeline input that OpenAI's ``voice`` (speech) and ``audio.voice`` (chat) set, where a pipeline has one."""
+VOICE_SCHEMA: JsonObject = {"anyOf": [{"type": "string"}, {"type": "object", "properties": {"id": {"type": "string"}},
+                                                                   "required": ["id"]}, {"type": "null"}]}
+
+
 class ChatCompletionRequest(_Body):
     model_config = ConfigDict(json_schema_extra={  # what chat_completions checks across fields (else 400)
         "dependentSchemas": {"stream_options": {"required": ["stream"], "properties": {"stream": {"const": True}}}},
         "if": {"required": ["stream"], "properties": {"stream": {"const": True}}},
-        "then": {"properties": {"modalities": {"anyOf": [{"type": "array", "items": {"const": "text"}},
-                                                         {"type": "null"}]}}}})
+        "then": {"properties": {"modalities": {"anyOf": [{"type": "array", "items": {"enum": ["text", "audio"]}},
+                                                         {"type": "null"}]}},
+                 # streamed speech is pcm16 (OpenAI's rule)
+                 "if": {"required": ["modalities"], "properties": {"modalities": {"contains": {"const": "audio"}}}},
+                 "then": {"properties": {"audio": {"anyOf": [
+                     {"type": "null"}, {"type": "object", "properties": {"format": {"enum": [STREAMED_AUDIO_FORMAT, None]}}}]}}}}})
     model: str
     messages: list[ChatMessageIn] = Field(min_length=1)
     modalities: list[OutputModality] | None = Field(None, description="What to answer with; default ['text'].")
@@ -114,8 +131,10 @@ class ChatCompletionRequest(_Body):
     stream_options: JsonObject | None = Field(None, description="{'include_usage': true}: a last chunk "
                                                   "with the usage (stream=true only).")
     audio: Annotated[JsonObject | None, WithJsonSchema(
-        {"anyOf": [{"type": "object", "properties": {"format": {"enum": ["wav", None]}}}, {"type": "null"}]})] = Field(
-        None, description="{'format': 'wav'}: the only audio format produced.")
+        {"anyOf": [{"type": "object", "properties": {"format": {"enum": [*CHAT_AUDIO_FORMATS, None]},
+                                                      "voice": VOICE_SCHEMA}}, {"type": "null"}]})] = Field(
+        None, description="{'voice', 'format'}: the speech's voice (the pipeline's voice input) and format "
+        f"({', '.join(CHAT_AUDIO_FORMATS)}; default wav; streamed: pcm16).")
     size: Size = Field(None, description="Image size 'WIDTHxHEIGHT' when an image is asked for.")
     height: int | None = None
     width: int | None = None
@@ -134,9 +153,11 @@ class ImageGenerationRequest(_Body):
 class SpeechRequest(_Body):
     model: str
     input: str = Field(min_length=1, max_length=4096)
-    voice: str | JsonObject | None = None
+    voice: str | JsonObject | None = Field(None, description="The pipeline's voice input where it has one (one of "
+                                           "its voices, or {'id': voice}); ignored by a pipeline without one.")
     instructions: str | None = None
-    response_format: Annotated[str | None, only("wav")] = None
+    response_format: Annotated[str | None, WithJsonSchema({"anyOf": [{"enum": [*AUDIO_FORMATS]}, {"type": "null"}]})] = \
+        Field(None, description=f"{', '.join(AUDIO_FORMATS)} (default mp3, as OpenAI's; pcm: 24 kHz 16-bit LE mono).")
     speed: Annotated[float | None, only(1.0)] = None
     stream_format: Annotated[str | None, only("audio")] = Field(None, description="No SSE streaming.")
 
@@ -250,6 +271,15 @@ def choose_pipeline(catalogue: PipelineCatalogue, model: str | None, wanted: set
                           param="messages", code="unsupported_content")
     raise OpenAIError(400, f"no pipeline takes a text prompt and outputs {sorted(wanted)}; available: "
                       f"{catalogue.names()}", param=param, code="unsupported_modality")
+
+
+def audio_source(spec: PipelineSpec) -> tuple[str, str] | None:
+    """(stage, port) behind the pipeline's first audio output: whose audio deltas a chat stream follows."""
+    for out in spec.outputs:
+        sources = getattr(out, "sources", (out.source,))
+        if len(sources) == 1 and spec.stage(out.source.source).outputs.get(out.source.port) == "audio":
+            return out.source.source, out.source.port
+    return None
 
 
 def text_source(spec: PipelineSpec) -> tuple[str, str] | None:
@@ -366,6 +396,8 @@ class Plan:
     """Job input -> the request field it came from (a chat's media part, a transcription's file)."""
     upload: str | None = None
     """The job input the request's uploaded file goes to (its bytes are the route's: not in ``input``)."""
+    audio_format: AudioFormat = "wav"
+    """The format the speech is answered in (omni_jobs.audio_formats; a streamed chat: pcm)."""
 
 
 def _values(body: BaseModel, fields: dict[str, tuple[Target, ...]]) -> dict[str, JsonScalar]:
@@ -380,15 +412,64 @@ def _prompt_input(spec: PipelineSpec, prompt: str) -> JsonObject:
     return {name: prompt}
 
 
+def voice_input(spec: PipelineSpec) -> InputField | None:
+    """The pipeline's voice input (a text input named ``voice``), which OpenAI's voice sets."""
+    field_ = spec.inputs.get(VOICE_INPUT)
+    return field_ if field_ is not None and field_.type == "text" else None
+
+
+def voice_schema(spec: PipelineSpec) -> JsonObject:
+    """A request's voice for ``spec``: one of its voices (or ``{'id': voice}``); anything for a pipeline without."""
+    field_ = voice_input(spec)
+    if field_ is None or field_.choices is None:
+        return {**VOICE_SCHEMA, "description": f"Pipeline '{spec.name}' has no voice choices: any voice is taken"
+                + (" as its voice input." if field_ is not None else " and not used.")}
+    names: JsonObject = {"enum": [*field_.choices]}
+    return {"anyOf": [names, {"type": "object", "properties": {"id": names}, "required": ["id"]}, {"type": "null"}],
+            "description": f"One of pipeline '{spec.name}''s voices (default {field_.default})."}
+
+
+def pick_voice(spec: PipelineSpec, voice: JsonValue, *, param: str) -> JsonObject:
+    """The job input that ``voice`` sets: the pipeline's voice input, one of its choices (400 naming ``param``
+    and the voices otherwise); nothing for a pipeline without a voice input, or when no voice is given.
+
+    OpenAI's own voices (alloy, nova...) are refused, not mapped: no voice of this model sounds like them, and a
+    client that asked for one should hear the list and choose, not get another voice unasked."""
+    field_ = voice_input(spec)
+    if field_ is None or voice is None:
+        return {}
+    name = voice.get("id") if isinstance(voice, dict) else voice
+    if not isinstance(name, str) or (field_.choices is not None and name not in field_.choices):
+        choices = ", ".join(field_.choices or ())
+        raise OpenAIError(400, f"{param} must be one of pipeline '{spec.name}''s voices: {choices} (or {{'id': "
+                          f"voice}}); got {voice!r} (OpenAI's voice names are not this model's)", param=param,
+                          code="invalid_voice")
+    return {VOICE_INPUT: name}
+
+
+def chat_audio(body: ChatCompletionRequest) -> tuple[AudioFormat, JsonValue]:
+    """The speech's format and voice from a chat's ``audio`` ({voice, format}); pcm16 when streamed (OpenAI's rule)."""
+    audio = body.audio or {}
+    given = audio.get("format")
+    if given is not None and given not in CHAT_AUDIO_FORMATS:
+        raise OpenAIError(400, f"audio.format must be one of {', '.join(CHAT_AUDIO_FORMATS)}; got {given!r}",
+                          param="audio.format")
+    if body.stream and given not in (None, STREAMED_AUDIO_FORMAT):
+        raise OpenAIError(400, f"audio.format is {given!r}: streamed audio is {STREAMED_AUDIO_FORMAT} (24 kHz 16-bit "
+                          "mono, as OpenAI streams it); ask for it, or stream=false for another format",
+                          param="audio.format")
+    fmt = "pcm" if given == STREAMED_AUDIO_FORMAT or (given is None and body.stream) else str(given or "wav")
+    return check_format(fmt, field="audio.format"), audio.get("voice")
+
+
 def plan_chat(catalogue: PipelineCatalogue, body: ChatCompletionRequest) -> Plan:
     if body.n not in (None, 1):
         raise OpenAIError(400, "n must be 1 (send several requests; each is a job)", param="n")
-    if body.audio and body.audio.get("format") not in (None, "wav"):
-        raise OpenAIError(400, "audio.format must be 'wav'", param="audio.format")
+    audio_format, voice = chat_audio(body)
     wanted = list(dict.fromkeys(body.modalities or ["text"]))
-    if body.stream and wanted != ["text"]:
-        raise OpenAIError(400, "stream=true streams text: ask modalities ['text'] (images and audio come whole; "
-                          "follow GET /v1/jobs/{id}/events for a job's previews)", param="stream")
+    if body.stream and not set(wanted) <= {"text", "audio"}:
+        raise OpenAIError(400, "stream=true streams text and audio: ask modalities ['text'] or ['text', 'audio'] "
+                          "(images come whole; follow GET /v1/jobs/{id}/events for a job's previews)", param="stream")
     if body.stream_options is not None and not body.stream:
         raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
     content = read_content(body.messages)
@@ -403,7 +484,11 @@ def plan_chat(catalogue: PipelineCatalogue, body: ChatCompletionRequest) -> Plan
     if size != (None, None) and (body.width, body.height) != (None, None):
         raise OpenAIError(400, "give size or width and height, not both", param="size")
     params, origin = build_params(spec, CHAT_FIELDS, _values(body, CHAT_FIELDS), body.params, size)
-    return Plan(spec, job_input, [params], origin, prompt_param="messages", wanted=wanted, input_origin=input_origin)
+    job_input = {**job_input, **pick_voice(spec, voice, param="audio.voice")}  # the talker's, even for text alone
+    if voice_input(spec) is not None:
+        input_origin = {**input_origin, VOICE_INPUT: "audio.voice"}
+    return Plan(spec, job_input, [params], origin, prompt_param="messages", wanted=wanted, input_origin=input_origin,
+                audio_format=audio_format)
 
 
 def chat_input(catalogue: PipelineCatalogue, spec: PipelineSpec, wanted: set[str],
@@ -450,16 +535,19 @@ def plan_images(catalogue: PipelineCatalogue, body: ImageGenerationRequest, *, m
 
 
 def plan_speech(catalogue: PipelineCatalogue, body: SpeechRequest) -> Plan:
-    if body.response_format not in (None, "wav"):
-        raise OpenAIError(400, f"response_format {body.response_format!r} is not produced; use 'wav'",
-                          param="response_format")
+    try:
+        audio_format = check_format(body.response_format or "mp3", field="response_format")  # mp3: OpenAI's default
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param="response_format") from None
     if body.stream_format not in (None, "audio"):
         raise OpenAIError(400, "stream_format must be 'audio' (no SSE streaming)", param="stream_format")
     if body.speed not in (None, 1.0):
         raise OpenAIError(400, "speed must be 1.0", param="speed")
     spec = choose_pipeline(catalogue, body.model, {"audio"}, param="model")
     params, origin = build_params(spec, SPEECH_FIELDS, _values(body, SPEECH_FIELDS), body.params)
-    return Plan(spec, _prompt_input(spec, body.input), [params], origin, prompt_param="input")
+    job_input = {**_prompt_input(spec, body.input), **pick_voice(spec, body.voice, param="voice")}
+    return Plan(spec, job_input, [params], origin, prompt_param="input", audio_format=audio_format,
+                input_origin={VOICE_INPUT: "voice"} if voice_input(spec) is not None else {})
 
 
 # --- the request bodies as the spec says them (api.main puts them in the OpenAPI spec) ---
@@ -472,11 +560,13 @@ class Endpoint:
     size: bool
     modality: str | None
     prompt: str
+    voice: str | None = None
+    """Where the request's voice is (``voice``, ``audio.voice``): its schema is the pipeline's voices."""
 
 
-ENDPOINTS = {"ChatCompletionRequest": Endpoint(CHAT_FIELDS, True, None, "messages"),
+ENDPOINTS = {"ChatCompletionRequest": Endpoint(CHAT_FIELDS, True, None, "messages", "audio.voice"),
              "ImageGenerationRequest": Endpoint(IMAGE_FIELDS, True, "image", "prompt"),
-             "SpeechRequest": Endpoint(SPEECH_FIELDS, False, "audio", "input")}
+             "SpeechRequest": Endpoint(SPEECH_FIELDS, False, "audio", "input", "voice")}
 """The component name of each route's body (FastAPI's, from the model) and what it maps."""
 _MODALITIES = ("text", "image", "audio")
 _NUMBER = "[1-9][0-9]{0,8}"
@@ -550,6 +640,13 @@ def _route(base: JsonObject, spec: PipelineSpec, endpoint: Endpoint, limits: Lim
     properties: JsonObject = {**base_properties, "model": model}
     if modalities is not None:
         properties["modalities"] = modalities
+    if endpoint.voice == "voice":
+        properties["voice"] = voice_schema(spec)
+    elif endpoint.voice == "audio.voice":
+        audio = json_object(base_properties["audio"], "audio")
+        properties["audio"] = {**audio, "anyOf": [
+            {"type": "object", "properties": {"format": {"enum": [*CHAT_AUDIO_FORMATS, None]}, "voice": voice_schema(spec)}},
+            {"type": "null"}]}
     set_by_fields: set[tuple[str, str]] = set()
     for name, targets in endpoint.fields.items():
         pieces = [json_object(_properties(schemas[stage.id])[target[1]], target[1]) for stage in spec.stages
@@ -776,3 +873,38 @@ def model_card(spec: PipelineSpec, created: int) -> JsonObject:
     return {"id": spec.name, "object": "model", "created": created, "owned_by": "omni-jobs",
             "description": spec.description.strip(), "output_modalities": [*sorted(output_modalities(spec))],
             "stages": [*(s.id for s in spec.stages)]}
+
+
+# --- streamed speech (chat with stream=true and the audio modality) ---
+STREAM_PIECE_BYTES = PCM_RATE * 2 // 2
+"""Audio sent from the final clip (what no delta carried) goes out in pieces of 0.5 s of 24 kHz pcm16."""
+
+
+def streamed_pcm(chunk: AudioChunk) -> bytes:
+    """An audio delta's samples as OpenAI streams audio: 24 kHz pcm16 (resampled when the stage's rate differs)."""
+    if chunk.sample_rate == PCM_RATE:
+        return chunk.pcm
+    samples = np.frombuffer(chunk.pcm, "<i2").astype(np.float32)[np.newaxis, :] / 32767.0
+    return pcm16(samples, chunk.sample_rate)
+
+
+def unsent_pcm(clip_pcm: bytes, handed_out: int, sample_rate: int | None) -> list[bytes]:
+    """The part of the final clip (24 kHz pcm16) beyond the ``handed_out`` samples the deltas carried (at their
+    ``sample_rate``), in pieces: all of it when no delta came (a stage that does not stream)."""
+    offset = 2 * (handed_out * PCM_RATE // sample_rate if sample_rate else 0)
+    rest = clip_pcm[offset:]
+    return [rest[i:i + STREAM_PIECE_BYTES] for i in range(0, len(rest), STREAM_PIECE_BYTES)]
+
+
+def audio_delta_message(audio_id: str, *, transcript: str | None = None, data: bytes | None = None,
+                        expires_at: int | None = None) -> JsonObject:
+    """A chunk's ``delta`` for streamed speech, as OpenAI's clients read it: ``delta.audio`` with the id and one
+    of the transcript's new text, base64 pcm16, or (last) ``expires_at``."""
+    audio: JsonObject = {"id": audio_id}
+    if transcript is not None:
+        audio["transcript"] = transcript
+    if data is not None:
+        audio["data"] = base64.b64encode(data).decode("ascii")
+    if expires_at is not None:
+        audio["expires_at"] = expires_at
+    return {"audio": audio}

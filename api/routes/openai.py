@@ -7,11 +7,13 @@ in OpenAI's shape, the way ``vllm serve --omni`` answers:
 - ``POST /v1/chat/completions``: text in; ``modalities`` (default ``["text"]``) picks what comes back,
   one choice per modality: text as ``content``, images as ``content`` parts
   ``{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}``, audio as
-  ``message.audio`` ``{id, data (base64 WAV), expires_at, transcript}``.
+  ``message.audio`` ``{id, data (base64, in audio.format: wav by default), expires_at, transcript}``;
+  ``audio.voice`` sets the pipeline's voice input.
   User messages may carry media parts (``image_url``, ``input_audio``, ``audio_url``, ``video_url``)
   for a pipeline whose inputs take them (omni_jobs.openai_content).
 - ``POST /v1/images/generations`` (DALL-E shape; ``n`` jobs, ``b64_json`` by default as vLLM-Omni
-  does, or ``url``); ``POST /v1/audio/speech`` (WAV bytes); ``GET /v1/models`` (the pipelines).
+  does, or ``url``); ``POST /v1/audio/speech`` (the speech in
+  ``response_format``: mp3 by default, opus, aac, flac, wav, pcm; ``voice`` as the pipeline's voice input); ``GET /v1/models`` (the pipelines).
 - ``POST /v1/audio/transcriptions`` and ``/v1/audio/translations`` (multipart ``file``; Whisper's
   answer in json, verbose_json, text, srt or vtt, made from the speech stage's document by
   omni_jobs.openai_audio).
@@ -29,7 +31,8 @@ Chat with ``stream: true`` answers in OpenAI's chunk format while the job runs: 
 ``output.delta`` events become content chunks (omni_jobs.text_stream cuts them); the job's end
 gives the chunk with ``finish_reason`` (and, with ``stream_options.include_usage``, the usage
 chunk), then ``data: [DONE]``. A job that fails sends an ``{"error": ...}`` chunk, as OpenAI does.
-The chunk framing stays here: it is interleaved with reading the job's event stream and its
+With the audio modality the chunks carry ``delta.audio`` instead: transcript pieces, base64 pcm16
+from the audio output's deltas and then the final clip, and last its ``expires_at``. The chunk framing stays here: it is interleaved with reading the job's event stream and its
 stored text (I/O at every step), and its pure part (cutting deltas) is omni_jobs.text_stream.
 """
 
@@ -55,6 +58,8 @@ from api.auth import api_key_id, authenticate
 from api.deps import ApiContext, get_context
 from api.schemas import errors
 from omni_jobs.artifacts import ArtifactError, codecs
+from omni_jobs.audio_formats import AudioFormat, convert, media_type
+from omni_jobs.audio_stream import AudioDeltaReader
 from omni_jobs.errors import InvalidRequest, QuotaExceeded
 from omni_jobs.jobs.models import FINAL_EVENTS, EventType, Job, JobOutput, JobStatus
 from omni_jobs.jobs.view import output_url
@@ -72,6 +77,8 @@ from omni_jobs.openai_compat import (
     ImageGenerationRequest,
     Plan,
     SpeechRequest,
+    audio_delta_message,
+    audio_source,
     chat_completion,
     finished,
     first_output,
@@ -83,8 +90,10 @@ from omni_jobs.openai_compat import (
     plan_chat,
     plan_images,
     plan_speech,
+    streamed_pcm,
     text_of,
     text_source,
+    unsent_pcm,
 )
 from omni_jobs.openai_errors import OpenAIError
 from omni_jobs.pipelines.spec import PipelineSpec
@@ -205,6 +214,18 @@ async def _bytes(ctx: ApiContext, output: JobOutput) -> bytes:
     return data
 
 
+async def _speech(ctx: ApiContext, job: Job, output: JobOutput, fmt: AudioFormat) -> bytes:
+    """An audio output in ``fmt`` (omni_jobs.audio_formats, in a thread: encoding takes CPU); a stored file
+    that is no WAV it can read answers 500 naming the job, never a traceback."""
+    data = await _bytes(ctx, output)
+    try:
+        converted: bytes = await run_in_threadpool(convert, data, fmt)
+    except ValueError as exc:
+        raise OpenAIError(500, f"job {job.id}: its {output.name} output cannot be converted to {fmt}: {exc}",
+                          type_="server_error", code="invalid_output", job_ids=[job.id], retry=False) from None
+    return converted
+
+
 async def _text_meta(ctx: ApiContext, spec: PipelineSpec, job: Job) -> tuple[str, dict[str, int] | None]:
     """(finish_reason, usage) of the text answer, as the AR engine reported them beside its text.
 
@@ -261,12 +282,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                         key_id=api_key_id(request))
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(_chat_chunks(ctx, plan.spec, job, include_usage=include_usage),
+        return StreamingResponse(_chat_chunks(ctx, plan, job, include_usage=include_usage),
                                  media_type="text/event-stream",
                                  headers={**_headers([job]), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     (job,) = await _finished(ctx, [job])
     finish, usage = await _text_meta(ctx, plan.spec, job)
-    data = {out.name: await _bytes(ctx, out) for out in needed_outputs(job, plan.wanted)}
+    data = {out.name: await (_speech(ctx, job, out, plan.audio_format) if out.type == "audio" else _bytes(ctx, out))
+            for out in needed_outputs(job, plan.wanted)}
     answer = chat_completion(plan, job, finish=finish, usage=usage, data=data,
                              output_ttl_s=ctx.runtime.settings.output_ttl_s)
     return JSONResponse(answer, headers=_headers([job]))
@@ -276,16 +298,26 @@ def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
-async def _chat_chunks(ctx: ApiContext, spec: PipelineSpec, job: Job, *, include_usage: bool) -> AsyncIterator[str]:
+async def _chat_chunks(ctx: ApiContext, plan: Plan, job: Job, *, include_usage: bool) -> AsyncIterator[str]:
     """The chat answer as OpenAI's chunks, from the job's event stream: role, content deltas, the
     finish chunk, the usage chunk (``include_usage``), ``[DONE]``; an error chunk if the job fails.
 
     The content is the text output's deltas, so their concatenation is the non-streamed answer (a
     later attempt's repeat is skipped by the DeltaReader). Whatever no delta carried (none were
-    published, e.g. by an older worker) is sent from the final text before the finish chunk."""
+    published, e.g. by an older worker) is sent from the final text before the finish chunk.
+
+    With the audio modality the chunks are OpenAI's streamed speech: ``delta.audio`` with the text as
+    ``transcript`` pieces and the speech as ``data`` (base64 24 kHz pcm16) from the audio output's deltas
+    (omni_jobs.audio_stream: each sample once across a stage's reruns); the audio no delta carried (a stage
+    that does not stream) comes from the final clip once the job succeeded; the last ``delta.audio`` holds
+    ``expires_at``."""
+    spec = plan.spec
     source = text_source(spec)
     assert source is not None
     reader = DeltaReader(*source)
+    speech = audio_source(spec) if "audio" in plan.wanted else None
+    sound = AudioDeltaReader(*speech) if speech is not None else None
+    audio_id = f"audio_{job.id}"
     base: dict[str, Any] = {"id": f"chatcmpl-{job.id}", "object": "chat.completion.chunk",
                             "created": int(job.created_at), "model": spec.name, "system_fingerprint": None}
     if include_usage:
@@ -293,6 +325,9 @@ async def _chat_chunks(ctx: ApiContext, spec: PipelineSpec, job: Job, *, include
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
         return _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+
+    def said(new: str) -> str:
+        return chunk(audio_delta_message(audio_id, transcript=new) if sound is not None else {"content": new})
 
     def error(status: str, message: str, code: str) -> str:
         return _sse({"error": {"message": message, "type": status, "param": None, "code": code}})
@@ -311,9 +346,12 @@ async def _chat_chunks(ctx: ApiContext, spec: PipelineSpec, job: Job, *, include
             continue
         if event.type in FINAL_EVENTS:
             break
-        new = reader.feed(event.data) if event.type == EventType.output_delta else ""
-        if new:
-            yield chunk({"content": new})
+        if event.type != EventType.output_delta:
+            continue
+        if new := reader.feed(event.data):
+            yield said(new)
+        if sound is not None and (piece := sound.feed(event.data)) is not None:
+            yield chunk(audio_delta_message(audio_id, data=streamed_pcm(piece)))
     final = await ctx.watcher.get(job.id)
     if final is None or final.status is not JobStatus.succeeded:
         reason = (final.error.message if final is not None and final.error else None)
@@ -322,7 +360,13 @@ async def _chat_chunks(ctx: ApiContext, spec: PipelineSpec, job: Job, *, include
         return
     text, sent = text_of(final) or "", reader.text
     if len(text) > len(sent) and text.startswith(sent):
-        yield chunk({"content": text[len(sent):]})
+        yield said(text[len(sent):])
+    if sound is not None:
+        clip = await _speech(ctx, final, first_output(final, "audio"), "pcm")
+        for rest in unsent_pcm(clip, sound.handed_out, sound.sample_rate):
+            yield chunk(audio_delta_message(audio_id, data=rest))
+        expires_at = int(final.completed_at or time.time()) + ctx.runtime.settings.output_ttl_s
+        yield chunk(audio_delta_message(audio_id, expires_at=expires_at))
     finish, usage = await _text_meta(ctx, spec, final)
     yield chunk({}, finish)
     if include_usage:
@@ -357,9 +401,14 @@ async def images_generations(body: ImageGenerationRequest, request: Request,
     return JSONResponse(images_response(jobs, items), headers=_headers(jobs))
 
 
-@router.post("/audio/speech", summary="OpenAI text to speech, run as a job (WAV)", response_class=Response,
-             responses={200: {"description": "The speech as WAV.",
-                              "content": {"audio/wav": {"schema": {"type": "string", "format": "binary"}}}},
+_BINARY = {"schema": {"type": "string", "format": "binary"}}
+
+
+@router.post("/audio/speech", summary="OpenAI text to speech, run as a job (mp3, opus, aac, flac, wav, pcm)",
+             response_class=Response,
+             responses={200: {"description": "The speech in response_format (default mp3; pcm: raw 24 kHz 16-bit LE "
+                              "mono), sent once the job ended.",
+                              "content": {media_type(f): _BINARY for f in ("mp3", "opus", "aac", "flac", "wav", "pcm")}},
                         **JOB_ERRORS})
 async def audio_speech(body: SpeechRequest, request: Request, idempotency_key: IdempotencyKey = None) -> Response:
     ctx = get_context(request)
@@ -367,8 +416,8 @@ async def audio_speech(body: SpeechRequest, request: Request, idempotency_key: I
     job = await _submit(ctx, plan, plan.params[0], idempotency_key=idempotency_key, tenant=request.state.tenant,
                         key_id=api_key_id(request))
     (job,) = await _finished(ctx, [job])
-    out = first_output(job, "audio")
-    return Response(await _bytes(ctx, out), media_type=out.media_type, headers=_headers([job]))
+    audio = await _speech(ctx, job, first_output(job, "audio"), plan.audio_format)
+    return Response(audio, media_type=media_type(plan.audio_format), headers=_headers([job]))
 
 
 class TranscriptionSegment(BaseModel):

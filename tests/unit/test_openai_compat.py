@@ -62,7 +62,9 @@ def test_chat_image_modality_picks_an_image_pipeline_with_the_size(catalogue: Pi
     ({"stream": True, "modalities": ["image"]}, "stream"),
     ({"size": "big", "modalities": ["image"]}, "size"),
     ({"model": "text-to-text", "modalities": ["audio"]}, "modalities"),
-    ({"audio": {"format": "mp3"}}, "audio.format"),
+    ({"audio": {"format": "ogg"}}, "audio.format"),
+    ({"stream": True, "modalities": ["text", "audio"], "audio": {"format": "wav"}}, "audio.format"),  # pcm16 only
+    ({"model": "omni-chat", "modalities": ["text", "audio"], "audio": {"voice": "alloy"}}, "audio.voice"),
     ({"max_tokens": 5, "max_completion_tokens": 6}, "max_tokens"),  # one of two names: not both
     ({"size": "64x64", "width": 32, "modalities": ["image"]}, "size"),
     ({"size": "064x64", "modalities": ["image"]}, "size"),  # the spec's sizes have no leading zero
@@ -163,11 +165,44 @@ def test_the_chat_schema_and_the_mapping_agree(catalogue: PipelineCatalogue, fie
         assert accepted
 
 
-def test_speech_takes_wav_only(catalogue: PipelineCatalogue) -> None:
-    plan = plan_speech(catalogue, SpeechRequest.model_validate({"model": "tts-1", "input": "hello"}))
+def speech(**fields: Any) -> SpeechRequest:
+    return SpeechRequest.model_validate({"model": "tts-1", "input": "hello", **fields})
+
+
+def test_speech_is_mp3_by_default_in_any_of_openais_formats(catalogue: PipelineCatalogue) -> None:
+    plan = plan_speech(catalogue, speech(voice="alloy"))  # text-to-audio has no voice input: any voice, unused
     assert plan.spec.name == "text-to-audio" and plan.input == {"prompt": "hello"} and plan.prompt_param == "input"
-    with pytest.raises(OpenAIError, match="use 'wav'"):
-        plan_speech(catalogue, SpeechRequest.model_validate({"model": "tts-1", "input": "x", "response_format": "mp3"}))
+    assert plan.audio_format == "mp3"
+    for fmt in ("mp3", "opus", "aac", "flac", "wav", "pcm"):
+        assert plan_speech(catalogue, speech(response_format=fmt)).audio_format == fmt
+    with pytest.raises(OpenAIError, match="response_format must be one of mp3, opus, aac, flac, wav, pcm") as err:
+        plan_speech(catalogue, speech(response_format="ogg"))
+    assert err.value.param == "response_format"
+
+
+def test_speech_voice_is_the_pipelines_voice_input(catalogue: PipelineCatalogue) -> None:
+    plan = plan_speech(catalogue, speech(model="text-to-speech", voice="Ethan", response_format="wav"))
+    assert plan.input == {"prompt": "hello", "voice": "Ethan"} and plan.audio_format == "wav"
+    assert plan_speech(catalogue, speech(model="text-to-speech", voice={"id": "Chelsie"})).input["voice"] == "Chelsie"
+    assert "voice" not in plan_speech(catalogue, speech(model="text-to-speech")).input  # the input's default
+    for voice in ("alloy", "ethan", {"name": "Ethan"}):
+        with pytest.raises(OpenAIError) as err:
+            plan_speech(catalogue, speech(model="text-to-speech", voice=voice))
+        assert err.value.status == 400 and err.value.param == "voice"
+        assert "voices: Chelsie, Ethan" in err.value.message
+
+
+def test_chat_audio_voice_and_format(catalogue: PipelineCatalogue) -> None:
+    plan = plan_chat(catalogue, chat(model="omni-chat", modalities=["text", "audio"],
+                                     audio={"voice": "Ethan", "format": "flac"}))
+    assert plan.input == {"prompt": "hi", "voice": "Ethan"} and plan.audio_format == "flac"
+    assert plan.wanted == ["text", "audio"] and plan.input_origin["voice"] == "audio.voice"
+    assert plan_chat(catalogue, chat(model="omni-chat", modalities=["text", "audio"])).audio_format == "wav"
+    assert plan_chat(catalogue, chat(model="omni-chat", modalities=["text", "audio"],
+                                     audio={"format": "pcm16"})).audio_format == "pcm"
+    streamed = plan_chat(catalogue, chat(model="omni-chat", modalities=["text", "audio"], stream=True,
+                                         audio={"voice": "Chelsie"}))
+    assert streamed.audio_format == "pcm" and streamed.input["voice"] == "Chelsie"
 
 
 def job(status: JobStatus = JobStatus.succeeded, **fields: Any) -> Job:
@@ -206,3 +241,27 @@ def test_answers_from_a_finished_job(catalogue: PipelineCatalogue) -> None:
     items = image_items(done, None, data={"image": b"PNG"})
     assert items == [{"b64_json": "UE5H", "revised_prompt": "a fox"}]
     assert images_response([done], items) == {"created": 100, "data": items, "output_format": "png", "size": "64x48"}
+
+
+def test_streamed_speech_pieces() -> None:
+    import base64
+
+    import numpy as np
+
+    from omni_jobs.audio_stream import AudioChunk
+    from omni_jobs.openai_compat import STREAM_PIECE_BYTES, audio_delta_message, streamed_pcm, unsent_pcm
+
+    clip = bytes(range(256)) * 500  # 64000 samples of 24 kHz pcm16
+    assert b"".join(unsent_pcm(clip, 0, None)) == clip  # no delta came: the whole clip, in pieces
+    assert max(len(p) for p in unsent_pcm(clip, 0, None)) == STREAM_PIECE_BYTES
+    assert b"".join(unsent_pcm(clip, 1000, 24000)) == clip[2000:]
+    assert b"".join(unsent_pcm(clip, 500, 12000)) == clip[2000:]  # deltas at 12 kHz: 500 samples are 1000 at 24
+    assert unsent_pcm(clip, 64000, 24000) == []
+    same = AudioChunk(pcm=b"\x01\x00\x02\x00", sample_rate=24000, start=0)
+    assert streamed_pcm(same) == same.pcm
+    tone = (np.sin(np.arange(1200) / 5) * 12000).astype("<i2").tobytes()
+    assert len(streamed_pcm(AudioChunk(pcm=tone, sample_rate=12000, start=0))) == pytest.approx(2 * 2400, abs=64)
+    assert audio_delta_message("audio_1", transcript="Hi") == {"audio": {"id": "audio_1", "transcript": "Hi"}}
+    assert audio_delta_message("audio_1", data=b"\x00\x01") == {
+        "audio": {"id": "audio_1", "data": base64.b64encode(b"\x00\x01").decode()}}
+    assert audio_delta_message("audio_1", expires_at=7) == {"audio": {"id": "audio_1", "expires_at": 7}}
