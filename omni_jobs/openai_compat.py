@@ -474,7 +474,7 @@ def plan_chat(catalogue: PipelineCatalogue, body: ChatCompletionRequest) -> Plan
         raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
     content = read_content(body.messages)
     spec = choose_pipeline(catalogue, body.model, set(wanted), param="modalities", content=content)
-    if body.stream and text_source(spec) is None:
+    if body.stream and text_source(spec) is None and "audio" not in wanted:  # speech streams without a transcript
         raise OpenAIError(400, f"pipeline '{spec.name}' has no text output to stream", param="stream",
                           code="unsupported_modality")
     job_input, input_origin = chat_input(catalogue, spec, set(wanted), content)

@@ -313,8 +313,7 @@ async def _chat_chunks(ctx: ApiContext, plan: Plan, job: Job, *, include_usage: 
     ``expires_at``."""
     spec = plan.spec
     source = text_source(spec)
-    assert source is not None
-    reader = DeltaReader(*source)
+    reader = DeltaReader(*source) if source is not None else None  # None: speech alone (plan_chat checked)
     speech = audio_source(spec) if "audio" in plan.wanted else None
     sound = AudioDeltaReader(*speech) if speech is not None else None
     audio_id = f"audio_{job.id}"
@@ -348,7 +347,7 @@ async def _chat_chunks(ctx: ApiContext, plan: Plan, job: Job, *, include_usage: 
             break
         if event.type != EventType.output_delta:
             continue
-        if new := reader.feed(event.data):
+        if reader is not None and (new := reader.feed(event.data)):
             yield said(new)
         if sound is not None and (piece := sound.feed(event.data)) is not None:
             yield chunk(audio_delta_message(audio_id, data=streamed_pcm(piece)))
@@ -358,11 +357,15 @@ async def _chat_chunks(ctx: ApiContext, plan: Plan, job: Job, *, include_usage: 
         status = final.status.value if final is not None else "gone"
         yield error("server_error", f"job {job.id} {status}" + (f": {reason}" if reason else ""), f"job_{status}")
         return
-    text, sent = text_of(final) or "", reader.text
+    text, sent = text_of(final) or "", reader.text if reader is not None else ""
     if len(text) > len(sent) and text.startswith(sent):
         yield said(text[len(sent):])
     if sound is not None:
-        clip = await _speech(ctx, final, first_output(final, "audio"), "pcm")
+        try:
+            clip = await _speech(ctx, final, first_output(final, "audio"), "pcm")
+        except OpenAIError as exc:  # the headers went out: the error as a chunk, as a failed job's
+            yield error(exc.type, exc.message, exc.code or "invalid_output")
+            return
         for rest in unsent_pcm(clip, sound.handed_out, sound.sample_rate):
             yield chunk(audio_delta_message(audio_id, data=rest))
         expires_at = int(final.completed_at or time.time()) + ctx.runtime.settings.output_ttl_s
