@@ -159,7 +159,9 @@ class SpeechRequest(_Body):
     response_format: Annotated[str | None, WithJsonSchema({"anyOf": [{"enum": [*AUDIO_FORMATS]}, {"type": "null"}]})] = \
         Field(None, description=f"{', '.join(AUDIO_FORMATS)} (default mp3, as OpenAI's; pcm: 24 kHz 16-bit LE mono).")
     speed: Annotated[float | None, only(1.0)] = None
-    stream_format: Annotated[str | None, only("audio")] = Field(None, description="No SSE streaming.")
+    stream_format: Annotated[str | None, WithJsonSchema({"anyOf": [{"enum": ["audio", "sse"]}, {"type": "null"}]})] = \
+        Field(None, description="audio (default): the file as the body; sse: speech.audio.delta events (pcm: as the "
+              "job makes it) and speech.audio.done.")
 
 
 # --- choosing the pipeline ---
@@ -398,6 +400,8 @@ class Plan:
     """The job input the request's uploaded file goes to (its bytes are the route's: not in ``input``)."""
     audio_format: AudioFormat = "wav"
     """The format the speech is answered in (omni_jobs.audio_formats; a streamed chat: pcm)."""
+    sse: bool = False
+    """Speech as SSE events (``stream_format: "sse"``) rather than the file as the body."""
 
 
 def _values(body: BaseModel, fields: dict[str, tuple[Target, ...]]) -> dict[str, JsonScalar]:
@@ -539,15 +543,17 @@ def plan_speech(catalogue: PipelineCatalogue, body: SpeechRequest) -> Plan:
         audio_format = check_format(body.response_format or "mp3", field="response_format")  # mp3: OpenAI's default
     except ValueError as exc:
         raise OpenAIError(400, str(exc), param="response_format") from None
-    if body.stream_format not in (None, "audio"):
-        raise OpenAIError(400, "stream_format must be 'audio' (no SSE streaming)", param="stream_format")
+    if body.stream_format not in (None, "audio", "sse"):
+        raise OpenAIError(400, f"stream_format must be 'audio' or 'sse'; got {body.stream_format!r}",
+                          param="stream_format")
     if body.speed not in (None, 1.0):
         raise OpenAIError(400, "speed must be 1.0", param="speed")
     spec = choose_pipeline(catalogue, body.model, {"audio"}, param="model")
     params, origin = build_params(spec, SPEECH_FIELDS, _values(body, SPEECH_FIELDS), body.params)
     job_input = {**_prompt_input(spec, body.input), **pick_voice(spec, body.voice, param="voice")}
     return Plan(spec, job_input, [params], origin, prompt_param="input", audio_format=audio_format,
-                input_origin={VOICE_INPUT: "voice"} if voice_input(spec) is not None else {})
+                input_origin={VOICE_INPUT: "voice"} if voice_input(spec) is not None else {},
+                sse=body.stream_format == "sse")
 
 
 # --- the request bodies as the spec says them (api.main puts them in the OpenAPI spec) ---
@@ -908,3 +914,15 @@ def audio_delta_message(audio_id: str, *, transcript: str | None = None, data: b
     if expires_at is not None:
         audio["expires_at"] = expires_at
     return {"audio": audio}
+
+
+def speech_event(kind: Literal["delta", "done"], *, audio: bytes = b"", usage: dict[str, int] | None = None
+                 ) -> JsonObject:
+    """One SSE event of ``/v1/audio/speech`` with ``stream_format: "sse"``, as OpenAI sends them:
+    ``speech.audio.delta`` {audio: base64} or ``speech.audio.done`` {usage}."""
+    if kind == "delta":
+        return {"type": "speech.audio.delta", "audio": base64.b64encode(audio).decode("ascii")}
+    tokens = usage or {}
+    return {"type": "speech.audio.done", "usage": {"input_tokens": tokens.get("prompt_tokens", 0),
+                                                   "output_tokens": tokens.get("completion_tokens", 0),
+                                                   "total_tokens": tokens.get("total_tokens", 0)}}

@@ -90,6 +90,7 @@ from omni_jobs.openai_compat import (
     plan_chat,
     plan_images,
     plan_speech,
+    speech_event,
     streamed_pcm,
     text_of,
     text_source,
@@ -411,16 +412,68 @@ _BINARY = {"schema": {"type": "string", "format": "binary"}}
              response_class=Response,
              responses={200: {"description": "The speech in response_format (default mp3; pcm: raw 24 kHz 16-bit LE "
                               "mono), sent once the job ended.",
-                              "content": {media_type(f): _BINARY for f in ("mp3", "opus", "aac", "flac", "wav", "pcm")}},
+                              "content": {**{media_type(f): _BINARY for f in ("mp3", "opus", "aac", "flac", "wav", "pcm")},
+                                          "text/event-stream": {}}},
                         **JOB_ERRORS})
 async def audio_speech(body: SpeechRequest, request: Request, idempotency_key: IdempotencyKey = None) -> Response:
     ctx = get_context(request)
     plan = plan_speech(ctx.runtime.catalogue, body)
     job = await _submit(ctx, plan, plan.params[0], idempotency_key=idempotency_key, tenant=request.state.tenant,
                         key_id=api_key_id(request))
+    if plan.sse:
+        return StreamingResponse(_speech_events(ctx, plan, job), media_type="text/event-stream",
+                                 headers={**_headers([job]), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     (job,) = await _finished(ctx, [job])
     audio = await _speech(ctx, job, first_output(job, "audio"), plan.audio_format)
     return Response(audio, media_type=media_type(plan.audio_format), headers=_headers([job]))
+
+
+SSE_PIECE_BYTES = 64 * 1024
+"""A converted file (mp3, opus...) goes out in events of at most this many bytes."""
+
+
+async def _speech_events(ctx: ApiContext, plan: Plan, job: Job) -> AsyncIterator[str]:
+    """``stream_format: "sse"``: ``speech.audio.delta`` events, then ``speech.audio.done``. In ``pcm`` the audio
+    output's deltas go out as the job makes them (24 kHz pcm16, each sample once) and what none carried comes
+    from the final clip; another format is encoded from the final clip (a file is not cut while it is made),
+    in pieces that join to the file. A failed job or the timeout: an ``error`` event."""
+
+    def error(type_: str, message: str, code: str) -> str:
+        return _sse({"type": "error", "error": {"message": message, "type": type_, "param": None, "code": code}})
+
+    source = audio_source(plan.spec)
+    sound = AudioDeltaReader(*source) if source is not None and plan.audio_format == "pcm" else None
+    wait_s = ctx.runtime.settings.openai_wait_s
+    deadline = time.monotonic() + wait_s
+    async for event in ctx.watcher.follow(job.id, heartbeat_s=min(5.0, wait_s)):
+        if time.monotonic() > deadline:
+            yield error("timeout", f"job {job.id} still running after {wait_s:g}s (OMNI_OPENAI_WAIT_S); follow it at "
+                        f"GET /v1/jobs/{job.id}", "job_timeout")
+            return
+        if event is None:
+            yield ": keep-alive\n\n"
+            continue
+        if event.type in FINAL_EVENTS:
+            break
+        if sound is not None and event.type == EventType.output_delta and (piece := sound.feed(event.data)):
+            yield _sse(speech_event("delta", audio=streamed_pcm(piece)))
+    final = await ctx.watcher.get(job.id)
+    if final is None or final.status is not JobStatus.succeeded:
+        reason = final.error.message if final is not None and final.error else None
+        status = final.status.value if final is not None else "gone"
+        yield error("server_error", f"job {job.id} {status}" + (f": {reason}" if reason else ""), f"job_{status}")
+        return
+    try:
+        data = await _speech(ctx, final, first_output(final, "audio"), plan.audio_format)
+    except OpenAIError as exc:
+        yield error(exc.type, exc.message, exc.code or "invalid_output")
+        return
+    pieces = (unsent_pcm(data, sound.handed_out, sound.sample_rate) if sound is not None
+              else [data[i:i + SSE_PIECE_BYTES] for i in range(0, len(data), SSE_PIECE_BYTES)])
+    for piece_ in pieces:
+        yield _sse(speech_event("delta", audio=piece_))
+    _finish, usage = await _text_meta(ctx, plan.spec, final)
+    yield _sse(speech_event("done", usage=usage))
 
 
 class TranscriptionSegment(BaseModel):

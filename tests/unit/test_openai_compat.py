@@ -265,3 +265,17 @@ def test_streamed_speech_pieces() -> None:
     assert audio_delta_message("audio_1", data=b"\x00\x01") == {
         "audio": {"id": "audio_1", "data": base64.b64encode(b"\x00\x01").decode()}}
     assert audio_delta_message("audio_1", expires_at=7) == {"audio": {"id": "audio_1", "expires_at": 7}}
+
+
+def test_speech_as_sse_events(catalogue: PipelineCatalogue) -> None:
+    from omni_jobs.openai_compat import speech_event
+
+    assert plan_speech(catalogue, speech(model="text-to-speech", stream_format="sse", response_format="pcm")).sse
+    assert not plan_speech(catalogue, speech(stream_format="audio")).sse
+    with pytest.raises(OpenAIError) as err:
+        plan_speech(catalogue, speech(stream_format="websocket"))
+    assert err.value.param == "stream_format"
+    assert speech_event("delta", audio=b"\x00\x01") == {"type": "speech.audio.delta", "audio": "AAE="}
+    assert speech_event("done", usage={"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}) == {
+        "type": "speech.audio.done", "usage": {"input_tokens": 3, "output_tokens": 4, "total_tokens": 7}}
+    assert speech_event("done")["usage"] == {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
