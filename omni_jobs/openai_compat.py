@@ -115,10 +115,11 @@ class ChatCompletionRequest(_Body):
         "if": {"required": ["stream"], "properties": {"stream": {"const": True}}},
         "then": {"properties": {"modalities": {"anyOf": [{"type": "array", "items": {"enum": ["text", "audio"]}},
                                                          {"type": "null"}]}},
-                 # streamed speech is pcm16 (OpenAI's rule)
-                 "if": {"required": ["modalities"], "properties": {"modalities": {"contains": {"const": "audio"}}}},
-                 "then": {"properties": {"audio": {"anyOf": [
-                     {"type": "null"}, {"type": "object", "properties": {"format": {"enum": [STREAMED_AUDIO_FORMAT, None]}}}]}}}}})
+                 "anyOf": [  # text alone, or streamed speech in pcm16 (OpenAI's rule)
+                     {"properties": {"modalities": {"anyOf": [{"type": "array", "items": {"const": "text"}},
+                                                              {"type": "null"}]}}},
+                     {"properties": {"audio": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
+                         "format": {"enum": [STREAMED_AUDIO_FORMAT, None]}}}]}}}]}})
     model: str
     messages: list[ChatMessageIn] = Field(min_length=1)
     modalities: list[OutputModality] | None = Field(None, description="What to answer with; default ['text'].")
@@ -451,14 +452,15 @@ def pick_voice(spec: PipelineSpec, voice: JsonValue, *, param: str) -> JsonObjec
     return {VOICE_INPUT: name}
 
 
-def chat_audio(body: ChatCompletionRequest) -> tuple[AudioFormat, JsonValue]:
-    """The speech's format and voice from a chat's ``audio`` ({voice, format}); pcm16 when streamed (OpenAI's rule)."""
+def chat_audio(body: ChatCompletionRequest, wanted: list[str]) -> tuple[AudioFormat, JsonValue]:
+    """The speech's format and voice from a chat's ``audio`` ({voice, format}); pcm16 when speech is streamed
+    (OpenAI's rule)."""
     audio = body.audio or {}
     given = audio.get("format")
     if given is not None and given not in CHAT_AUDIO_FORMATS:
         raise OpenAIError(400, f"audio.format must be one of {', '.join(CHAT_AUDIO_FORMATS)}; got {given!r}",
                           param="audio.format")
-    if body.stream and given not in (None, STREAMED_AUDIO_FORMAT):
+    if body.stream and "audio" in wanted and given not in (None, STREAMED_AUDIO_FORMAT):
         raise OpenAIError(400, f"audio.format is {given!r}: streamed audio is {STREAMED_AUDIO_FORMAT} (24 kHz 16-bit "
                           "mono, as OpenAI streams it); ask for it, or stream=false for another format",
                           param="audio.format")
@@ -469,8 +471,8 @@ def chat_audio(body: ChatCompletionRequest) -> tuple[AudioFormat, JsonValue]:
 def plan_chat(catalogue: PipelineCatalogue, body: ChatCompletionRequest) -> Plan:
     if body.n not in (None, 1):
         raise OpenAIError(400, "n must be 1 (send several requests; each is a job)", param="n")
-    audio_format, voice = chat_audio(body)
     wanted = list(dict.fromkeys(body.modalities or ["text"]))
+    audio_format, voice = chat_audio(body, wanted)
     if body.stream and not set(wanted) <= {"text", "audio"}:
         raise OpenAIError(400, "stream=true streams text and audio: ask modalities ['text'] or ['text', 'audio'] "
                           "(images come whole; follow GET /v1/jobs/{id}/events for a job's previews)", param="stream")
