@@ -1,7 +1,7 @@
 """Speech codes handed from a talker to code2wav while the talker writes them, and code2wav's audio streamed out.
 
 The talker stage publishes its codes as ``output.delta`` events of its ``audio_codes`` output, through the text
-delta writer (omni_jobs.text_stream: at most one write per 50 ms, the last one with the stage's result): the codes
+delta writer (omni_jobs.text_stream: at most one write per 100 ms, the last one with the stage's result): the codes
 are written as text, each followed by a comma, under the key ``codes``::
 
     {"stage": "talker", "output": "audio_codes", "codes": "812,33,4051,", "index": 3, "attempt": 1}
@@ -28,6 +28,10 @@ from omni_jobs.payloads import AudioClip
 
 if TYPE_CHECKING:
     from omni_jobs.engines.code2wav import Code2WavStream
+
+CODES_DELTA_INTERVAL_S = 0.1
+"""The least time between two codes deltas of a talker: code2wav renders 24 codes (0.48 s of speech) at a time,
+so finer deltas would only fill the job's stream (it keeps its last ~2000 events)."""
 
 CODES_FIELD = "codes"
 """The key of a codes delta's new codes (text: each code followed by a comma)."""

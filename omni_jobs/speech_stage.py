@@ -27,11 +27,12 @@ class JobEnded(Exception):
 def run_streamed_code2wav(engines: EnginePool, stage: StageSpec, job_id: str, params: DiTCode2WavParams,
                           inputs: Mapping[str, object], attempt: int, *, read: Callable[[str], Sequence[JobEvent]],
                           recorded_codes: Callable[[], object], publish: Callable[[JsonObject], None],
-                          progress: ProgressFn) -> StageValues:
+                          progress: ProgressFn, expected_codes: int = 0) -> StageValues:
     """Render the talker's codes as they come; the whole clip once the talker's result is recorded.
 
     ``read(cursor)``: the job's events after ``cursor`` (waiting a little for new ones); ``recorded_codes()``: the
-    talker's stored ``audio_codes`` once it succeeded; ``publish``: one audio delta (raises to stop the attempt)."""
+    talker's stored ``audio_codes`` once it succeeded; ``publish``: one audio delta (raises to stop the attempt);
+    ``expected_codes``: the most the talker may write (its max_tokens), the progress's total."""
     source = stage.stream_source
     assert source is not None, "a streamed code2wav stage has a stream_input"
     engine = engines.code2wav(stage.model, stage.engine_args)
@@ -59,7 +60,8 @@ def run_streamed_code2wav(engines: EnginePool, stage: StageSpec, job_id: str, pa
                 talker_done = True
             elif event.type in FINAL_EVENTS:
                 raise JobEnded(f"job {job_id} ended ({event.type}) before its talker's codes were all rendered")
-        progress(len(streamer.codes), max(len(follower.codes), len(streamer.codes), 1))
+        # codes rendered of those expected: never all of them until the end (a finished count is always written)
+        progress(len(streamer.codes), max(expected_codes, len(follower.codes)) + 1)
     clip = streamer.finish([int(c) for c in code_ids(recorded_codes(), source.port).tolist()])
     progress(1, 1)
     return {"audio": clip}

@@ -50,7 +50,7 @@ from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.leases import LeaseKeeper
 from omni_jobs.payloads import FORMATS, Payload, decode_payload, encode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
-from omni_jobs.code_stream import CODES_FIELD, codes_text
+from omni_jobs.code_stream import CODES_DELTA_INTERVAL_S, CODES_FIELD, codes_text
 from omni_jobs.pipelines.params import ARParams, DiTCode2WavParams, StageParams
 from omni_jobs.pipelines.spec import INPUT_SOURCE, Binding, PipelineSpec, StageSpec
 from omni_jobs.previews import LatentPreview
@@ -538,7 +538,7 @@ class StageRunner:
         streamed = "audio_codes" in self.catalogue.get(job.pipeline).streamed_outputs(stage.id)
         deltas = self.text_streams.open(stage.id, "audio_codes", _DeltaTarget(self.ledger, lease, job),
                                         attempt=lease.attempt, on_stop=lambda why: self.progress.stop(lease, why),
-                                        field=CODES_FIELD) if streamed else None
+                                        field=CODES_FIELD, interval_s=CODES_DELTA_INTERVAL_S) if streamed else None
         try:
             values = execute_talk(self.engines, stage, params, inputs, f"{job.id}:{stage.id}", progress, policy=policy,
                                   on_codes=(lambda codes: deltas.update(codes_text(codes))) if deltas else None)
@@ -577,7 +577,8 @@ class StageRunner:
             self.engines, stage, job.id, params, inputs, lease.attempt,
             read=lambda after: self._patiently(
                 lambda: self.ledger.events(job.id, after=after, block_ms=STREAM_READ_MS), where),
-            recorded_codes=recorded_codes, publish=publish, progress=progress)
+            recorded_codes=recorded_codes, publish=publish, progress=progress,
+            expected_codes=int(str(job.params.get(source.source, {}).get("max_tokens", 0) or 0)))
 
     def _finish_text(self, deltas: TextDeltas, text: str, job: Job, tail: list[JobEvent]) -> None:
         """The rest of a streamed text becomes the last delta, in ``tail``; a refused publish

@@ -249,10 +249,11 @@ class TextStreams:
 
     def open(self, stage: str, output: str, publish: Publish, *, attempt: int | None = None,
              on_stop: Callable[[str], None] | None = None, job_id: str | None = None,
-             field: str = "text") -> TextDeltas:
+             field: str = "text", interval_s: float | None = None) -> TextDeltas:
         """A new output to stream; ``close`` it (or ``discard`` it) when its stage attempt ends. ``job_id``: held
         back while nobody follows that job (None: always published, for a stage that reads it as it comes)."""
-        deltas = TextDeltas(stage, output, publish, interval_s=self.interval_s, attempt=attempt, on_stop=on_stop,
+        deltas = TextDeltas(stage, output, publish, interval_s=self.interval_s if interval_s is None else interval_s,
+                            attempt=attempt, on_stop=on_stop,
                             inline=not self.background, notify=self._wake, clock=self._clock, job_id=job_id,
                             field=field)
         if self.background:

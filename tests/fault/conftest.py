@@ -110,7 +110,8 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultSystem]:
             api_port=free_port(),
             redis_url=state.url,
             with_flower=False,
-            worker_queues={"ar": "threads", "dit": "threads", "results": "solo", "webhooks": "threads"},
+            worker_queues={"ar": "threads", "dit": "threads", "talker": "threads", "code2wav": "threads",
+                           "results": "solo", "webhooks": "threads"},
             extra_env={
                 "OMNI_BROKER_URL": broker.url,
                 "OMNI_ARTIFACT_BACKEND": "s3",

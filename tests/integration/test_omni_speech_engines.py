@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import torch
 
+from omni_jobs.audio_stream import AudioDeltaReader, pcm16
+from omni_jobs.code_stream import SpeechStreamer
 from omni_jobs.engines import omni_speech
 from omni_jobs.engines.ar import AREngine, AROutput, ARRequest
 from omni_jobs.engines.code2wav import Code2Wav, Code2WavRequest
@@ -382,3 +384,29 @@ def test_the_stage_executors_make_codes_and_audio(pool: EnginePool, thinker: ARE
                              "exec:c2w", lambda done, total: None)["audio"]
     assert isinstance(audio, AudioClip) and audio.sample_rate == 24000
     assert audio.samples.shape == (1, codes.numel() * 480)
+
+
+def test_a_streamed_clip_restarted_by_a_talker_rerun_is_heard_once_and_stored_as_heard(code2wav: Code2Wav) -> None:
+    """SpeechStreamer (code2wav's streamed stage): codes arrive in pieces, the talker runs again with other codes
+    halfway; the final clip is the second run's, rendered as a stream renders it, and a listener of the deltas
+    hears each sample once: the first run's start, then the rest of the second run's."""
+    first, second = _codes(60, 5), _codes(84, 6)
+    published: list[dict[str, Any]] = []
+    streamer = SpeechStreamer(lambda: code2wav.stream("Chelsie"), published.append, stage="code2wav",
+                              output="audio", attempt=1, sample_rate=code2wav.sample_rate)
+    streamer.restart(1)
+    for i in range(0, 50, 7):
+        streamer.push(first[i:i + 7])
+    heard_from_first = sum(d["samples"] for d in published)
+    streamer.restart(2)  # the talker's second attempt: other codes, from the start
+    for i in range(0, 40, 9):
+        streamer.push(second[i:i + 9])
+    clip = streamer.finish(second)
+    alone = code2wav.stream("Chelsie")
+    pieces = [p.samples[0] for p in (alone.push(second), alone.finish()) if p is not None]
+    assert np.array_equal(clip.samples[0], np.concatenate(pieces)) and streamer.renderings == 2
+    reader = AudioDeltaReader()
+    heard = b"".join(c.pcm for d in published if (c := reader.feed(d)) is not None)
+    assert heard_from_first > 0 and len(heard) // 2 == clip.samples.shape[1]
+    assert heard[2 * heard_from_first:] == pcm16(clip.samples[0])[2 * heard_from_first:]
+    assert {d["source_attempt"] for d in published} == {1, 2}
