@@ -322,7 +322,14 @@ SIZE_TARGETS: tuple[Target, Target] = (("dit", "width"), ("dit", "height"))
 """``size`` (chat, images): its width and its height."""
 
 
+SPEECH_CODES_OWN = frozenset({"max_tokens", "temperature", "top_p"})
+"""A talker's sampling parameters that OpenAI's fields leave alone: max_tokens, temperature and top_p are the
+text reply's; a talker given a chat's max_tokens=8 would speak 8 codes (0.16 s). ``seed`` reaches it."""
+
+
 def _takes(stage: StageSpec, target: Target) -> bool:
+    if stage.task_name == "talk" and target[1] in SPEECH_CODES_OWN:
+        return False
     return stage.engine == target[0] and target[1] in _param_fields(stage)
 
 

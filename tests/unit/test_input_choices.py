@@ -37,3 +37,12 @@ def test_choices_are_for_text_and_hold_the_default() -> None:
         InputField(type="integer", choices=("1",))
     with pytest.raises(ValidationError, match="default 'Bob' is not one of the choices"):
         InputField(type="text", choices=("Chelsie", "Ethan"), default="Bob")
+
+
+def test_openai_sampling_fields_set_the_reply_not_the_talker() -> None:
+    from omni_jobs.openai_compat import CHAT_FIELDS, build_params
+
+    spec = load_catalogue().get("omni-chat")
+    params, _ = build_params(spec, CHAT_FIELDS, {"max_tokens": 8, "temperature": 0.5, "seed": 3}, None)
+    assert params["thinker"] == {"max_tokens": 8, "temperature": 0.5, "seed": 3}
+    assert params["talker"] == {"seed": 3} and params["code2wav"] == {"seed": 3}
