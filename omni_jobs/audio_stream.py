@@ -21,10 +21,12 @@ from __future__ import annotations
 import base64
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from omni_jobs.json_types import JsonObject, JsonValue
+
+if TYPE_CHECKING:  # numpy only where samples are encoded: a reader (omni_jobs.client's stream_audio) needs none
+    import numpy as np
 
 PCM_FORMAT = "pcm_s16le"
 """The sample format of every audio delta: 16-bit signed little-endian PCM, what browsers and OpenAI's clients
@@ -34,6 +36,8 @@ take as ``pcm16``."""
 def pcm16(samples: np.ndarray) -> bytes:
     """Float samples in [-1, 1] (clipped) as 16-bit little-endian PCM bytes, rounded as the stored WAV's are
     (omni_jobs.artifacts.codecs.encode_wav), so that the streamed samples are the stored ones."""
+    import numpy as np
+
     clipped = np.clip(np.asarray(samples, dtype=np.float64).reshape(-1), -1.0, 1.0)
     return np.round(clipped * 32767.0).astype("<i2").tobytes()
 

@@ -10,7 +10,8 @@
 
 Every endpoint has a method: ``submit`` (with ``wait`` = ``Prefer: wait=N``, webhooks, Idempotency-Key),
 ``get``, ``list`` / ``iter_jobs``, ``cancel``, ``events`` (and ``stream_text``: an AR stage's text as
-it is generated), ``wait``, ``download`` / ``download_outputs``, ``pipelines``, and ``transcribe``
+it is generated; ``stream_audio``: speech as it is made, ``AudioChunk``s of PCM), ``wait``,
+``download`` / ``download_outputs``, ``pipelines``, and ``transcribe``
 (speech to text through /v1/audio/transcriptions: a TranscriptionView, or srt/vtt/text). A job is a
 ``JobView``, the very model the API answers with (omni_jobs.jobs.view). Errors are ``ApiError``
 subclasses that carry the server's detail (for a 422: the fields, e.g. ``body.input.prompt``; for a
@@ -21,6 +22,7 @@ requests, the answers, the SSE parser and the loops); the old names of the model
 ``OutputInfo``, ...) stay as aliases of the views.
 """
 
+from omni_jobs.audio_stream import AudioChunk
 from omni_jobs.client.errors import (
     ApiError,
     ConflictError,
@@ -72,6 +74,7 @@ __all__ = [
     "FINAL_STATUSES",
     "ApiError",
     "AsyncClient",
+    "AudioChunk",
     "Client",
     "ConflictError",
     "FileInput",

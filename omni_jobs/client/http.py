@@ -12,9 +12,11 @@ from typing import Any, Self, Unpack, overload
 
 import httpx
 
+from omni_jobs.audio_stream import AudioChunk
 from omni_jobs.client.protocol import (
     DEFAULT_API_URL,
     AudioFormat,
+    AudioPieces,
     Call,
     EventStream,
     FileInput,
@@ -138,6 +140,16 @@ class Client:
         for event in self.events(job_id, last_event_id=last_event_id):
             if piece := pieces.feed(event):
                 yield piece
+
+    def stream_audio(self, job_id: str, *, stage: str | None = None, output: str = "audio",
+                     last_event_id: str | None = None) -> Iterator[AudioChunk]:
+        """Speech as it is made (a streaming stage's audio ``output.delta`` events): chunks of 16-bit mono PCM
+        with their ``sample_rate`` and ``start`` sample, until the job ends; joined, they are the stored clip.
+        ``stage=None``: the first stage that streams audio under ``output``. A stage run again repeats none."""
+        pieces = AudioPieces(stage, output)
+        for event in self.events(job_id, last_event_id=last_event_id):
+            if (chunk := pieces.feed(event)) is not None:
+                yield chunk
 
     def wait(self, job_id: str, *, timeout: float = 600.0, poll_s: float = 0.25,
              raise_on_timeout: bool = True) -> JobView:
@@ -275,6 +287,14 @@ class AsyncClient:
         async for event in self.events(job_id, last_event_id=last_event_id):
             if piece := pieces.feed(event):
                 yield piece
+
+    async def stream_audio(self, job_id: str, *, stage: str | None = None, output: str = "audio",
+                           last_event_id: str | None = None) -> AsyncIterator[AudioChunk]:
+        """As ``Client.stream_audio``: ``async for chunk in omni.stream_audio(job.id)``."""
+        pieces = AudioPieces(stage, output)
+        async for event in self.events(job_id, last_event_id=last_event_id):
+            if (chunk := pieces.feed(event)) is not None:
+                yield chunk
 
     async def wait(self, job_id: str, *, timeout: float = 600.0, poll_s: float = 0.25,
                    raise_on_timeout: bool = True) -> JobView:

@@ -23,6 +23,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ConfigDict
 
+from omni_jobs.audio_stream import AudioChunk, AudioDeltaReader
 from omni_jobs.client.errors import api_error
 from omni_jobs.client.sse import SseParser
 from omni_jobs.jobs.view import JobEventView, JobListView, JobView, OutputView
@@ -453,6 +454,17 @@ class TextPieces:
 
     def feed(self, event: JobEventView) -> str:
         return self._reader.feed(event.data) if event.type == "output.delta" else ""
+
+
+class AudioPieces:
+    """Streamed speech out of a job's events: each ``output.delta``'s new audio (see AudioDeltaReader: a stage run
+    again starts its audio over, and only the samples beyond those handed out are new)."""
+
+    def __init__(self, stage: str | None = None, output: str = "audio") -> None:
+        self._reader = AudioDeltaReader(stage, output)
+
+    def feed(self, event: JobEventView) -> AudioChunk | None:
+        return self._reader.feed(event.data) if event.type == "output.delta" else None
 
 
 # --- downloads ---
