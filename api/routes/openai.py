@@ -423,9 +423,37 @@ async def audio_speech(body: SpeechRequest, request: Request, idempotency_key: I
     if plan.sse:
         return StreamingResponse(_speech_events(ctx, plan, job), media_type="text/event-stream",
                                  headers={**_headers([job]), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    if plan.audio_format == "pcm" and audio_source(plan.spec) is not None:
+        return StreamingResponse(_speech_body(ctx, plan, job), media_type=media_type("pcm"),
+                                 headers={**_headers([job]), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     (job,) = await _finished(ctx, [job])
     audio = await _speech(ctx, job, first_output(job, "audio"), plan.audio_format)
     return Response(audio, media_type=media_type(plan.audio_format), headers=_headers([job]))
+
+
+async def _speech_body(ctx: ApiContext, plan: Plan, job: Job) -> AsyncIterator[bytes]:
+    """``response_format: "pcm"``: the body is the speech as the job makes it (24 kHz pcm16, each sample once, from
+    the audio output's deltas), then what no delta carried from the final clip. The status went out with the first
+    byte: a job that fails or outlasts OMNI_OPENAI_WAIT_S ends the body early (the job's URL is in the headers)."""
+    source = audio_source(plan.spec)
+    assert source is not None
+    sound = AudioDeltaReader(*source)
+    deadline = time.monotonic() + ctx.runtime.settings.openai_wait_s
+    async for event in ctx.watcher.follow(job.id, heartbeat_s=5.0):
+        if time.monotonic() > deadline:
+            return
+        if event is None:
+            continue
+        if event.type in FINAL_EVENTS:
+            break
+        if event.type == EventType.output_delta and (piece := sound.feed(event.data)):
+            yield streamed_pcm(piece)
+    final = await ctx.watcher.get(job.id)
+    if final is None or final.status is not JobStatus.succeeded:
+        return
+    data = await _speech(ctx, final, first_output(final, "audio"), "pcm")
+    for rest in unsent_pcm(data, sound.handed_out, sound.sample_rate):
+        yield rest
 
 
 SSE_PIECE_BYTES = 64 * 1024

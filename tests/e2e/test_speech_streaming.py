@@ -92,3 +92,27 @@ def test_the_in_process_omni_makes_the_same_clip_as_the_queued_job(api: httpx.Cl
     assert _wav(result.outputs["audio"].data) == _wav(queued)
     answer = next(o for o in final["outputs"] if o["name"] == "text")["text"]
     assert result.outputs["text"].entry.text == answer
+
+
+def test_openai_speech_in_pcm_streams_its_body_while_the_job_runs(api: httpx.Client, system: EmbeddedSystem) -> None:
+    """``/v1/audio/speech`` with ``response_format: pcm``: the body's first bytes arrive before the job's talker is
+    done (the speech as it is made), and the whole body is the stored clip's samples (24 kHz pcm16)."""
+    import time
+
+    from openai import OpenAI
+
+    with OpenAI(base_url=f"{system.api_url}/v1", api_key=system.api_key, timeout=300) as client, \
+            client.audio.speech.with_streaming_response.create(
+                model="text-to-speech", voice="Chelsie", input=TEXT, response_format="pcm",
+                extra_body={"params": {"talker": {"max_tokens": CODES}}}) as response:
+        job_id = response.headers["x-omni-job-id"]
+        pieces, first_at_talker = [], None
+        for piece in response.iter_bytes():
+            if not pieces:
+                stages = {s["id"]: s["status"] for s in api.get(f"/v1/jobs/{job_id}").json()["stages"]}
+                first_at_talker = stages["talker"]
+            pieces.append(piece)
+            time.sleep(0)
+    assert first_at_talker == "running"  # audio came out while the talker still wrote codes
+    _rate, _frames, pcm = _wav(api.get(f"/v1/jobs/{job_id}/outputs/audio").raise_for_status().content)
+    assert b"".join(pieces) == pcm
