@@ -327,8 +327,11 @@ def job_page(job_id: str, request: Request, ctx: Ctx, who: Viewer, notice: str |
     # until the final one is answered (the stream ends at once where nothing is left to send).
     hook = job.get("webhook")
     follow_webhooks = hook is not None and not _delivered(hook.get("deliveries"))
+    catalogue = ctx.runtime.catalogue
+    spec = catalogue.get(job["pipeline"]) if job.get("pipeline") in catalogue else None
     return templating.render(request, "job.html", viewer=who, notice=NOTICES.get(notice or ""),
-                             follow_webhooks=follow_webhooks, **views.job_context(job))
+                             follow_webhooks=follow_webhooks, live_audio=views.streamed_audio(spec),
+                             **views.job_context(job))
 
 
 def render_sections(job: dict[str, Any], token: str) -> dict[str, str]:
@@ -410,6 +413,8 @@ async def job_stream(job_id: str, request: Request, ctx: Ctx, who: Viewer,
                     continue
                 last_id = event.id
                 if event.type in LIVE_OUTPUT_EVENTS:
+                    if "codes" in event.data:  # a talker's speech codes, every 100 ms: code2wav's, not for people
+                        continue
                     yield _sse(event.type, event.model_dump(mode="json"), event.id)
                     quiet = now
                     continue

@@ -14,6 +14,7 @@ from urllib.parse import quote
 from pydantic import ValidationError
 
 from omni_jobs.artifacts import ArtifactRef
+from omni_jobs.pipelines.spec import PipelineSpec
 
 FINAL = frozenset({"succeeded", "failed", "canceled"})
 
@@ -34,6 +35,20 @@ def output_kind(out: dict[str, Any]) -> str:
     if out.get("text") is not None:
         return "text"
     return "file"
+
+
+def streamed_audio(spec: PipelineSpec | None) -> dict[str, str] | None:
+    """The stage and port whose audio the job page can play while it streams (a stage that reads its input while
+    it is written publishes its audio as it is made: omni_jobs.speech_stage), else None."""
+    if spec is None:
+        return None
+    for stage in spec.stages:
+        if stage.stream_input is None:
+            continue
+        for out in spec.outputs:
+            if out.source.source == stage.id and stage.outputs.get(out.source.port) == "audio":
+                return {"stage": stage.id, "output": out.source.port}
+    return None
 
 
 def output_src(job_id: str, name: str, *, download: bool = False) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from pydantic import SecretStr
 
 from api.main import create_app
 from omni_jobs.auth import ApiKeys
+from omni_jobs.keys import job_events as job_events_key
 from omni_jobs.settings import Settings
 from omni_jobs.webhooks import generate_secret
 from tests import media_files as mf
@@ -358,6 +360,35 @@ def test_the_job_page_stream_sends_fresh_sections_until_the_job_ends(acme: TestC
     assert sections and sections[-1]["status"] == "canceled" and sections[-1]["final"]
     assert 'id="cancel-job"' not in sections[-1]["sections"]["job-status"]
     assert rest[-1][0] == "end"
+
+
+def test_a_speech_jobs_page_has_the_live_player_and_its_stream_sends_audio_but_not_speech_codes(
+        acme: TestClient, redis_client: redis.Redis) -> None:
+    assert 'id="live-audio"' not in acme.get(submit(acme).headers["location"], headers=HTML).text  # text-to-text
+    job_page = submit(acme, "text-to-speech").headers["location"]
+    job_id = job_page.rsplit("/", 1)[1]
+    page = acme.get(job_page, headers=HTML).text
+    player = re.search(r'<div class="live-audio" id="live-audio"[^>]*>(.*?)</div>', page, re.DOTALL)
+    assert player, "no live player on a text-to-speech job's page"
+    assert 'data-stage="code2wav"' in player.group(0) and 'data-output="audio"' in player.group(0)
+    assert re.search(r'<button type="button" id="live-audio-toggle" aria-pressed="false"[^>]*>Listen live</button>',
+                     player.group(1))
+    assert 'role="status"' in player.group(1) and "0.0 s of speech received" in player.group(1)
+    # The talker's codes are code2wav's input: the page's stream leaves them out; the audio and text go through.
+    audio = {"stage": "code2wav", "output": "audio", "attempt": 1, "index": 0, "source_attempt": 1,
+             "format": "pcm_s16le", "sample_rate": 24000, "channels": 1, "start": 0, "samples": 2, "data": "AAABAA=="}
+    for data in ({"stage": "talker", "output": "audio_codes", "attempt": 1, "index": 0, "codes": "1 2 3"}, audio,
+                 {"stage": "thinker", "output": "text", "attempt": 1, "index": 0, "text": "Hi"}):
+        event = {"job_id": job_id, "type": "output.delta", "at": time.time(), "data": data}
+        redis_client.xadd(job_events_key(job_id), {"event": json.dumps(event)})
+    token = csrf_of(acme, job_page)
+    with acme.stream("GET", f"{job_page}/stream") as stream:
+        lines = stream.iter_lines()
+        read_events(lines, until="sections")
+        acme.post(f"{job_page}/cancel", data={"csrf_token": token})
+        rest = read_events(lines, until="end")
+    deltas = [data["data"] for name, data in rest if name == "output.delta"]
+    assert [d["output"] for d in deltas] == ["audio", "text"] and deltas[0] == audio
 
 
 def test_with_auth_off_there_is_no_sign_in(redis_url: str, redis_client: redis.Redis, tmp_path: Path) -> None:

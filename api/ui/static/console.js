@@ -61,13 +61,135 @@
     }
   }
 
+  // --- streamed speech: audio output.delta events, played with the Web Audio API ---
+  // A delta: {stage, output, attempt, start, sample_rate, format: "pcm_s16le", data: base64 PCM}. The rule
+  // is omni_jobs.audio_stream.AudioDeltaReader's: a stage run again publishes its audio from sample 0, and
+  // only the samples beyond those already received are new (a gap, trimmed from the replay, is skipped).
+  var PCM_FORMAT = "pcm_s16le";
+  var LEAD_S = 0.15;  // how far ahead the first chunk is scheduled: room for the next to arrive
+
+  function isAudioDelta(d) { return d.format === PCM_FORMAT && typeof d.data === "string"; }
+
+  function pcmToFloat(b64) {
+    // 16-bit little-endian signed samples -> floats in [-1, 1] (the encoder scaled by 32767).
+    var bin = atob(b64), n = bin.length >> 1, out = new Float32Array(n);
+    for (var i = 0; i < n; i++) {
+      var v = bin.charCodeAt(2 * i) | (bin.charCodeAt(2 * i + 1) << 8);
+      out[i] = Math.max(-1, (v >= 0x8000 ? v - 0x10000 : v) / 32767);
+    }
+    return out;
+  }
+
+  function liveAudio(el) {
+    var button = el.querySelector("#live-audio-toggle");
+    var counter = el.querySelector("#live-audio-received");
+    var status = el.querySelector("#live-audio-status");
+    var state = {stage: el.getAttribute("data-stage") || null, output: el.getAttribute("data-output") || "audio",
+                 chunks: [], received: 0, total: 0, rate: 24000, ctx: null, next: 0, scheduled: 0, ended: null};
+
+    function setState(name, message) {
+      el.setAttribute("data-state", name);
+      button.setAttribute("aria-pressed", name === "playing" ? "true" : "false");
+      button.textContent = name === "playing" ? "Stop" : "Listen live";
+      if (message != null) status.textContent = message;
+    }
+    function seconds() { return state.total / state.rate; }
+    function showCount() {
+      counter.setAttribute("data-seconds", seconds().toFixed(3));
+      counter.textContent = seconds().toFixed(1) + " s of speech received";
+    }
+    function schedule(samples) {
+      var ctx = state.ctx;
+      var buffer = ctx.createBuffer(1, samples.length, state.rate);  // resampled to the context's rate
+      buffer.getChannelData(0).set(samples);
+      var node = ctx.createBufferSource();
+      node.buffer = buffer;
+      node.connect(ctx.destination);
+      // Back to back; a chunk that came late (the stream slower than real time) starts as soon as it can.
+      var at = Math.max(state.next, ctx.currentTime + 0.02);
+      node.start(at);
+      state.next = at + buffer.duration;
+      state.scheduled += samples.length;
+      el.setAttribute("data-scheduled", (state.scheduled / state.rate).toFixed(3));
+      node.onended = function () { if (state.ctx === ctx && state.ended && ctx.currentTime >= state.next - 0.01) finish(); };
+    }
+    function play() {
+      var Context = window.AudioContext || window.webkitAudioContext;
+      if (!Context) { status.textContent = "This browser cannot play streamed audio."; return; }
+      state.ctx = new Context();
+      state.next = state.ctx.currentTime + LEAD_S;
+      state.scheduled = 0;
+      state.chunks.forEach(schedule);  // what arrived so far, then each chunk as it comes
+      setState("playing", "Playing" + (state.ended ? "" : " as it arrives") + ".");
+      if (state.ended && !state.chunks.length) finish();
+    }
+    function stop(message) {
+      if (state.ctx) { state.ctx.close(); state.ctx = null; }
+      setState(state.ended === "succeeded" ? "done" : "idle", message);
+      if (state.ended === "succeeded") button.hidden = true;
+    }
+    function finish() {
+      stop(state.ended === "succeeded" ? "Played to the end; the stored clip is under Outputs."
+                                       : "Played what was received.");
+    }
+    button.addEventListener("click", function () {
+      if (state.ctx) stop("Stopped.");
+      else play();
+    });
+    // The stored clip's own player takes over: playing it stops the live one.
+    document.addEventListener("play", function (ev) {
+      if (state.ctx && ev.target.tagName === "AUDIO") stop("Stopped: the stored clip is playing.");
+    }, true);
+
+    return {
+      // One delta's data; true when it was audio of this player's (shown, never as text).
+      feed: function (d) {
+        if (d.output !== state.output || !isAudioDelta(d)) return false;
+        if (!state.stage) state.stage = d.stage;
+        if (d.stage !== state.stage) return true;
+        var samples = pcmToFloat(d.data), start = typeof d.start === "number" ? d.start : state.received;
+        var end = start + samples.length;
+        if (end <= state.received) return true;  // a rerun's repeat of what was received
+        var fresh = samples.subarray(Math.max(0, state.received - start));
+        state.received = end;
+        if (d.sample_rate) state.rate = d.sample_rate;
+        state.chunks.push(fresh);
+        state.total += fresh.length;
+        el.hidden = false;
+        showCount();
+        if (state.ctx) schedule(fresh);
+        return true;
+      },
+      // The job ended: a succeeded job's stored clip takes over (what is playing plays to its end).
+      ended: function (status_) {
+        if (state.ended) return;
+        state.ended = status_;
+        if (state.ctx) {
+          if (state.ctx.currentTime >= state.next) finish();
+          return;
+        }
+        if (status_ === "succeeded") {
+          button.hidden = true;
+          setState("done", state.total ? "Finished: the stored clip is under Outputs." : "");
+        } else {
+          setState("idle", "The job " + status_ + "; what was received can still be played.");
+        }
+      }
+    };
+  }
+  var speech = null;  // the job page's live player (liveAudio), where it has one
+
   // --- the job page: sections re-rendered by the server, partial outputs as they stream ---
   var liveHandlers = {
     // A text delta: {data: {stage, output, text, index, attempt}}; appended to one <pre> per output.
     // A stage that runs again (its worker was lost) streams its text again from index 0, with the
     // next attempt number: the <pre> then starts over instead of showing the text twice.
+    // Audio deltas go to the live player (never shown as text); the talker's speech codes (output
+    // audio_codes) are the code2wav stage's input, not for people: not shown at all.
     "output.delta": function (ev, box) {
       var d = ev.data || {};
+      if (d.codes != null || d.output === "audio_codes") return false;
+      if (isAudioDelta(d)) return speech !== null && speech.feed(d);
       var key = (d.stage ? d.stage + "." : "") + (d.output || d.name || "text");
       var pre = box.querySelector('pre[data-live="' + CSS.escape(key) + '"]');
       if (!pre) {
@@ -142,6 +264,7 @@
         wireForms(el);
       });
       root.setAttribute("data-status", payload.status);
+      if (payload.final && speech) speech.ended(payload.status);
       document.title = document.title.replace(/^\[[a-z]+\] /, "");
       if (!payload.final) document.title = "[" + payload.status + "] " + document.title;
     });
@@ -149,8 +272,8 @@
       source.addEventListener(type, function (msg) {
         var box = document.querySelector("[data-live-outputs]");
         if (!box) return;
-        document.getElementById("job-live").hidden = false;
-        liveHandlers[type](JSON.parse(msg.data), box);
+        // A handler answers false when it showed nothing (the section stays as it was).
+        if (liveHandlers[type](JSON.parse(msg.data), box) !== false) document.getElementById("job-live").hidden = false;
       });
     });
     source.addEventListener("end", function () {
@@ -193,6 +316,8 @@
   document.addEventListener("DOMContentLoaded", function () {
     localizeTimes(document);
     wireForms(document);
+    var player = document.querySelector("[data-live-audio]");
+    if (player) speech = liveAudio(player);
     var job = document.querySelector("[data-job-stream]");
     if (job) followJob(job);
     var list = document.querySelector("[data-list-stream]");
