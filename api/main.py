@@ -130,9 +130,10 @@ def _describe_pipelines(schema: dict[str, Any], catalogue: PipelineCatalogue, se
         if parameter.get("name") == "name":
             parameter["schema"]["enum"] = catalogue.names()
     for name in openai_compat.ENDPOINTS:  # the OpenAI bodies: one route per pipeline they can run
-        components[name] = openai_compat.request_schema(name, components[name], catalogue, limits)
+        components[name] = openai_compat.request_schema(name, components[name], catalogue, limits,
+                                                        settings.openai_model_aliases)
     for path in openai.TRANSCRIPTION_PATHS:  # their form: one branch per speech pipeline
-        paths[path]["post"]["requestBody"] = openai_audio.form_body(catalogue, limits)
+        paths[path]["post"]["requestBody"] = openai_audio.form_body(catalogue, limits, settings.openai_model_aliases)
 
 
 def _setting_limits(schema: dict[str, Any], settings: Settings) -> None:

@@ -4,8 +4,9 @@ and the answer in each response format.
 ``POST /v1/audio/transcriptions`` and ``/v1/audio/translations`` take a multipart form (``file``,
 ``model``, ``language``, ``prompt``, ``temperature``, ``response_format``,
 ``timestamp_granularities[]``) and run a pipeline whose first stage is an AR ``transcribe`` task
-(Whisper on vLLM). ``model`` names one; any other name (``whisper-1``) runs ``speech-to-text``, or the
-first such pipeline when there is none by that name. The file goes to the stage's audio input, the
+(Whisper on vLLM). ``model`` names one; one of OpenAI's names (``whisper-1``: OMNI_OPENAI_MODEL_ALIASES)
+runs ``speech-to-text``, or the first such pipeline when there is none by that name; any other name is
+OpenAI's 404 ``model_not_found``. The file goes to the stage's audio input, the
 prompt to its prompt input (the text that came before the clip), ``language`` and ``temperature`` to
 the stage's parameters, and ``task`` is ``transcribe`` or ``translate`` by the route.
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -32,6 +33,7 @@ from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.limits import Limits
 from omni_jobs.openai_compat import Plan, StageOverrides, transcription_stage
 from omni_jobs.openai_errors import OpenAIError
+from omni_jobs.openai_models import OPENAI_MODEL_NAMES, by_request
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.spec import INPUT_SOURCE, PipelineSpec, StageSpec
 from omni_jobs.submission import input_field_schema, json_object, stage_params_schema
@@ -82,8 +84,8 @@ def read_form(fields: Sequence[tuple[str, str]]) -> TranscriptionForm:
             raise OpenAIError(400, f"{name} is given twice", param=name)
         values[name] = value
     if "model" not in values:
-        raise OpenAIError(400, "model is required: a speech-to-text pipeline (GET /v1/models) or any other name for "
-                          f"'{DEFAULT_PIPELINE}'", param="model")
+        raise OpenAIError(400, "model is required: a speech-to-text pipeline (GET /v1/models), or one of OpenAI's "
+                          f"names (whisper-1) for '{DEFAULT_PIPELINE}'", param="model")
     if values.get("stream", "false") not in _FALSE:
         raise OpenAIError(400, "stream must be false: transcriptions come whole", param="stream")
     response_format = values.get("response_format", "json")
@@ -135,17 +137,19 @@ def speech_pipelines(catalogue: PipelineCatalogue) -> list[PipelineSpec]:
 
 
 def default_speech_pipeline(catalogue: PipelineCatalogue) -> PipelineSpec | None:
-    """What any other model name runs: ``speech-to-text``, else the first speech pipeline (built-in first)."""
+    """What OpenAI's model names run: ``speech-to-text``, else the first speech pipeline (built-in first)."""
     found = speech_pipelines(catalogue)
     if not found:
         return None
     return min(found, key=lambda s: (s.name != DEFAULT_PIPELINE, not is_builtin(s), s.name))
 
 
-def plan_transcription(catalogue: PipelineCatalogue, form: TranscriptionForm, task: Task) -> Plan:
+def plan_transcription(catalogue: PipelineCatalogue, form: TranscriptionForm, task: Task, *,
+                       aliases: Collection[str] = OPENAI_MODEL_NAMES) -> Plan:
     """The job: the file to the speech stage's audio input (``Plan.upload``), the prompt to its prompt
-    input, ``task``, ``language`` and ``temperature`` to the stage."""
-    if form.model in catalogue:
+    input, ``task``, ``language`` and ``temperature`` to the stage. ``model``: a pipeline, or one of
+    OpenAI's names (``aliases``) for the default speech pipeline; 404 model_not_found otherwise."""
+    if not by_request(form.model, catalogue.names(), aliases):
         spec = catalogue.get(form.model)
         if speech_inputs(spec) is None:
             names = [s.name for s in speech_pipelines(catalogue)]
@@ -316,16 +320,19 @@ def _union(schemas: list[JsonValue], description: str) -> JsonValue:
     return {**one, "description": description}
 
 
-def form_body(catalogue: PipelineCatalogue, limits: Limits) -> JsonObject:
+def form_body(catalogue: PipelineCatalogue, limits: Limits, aliases: Collection[str] = OPENAI_MODEL_NAMES
+              ) -> JsonObject:
     """The OpenAPI requestBody of both routes: the fields, and one branch per speech pipeline (by
-    ``model``) with what its stage and prompt input take, and one for any other name.
+    ``model``) with what its stage and prompt input take, and one for OpenAI's model names (``aliases``).
 
     The fields say it too, as the union over the speech pipelines (exact with one, as built in):
     schemathesis generates a form from its fields and leaves its branches out."""
     speech = [(spec, inputs) for spec in catalogue if (inputs := speech_inputs(spec)) is not None]
     default = default_speech_pipeline(catalogue)
-    other: JsonObject = {"type": "string", "not": {"enum": [*catalogue.names()]},
-                         "description": f"Any other name runs '{default.name if default else DEFAULT_PIPELINE}'."}
+    other_names = sorted(set(aliases) - set(catalogue.names()))
+    other: JsonObject = {"type": "string", "enum": [*other_names],
+                         "description": f"One of OpenAI's model names (OMNI_OPENAI_MODEL_ALIASES) runs "
+                         f"'{default.name if default else DEFAULT_PIPELINE}'; any other name is 404 model_not_found."}
     taken = [_fields(spec, inputs, limits) for spec, inputs in speech]
     described = {"language": "The spoken language, ISO 639-1 (e.g. 'en'); detected if absent.",
                  "temperature": "Sampling temperature; 0 is greedy.",
@@ -333,9 +340,11 @@ def form_body(catalogue: PipelineCatalogue, limits: Limits) -> JsonObject:
     properties: JsonObject = {
         FILE_FIELD: {"type": "string", "format": "binary",
                      "description": "The speech: any audio FFmpeg reads (WAV, FLAC, MP3, OGG, M4A, WebM...)."},
-        "model": {"anyOf": [{"type": "string", "enum": [spec.name for spec, _ in speech]}, other],
+        "model": {"anyOf": [{"type": "string", "enum": [spec.name for spec, _ in speech]},
+                            *([other] if other_names else [])],
                   "examples": [DEFAULT_PIPELINE, "whisper-1"],
-                  "description": f"A speech-to-text pipeline (GET /v1/models), or any other name for '{DEFAULT_PIPELINE}'."}
+                  "description": f"A speech-to-text pipeline (GET /v1/models), or one of OpenAI's model names "
+                  f"(whisper-1) for '{DEFAULT_PIPELINE}'; any other name is 404 model_not_found."}
         if speech else False,
         **{name: _union([t[name] for t in taken], text) for name, text in described.items()},
         "response_format": {"type": "string", "enum": [*RESPONSE_FORMATS], "default": "json"},
@@ -346,10 +355,10 @@ def form_body(catalogue: PipelineCatalogue, limits: Limits) -> JsonObject:
     branches: list[JsonValue] = [{"type": "object", "title": spec.name,
                                   "properties": {"model": {"type": "string", "const": spec.name}, **fields}}
                                  for (spec, _), fields in zip(speech, taken, strict=True)]
-    if default is not None:
+    if default is not None and other_names:
         inputs = speech_inputs(default)
         assert inputs is not None
-        branches.append({"type": "object", "title": f"any other model: {default.name}",
+        branches.append({"type": "object", "title": f"an OpenAI model name: {default.name}",
                          "properties": {"model": other, **_fields(default, inputs, limits)}})
     schema: JsonObject = {"type": "object", "required": [FILE_FIELD, "model"], "properties": properties,
                           "additionalProperties": False}

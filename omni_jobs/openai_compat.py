@@ -5,12 +5,13 @@ api/routes/openai.py translates HTTP: it parses a request into one of the models
 job(s), fetches the output bytes, and hands the finished jobs back here for the answer's body. An
 :class:`OpenAIError` is the error in OpenAI's shape; the route turns it into the HTTP answer.
 
-Which pipeline runs: ``model`` when it names a pipeline; otherwise (``gpt-4o``, ``dall-e-3``,
-``tts-1``...) one whose declared outputs include every asked modality and whose inputs a request
+Which pipeline runs: ``model`` when it names a pipeline; for no model or one of OpenAI's names
+(``gpt-4o``, ``dall-e-3``, ``tts-1``...: OMNI_OPENAI_MODEL_ALIASES), one whose declared outputs include every asked modality and whose inputs a request
 fills: a text prompt, and for chat the kinds of media its messages hold (omni_jobs.openai_content),
 preferring the conventional ``<input>-to-<modality>`` name (``text-to-image``; ``image-to-text`` for
 a chat with images), then the fewest other outputs, answers before transcripts, the fewest media
-inputs left empty, built-in before user pipelines, the fewest stages, then the name.
+inputs left empty, built-in before user pipelines, the fewest stages, then the name. Any other
+name is OpenAI's 404 ``model_not_found`` (omni_jobs.openai_models): a typo is not served by another model.
 
 Which stage parameter each OpenAI field sets is a table (CHAT_FIELDS, IMAGE_FIELDS, SPEECH_FIELDS).
 The request models carry, in their JSON schema, what the checks here accept (a pattern, the one
@@ -25,7 +26,7 @@ import base64
 import itertools
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, TypeAlias
 
@@ -55,6 +56,7 @@ from omni_jobs.openai_content import (
     read_content,
 )
 from omni_jobs.openai_errors import OpenAIError
+from omni_jobs.openai_models import OPENAI_MODEL_NAMES, by_request
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.modalities import EngineKind
 from omni_jobs.pipelines.params import SEED_MAX, whole_numbers
@@ -240,12 +242,13 @@ def _refused_part(catalogue: PipelineCatalogue, wanted: set[str], part: MediaPar
 
 
 def choose_pipeline(catalogue: PipelineCatalogue, model: str | None, wanted: set[str], *, param: str,
-                    content: ChatContent | None = None) -> PipelineSpec:
-    """``model`` when it names a pipeline that gives ``wanted``; else the best match by declared outputs
-    and, for a chat (``content``), by the kinds of media its messages hold. Whether the chosen pipeline
-    takes each part, and how many, plan_chat checks (naming the part)."""
+                    content: ChatContent | None = None, aliases: Collection[str] = OPENAI_MODEL_NAMES) -> PipelineSpec:
+    """``model`` when it names a pipeline that gives ``wanted``; for no model or one of OpenAI's names
+    (``aliases``), the best match by declared outputs and, for a chat (``content``), by the kinds of media
+    its messages hold; any other name is 404 model_not_found (omni_jobs.openai_models). Whether the chosen
+    pipeline takes each part, and how many, plan_chat checks (naming the part)."""
     kinds = content.kinds if content is not None else frozenset()
-    if model and model in catalogue:
+    if model is not None and not by_request(model, catalogue.names(), aliases):
         spec = catalogue.get(model)
         missing = wanted - output_modalities(spec)
         if missing:
@@ -475,7 +478,8 @@ def chat_audio(body: ChatCompletionRequest, wanted: list[str]) -> tuple[AudioFor
     return check_format(fmt, field="audio.format"), audio.get("voice")
 
 
-def plan_chat(catalogue: PipelineCatalogue, body: ChatCompletionRequest) -> Plan:
+def plan_chat(catalogue: PipelineCatalogue, body: ChatCompletionRequest, *,
+              aliases: Collection[str] = OPENAI_MODEL_NAMES) -> Plan:
     if body.n not in (None, 1):
         raise OpenAIError(400, "n must be 1 (send several requests; each is a job)", param="n")
     wanted = list(dict.fromkeys(body.modalities or ["text"]))
@@ -486,7 +490,7 @@ def plan_chat(catalogue: PipelineCatalogue, body: ChatCompletionRequest) -> Plan
     if body.stream_options is not None and not body.stream:
         raise OpenAIError(400, "stream_options is only allowed with stream=true", param="stream_options")
     content = read_content(body.messages)
-    spec = choose_pipeline(catalogue, body.model, set(wanted), param="modalities", content=content)
+    spec = choose_pipeline(catalogue, body.model, set(wanted), param="modalities", content=content, aliases=aliases)
     if body.stream and text_source(spec) is None and "audio" not in wanted:  # speech streams without a transcript
         raise OpenAIError(400, f"pipeline '{spec.name}' has no text output to stream", param="stream",
                           code="unsupported_modality")
@@ -524,7 +528,8 @@ def chat_input(catalogue: PipelineCatalogue, spec: PipelineSpec, wanted: set[str
     return media_input(inputs, content)
 
 
-def plan_images(catalogue: PipelineCatalogue, body: ImageGenerationRequest, *, max_outputs: int) -> Plan:
+def plan_images(catalogue: PipelineCatalogue, body: ImageGenerationRequest, *, max_outputs: int,
+                aliases: Collection[str] = OPENAI_MODEL_NAMES) -> Plan:
     """One job per image: ``n`` images, not ``n`` copies (consecutive seeds from the given or default one)."""
     if body.stream:
         raise OpenAIError(400, "stream=true is not supported", param="stream")
@@ -533,7 +538,7 @@ def plan_images(catalogue: PipelineCatalogue, body: ImageGenerationRequest, *, m
     if body.n > max_outputs:
         raise OpenAIError(400, f"n is {body.n}; this server makes at most {max_outputs} "
                           "images per call (OMNI_MAX_OUTPUTS)", param="n")
-    spec = choose_pipeline(catalogue, body.model, {"image"}, param="model")
+    spec = choose_pipeline(catalogue, body.model, {"image"}, param="model", aliases=aliases)
     params, origin = build_params(spec, IMAGE_FIELDS, _values(body, IMAGE_FIELDS), body.params, parse_size(body.size))
     per_job: list[StageOverrides] = []
     for i in range(body.n):
@@ -547,7 +552,8 @@ def plan_images(catalogue: PipelineCatalogue, body: ImageGenerationRequest, *, m
     return Plan(spec, _prompt_input(spec, body.prompt), per_job, origin, prompt_param="prompt")
 
 
-def plan_speech(catalogue: PipelineCatalogue, body: SpeechRequest) -> Plan:
+def plan_speech(catalogue: PipelineCatalogue, body: SpeechRequest, *,
+                aliases: Collection[str] = OPENAI_MODEL_NAMES) -> Plan:
     try:
         audio_format = check_format(body.response_format or "mp3", field="response_format")  # mp3: OpenAI's default
     except ValueError as exc:
@@ -557,7 +563,7 @@ def plan_speech(catalogue: PipelineCatalogue, body: SpeechRequest) -> Plan:
                           param="stream_format")
     if body.speed not in (None, 1.0):
         raise OpenAIError(400, "speed must be 1.0", param="speed")
-    spec = choose_pipeline(catalogue, body.model, {"audio"}, param="model")
+    spec = choose_pipeline(catalogue, body.model, {"audio"}, param="model", aliases=aliases)
     params, origin = build_params(spec, SPEECH_FIELDS, _values(body, SPEECH_FIELDS), body.params)
     job_input = {**_prompt_input(spec, body.input), **pick_voice(spec, body.voice, param="voice")}
     return Plan(spec, job_input, [params], origin, prompt_param="input", audio_format=audio_format,
@@ -724,19 +730,32 @@ def _modalities_exactly(wanted: set[str]) -> JsonObject:
             "allOf": [{"contains": {"const": m}} for m in sorted(wanted)]}
 
 
-def request_schema(name: str, base: JsonObject, catalogue: PipelineCatalogue, limits: Limits) -> JsonObject:
+def alias_schema(catalogue: PipelineCatalogue, aliases: Collection[str], *, nullable: bool) -> JsonObject | None:
+    """``model`` when the pipeline is chosen by what is asked: one of OpenAI's names that is no pipeline (or
+    none, where ``nullable``); None when there is no such value (any other name is 404)."""
+    names = sorted(set(aliases) - set(catalogue.names()))
+    description = ("One of OpenAI's model names (OMNI_OPENAI_MODEL_ALIASES): the pipeline is chosen by the "
+                   "modalities asked (GET /v1/models); any other name is 404 model_not_found.")
+    branches: list[JsonValue] = [{"type": "string", "enum": [*names]}] if names else []
+    if nullable:
+        branches.append({"type": "null"})
+    if not branches:
+        return None
+    return {**json_object(branches[0]), "description": description} if len(branches) == 1 else \
+        {"anyOf": branches, "description": description}
+
+
+def request_schema(name: str, base: JsonObject, catalogue: PipelineCatalogue, limits: Limits,
+                   aliases: Collection[str] = OPENAI_MODEL_NAMES) -> JsonObject:
     """The body of an OpenAI route as the spec says it: ``base`` (the model's schema) once per pipeline
     the request can run, with what that pipeline takes. ``model`` naming a pipeline picks it (if it
-    gives the modality and takes a text prompt); any other name picks one by the modalities asked and,
-    in a chat, the kinds of media its messages hold (choose_pipeline), so there is a route per set of
-    modalities (and media) too. A pipeline that cannot serve the request is in no route (400)."""
+    gives the modality and takes a text prompt); no model or one of OpenAI's names (``aliases``) picks one
+    by the modalities asked and, in a chat, the kinds of media its messages hold (choose_pipeline), so
+    there is a route per set of modalities (and media) too; any other name is in no route (404). A
+    pipeline that cannot serve the request is in no route (400)."""
     endpoint = ENDPOINTS[name]
-    names = catalogue.names()
-    other: JsonObject = {"type": "string", "not": {"enum": [*names]}, "description": "Any other name: the pipeline is "
-                             "chosen by the modalities asked (GET /v1/models)."}
     required = base.get("required", [])
-    if not isinstance(required, list) or "model" not in required:
-        other = {"anyOf": [other, {"type": "null"}], "description": other["description"]}
+    other = alias_schema(catalogue, aliases, nullable=not isinstance(required, list) or "model" not in required)
     chat = endpoint.prompt == "messages"
     routes: list[JsonValue] = []
     for spec in catalogue:
@@ -756,13 +775,13 @@ def request_schema(name: str, base: JsonObject, catalogue: PipelineCatalogue, li
     for wanted in choices:
         for kinds in kind_sets if chat else [frozenset()]:
             candidates = _chat_candidates(catalogue, wanted, kinds)
-            if not candidates:
-                continue  # no pipeline gives them: 400
+            if not candidates or other is None:
+                continue  # no pipeline gives them: 400; no name to ask for them by: 404
             spec = _best(candidates, wanted, kinds)
             route = _route(base, spec, endpoint, limits, other,
                            None if endpoint.modality else _modalities_exactly(wanted), kinds if chat else None)
             media = f" with {'+'.join(k for k in FILE_KINDS if k in kinds)}" if kinds else ""
-            route["title"] = f"any other model, {'+'.join(sorted(wanted))}{media}: {spec.name}"
+            route["title"] = f"an OpenAI model name, {'+'.join(sorted(wanted))}{media}: {spec.name}"
             if endpoint.modality is None and wanted != {"text"}:
                 _with_required(route, "modalities")
             routes.append(route)
@@ -770,8 +789,9 @@ def request_schema(name: str, base: JsonObject, catalogue: PipelineCatalogue, li
     if not isinstance(description, str):
         raise TypeError(f"description is not text: {description!r}")
     schema: JsonObject = {"title": base.get("title", name), "description": description + " One schema per "
-                          "pipeline the request can run (by `model`, else by the modalities asked), with what it takes."}
-    if routes:  # disjoint (by model; for other names, by the modalities and media asked): exactly one holds
+                          "pipeline the request can run (by `model`, else by the modalities asked), with what it takes; a "
+                          "`model` that is neither a pipeline nor one of OpenAI's names is 404 model_not_found."}
+    if routes:  # disjoint (by model; for OpenAI's names, by the modalities and media asked): exactly one holds
         schema["oneOf"] = routes  # (and schemathesis models a oneOf of many routes, where an anyOf outgrows it)
     else:
         schema["not"] = {}

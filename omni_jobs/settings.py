@@ -16,6 +16,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from omni_jobs.engines.allocator import MallocChoice
 from omni_jobs.engines.cpu_layout import parse_cpus
+from omni_jobs.openai_models import OPENAI_MODEL_NAMES
 
 MiB = 1024 * 1024
 
@@ -287,6 +288,12 @@ class Settings(BaseSettings):
     openai_wait_s: float = Field(
         600, gt=0, description="Longest an OpenAI-compatible call waits for its job before answering 504 (job id given)."
     )
+    openai_model_aliases: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: list(OPENAI_MODEL_NAMES),
+        description="Model names the OpenAI-compatible routes take besides the pipelines' (default OpenAI's own: "
+        "gpt-4o, dall-e-3, tts-1, whisper-1...): the pipeline is then chosen by what is asked. Any other name is "
+        "answered 404 model_not_found (comma-separated or a JSON list in env).",
+    )
     max_prefer_wait_s: float = Field(
         60, ge=0, description="Cap on `Prefer: wait=N` for POST /v1/jobs (seconds the request may block)."
     )
@@ -350,7 +357,7 @@ class Settings(BaseSettings):
     )
     webhook_deliveries_kept: int = Field(100, ge=1, description="Latest delivery attempts kept on the job.")
 
-    @field_validator("model_sources", "pipelines_path", "webhook_allow_hosts", mode="before")
+    @field_validator("model_sources", "pipelines_path", "webhook_allow_hosts", "openai_model_aliases", mode="before")
     @classmethod
     def _list_from_env(cls, value: object) -> object:
         return _env_list(value)
@@ -396,7 +403,8 @@ def _invalid_line(error: dict[str, object]) -> str:
     assert isinstance(loc, tuple)
     field = str(loc[0])
     message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
-    if field in ("model_sources", "pipelines_path", "webhook_allow_hosts") and LIST_FORMAT not in message:
+    if field in ("model_sources", "pipelines_path", "webhook_allow_hosts", "openai_model_aliases") \
+            and LIST_FORMAT not in message:
         message = f"{message}: give {LIST_FORMAT}"
     value = error.get("input")
     shown = value if isinstance(value, str) else json.dumps(value, default=str)

@@ -24,6 +24,7 @@ waits, reads the output bytes and answers. The answer's ``model`` says which pip
 ``X-Omni-Job-Id`` header names the job(s).
 
 Errors use OpenAI's body ``{"error": {message, type, param, code}}``: 400 names the parameter; a
+``model`` that is neither a pipeline nor one of OpenAI's names is 404 ``model_not_found``; a
 job that failed answers 500 and one still running after OMNI_OPENAI_WAIT_S answers 504, both with
 ``x-should-retry: false`` because retrying would start another job.
 
@@ -116,7 +117,8 @@ class OpenAIErrorBody(BaseModel):
 
 def _openai_errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     text = {400: "A field is invalid or not supported by the chosen pipeline; `param` names it.",
-            404: "No such model (pipeline).",
+            404: "No such model: `model` is neither a pipeline (GET /v1/models) nor one of OpenAI's model names "
+                 "(OMNI_OPENAI_MODEL_ALIASES); code model_not_found.",
             429: "A tenant quota was reached (`param` names it); retry after Retry-After.",
             500: "The job failed or was canceled (`X-Omni-Job-Id` names it; x-should-retry: false).",
             504: "The job did not end within OMNI_OPENAI_WAIT_S; follow it at GET /v1/jobs/{id} "
@@ -126,7 +128,7 @@ def _openai_errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 # 401 and 503 come from the shared auth and store handlers, in the API's {"detail": ...} shape.
 router = APIRouter(prefix="/v1", tags=["openai"], responses=errors(401, 503))
-JOB_ERRORS = {**_openai_errors(400, 429, 500, 504), **errors(413)}
+JOB_ERRORS = {**_openai_errors(400, 404, 429, 500, 504), **errors(413)}
 
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/images/generations", "/v1/audio/speech", "/v1/audio/transcriptions",
                 "/v1/audio/translations", "/v1/models")
@@ -278,7 +280,7 @@ IdempotencyKey = Annotated[str | None, Header(max_length=255, include_in_schema=
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            idempotency_key: IdempotencyKey = None) -> Response:
     ctx = get_context(request)
-    plan = plan_chat(ctx.runtime.catalogue, body)
+    plan = plan_chat(ctx.runtime.catalogue, body, aliases=ctx.runtime.settings.openai_model_aliases)
     job = await _submit(ctx, plan, plan.params[0], idempotency_key=idempotency_key, tenant=request.state.tenant,
                         key_id=api_key_id(request))
     if body.stream:
@@ -384,7 +386,8 @@ async def images_generations(body: ImageGenerationRequest, request: Request,
                              idempotency_key: IdempotencyKey = None) -> JSONResponse:
     ctx = get_context(request)
     settings = ctx.runtime.settings
-    plan = plan_images(ctx.runtime.catalogue, body, max_outputs=settings.max_outputs)
+    plan = plan_images(ctx.runtime.catalogue, body, max_outputs=settings.max_outputs,
+                       aliases=settings.openai_model_aliases)
     jobs: list[Job] = []
     for i, params in enumerate(plan.params):
         key = f"{idempotency_key}:{i}" if idempotency_key else None
@@ -417,7 +420,7 @@ _BINARY = {"schema": {"type": "string", "format": "binary"}}
                         **JOB_ERRORS})
 async def audio_speech(body: SpeechRequest, request: Request, idempotency_key: IdempotencyKey = None) -> Response:
     ctx = get_context(request)
-    plan = plan_speech(ctx.runtime.catalogue, body)
+    plan = plan_speech(ctx.runtime.catalogue, body, aliases=ctx.runtime.settings.openai_model_aliases)
     job = await _submit(ctx, plan, plan.params[0], idempotency_key=idempotency_key, tenant=request.state.tenant,
                         key_id=api_key_id(request))
     if plan.sse:
@@ -575,7 +578,7 @@ async def _transcription(request: Request, task: Task, idempotency_key: str | No
     ctx = get_context(request)
     fields, upload = await _speech_form(request)
     form = read_form(fields)
-    plan = plan_transcription(ctx.runtime.catalogue, form, task)
+    plan = plan_transcription(ctx.runtime.catalogue, form, task, aliases=ctx.runtime.settings.openai_model_aliases)
     if upload is None:
         raise OpenAIError(400, f"{FILE_FIELD} is required: the audio, as a file part", param=FILE_FIELD)
     assert plan.upload is not None

@@ -267,7 +267,7 @@ class TranscribeOptions(TypedDict, total=False):
     """The keyword options of ``transcribe`` besides ``response_format``."""
 
     model: str
-    """A speech-to-text pipeline (default ``speech-to-text``; any other name runs that one too)."""
+    """A speech-to-text pipeline (default ``speech-to-text``; OpenAI's ``whisper-1`` runs it too; another name is 404)."""
     language: str | None
     """The spoken language, ISO 639-1 ('en'); detected when None."""
     prompt: str | None
