@@ -482,6 +482,39 @@ class JobSubmitter:
             self._forget_files(new.job.id)
         return job, created
 
+    def submit_all(self, pipeline: str, input_: object, params: Sequence[object], *,
+                   idempotency_keys: Sequence[str | None] | None = None, tenant: str = DEFAULT_TENANT,
+                   api_key_id: str | None = None) -> list[Job]:
+        """One job per entry of ``params`` (same input), all stored in one write or none: a quota, a full
+        queue or a bad value refuses the whole call before any job exists (the OpenAI images route's
+        ``n``). ``idempotency_keys``: one per job (a key used before answers its earlier job). Jobs with
+        file inputs are not taken here (that route sends a text prompt)."""
+        keys = list(idempotency_keys) if idempotency_keys is not None else [None] * len(params)
+        if len(keys) != len(params):
+            raise ValueError(f"{len(params)} jobs and {len(keys)} Idempotency-Keys")
+        new = [self._accept(pipeline, input_, job_params, cancel_after_s=None, idempotency_key=key, webhook=None,
+                            webhook_events_filter=None, tenant=tenant, priority=None)
+               for job_params, key in zip(params, keys, strict=True)]
+        if new and self._has_files(new[0].spec, new[0].job.input):
+            raise InvalidRequest([FieldError(("input", name), "jobs submitted together take no file inputs")
+                                  for name in new[0].spec.file_inputs() if name in new[0].job.input])
+        quota = self._quota(tenant, api_key_id)
+        self._fits(len(new), quota)
+        made = self.ledger.submit_all([(n.job, n.entry_stages, n.claim) for n in new],
+                                      idempotency_ttl_s=self.idempotency_ttl_s, quota=quota,
+                                      queue_limits=self._queue_limits(new[0].spec) if new else [])
+        return [job for job, _created in made]
+
+    @staticmethod
+    def _fits(count: int, quota: Quota | None) -> None:
+        """A call of ``count`` jobs that the tenant's quota can never hold at once is a bad request (400 naming
+        the count), not a 429 that a client would retry for ever."""
+        for name, limit in (("max_active", quota.max_active if quota else 0),
+                            ("jobs_per_minute", quota.per_minute if quota else 0)):
+            if limit and count > limit:
+                raise InvalidRequest([FieldError(("n",), f"is {count}, above this tenant's {name} quota of {limit}: "
+                                                 f"ask for at most {limit} at once", "quota")])
+
     async def asubmit_idempotent(self, pipeline: str, input_: object, params: object = None, *,
                                  cancel_after_s: float | None = None, idempotency_key: str | None = None,
                                  webhook: object = None, webhook_events_filter: object = None, tenant: str = DEFAULT_TENANT,

@@ -205,6 +205,24 @@ async def _submit(ctx: ApiContext, plan: Plan, params: dict[str, dict[str, Any]]
     return job
 
 
+async def _submit_all(ctx: ApiContext, plan: Plan, idempotency_keys: list[str | None], *, tenant: str,
+                      key_id: str | None) -> list[Job]:
+    """Submit every job of the plan (images: ``n``) in one write, all or none: a 429 or 503 says that none
+    of them was made, so nothing runs or is charged for a call that answered an error."""
+    try:
+        jobs: list[Job] = await run_in_threadpool(ctx.submitter.submit_all, plan.spec.name, plan.input, plan.params,
+                                                  idempotency_keys=idempotency_keys, tenant=tenant,
+                                                  api_key_id=key_id)
+    except InvalidRequest as exc:
+        raise invalid_request(exc, plan) from None
+    except QuotaExceeded as exc:
+        raise OpenAIError(429, f"{exc}; none of the {len(plan.params)} images was started (all or none)",
+                          code="rate_limit_exceeded", type_="requests", param=exc.limit,
+                          retry_after_s=exc.retry_after_s) from None
+    bind(job_id=",".join(job.id for job in jobs))
+    return jobs
+
+
 async def _finished(ctx: ApiContext, jobs: list[Job]) -> list[Job]:
     """Wait for every job to end; answer their failure or the timeout in OpenAI's shape."""
     wait_s = ctx.runtime.settings.openai_wait_s
@@ -388,11 +406,8 @@ async def images_generations(body: ImageGenerationRequest, request: Request,
     settings = ctx.runtime.settings
     plan = plan_images(ctx.runtime.catalogue, body, max_outputs=settings.max_outputs,
                        aliases=settings.openai_model_aliases)
-    jobs: list[Job] = []
-    for i, params in enumerate(plan.params):
-        key = f"{idempotency_key}:{i}" if idempotency_key else None
-        jobs.append(await _submit(ctx, plan, params, idempotency_key=key, tenant=request.state.tenant,
-                                  key_id=api_key_id(request)))
+    keys = [f"{idempotency_key}:{i}" if idempotency_key else None for i in range(len(plan.params))]
+    jobs = await _submit_all(ctx, plan, keys, tenant=request.state.tenant, key_id=api_key_id(request))
     jobs = await _finished(ctx, jobs)
     items: list[dict[str, Any]] = []
     for job in jobs:

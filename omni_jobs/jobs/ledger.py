@@ -459,6 +459,57 @@ class JobLedger:
         """An earlier job answered again (an Idempotency-Key replay), with its queue position now."""
         return Submitted(job, False, await self.store.aqueue_position(job))
 
+    def submit_all(self, jobs: Sequence[tuple[Job, list[str], tuple[str, str] | None]], *,
+                   idempotency_ttl_s: int = 24 * 3600, quota: Quota | None = None,
+                   queue_limits: Sequence[QueueLimit] = ()) -> list[tuple[Job, bool]]:
+        """Store several new jobs (job, entry stages, Idempotency claim) in ONE write: all of them or
+        none. A quota or a full queue refuses the whole write (nothing is written, nothing is charged);
+        its caps are lowered by ``len(jobs) - 1``, so the write applies only where every job fits (an
+        OpenAI images call with n > 1 used to run the first k-1 images and answer 429 for the k-th).
+
+        Claims used before are answered as ``submit`` answers them: their earlier jobs (created False),
+        and the jobs of the other claims are stored in one write again."""
+        if not jobs:
+            return []
+        plans = [self._plan_submit(job, entry, claim, idempotency_ttl_s, quota, queue_limits)
+                 for job, entry, claim in jobs]
+        change = _all_of([plan.change for plan in plans])
+        try:
+            conflict = self.store.commit(change)
+        except NotDurable as exc:  # applied, but not yet on the disk or a replica: name the jobs it made
+            for plan in plans:
+                self._committed(plan.job, plan.change)
+            raise exc.of_job(plans[0].job.id) from None
+        made = conflict is not None and any(self._made_by_this_write(plan, conflict) for plan in plans)
+        if conflict is None or made:
+            for plan in plans:
+                self._committed(plan.job, plan.change)
+            return [(plan.job, True) for plan in plans]
+        if conflict.cap is not None:
+            since = conflict.cap.since
+            oldest = self.store.oldest(conflict.cap.key, since=since) if since is not None else None
+            raise self._submit_refused(plans[0], conflict.cap, conflict.found, oldest)
+        return self._replay_some(jobs, idempotency_ttl_s=idempotency_ttl_s, quota=quota, queue_limits=queue_limits)
+
+    def _replay_some(self, jobs: Sequence[tuple[Job, list[str], tuple[str, str] | None]], *, idempotency_ttl_s: int,
+                     quota: Quota | None, queue_limits: Sequence[QueueLimit]) -> list[tuple[Job, bool]]:
+        """``submit_all`` after a claim's guard refused it: the claims used before answer their earlier jobs
+        (IdempotencyConflict for another body), the others are submitted together again."""
+        earlier: dict[int, Job] = {}
+        for i, (job, _entry, claim) in enumerate(jobs):
+            record = self.store.idempotency(job.tenant, claim[0]) if claim is not None else None
+            if claim is None or record is None:
+                continue
+            existing = self.store.get(self._replayed(claim, record))
+            if existing is None:
+                raise IdempotencyConflict(claim[0], record.job_id)
+            earlier[i] = existing
+        if not earlier:
+            raise RuntimeError(f"job ids {[job.id for job, _e, _c in jobs]} conflict, and no claim was used before")
+        rest = [entry for i, entry in enumerate(jobs) if i not in earlier]
+        made = iter(self.submit_all(rest, idempotency_ttl_s=idempotency_ttl_s, quota=quota, queue_limits=queue_limits))
+        return [(earlier[i], False) if i in earlier else next(made) for i in range(len(jobs))]
+
     def _plan_submit(self, job: Job, entry_stages: list[str], idempotency: tuple[str, str] | None,
                      idempotency_ttl_s: int, quota: Quota | None, queue_limits: Sequence[QueueLimit]) -> _SubmitPlan:
         """The one decision of a submit (for ``submit`` and ``asubmit``): the job as stored, and its Change."""
@@ -916,6 +967,18 @@ class JobLedger:
                 log.info("%s: released on queue '%s' but waits for nothing there; its place is freed",
                          slot_name, queue)
         return False
+
+
+def _all_of(changes: Sequence[Change]) -> Change:
+    """One write of several submits' changes: their guards and writes, and their caps once, each lowered
+    by ``len(changes) - 1`` (at most ``below - 1`` members before the write leaves room for all of them).
+    A cap that then leaves no room refuses the write, as a full quota does."""
+    merged = Change(durable=True)
+    for change in changes:
+        merged.extend(change)
+    extra = len(changes) - 1
+    merged.caps = [Cap(cap.key, cap.below - extra, cap.since, cap.name) for cap in changes[0].caps]
+    return merged
 
 
 def _runnable(job: Job) -> list[StageRecord]:
