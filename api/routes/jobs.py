@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from api import uploads
 from api.auth import SubmitTenant, Tenant, api_key_id, authenticate_submit, bearer, key_guards, key_refused, recheck
 from api.deps import ApiContext, context, get_context
+from api.disconnect import while_connected
 from api.json_body import read_json, validate_body
 from api.prefer import prefer_wait
 from api.responses import JSONText
@@ -194,7 +195,10 @@ async def _submit(ctx: ApiContext, request: Request, body: JobRequest, tenant: s
         try:
             wait_s = min(wait_s, ctx.runtime.settings.max_prefer_wait_s)
             answer_headers["Preference-Applied"] = f"wait={wait_s:g}"
-            job = await ctx.watcher.wait_final(job.id, wait_s) or job
+            # a client that leaves stops a job nobody can find again (no Idempotency-Key): api.disconnect
+            waited = await while_connected(request, ctx.watcher.wait_final(job.id, wait_s), ctx.runtime.jobs,
+                                           [job.id], idempotent=idempotency_key is not None)
+            job = waited or job
         finally:
             slot.release()
         if job.status.is_final:

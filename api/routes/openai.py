@@ -26,7 +26,9 @@ waits, reads the output bytes and answers. The answer's ``model`` says which pip
 Errors use OpenAI's body ``{"error": {message, type, param, code}}``: 400 names the parameter; a
 ``model`` that is neither a pipeline nor one of OpenAI's names is 404 ``model_not_found``; a
 job that failed answers 500 and one still running after OMNI_OPENAI_WAIT_S answers 504, both with
-``x-should-retry: false`` because retrying would start another job.
+``x-should-retry: false`` because retrying would start another job. A client that disconnects before
+its answer (waiting, or mid-stream) has the call's jobs canceled unless it sent an Idempotency-Key
+(api.disconnect): a retry without one would run them twice.
 
 Chat with ``stream: true`` answers in OpenAI's chunk format while the job runs: the AR stage's
 ``output.delta`` events become content chunks (omni_jobs.text_stream cuts them); the job's end
@@ -57,6 +59,7 @@ from starlette.routing import Match, Route
 
 from api.auth import api_key_id, authenticate
 from api.deps import ApiContext, get_context
+from api.disconnect import until_closed, while_connected
 from api.schemas import errors
 from omni_jobs.artifacts import ArtifactError, codecs
 from omni_jobs.audio_formats import AudioFormat, convert, media_type
@@ -223,11 +226,23 @@ async def _submit_all(ctx: ApiContext, plan: Plan, idempotency_keys: list[str | 
     return jobs
 
 
-async def _finished(ctx: ApiContext, jobs: list[Job]) -> list[Job]:
-    """Wait for every job to end; answer their failure or the timeout in OpenAI's shape."""
+async def _finished(ctx: ApiContext, jobs: list[Job], request: Request, *, idempotent: bool) -> list[Job]:
+    """Wait for every job to end; answer their failure or the timeout in OpenAI's shape. A client that
+    leaves meanwhile has its jobs canceled unless ``idempotent`` (api.disconnect): nobody could find them."""
     wait_s = ctx.runtime.settings.openai_wait_s
-    done = await asyncio.gather(*(ctx.watcher.wait_final(job.id, wait_s) for job in jobs))
+    waiting = asyncio.gather(*(ctx.watcher.wait_final(job.id, wait_s) for job in jobs))
+    ids = [job.id for job in jobs]
+    done = await while_connected(request, waiting, ctx.runtime.jobs, ids, idempotent=idempotent)
+    if done is None:  # nobody reads this answer; the access log shows 499, as nginx's "client closed request"
+        raise OpenAIError(499, f"the client disconnected; jobs {', '.join(ids)} "
+                          f"{'keep running (Idempotency-Key)' if idempotent else 'were canceled'}",
+                          type_="client_closed_request", job_ids=ids, retry=False)
     return finished(jobs, list(done), wait_s=wait_s)
+
+
+def _streamed(ctx: ApiContext, stream: AsyncIterator[Any], job: Job, *, idempotent: bool) -> AsyncIterator[Any]:
+    """A streamed answer whose job is canceled if its client leaves before the end (api.disconnect)."""
+    return until_closed(stream, ctx.runtime.jobs, [job.id], idempotent=idempotent)
 
 
 async def _bytes(ctx: ApiContext, output: JobOutput) -> bytes:
@@ -303,10 +318,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                         key_id=api_key_id(request))
     if body.stream:
         include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(_chat_chunks(ctx, plan, job, include_usage=include_usage),
+        return StreamingResponse(_streamed(ctx, _chat_chunks(ctx, plan, job, include_usage=include_usage), job,
+                                           idempotent=idempotency_key is not None),
                                  media_type="text/event-stream",
                                  headers={**_headers([job]), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    (job,) = await _finished(ctx, [job])
+    (job,) = await _finished(ctx, [job], request, idempotent=idempotency_key is not None)
     finish, usage = await _text_meta(ctx, plan.spec, job)
     data = {out.name: await (_speech(ctx, job, out, plan.audio_format) if out.type == "audio" else _bytes(ctx, out))
             for out in needed_outputs(job, plan.wanted)}
@@ -408,7 +424,7 @@ async def images_generations(body: ImageGenerationRequest, request: Request,
                        aliases=settings.openai_model_aliases)
     keys = [f"{idempotency_key}:{i}" if idempotency_key else None for i in range(len(plan.params))]
     jobs = await _submit_all(ctx, plan, keys, tenant=request.state.tenant, key_id=api_key_id(request))
-    jobs = await _finished(ctx, jobs)
+    jobs = await _finished(ctx, jobs, request, idempotent=idempotency_key is not None)
     items: list[dict[str, Any]] = []
     for job in jobs:
         images = [o for o in job.outputs if o.type == "image"]
@@ -439,12 +455,14 @@ async def audio_speech(body: SpeechRequest, request: Request, idempotency_key: I
     job = await _submit(ctx, plan, plan.params[0], idempotency_key=idempotency_key, tenant=request.state.tenant,
                         key_id=api_key_id(request))
     if plan.sse:
-        return StreamingResponse(_speech_events(ctx, plan, job), media_type="text/event-stream",
+        return StreamingResponse(_streamed(ctx, _speech_events(ctx, plan, job), job,
+                                           idempotent=idempotency_key is not None), media_type="text/event-stream",
                                  headers={**_headers([job]), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     if plan.audio_format == "pcm" and audio_source(plan.spec) is not None:
-        return StreamingResponse(_speech_body(ctx, plan, job), media_type=media_type("pcm"),
+        return StreamingResponse(_streamed(ctx, _speech_body(ctx, plan, job), job,
+                                           idempotent=idempotency_key is not None), media_type=media_type("pcm"),
                                  headers={**_headers([job]), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    (job,) = await _finished(ctx, [job])
+    (job,) = await _finished(ctx, [job], request, idempotent=idempotency_key is not None)
     audio = await _speech(ctx, job, first_output(job, "audio"), plan.audio_format)
     return Response(audio, media_type=media_type(plan.audio_format), headers=_headers([job]))
 
@@ -601,7 +619,7 @@ async def _transcription(request: Request, task: Task, idempotency_key: str | No
     data = upload.encode() if isinstance(upload, str) else await upload.read(limit + 1)  # one over: refused
     job = await _submit(ctx, plan, plan.params[0], idempotency_key=idempotency_key, tenant=request.state.tenant,
                         key_id=api_key_id(request), input_={**plan.input, plan.upload: data})
-    (job,) = await _finished(ctx, [job])
+    (job,) = await _finished(ctx, [job], request, idempotent=idempotency_key is not None)
     stage_id = plan.spec.stages[0].id
     ref = job.stage_record(stage_id).outputs.get("text")
     try:
