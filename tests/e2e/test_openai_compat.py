@@ -168,11 +168,11 @@ def test_speech_from_the_text_to_audio_pipeline(client: OpenAI, api: httpx.Clien
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
          "messages[0].content[0]", "takes no image input; models that take it: image-to-text"),
         (lambda c: c.chat.completions.create(model="text-to-text", messages=[]), "messages", "at least 1"),
-        (lambda c: c.audio.speech.create(model="tts-1", voice="alloy", input="x", response_format="mp3"),
-         "response_format", "use 'wav'"),
+        (lambda c: c.audio.speech.create(model="text-to-speech", voice="alloy", input="x"),
+         "voice", "Chelsie"),
     ],
     ids=["size-format", "size-multiple", "model-without-image", "modality-missing", "max-tokens", "image-input",
-         "no-messages", "mp3"],
+         "no-messages", "unknown-voice"],
 )
 def test_bad_requests_are_400_naming_the_parameter(client: OpenAI, call: Any, param: str, fragment: str) -> None:
     with pytest.raises(openai.BadRequestError) as err:
