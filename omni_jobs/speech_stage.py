@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 from omni_jobs.code_stream import CodesFollower, SpeechStreamer
-from omni_jobs.engines.code2wav import Code2WavStream
+from omni_jobs.engines.batching import BatchPolicy
+from omni_jobs.engines.code2wav import Code2WavStream, code2wav_batcher
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.engines.stage_exec import ProgressFn, StageValues, code_ids, speaker_of
 from omni_jobs.jobs.models import FINAL_EVENTS, EventType, JobEvent
@@ -27,20 +28,25 @@ class JobEnded(Exception):
 def run_streamed_code2wav(engines: EnginePool, stage: StageSpec, job_id: str, params: DiTCode2WavParams,
                           inputs: Mapping[str, object], attempt: int, *, read: Callable[[str], Sequence[JobEvent]],
                           recorded_codes: Callable[[], object], publish: Callable[[JsonObject], None],
-                          progress: ProgressFn, expected_codes: int = 0) -> StageValues:
+                          progress: ProgressFn, expected_codes: int = 0,
+                          policy: BatchPolicy | None = None) -> StageValues:
     """Render the talker's codes as they come; the whole clip once the talker's result is recorded.
 
     ``read(cursor)``: the job's events after ``cursor`` (waiting a little for new ones); ``recorded_codes()``: the
     talker's stored ``audio_codes`` once it succeeded; ``publish``: one audio delta (raises to stop the attempt);
-    ``expected_codes``: the most the talker may write (its max_tokens), the progress's total."""
+    ``expected_codes``: the most the talker may write (its max_tokens), the progress's total; ``policy``: the
+    chunks go through the engine's batcher, so that concurrent streams' chunks of one length share a DiT batch
+    (a stream's first chunk at 16 concurrent jobs waited behind 15 others' rendered one by one)."""
     source = stage.stream_source
     assert source is not None, "a streamed code2wav stage has a stream_input"
     engine = engines.code2wav(stage.model, stage.engine_args)
     voice = speaker_of(stage, inputs, params.speaker)
 
+    render = code2wav_batcher(engine, policy).submit if policy is not None else None
+
     def fresh() -> Code2WavStream:
         return Code2WavStream(engine, voice, seed=params.seed, num_steps=params.num_inference_steps,
-                              guidance_scale=params.guidance_scale)
+                              guidance_scale=params.guidance_scale, render=render, request_id=f"{job_id}:{stage.id}")
 
     streamer = SpeechStreamer(fresh, publish, stage=stage.id, output="audio", attempt=attempt,
                               sample_rate=engine.sample_rate)

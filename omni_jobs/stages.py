@@ -498,7 +498,8 @@ class StageRunner:
             if stage.engine == "ar" and stage.task_name == "talk":
                 return self._execute_talk(stage, job, stage.params(params), inputs, lease, progress, policy, tail)
             if stage.stream_source is not None:
-                return self._execute_streamed_code2wav(stage, job, stage.params(params), inputs, lease, progress)
+                return self._execute_streamed_code2wav(stage, job, stage.params(params), inputs, lease, progress,
+                                                       policy)
             if stage.engine == "ar":
                 return execute_encode(self.engines, stage, stage.params(params), inputs, request_id, progress)
             if stage.task_name == "code2wav":
@@ -551,7 +552,7 @@ class StageRunner:
                 self.text_streams.discard(deltas)
 
     def _execute_streamed_code2wav(self, stage: StageSpec, job: Job, params: StageParams, inputs: StageInputs,
-                                   lease: Lease, progress: ProgressFn) -> StageValues:
+                                   lease: Lease, progress: ProgressFn, policy: BatchPolicy | None) -> StageValues:
         """A code2wav that runs beside its talker (omni_jobs.speech_stage), its audio deltas published under this
         attempt's lease."""
         assert isinstance(params, DiTCode2WavParams)
@@ -578,7 +579,7 @@ class StageRunner:
             read=lambda after: self._patiently(
                 lambda: self.ledger.events(job.id, after=after, block_ms=STREAM_READ_MS), where),
             recorded_codes=recorded_codes, publish=publish, progress=progress,
-            expected_codes=int(str(job.params.get(source.source, {}).get("max_tokens", 0) or 0)))
+            expected_codes=int(str(job.params.get(source.source, {}).get("max_tokens", 0) or 0)), policy=policy)
 
     def _finish_text(self, deltas: TextDeltas, text: str, job: Job, tail: list[JobEvent]) -> None:
         """The rest of a streamed text becomes the last delta, in ``tail``; a refused publish

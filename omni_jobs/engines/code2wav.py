@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -272,6 +272,10 @@ class Code2WavStream:
     crossfade: int = 480
     num_steps: int = 10
     guidance_scale: float = 0.5
+    render: Callable[[Code2WavRequest], AudioClip] | None = None
+    """How a chunk's window is rendered: through the engine's batcher (``code2wav_batcher(...).submit``), so that
+    the chunks of concurrent streams of one voice and length share a DiT batch; None: alone."""
+    request_id: str = "chunk"
     _codes: list[int] = field(default_factory=list)
     _done: int = 0
     """Codes rendered so far (their audio has gone out, but for the held-back samples)."""
@@ -330,9 +334,10 @@ class Code2WavStream:
         per = self.engine.samples_per_code
         start = max(0, self._done - self.left)
         stop = min(len(self._codes), end + self.right)
-        (clip,) = self.engine.render([Code2WavRequest(
-            "chunk", tuple(self._codes[start:stop]), self.speaker, seed=self.seed, offset=start,
-            num_steps=self.num_steps, guidance_scale=self.guidance_scale)])
+        window = Code2WavRequest(f"{self.request_id}:{start}", tuple(self._codes[start:stop]), self.speaker,
+                                 seed=self.seed, offset=start, num_steps=self.num_steps,
+                                 guidance_scale=self.guidance_scale)
+        clip = self.render(window) if self.render is not None else self.engine.render([window])[0]
         audio = clip.samples.reshape(-1)
         at = (self._done - start) * per  # where this chunk's own codes begin in the window
         out = audio[at : (end - start) * per]
