@@ -65,6 +65,9 @@ CASES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "speech-to-text": ({"audio": WAV_DATA_URI}, {"asr": {"max_tokens": 6, "language": "en"}}),
     "omni-understanding": ({"prompt": "What do you hear and see?", "audio": WAV_DATA_URI, "video": MP4_DATA_URI},
                            {"thinker": {"max_tokens": 6}}),
+    "omni-chat": ({"prompt": "Say something about this clip.", "audio": WAV_DATA_URI, "voice": "Ethan"},
+                  {"thinker": {"max_tokens": 6}, "talker": {"max_tokens": 60}}),
+    "text-to-speech": ({"prompt": "Good morning."}, {"talker": {"max_tokens": 60}}),
 }
 
 

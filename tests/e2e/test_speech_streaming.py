@@ -1,6 +1,6 @@
 """Qwen2.5-Omni's speech through the HTTP API with real workers (thinker on ar, talker on talker, code2wav on
-code2wav): the speech is streamed while the talker writes it, joins to the stored WAV sample for sample, and the
-in-process ``Omni`` makes the same clip as the queued job."""
+code2wav): the speech is streamed while the talker writes it, and joins to the stored WAV sample for sample
+(tests/e2e/test_omni_pipelines.py checks that the in-process ``Omni`` makes the same clip as the queued job)."""
 
 from __future__ import annotations
 
@@ -77,21 +77,6 @@ def test_a_voice_the_checkpoint_lacks_is_refused_naming_the_voices(api: httpx.Cl
     response = api.post("/v1/jobs", json={"pipeline": "omni-chat", "input": {"prompt": "hi", "voice": "Alice"}})
     assert response.status_code == 422
     assert "one of Chelsie, Ethan" in response.text and "voice" in response.text
-
-
-def test_the_in_process_omni_makes_the_same_clip_as_the_queued_job(api: httpx.Client, system: EmbeddedSystem) -> None:
-    from omni_jobs.omni import Omni
-    from omni_jobs.settings import Settings
-
-    job = _speak(api, "omni-chat", "Chelsie")
-    final = wait_for_job(api, job["id"])
-    assert final["status"] == "succeeded", final["error"]
-    queued = api.get(f"/v1/jobs/{job['id']}/outputs/audio").raise_for_status().content
-    local = Omni("omni-chat", settings=Settings(models_dir=system.settings.models_dir))
-    result = local.generate({"prompt": TEXT, "voice": "Chelsie"}, {"talker": {"max_tokens": CODES}})
-    assert _wav(result.outputs["audio"].data) == _wav(queued)
-    answer = next(o for o in final["outputs"] if o["name"] == "text")["text"]
-    assert result.outputs["text"].entry.text == answer
 
 
 def test_openai_speech_in_pcm_streams_its_body_while_the_job_runs(api: httpx.Client, system: EmbeddedSystem) -> None:

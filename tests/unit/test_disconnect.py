@@ -13,6 +13,7 @@ from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import JobStatus
 from omni_jobs.pipelines.catalogue import load_catalogue
+from tests.own_loop import run_in_own_loop
 from omni_jobs.submission import JobSubmitter
 
 
@@ -48,8 +49,8 @@ def test_a_client_that_leaves_cancels_the_job_unless_idempotent() -> None:
         await _settle()
         return _status(ledger, job_id)
 
-    assert asyncio.run(run(False)) is JobStatus.canceled
-    assert asyncio.run(run(True)) is JobStatus.queued
+    assert run_in_own_loop(run(False)) is JobStatus.canceled
+    assert run_in_own_loop(run(True)) is JobStatus.queued
 
 
 def test_a_stream_closed_before_its_end_cancels_the_job() -> None:
@@ -68,5 +69,5 @@ def test_a_stream_closed_before_its_end_cancels_the_job() -> None:
         await _settle()
         return _status(ledger, job_id)
 
-    assert asyncio.run(run(False)) is JobStatus.canceled
-    assert asyncio.run(run(True)) is JobStatus.queued
+    assert run_in_own_loop(run(False)) is JobStatus.canceled
+    assert run_in_own_loop(run(True)) is JobStatus.queued
