@@ -231,3 +231,49 @@ def stage_cache_index(scope: str) -> str:
 
 STAGE_CACHE_CLOCK = f"{PREFIX}:stage-cache:clock"
 """INCR counter ordering stage-cache insertions and uses (ties of wall-clock times would blur lru/fifo)."""
+
+
+# --- files and batches (omni_jobs.files, omni_jobs.batches: OpenAI's Batch API) ---
+def file(file_id: str) -> str:
+    """Hash of one uploaded or produced file's record (tenant, purpose, filename, bytes, lines, artifact ref);
+    the bytes are in the artifact store, never here."""
+    return f"{PREFIX}:file:{file_id}"
+
+
+def tenant_files(tenant: str) -> str:
+    """Sorted set of a tenant's file ids, scored by creation time."""
+    return f"{PREFIX}:tenant:{tenant}:files"
+
+
+def file_artifact(file_id: str) -> str:
+    """Artifact key of a file's bytes (the large backend: local or S3)."""
+    return f"files/{file_id}/content.jsonl"
+
+
+def batch(batch_id: str) -> str:
+    """Hash of one batch: its OpenAI fields, its cursor (next line to submit) and its counts."""
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def batch_lines(batch_id: str) -> str:
+    """Hash: line index -> the job id(s) it made (comma-separated), or ``!`` + the JSON error that refused it."""
+    return f"{PREFIX}:batch:{batch_id}:lines"
+
+
+def batch_pending(batch_id: str) -> str:
+    """Set of the line indexes whose jobs are not ended yet (at most OMNI_BATCH_MAX_IN_FLIGHT)."""
+    return f"{PREFIX}:batch:{batch_id}:pending"
+
+
+def batch_lock(batch_id: str) -> str:
+    """SET NX PX lock: one process advances a batch at a time."""
+    return f"{PREFIX}:batch:{batch_id}:lock"
+
+
+def tenant_batches(tenant: str) -> str:
+    """Sorted set of a tenant's batch ids, scored by creation time."""
+    return f"{PREFIX}:tenant:{tenant}:batches"
+
+
+BATCHES_ACTIVE = f"{PREFIX}:batches:active"
+"""Sorted set of the batches not settled yet (running, or a webhook still to send), scored by creation."""

@@ -282,6 +282,17 @@ class Settings(BaseSettings):
     idempotency_ttl_s: int = Field(24 * 3600, gt=0, description="How long an Idempotency-Key is remembered.")
     max_cancel_after_s: float = Field(7 * 24 * 3600, gt=0, description="Longest Cancel-After a job may ask for.")
 
+    # --- Batches and files (OpenAI's Batch API: omni_jobs.files, omni_jobs.batches) ---
+    batch_file_max_bytes: int = Field(
+        32 * MiB, gt=0, description="Largest file POST /v1/files takes (purpose=batch); the upload is also held to "
+        "OMNI_MAX_REQUEST_BYTES.")
+    batch_file_max_lines: int = Field(50_000, gt=0, description="Most request lines one batch file may hold.")
+    batch_max_in_flight: int = Field(
+        256, ge=1, description="Lines of one batch submitted as jobs and not yet ended, at most: a batch's Redis "
+        "footprint stays this many jobs, whatever its size (the rest wait in the file).")
+    batch_poll_s: float = Field(1.0, gt=0, description="How often a results worker advances the running batches.")
+    batch_file_ttl_s: int = Field(30 * 24 * 3600, gt=0, description="Lifetime of uploaded and output files.")
+
     # --- API ---
     public_url: str = Field("http://127.0.0.1:8000", description="Base URL clients use to reach the API.")
     max_page_size: int = Field(100, gt=0, description="Largest page GET /v1/jobs returns.")
