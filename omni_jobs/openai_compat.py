@@ -33,6 +33,7 @@ from typing import Annotated, Literal, TypeAlias
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
+from omni_jobs.artifacts.codecs import CodecError
 from omni_jobs.audio_formats import AUDIO_FORMATS, PCM_RATE, AudioFormat, check_format, pcm16
 from omni_jobs.audio_stream import AudioChunk
 from omni_jobs.checks import is_builtin
@@ -847,6 +848,26 @@ def needed_outputs(job: Job, wanted: list[str]) -> list[JobOutput]:
     if "audio" in wanted:
         needed.append(first_output(job, "audio"))
     return needed
+
+
+def reported_text_meta(document: JsonValue) -> tuple[str | None, dict[str, int] | None]:
+    """(finish_reason, usage) as the AR engine reported them in its text document (None, None when it did not:
+    a stage output kept from before it did, in the stage-output cache); CodecError if it is no JSON object."""
+    if not isinstance(document, dict):
+        raise CodecError(f"a text payload is a JSON object, got {type(document).__name__}")
+    usage: dict[str, int] | None = None
+    reported = document.get("usage")
+    if isinstance(reported, dict):
+        prompt, completion = reported.get("prompt_tokens"), reported.get("completion_tokens")
+        if isinstance(prompt, int) and isinstance(completion, int):
+            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    finish = document.get("finish_reason")
+    return (finish if isinstance(finish, str) else None), usage
+
+
+def finish_by_length(tokens: int, max_tokens: object) -> str:
+    """The finish_reason of a text whose engine did not report one: 'length' when it made max_tokens tokens."""
+    return "length" if isinstance(max_tokens, int | float) and tokens >= int(max_tokens) else "stop"
 
 
 def chat_completion(plan: Plan, job: Job, *, finish: str, usage: dict[str, int] | None,

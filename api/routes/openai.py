@@ -84,6 +84,7 @@ from omni_jobs.openai_compat import (
     audio_delta_message,
     audio_source,
     chat_completion,
+    finish_by_length,
     finished,
     first_output,
     image_items,
@@ -94,6 +95,7 @@ from omni_jobs.openai_compat import (
     plan_chat,
     plan_images,
     plan_speech,
+    reported_text_meta,
     speech_event,
     streamed_pcm,
     text_of,
@@ -275,16 +277,8 @@ async def _text_meta(ctx: ApiContext, spec: PipelineSpec, job: Job) -> tuple[str
     if ref is None:
         return "stop", None
     document = codecs.decode_json(await run_in_threadpool(ctx.runtime.artifacts.get, ref))
-    if not isinstance(document, dict):
-        raise codecs.CodecError(f"a text payload is a JSON object, got {type(document).__name__}")
-    usage: dict[str, int] | None = None
-    reported = document.get("usage")
-    if isinstance(reported, dict):
-        prompt, completion = reported["prompt_tokens"], reported["completion_tokens"]
-        if isinstance(prompt, int) and isinstance(completion, int):
-            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-    finish = document.get("finish_reason")
-    if isinstance(finish, str):
+    finish, usage = reported_text_meta(document)
+    if finish is not None:
         return finish, usage
     tokens_ref = job.stage_record(stage_id).outputs.get("token_ids")
     max_tokens = job.params.get(stage_id, {}).get("max_tokens")
@@ -293,7 +287,7 @@ async def _text_meta(ctx: ApiContext, spec: PipelineSpec, job: Job) -> tuple[str
     from omni_jobs.payloads import decode_payload
 
     tokens = decode_payload("token_ids", await run_in_threadpool(ctx.runtime.artifacts.get, tokens_ref))
-    return ("length" if len(tokens) >= int(max_tokens) else "stop"), usage
+    return finish_by_length(len(tokens), max_tokens), usage
 
 
 def _headers(jobs: list[Job]) -> dict[str, str]:
