@@ -18,7 +18,7 @@ from api import body_limit, docs, uploads
 from api.deps import ApiContext
 from api.observability import ObservabilityMiddleware
 from api.responses import JSONText
-from api.routes import events, health, jobs, metrics, openai, pipelines
+from api.routes import batches, events, health, jobs, metrics, openai, pipelines
 from api.schemas import JobRequest, job_request_schemas
 from api.ui import router as ui_router
 from omni_jobs import openai_audio, openai_compat
@@ -203,6 +203,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(metrics.router)
     app.include_router(ui_router)  # the web console under /ui (server-rendered pages over the same core)
     openai.install(app)  # /v1/chat/completions, /v1/images/generations, /v1/audio/*, /v1/models
+    batches.install(app)  # /v1/files, /v1/batches (OpenAI's Batch API)
     app.add_middleware(ObservabilityMiddleware)  # request id, job id in logs, access log, HTTP metrics
     body_limit.install(app, settings.max_request_bytes)  # outermost: 413 before a large body is read
     app.add_exception_handler(InvalidRequest, _invalid_request)

@@ -484,16 +484,17 @@ class JobSubmitter:
 
     def submit_all(self, pipeline: str, input_: object, params: Sequence[object], *,
                    idempotency_keys: Sequence[str | None] | None = None, tenant: str = DEFAULT_TENANT,
-                   api_key_id: str | None = None) -> list[Job]:
+                   api_key_id: str | None = None, priority: object = None) -> list[Job]:
         """One job per entry of ``params`` (same input), all stored in one write or none: a quota, a full
         queue or a bad value refuses the whole call before any job exists (the OpenAI images route's
         ``n``). ``idempotency_keys``: one per job (a key used before answers its earlier job). Jobs with
-        file inputs are not taken here (that route sends a text prompt)."""
+        file inputs are not taken here (that route sends a text prompt). ``priority``: every job's (a batch's
+        lines: low)."""
         keys = list(idempotency_keys) if idempotency_keys is not None else [None] * len(params)
         if len(keys) != len(params):
             raise ValueError(f"{len(params)} jobs and {len(keys)} Idempotency-Keys")
         new = [self._accept(pipeline, input_, job_params, cancel_after_s=None, idempotency_key=key, webhook=None,
-                            webhook_events_filter=None, tenant=tenant, priority=None)
+                            webhook_events_filter=None, tenant=tenant, priority=priority)
                for job_params, key in zip(params, keys, strict=True)]
         if new and self._has_files(new[0].spec, new[0].job.input):
             raise InvalidRequest([FieldError(("input", name), "jobs submitted together take no file inputs")

@@ -335,6 +335,10 @@ class WebhookDeliverer:
                     latest = event.data
             after = events[-1].id
 
+    def post(self, url: str, body: bytes, headers: dict[str, str]) -> AttemptResult:
+        """One signed POST as every delivery makes it (the batches' webhooks too, omni_jobs.batches)."""
+        return self._post(url, body, headers)
+
     def _post(self, url: str, body: bytes, headers: dict[str, str]) -> AttemptResult:
         """Through the net guard when there is one: resolved and checked now, sent to that address."""
         if self.guard is None:

@@ -7,7 +7,8 @@ record its step's start (Redis unreachable for OMNI_STORE_WAIT_S) gives the mess
 broker instead of dropping it.
 
 Every worker process also runs the outbox relay (publishing what its commits dispatch), the lease
-keeper (renewing its running steps' leases) and the reaper (taking back dead workers' steps).
+keeper (renewing its running steps' leases) and the reaper (taking back dead workers' steps); a
+results worker also runs the batch driver (omni_jobs.batches).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from celery import Task, signals
 from celery.exceptions import Reject
 
 from omni_jobs import metrics
+from omni_jobs.batches import BatchDriver
+from omni_jobs.batches import from_runtime as batches_from_runtime
 from omni_jobs.collector import freeze_loaded_objects
 from omni_jobs.engines.batching import arrivals
 from omni_jobs.engines.gloo_device import destroy_process_groups
@@ -37,6 +40,7 @@ from omni_jobs.steps import (
     ASSEMBLE_RESULTS_TASK,
     CLEANUP_TASK,
     DELIVER_WEBHOOK_TASK,
+    RESULTS_QUEUE,
     RUN_STAGE_TASK,
     Step,
     StepKind,
@@ -152,6 +156,8 @@ def on_worker_ready(sender: Any = None, **_: Any) -> None:
             freeze_loaded_objects()  # before the first task: the collector's full passes skip the engines
     rt.relay(partial(publish_steps, app)).start()
     rt.reaper.start()
+    if RESULTS_QUEUE in queues:  # the results workers advance the batches (omni_jobs.batches)
+        batch_driver(rt).start()
     concurrency = worker_concurrency(sender)  # the scheduler's window counts it
     configure_batch_filling(rt, queues, concurrency)
     _heartbeat["stop"] = start_heartbeat(rt.redis, name, queues, concurrency, rt.settings.engine_cpus, claim)
@@ -171,6 +177,11 @@ def on_worker_shutdown(**_: Any) -> None:
 
 
 _heartbeat: dict[str, object] = {}
+
+
+def batch_driver(rt: Runtime) -> BatchDriver:
+    """This process's batch driver (a daemon thread once started)."""
+    return batches_from_runtime(rt)[1]
 
 
 def worker_concurrency(consumer: Any) -> int:

@@ -1,0 +1,119 @@
+"""Files of OpenAI's Files API (``purpose: batch``): a tenant's batch inputs and the batches' outputs.
+
+The bytes go to the artifact store's large backend (local or S3), never to Redis; Redis keeps a small
+record per file (``keys.file``) and each tenant's index. A file is another tenant's or missing: the
+same answer, so that ids cannot be probed. Output and error files of a batch have ids derived from
+the batch's (``file-<batch>-output``), so a finalize run again after a crash rewrites the same file.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass
+
+import redis
+from redis.typing import EncodableT, FieldT
+
+from omni_jobs import keys
+from omni_jobs.artifacts import ArtifactRef, ArtifactStore
+from omni_jobs.redis_replies import members, text_hash
+
+JSONL = "application/jsonl"
+PURPOSES = ("batch", "batch_output")
+"""``batch``: an uploaded batch input; ``batch_output``: a batch's output or error file (OpenAI's names)."""
+
+
+class FileNotFound(LookupError):
+    """No such file for this tenant (or none at all: the same answer)."""
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One file as OpenAI's ``file`` object describes it, plus where its bytes are."""
+
+    id: str
+    tenant: str
+    purpose: str
+    filename: str
+    size: int
+    created_at: int
+    lines: int
+    artifact: ArtifactRef
+    expires_at: int | None = None
+
+    def as_openai(self) -> dict[str, object]:
+        """OpenAI's file object (``status: processed``: a file is checked before it is stored)."""
+        return {"id": self.id, "object": "file", "bytes": self.size, "created_at": self.created_at,
+                "filename": self.filename, "purpose": self.purpose, "status": "processed", "status_details": None,
+                "expires_at": self.expires_at}
+
+    def fields(self) -> dict[FieldT, EncodableT]:
+        return {"id": self.id, "tenant": self.tenant, "purpose": self.purpose, "filename": self.filename,
+                "bytes": str(self.size), "created_at": str(self.created_at), "lines": str(self.lines),
+                "artifact": self.artifact.model_dump_json(),
+                "expires_at": "" if self.expires_at is None else str(self.expires_at)}
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, str]) -> FileRecord:
+        return cls(id=fields["id"], tenant=fields["tenant"], purpose=fields["purpose"], filename=fields["filename"],
+                   size=int(fields["bytes"]), created_at=int(fields["created_at"]), lines=int(fields["lines"]),
+                   artifact=ArtifactRef.model_validate_json(fields["artifact"]),
+                   expires_at=int(fields["expires_at"]) if fields.get("expires_at") else None)
+
+
+def new_file_id() -> str:
+    return f"file-{secrets.token_hex(12)}"
+
+
+class FileStore:
+    """A tenant's files: the record in Redis, the bytes in the artifact store."""
+
+    def __init__(self, redis_client: redis.Redis, artifacts: ArtifactStore, *, ttl_s: int) -> None:
+        self.redis = redis_client
+        self.artifacts = artifacts
+        self.ttl_s = ttl_s
+
+    def put(self, tenant: str, data: bytes, *, filename: str, purpose: str, lines: int,
+            file_id: str | None = None) -> FileRecord:
+        """Store the bytes, then the record (a crash between leaves bytes nobody points at, not a record
+        without bytes). ``file_id``: a fixed id (a batch's output), written again as it was."""
+        file_id = file_id or new_file_id()
+        ref = self.artifacts.put_output(keys.file_artifact(file_id), data, JSONL)
+        created = int(time.time())
+        record = FileRecord(file_id, tenant, purpose, filename, len(data), created, lines, ref, created + self.ttl_s)
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(keys.file(file_id), mapping=record.fields())
+            pipe.expire(keys.file(file_id), self.ttl_s)
+            pipe.zadd(keys.tenant_files(tenant), {file_id: created})
+            pipe.execute()
+        return record
+
+    def get(self, tenant: str, file_id: str) -> FileRecord:
+        fields = text_hash(self.redis.hgetall(keys.file(file_id)))
+        if not fields or fields.get("tenant") != tenant:
+            raise FileNotFound(file_id)
+        return FileRecord.from_fields(fields)
+
+    def content(self, tenant: str, file_id: str) -> bytes:
+        return self.artifacts.get(self.get(tenant, file_id).artifact)
+
+    def delete(self, tenant: str, file_id: str) -> FileRecord:
+        record = self.get(tenant, file_id)
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.file(file_id))
+            pipe.zrem(keys.tenant_files(tenant), file_id)
+            pipe.execute()
+        self.artifacts.delete(record.artifact)
+        return record
+
+    def list(self, tenant: str, *, limit: int = 100) -> list[FileRecord]:
+        """The tenant's files, newest first (ids whose record expired are dropped from the index)."""
+        ids = members(self.redis.zrevrange(keys.tenant_files(tenant), 0, limit - 1))
+        records: list[FileRecord] = []
+        for file_id in ids:
+            try:
+                records.append(self.get(tenant, file_id))
+            except FileNotFound:
+                self.redis.zrem(keys.tenant_files(tenant), file_id)
+        return records
