@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from omni_jobs.redis_url import is_sentinel_url, redact_url
 from omni_jobs.steps import RESULTS_QUEUE, STAGE_QUEUES, WEBHOOKS_QUEUE, WORKER_QUEUES
 
 if TYPE_CHECKING:
@@ -183,6 +184,8 @@ def _cuda_index(device: str) -> int:
 # --- services ---
 def _redact(url: str) -> str:
     """A Redis URL without its password, for printing."""
+    if is_sentinel_url(url):  # its Sentinels' password may be in the query too
+        return redact_url(url)
     if "@" in url and "//" in url:
         scheme, rest = url.split("//", 1)
         return f"{scheme}//***@{rest.split('@', 1)[1]}"

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.models import Job
+from omni_jobs.redis_url import kombu_broker
 from omni_jobs.settings import Settings
 from omni_jobs.steps import (
     ASSEMBLE_RESULTS_TASK,
@@ -37,8 +38,13 @@ log = logging.getLogger(__name__)
 
 
 def celery_config(settings: Settings) -> dict[str, object]:
+    # a sentinel:// URL is spelled as kombu's Sentinel transport takes it, with its master_name (and TLS)
+    broker = kombu_broker(settings.effective_broker_url,
+                          "OMNI_BROKER_URL" if settings.broker_url else "OMNI_REDIS_URL")
+    sentinel_options = broker.pop("broker_transport_options", {})
+    assert isinstance(sentinel_options, dict)
     return {
-        "broker_url": settings.effective_broker_url,
+        **broker,
         "result_backend": None,
         "task_ignore_result": True,
         "task_serializer": "json",
@@ -67,6 +73,7 @@ def celery_config(settings: Settings) -> dict[str, object]:
             # taking and on acknowledging it), each fsynced with a durable Redis: ~1.8 ms of every hop
             # (bench --hops). A warm shutdown still hands back what the worker held (in memory).
             "ack_emulation": False,
+            **sentinel_options,
         },
         "worker_hijack_root_logger": False,
     }

@@ -33,6 +33,7 @@ from omni_jobs.outbox import OutboxRelay, Publish
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
 from omni_jobs.queue_depth import queue_depth
 from omni_jobs.queueing import broker_message_templates
+from omni_jobs.redis_clients import async_client_from_url, redis_client
 from omni_jobs.redis_replies import text_hash
 from omni_jobs.results import ResultsAssembler
 from omni_jobs.run_journal import RunJournal
@@ -68,7 +69,7 @@ class Runtime:
 
     @once_property
     def redis(self) -> Redis:
-        return Redis.from_url(self.settings.redis_url, health_check_interval=30)
+        return redis_client(self.settings.redis_url, health_check_interval=30)
 
     @once_property
     def store(self) -> RedisJobStore:
@@ -78,6 +79,8 @@ class Runtime:
         store = RedisJobStore(self.redis, ttl_s=s.output_ttl_s + 24 * 3600, wait_replicas=s.redis_wait_replicas,
                               wait_timeout_ms=s.redis_wait_timeout_ms, wait_aof=s.redis_wait_aof,
                               broker_templates=broker_message_templates() if s.publishes_in_commit else None)
+        url = s.redis_url  # the a* methods' client: the same URL (Sentinels, TLS and all)
+        store.use_async_client(lambda: async_client_from_url(url))
         if s.publishes_in_commit:  # the broker is this Redis: a commit runs the scheduler's pass and publishes
             store.publish_in_commit(lambda change: self.scheduler.windows_for(change))
         return store
@@ -184,7 +187,7 @@ class Runtime:
         """The Celery broker's Redis (the same server unless OMNI_BROKER_URL says otherwise)."""
         if self.settings.effective_broker_url == self.settings.redis_url:
             return self.redis
-        return Redis.from_url(self.settings.effective_broker_url)
+        return redis_client(self.settings.effective_broker_url, setting="OMNI_BROKER_URL")
 
     @once_property
     def submitter(self) -> JobSubmitter:

@@ -11,12 +11,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from omni_jobs.engines.allocator import MallocChoice
 from omni_jobs.engines.cpu_layout import parse_cpus
 from omni_jobs.openai_models import OPENAI_MODEL_NAMES
+from omni_jobs.redis_url import check_redis_url, is_sentinel_url, redact_url
 
 MiB = 1024 * 1024
 
@@ -385,6 +386,15 @@ class Settings(BaseSettings):
         OMNI_METRICS_TOKEN, no token."""
         return None if isinstance(value, str) and not value.strip() else value
 
+    @field_validator("redis_url", "broker_url")
+    @classmethod
+    def _redis_url(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A malformed sentinel:// URL is named at start, in one line with the format (omni_jobs.redis_url);
+        the broker may be another kombu transport (amqp://)."""
+        if value is None or (info.field_name == "broker_url" and not is_sentinel_url(value)):
+            return value
+        return check_redis_url(value, f"OMNI_{str(info.field_name).upper()}")
+
     @field_validator("engine_cpus")
     @classmethod
     def _cpu_list(cls, value: str) -> str:
@@ -419,6 +429,8 @@ def _invalid_line(error: dict[str, object]) -> str:
         message = f"{message}: give {LIST_FORMAT}"
     value = error.get("input")
     shown = value if isinstance(value, str) else json.dumps(value, default=str)
+    if field in ("redis_url", "broker_url"):  # it may hold a password
+        shown = redact_url(shown)
     return f"OMNI_{field.upper()}={shown!r}: {message}"
 
 

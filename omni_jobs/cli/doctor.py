@@ -36,7 +36,7 @@ class DoctorReport:
 
 def run_doctor(settings: Settings, *, services: bool = True, devices: bool = True) -> DoctorReport:
     """Versions, devices, Redis, broker, artifact store and workers, as `omni-jobs doctor` prints them."""
-    import redis as redis_lib
+    from omni_jobs.redis_clients import redis_client
 
     report = DoctorReport()
     report.checks += check_versions(overrides=settings.supported_versions)
@@ -44,12 +44,13 @@ def run_doctor(settings: Settings, *, services: bool = True, devices: bool = Tru
         report.checks += check_devices(settings.device)
     if not services:
         return report
-    state = redis_lib.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
+    state = redis_client(settings.redis_url, socket_connect_timeout=2, socket_timeout=5)
     try:
         redis_check = check_redis(state, url=settings.redis_url, wait_aof=settings.redis_wait_aof)
         report.checks.append(redis_check)
         if settings.effective_broker_url != settings.redis_url:
-            broker = redis_lib.Redis.from_url(settings.effective_broker_url, socket_connect_timeout=2, socket_timeout=5)
+            broker = redis_client(settings.effective_broker_url, setting="OMNI_BROKER_URL", socket_connect_timeout=2,
+                                  socket_timeout=5)
             try:
                 report.checks.append(check_redis(broker, name="broker", url=settings.effective_broker_url))
             finally:

@@ -12,15 +12,14 @@ import sys
 import time
 from typing import Any
 
-import redis
-
 from omni_jobs import keys
 from omni_jobs.auth import ApiKeys, check_tenant
+from omni_jobs.redis_clients import redis_client
 from omni_jobs.settings import load_settings
 
 
 def _keys() -> ApiKeys:
-    return ApiKeys(redis.Redis.from_url(load_settings().redis_url))
+    return ApiKeys(redis_client(load_settings().redis_url))
 
 
 def cmd_create(args: argparse.Namespace) -> int:
@@ -63,7 +62,7 @@ LIMITS = ("max_active", "per_minute")
 
 def cmd_limits(args: argparse.Namespace) -> int:
     """Show, set or clear the quotas of a tenant or of one API key (README "Scheduling")."""
-    client = redis.Redis.from_url(load_settings().redis_url, decode_responses=True)
+    client = redis_client(load_settings().redis_url, decode_responses=True)
     if args.key_id:
         target, what = keys.api_key(args.key_id), f"key {args.key_id}"
         if not client.exists(target):

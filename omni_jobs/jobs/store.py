@@ -11,14 +11,12 @@ import asyncio
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, TypeAlias, TypedDict
+from typing import Protocol, TypeAlias
 
 import redis
 import redis.asyncio as aioredis
 import redis.asyncio.client
 import redis.client
-from redis.asyncio.retry import Retry as AsyncRetry
-from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 from redis.typing import XReadResponse
@@ -29,6 +27,7 @@ from omni_jobs.jobs import codec
 from omni_jobs.jobs.change import Change, Conflict, Guard, OutboxEntry, ReleasePass
 from omni_jobs.jobs.group_commit import GroupCommit
 from omni_jobs.jobs.models import Job, JobEvent, JobStatus, StageRecord, StageStatus, now
+from omni_jobs.redis_clients import async_retry_options
 from omni_jobs.redis_replies import members, text, text_hash
 from omni_jobs.steps import (
     RESULTS_QUEUE,
@@ -937,41 +936,6 @@ def _read_position(pipe: Pipeline, job: Job, record: StageRecord) -> None:
     pipe.zcard(released_key)
     pipe.zrank(ready_key, entry)
     pipe.zcard(tenants_key)
-
-
-class RetryOptions(TypedDict):
-    retry: AsyncRetry
-    retry_on_error: list[type[Exception]]
-
-
-def async_retry_options() -> RetryOptions:
-    """Retry a command on a dropped connection, as redis-py's sync client does by default.
-
-    redis.asyncio does not: after Redis restarts, each pooled connection fails its next command with
-    "Connection closed by server" once, so the API answered 503 to requests that a reconnect would
-    have served. A retried write is safe here: every commit is guarded (a submit expects the job to
-    be absent, a transition expects the fields it read), so one that did apply the first time
-    conflicts instead of applying twice."""
-    return {"retry": AsyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), 3),
-            "retry_on_error": [redis.ConnectionError, redis.TimeoutError]}
-
-
-def async_client_from_url(url: str, *, socket_timeout: float | None = None,
-                          max_connections: int | None = None) -> aioredis.Redis:
-    """A redis.asyncio client for ``url`` that reconnects and retries like the sync one
-    (``socket_timeout``: None keeps redis-py's default). ``max_connections``: at most this many
-    connections at once; a caller past them waits (up to 5 s, then ConnectionError: a 503), where
-    redis-py's default pool opens as many as it is asked for."""
-    if max_connections is not None:
-        timeouts = {"socket_timeout": socket_timeout} if socket_timeout is not None else {}
-        pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=5,
-                                                        health_check_interval=30, **timeouts,
-                                                        **async_retry_options())
-        return aioredis.Redis(connection_pool=pool)
-    if socket_timeout is not None:
-        return aioredis.Redis.from_url(url, health_check_interval=30, socket_timeout=socket_timeout,
-                                       **async_retry_options())
-    return aioredis.Redis.from_url(url, health_check_interval=30, **async_retry_options())
 
 
 def same_server_async(client: redis.Redis) -> aioredis.Redis:
