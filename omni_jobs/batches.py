@@ -25,6 +25,7 @@ and finalizes with the lines never run in the error file (``batch_cancelled``, `
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import secrets
@@ -106,6 +107,11 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) 
 return 0
 """
 
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+
 
 def new_batch_id() -> str:
     return f"batch_{secrets.token_hex(12)}"
@@ -166,6 +172,7 @@ class Batches:
         self._record = redis_client.register_script(_RECORD)
         self._settle = redis_client.register_script(_SETTLE)
         self._unlock = redis_client.register_script(_UNLOCK)
+        self._renew = redis_client.register_script(_RENEW)
         self._lines: dict[str, list[RequestLine]] = {}
         """A running batch's parsed lines, read once per process (dropped at finalize)."""
 
@@ -276,8 +283,9 @@ class Batches:
                     continue
 
     # --- the driver's side ---
-    def advance(self, batch_id: str) -> None:
-        """One pass over one batch; safe to cut short anywhere and run again."""
+    def advance(self, batch_id: str, keep: Callable[[], None] = lambda: None) -> None:
+        """One pass over one batch; safe to cut short anywhere and run again. ``keep``: called between pieces
+        of a long pass (it renews the batch's lock)."""
         fields = text_hash(self.redis.hgetall(keys.batch(batch_id)))
         if not fields:
             self.redis.zrem(keys.BATCHES_ACTIVE, batch_id)
@@ -298,11 +306,11 @@ class Batches:
         ending = self._ending(fields)
         self._settle_pending(fields, cancel=ending != "completed")
         if ending == "completed":
-            self._submit(fields, lines)
+            self._submit(fields, lines, keep)
         fields = text_hash(self.redis.hgetall(keys.batch(batch_id)))
         done = int(fields.get("cursor") or 0) >= len(lines) or ending != "completed"
         if done and not self.redis.scard(keys.batch_pending(batch_id)):
-            self._finalize(fields, lines, ending)
+            self._finalize(fields, lines, ending, keep)
 
     def _ending(self, fields: dict[str, str]) -> str:
         """How the batch ends once its running jobs ended: completed, or cancelled, or expired."""
@@ -321,13 +329,15 @@ class Batches:
             self._lines[batch_id] = lines
         return lines
 
-    def _submit(self, fields: dict[str, str], lines: list[RequestLine]) -> None:
+    def _submit(self, fields: dict[str, str], lines: list[RequestLine], keep: Callable[[], None]) -> None:
         """Submit lines from the cursor while fewer than max_in_flight are pending; a quota or a full queue
         ends the pass (the next one tries again)."""
         batch_id = fields["id"]
         cursor = int(fields.get("cursor") or 0)
         room = self.max_in_flight - int(self.redis.scard(keys.batch_pending(batch_id)))
         while cursor < len(lines) and room > 0:
+            if cursor % 50 == 0:
+                keep()
             line = lines[cursor]
             try:
                 ids = self._submit_line(fields, line)
@@ -397,7 +407,8 @@ class Batches:
         if args:
             self._settle(keys=[keys.batch_pending(batch_id), keys.batch(batch_id)], args=args)
 
-    def _finalize(self, fields: dict[str, str], lines: list[RequestLine], ending: str) -> None:
+    def _finalize(self, fields: dict[str, str], lines: list[RequestLine], ending: str,
+                  keep: Callable[[], None]) -> None:
         """The output and error files from every line in order, then the end in one transaction."""
         batch_id = fields["id"]
         now = str(int(time.time()))
@@ -408,6 +419,7 @@ class Batches:
         out: list[bytes] = []
         err: list[bytes] = []
         for start in range(0, len(lines), CHUNK):
+            keep()
             chunk = lines[start:start + CHUNK]
             values = self.redis.hmget(keys.batch_lines(batch_id), [line.index for line in chunk])
             recorded = [v.decode() if isinstance(v, bytes) else v for v in values]
@@ -509,6 +521,10 @@ class Batches:
     def unlock(self, batch_id: str, token: str) -> None:
         self._unlock(keys=[keys.batch_lock(batch_id)], args=[token])
 
+    def renew(self, batch_id: str, token: str, ttl_ms: int) -> None:
+        """Hold the lock ``ttl_ms`` more, if it is still this token's."""
+        self._renew(keys=[keys.batch_lock(batch_id)], args=[token, ttl_ms])
+
 
 def _mapping(fields: dict[str, str]) -> dict[FieldT, EncodableT]:
     """A record's fields as redis-py's hset types its mapping."""
@@ -529,7 +545,8 @@ def _metadata(value: object) -> dict[str, str] | None:
 class BatchDriver:
     """Advances every unsettled batch every ``poll_s``, from a daemon thread (one per results worker)."""
 
-    def __init__(self, batches: Batches, *, poll_s: float, lock_ms: int = 120_000) -> None:
+    def __init__(self, batches: Batches, *, poll_s: float, lock_ms: int = 15_000) -> None:
+        """``lock_ms``: how long a batch stays locked by a driver that died mid-pass (renewed while one runs)."""
         self.batches = batches
         self.poll_s = poll_s
         self.lock_ms = lock_ms
@@ -544,7 +561,7 @@ class BatchDriver:
             if token is None:
                 continue
             try:
-                self.batches.advance(batch_id)
+                self.batches.advance(batch_id, functools.partial(self.batches.renew, batch_id, token, self.lock_ms))
                 advanced += 1
             except Exception:
                 log.warning("batch %s: pass failed; retried in %.1fs", batch_id, self.poll_s, exc_info=True)
