@@ -92,7 +92,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         extra_env["OMNI_PIPELINES_PATH"] = json.dumps([str(p) for p in paths])
     system = EmbeddedSystem(settings=settings, home=home, api_port=args.api_port, flower_port=args.flower_port,
                             redis_url=settings.redis_url if "OMNI_REDIS_URL" in os.environ else None,
-                            extra_env=extra_env, engine_workers=args.engine_workers)
+                            extra_env=extra_env, engine_workers=args.engine_workers,
+                            redis_replicas=max(0, args.replicas))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:
         system.start()
@@ -208,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="worker processes per stage queue (ar, dit), each on its own share of the CPUs: on a CPU "
                          "host one per core gives the most jobs a second (a model copy each; a single job runs on "
                          "its share). Default 1: one worker per queue on every CPU")
+    up.add_argument("--replicas", type=int, default=0, metavar="N",
+                    help="run N replicas of Redis and 3 Sentinels; every process follows the primary through a "
+                         "failover, and submits wait for a replica (README \"Redis failover\"). Default 0")
     up.set_defaults(func=cmd_up)
 
     t = sub.add_parser("tiny", help="build the small random-weight models used by the demo and tests")

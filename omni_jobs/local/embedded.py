@@ -28,7 +28,9 @@ from omni_jobs.local.devservices import (
     require_waitaof_server,
     start_redis,
 )
+from omni_jobs.local.ha import RedisHA, start_redis_ha
 from omni_jobs.local.tiny import TINY_MODELS, ensure_tiny_model
+from omni_jobs.redis_clients import redis_client
 from omni_jobs.settings import Settings
 from omni_jobs.steps import STAGE_QUEUES, WORKER_QUEUES
 from omni_jobs.webhooks import generate_secret
@@ -97,7 +99,7 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def _check_reachable(redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url, socket_connect_timeout=3, socket_timeout=3)
+    client = redis_client(redis_url, socket_connect_timeout=3, socket_timeout=3)
     try:
         client.ping()
     except redis.RedisError as exc:
@@ -136,6 +138,12 @@ class EmbeddedSystem:
     installed, else 'always'), or 'everysec' (for benchmarks: up to a second of 202s lost in a crash)."""
     redis_wait_aof: bool = False
     """Set at start: the private Redis is on 'waitaof', so every process gets OMNI_REDIS_WAIT_AOF=true."""
+    redis_replicas: int = 0
+    """Replicas of the private Redis, with 3 Sentinels (omni_jobs.local.ha): every process is given the
+    Sentinels' URL and follows the primary through a failover; submits wait for a replica
+    (OMNI_REDIS_WAIT_REPLICAS=1) unless the environment says otherwise. 0: one Redis, no Sentinels."""
+    redis_ha: RedisHA | None = None
+    """Set at start when ``redis_replicas`` > 0."""
     extra_env: dict[str, str] = field(default_factory=dict)
     worker_queues: dict[str, str] = field(default_factory=lambda: dict(WORKER_QUEUES))
     with_flower: bool = True
@@ -169,7 +177,7 @@ class EmbeddedSystem:
         from omni_jobs.auth import ApiKeys
 
         assert self.redis_url, "start() first"
-        client = redis.Redis.from_url(self.redis_url)
+        client = redis_client(self.redis_url)
         try:
             return ApiKeys(client).create(tenant, name)[0]
         finally:
@@ -206,6 +214,8 @@ class EmbeddedSystem:
         })
         if self.redis_wait_aof:
             env["OMNI_REDIS_WAIT_AOF"] = "true"
+        if self.redis_ha is not None:
+            env.setdefault("OMNI_REDIS_WAIT_REPLICAS", "1")
         env.setdefault("OMNI_WEBHOOK_SECRET", self.webhook_secret)
         if self.with_flower:
             env.setdefault("OMNI_UI_FLOWER_URL", self.flower_url)  # the web console's header links to it
@@ -268,6 +278,8 @@ class EmbeddedSystem:
         if self.redis_url:
             say(f"using Redis at {self.redis_url}")
             _check_reachable(self.redis_url)
+        elif self.redis_replicas > 0:
+            self._start_redis_ha(say)
         else:
             # A job answered 202 is on disk either way (README "Reliability").
             service, mode = start_job_redis(self.home / "redis", self.redis_durability)
@@ -296,6 +308,19 @@ class EmbeddedSystem:
         say("waiting for the workers to load their engines ...")
         self.wait_for_workers(set(self.worker_queues))
         self.write_cli_env()
+
+    def _start_redis_ha(self, say: Callable[[str], None]) -> None:
+        """A primary, ``redis_replicas`` replicas and 3 Sentinels, each durable as ``redis_durability`` asks."""
+        mode, binary = redis_durability(self.redis_durability)
+        self.redis_ha = start_redis_ha(self.home / "redis", replicas=self.redis_replicas, binary=binary,
+                                       appendfsync="always" if mode == "always" else "everysec",
+                                       waitaof=mode == "waitaof")
+        self.processes.extend(self.redis_ha.processes)
+        self.redis_url = self.redis_ha.url
+        self.redis_wait_aof = mode == "waitaof"
+        ports = ", ".join(str(n.port) for n in self.redis_ha.nodes)
+        say(f"started Redis with {self.redis_replicas} replica(s) (ports {ports}; {DURABILITY_SAID[mode]}) and "
+            f"3 Sentinels: {self.redis_url} (data in {self.home / 'redis'})")
 
     def start_worker(self, queue: str, *, name: str | None = None, env: dict[str, str] | None = None,
                      pool: str | None = None) -> RunningService:
@@ -361,7 +386,7 @@ class EmbeddedSystem:
         """Until every queue has its workers live: ``expected[queue]`` of them, else as many as this system
         starts for it (one for a queue it does not start: another's twins, say)."""
         assert self.redis_url, "start() first"
-        client = redis.Redis.from_url(self.redis_url)
+        client = redis_client(self.redis_url)
         deadline = time.monotonic() + timeout_s
         missing = sorted(queues)
         try:
