@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from omni_jobs.engines.code2wav import Code2WavStream
 
 CODES_DELTA_INTERVAL_S = 0.1
-"""The least time between two codes deltas of a talker: code2wav renders 24 codes (0.48 s of speech) at a time,
+"""The least time between two codes deltas of a talker: code2wav renders 12 codes first, then 24 (0.48 s of speech),
 so finer deltas would only fill the job's stream (it keeps its last ~2000 events)."""
 
 CODES_FIELD = "codes"

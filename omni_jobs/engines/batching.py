@@ -235,7 +235,8 @@ class Batcher(Generic[R, O]):
     """Coalesces concurrent ``submit`` calls into batched ``run_batch`` calls (one thread per batcher)."""
 
     def __init__(self, run_batch: RunBatch[R, O], policy: BatchPolicy | None = None, *,
-                 group_key: Callable[[R], Hashable] | None = None, name: str = "batcher",
+                 group_key: Callable[[R], Hashable] | None = None, rank: Callable[[R], int] | None = None,
+                 name: str = "batcher",
                  arrivals: Arrivals | None = None, release_team: Callable[[], object] = release_thread_team,
                  turn: Callable[[], AbstractContextManager[object]] = nullcontext) -> None:
         self.run_batch = run_batch
@@ -249,6 +250,9 @@ class Batcher(Generic[R, O]):
         """How many times its thread handed back its OpenMP team, idle (for tests and the benchmark)."""
         self.policy = policy or BatchPolicy()
         self.group_key = group_key or (lambda _r: None)
+        self.rank = rank
+        """Which group runs next: that of the waiting request of the lowest rank, the earliest of equals (None:
+        the earliest request's)."""
         self.name = name
         self.batches: list[int] = []
         """Sizes of the batches run so far (the last 1000), for tests and the benchmark."""
@@ -314,14 +318,21 @@ class Batcher(Generic[R, O]):
                     finally:
                         self._cond.acquire()
                     self.released += 1
-            deadline = self._pending[0].enqueued_at + self.policy.wait_ms / 1000
+            deadline = self._head().enqueued_at + self.policy.wait_ms / 1000
             while len(self._pending) < self.policy.max_batch_size:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cond.wait(left)
             self._fill()
-            return self._take_group(self.group_key(self._pending[0].request), self.policy.max_batch_size)
+            return self._take_group(self.group_key(self._head().request), self.policy.max_batch_size)
+
+    def _head(self) -> Member[R, O]:
+        """The waiting request whose group runs next (the lock held, something waiting)."""
+        if self.rank is None:
+            return self._pending[0]
+        rank = self.rank
+        return min(self._pending, key=lambda m: rank(m.request))  # min keeps the earliest of equals
 
     def _take_group(self, key: Hashable, limit: int) -> list[Member[R, O]]:
         """Take up to ``limit`` waiting requests of group ``key``, in order (the lock held)."""
@@ -347,7 +358,7 @@ class Batcher(Generic[R, O]):
             return
         started = time.monotonic()
         fill_s = self.arrivals.fill_wait_ms / 1000
-        key = self.group_key(self._pending[0].request)
+        key = self.group_key(self._head().request)
         group = self._groups.get(key)
         runs = group.warm if group is not None else []
         fixed_s = fixed_cost_s(runs)
@@ -387,7 +398,7 @@ class Batcher(Generic[R, O]):
         if self.policy.burst_fill <= 0 or fixed_s is None or fixed_s <= 0:  # no fit yet (above), or nothing to amortise
             return
         longest_s = max(t for _, t in runs)
-        deadline = self._pending[0].enqueued_at + min(fixed_s, self.policy.burst_fill * longest_s)
+        deadline = self._head().enqueued_at + min(fixed_s, self.policy.burst_fill * longest_s)
         while True:
             arrived = [m.enqueued_at for m in self._pending if self.group_key(m.request) == key]
             at = time.monotonic()

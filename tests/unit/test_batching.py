@@ -135,6 +135,23 @@ def test_requests_arriving_during_a_batch_form_the_next_one():
     assert run.calls[0] == [1] and sorted(run.calls[1]) == [2, 3, 4]
 
 
+def test_the_group_of_the_lowest_ranked_waiting_request_runs_next():
+    """A code2wav stream's first window (rank 0) goes before windows that came earlier (rank 1)."""
+    run = Recorder(delay_s=0.3)
+    batcher: Batcher[Any, Any] = Batcher(run, BatchPolicy(max_batch_size=16, wait_ms=0), group_key=type,
+                                         rank=lambda r: 0 if isinstance(r, str) else 1)
+    busy = threading.Thread(target=batcher.submit, args=(1,))
+    busy.start()
+    time.sleep(0.1)  # [1] is running; 2, 3 then "a" wait for it
+    with ThreadPoolExecutor(3) as pool:
+        later = [pool.submit(batcher.submit, r) for r in (2, 3)]
+        time.sleep(0.05)
+        first = pool.submit(batcher.submit, "a")
+        assert first.result() == "A" and [f.result() for f in later] == [4, 9]
+    busy.join()
+    assert run.calls == [[1], ["a"], [2, 3]]
+
+
 def submit_paced(batcher: Batcher[Any, Any], requests: list[Any], gap_s: float) -> list[Any]:
     """Submit each request from its own thread, ``gap_s`` apart (a client's burst reaching a worker)."""
     with ThreadPoolExecutor(len(requests)) as pool:
