@@ -57,7 +57,7 @@ from omni_jobs.errors import (
     Overloaded,
     QuotaExceeded,
 )
-from omni_jobs.files import FileNotFound, FileRecord, FileStore
+from omni_jobs.files import DurableRecords, FileNotFound, FileRecord, FileStore
 from omni_jobs.jobs.models import Job
 from omni_jobs.jobs.view import output_url
 from omni_jobs.json_types import JsonObject, JsonValue
@@ -226,11 +226,8 @@ class Batches:
                   "expires_at": str(int(now) + WINDOWS[str(completion_window)]), "total": str(record.lines),
                   "completed": "0", "failed": "0", "cursor": "0", "metadata": json.dumps(meta) if meta else "",
                   "api_key_id": api_key_id or "", "webhook_url": hook.url if hook is not None else ""}
-        with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.batch(batch_id), mapping=_mapping(fields))
-            pipe.zadd(keys.tenant_batches(tenant), {batch_id: now})
-            pipe.zadd(keys.BATCHES_ACTIVE, {batch_id: now})
-            pipe.execute()
+        self.files.records.put(keys.batch(batch_id), fields, indexes=[keys.tenant_batches(tenant), keys.BATCHES_ACTIVE],
+                               member=batch_id, score=now)
         return as_openai(fields)
 
     def fields(self, tenant: str, batch_id: str) -> dict[str, str]:
@@ -612,7 +609,10 @@ def from_runtime(rt: Runtime) -> tuple[Batches, BatchDriver]:
                                                                   artifacts=rt.artifacts,
                                                                   presign=s.output_urls == "presigned"),
                               output_ttl_s=s.output_ttl_s)
-            batches = Batches(rt.redis, files=FileStore(rt.redis, rt.artifacts, ttl_s=s.batch_file_ttl_s),
+            records = DurableRecords(rt.redis, wait_replicas=s.redis_wait_replicas, wait_aof=s.redis_wait_aof,
+                                     timeout_ms=s.redis_wait_timeout_ms)
+            batches = Batches(rt.redis, files=FileStore(rt.redis, rt.artifacts, ttl_s=s.batch_file_ttl_s,
+                                                        records=records),
                               planner=planner, submitter=rt.submitter, get_jobs=rt.store.get_many,
                               cancel_job=rt.ledger.cancel, shaping=shaping, max_in_flight=s.batch_max_in_flight,
                               max_lines=s.batch_file_max_lines, webhook=webhook)

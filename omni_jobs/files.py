@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import redis
-from redis.typing import EncodableT, FieldT
 
 from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore
+from omni_jobs.errors import NotDurable
 from omni_jobs.redis_replies import members, text_hash
 
 JSONL = "application/jsonl"
@@ -48,7 +49,7 @@ class FileRecord:
                 "filename": self.filename, "purpose": self.purpose, "status": "processed", "status_details": None,
                 "expires_at": self.expires_at}
 
-    def fields(self) -> dict[FieldT, EncodableT]:
+    def fields(self) -> dict[str, str]:
         return {"id": self.id, "tenant": self.tenant, "purpose": self.purpose, "filename": self.filename,
                 "bytes": str(self.size), "created_at": str(self.created_at), "lines": str(self.lines),
                 "artifact": self.artifact.model_dump_json(),
@@ -62,6 +63,57 @@ class FileRecord:
                    expires_at=int(fields["expires_at"]) if fields.get("expires_at") else None)
 
 
+_PUT = """
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+if tonumber(ARGV[1]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[1]) end
+for i = 2, #KEYS do redis.call('ZADD', KEYS[i], ARGV[2], ARGV[3]) end
+return 1
+"""
+"""One record written atomically: the hash KEYS[1] (fields ARGV[4..], TTL ARGV[1] when > 0) and its member
+ARGV[3] at score ARGV[2] in each index KEYS[2..]."""
+
+
+@dataclass(frozen=True)
+class DurableRecords:
+    """Writes a record (a file's, a batch's) and acknowledges it only once it is where the job store's
+    durable writes must be (OMNI_REDIS_WAIT_REPLICAS, OMNI_REDIS_WAIT_AOF): a 200 for a file or a batch
+    means it survives Redis being killed, as a 202 for a job does. NotDurable otherwise (the API's 503)."""
+
+    client: redis.Redis
+    wait_replicas: int = 0
+    wait_aof: bool = False
+    timeout_ms: int = 1000
+
+    def put(self, key: str, fields: Mapping[str, str], *, indexes: Sequence[str], member: str, score: float,
+            ttl_s: int = 0) -> None:
+        script = self.client.register_script(_PUT)
+        flat = [value for pair in fields.items() for value in pair]
+        with self.client.pipeline(transaction=False) as pipe:  # one connection: the waits follow the write
+            script(keys=[key, *indexes], args=[ttl_s, score, member, *flat], client=pipe)
+            if self.wait_replicas > 0:
+                pipe.execute_command("WAIT", self.wait_replicas, self.timeout_ms)  # type: ignore[no-untyped-call]
+            if self.wait_aof:
+                pipe.execute_command("WAITAOF", 1, 0, self.timeout_ms)  # type: ignore[no-untyped-call]
+            replies = pipe.execute(raise_on_error=False)
+        for reply in replies:
+            if isinstance(reply, Exception) and not isinstance(reply, redis.ResponseError):
+                raise reply
+        if isinstance(replies[0], Exception):
+            raise replies[0]
+        waited = list(replies[1:])
+        if self.wait_replicas > 0:
+            acked = waited.pop(0)
+            if isinstance(acked, Exception) or int(str(acked)) < self.wait_replicas:
+                raise NotDurable(0 if isinstance(acked, Exception) else int(str(acked)), self.wait_replicas,
+                                 self.timeout_ms)
+        if self.wait_aof:
+            answer = waited.pop(0)
+            if isinstance(answer, Exception):
+                raise NotDurable(0, 1, self.timeout_ms, disk=f"the server answered: {answer}")
+            if not isinstance(answer, list) or int(answer[0]) < 1:
+                raise NotDurable(0, 1, self.timeout_ms, disk=f"its AOF was not fsynced within {self.timeout_ms} ms")
+
+
 def new_file_id() -> str:
     return f"file-{secrets.token_hex(12)}"
 
@@ -69,10 +121,12 @@ def new_file_id() -> str:
 class FileStore:
     """A tenant's files: the record in Redis, the bytes in the artifact store."""
 
-    def __init__(self, redis_client: redis.Redis, artifacts: ArtifactStore, *, ttl_s: int) -> None:
+    def __init__(self, redis_client: redis.Redis, artifacts: ArtifactStore, *, ttl_s: int,
+                 records: DurableRecords | None = None) -> None:
         self.redis = redis_client
         self.artifacts = artifacts
         self.ttl_s = ttl_s
+        self.records = records or DurableRecords(redis_client)
 
     def put(self, tenant: str, data: bytes, *, filename: str, purpose: str, lines: int,
             file_id: str | None = None) -> FileRecord:
@@ -82,11 +136,8 @@ class FileStore:
         ref = self.artifacts.put_output(keys.file_artifact(file_id), data, JSONL)
         created = int(time.time())
         record = FileRecord(file_id, tenant, purpose, filename, len(data), created, lines, ref, created + self.ttl_s)
-        with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(keys.file(file_id), mapping=record.fields())
-            pipe.expire(keys.file(file_id), self.ttl_s)
-            pipe.zadd(keys.tenant_files(tenant), {file_id: created})
-            pipe.execute()
+        self.records.put(keys.file(file_id), record.fields(), indexes=[keys.tenant_files(tenant)], member=file_id,
+                         score=created, ttl_s=self.ttl_s)
         return record
 
     def get(self, tenant: str, file_id: str) -> FileRecord:
