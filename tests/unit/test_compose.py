@@ -177,8 +177,8 @@ def test_every_omni_service_gets_redis_and_s3(services, name):
     env = env_of(services[name])
     redis_url = env.get("OMNI_REDIS_URL")
     assert redis_url, f"{name}: OMNI_REDIS_URL missing"
-    assert redis_url.startswith("redis://:${REDIS_PASSWORD:?"), f"{name}: {redis_url!r}"
-    assert redis_url.endswith("@redis:6379/0"), f"{name}: {redis_url!r}"
+    assert redis_url.startswith("${REDIS_SCHEME:-redis}://:${REDIS_PASSWORD:?"), f"{name}: {redis_url!r}"
+    assert redis_url.endswith("@${REDIS_HOSTS:-redis:6379/0}"), f"{name}: {redis_url!r}"
     assert env.get("OMNI_ARTIFACT_BACKEND") == "s3", name
     assert env.get("OMNI_S3_ENDPOINT_URL") == "http://s3:9000", name
     assert env.get("OMNI_S3_BUCKET"), name
@@ -227,6 +227,24 @@ def test_redis_persists_and_requires_a_password(services):
     assert password and is_required_ref(password, "REDIS_PASSWORD"), password
     assert "redis-data:/data" in [str(v) for v in redis.get("volumes", [])]
     assert "redis-cli" in healthcheck_text(redis)
+
+
+def test_ha_profile_runs_a_replica_and_three_sentinels(services):
+    """`--profile ha`: a replica of `redis` with the same password and durability, and 3 Sentinels
+    (quorum 2) monitoring it as `omni`, as the README's sentinel URL names it; none in the default stack."""
+    replica = services["redis-replica"]
+    args = argv(replica)
+    assert replica["profiles"] == ["ha"] and args[0] == "redis-server"
+    assert args[args.index("--replicaof") + 1:args.index("--replicaof") + 3] == ["redis", "6379"]
+    assert option_value(args, "--appendfsync") == "always"
+    assert is_required_ref(option_value(args, "--masterauth"), "REDIS_PASSWORD")
+    for name in ("sentinel-1", "sentinel-2", "sentinel-3"):
+        sentinel = services[name]
+        script = " ".join(sentinel["command"])
+        assert sentinel["profiles"] == ["ha"], name
+        assert "sentinel monitor omni redis 6379 2" in script and "--sentinel" in script, name
+        assert "sentinel auth-pass omni" in script and "$$REDIS_PASSWORD" in script, name
+    assert "redis-replica-data:/data" in [str(v) for v in replica.get("volumes", [])]
 
 
 def services_volumes(service: dict) -> list[str]:
