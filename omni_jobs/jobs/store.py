@@ -17,6 +17,7 @@ import redis
 import redis.asyncio as aioredis
 import redis.asyncio.client
 import redis.client
+import redis.sentinel
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 from redis.typing import XReadResponse
@@ -941,6 +942,10 @@ def _read_position(pipe: Pipeline, job: Job, record: StageRecord) -> None:
 def same_server_async(client: redis.Redis) -> aioredis.Redis:
     """A redis.asyncio client for the server (address, database, credentials) that ``client`` uses
     (plain TCP or a Unix socket; a TLS deployment passes its URL with ``use_async_client``)."""
+    if isinstance(client.connection_pool, redis.sentinel.SentinelConnectionPool):
+        # its connections name no server (the Sentinels do): guessing one would be the default 127.0.0.1:6379
+        raise TypeError("a job store on Sentinels makes its asyncio client from their URL: "
+                        "store.use_async_client(lambda: async_client_from_url(url)) (omni_jobs.redis_clients)")
     kwargs = client.connection_pool.connection_kwargs
     wanted = ("host", "port", "db", "username", "password", "path", "socket_timeout", "socket_connect_timeout")
     if "path" in kwargs:
