@@ -193,15 +193,6 @@ class Batches:
             raise OpenAIError(400, f"completion_window must be one of {', '.join(WINDOWS)}; got {completion_window!r}",
                               param="completion_window")
         meta = _metadata(metadata)
-        hook = None
-        if webhook is not None:
-            if self.webhook is None:
-                raise OpenAIError(400, "this server has no webhook signing secret (OMNI_WEBHOOK_SECRET), so it sends "
-                                  "no webhooks", param="webhook", code="webhooks_disabled")
-            try:
-                hook = self.submitter.validate_webhook(webhook, None)
-            except InvalidRequest as exc:
-                raise OpenAIError(400, f"webhook: {exc.errors[0].message}", param="webhook") from None
         if not isinstance(input_file_id, str):
             raise OpenAIError(400, "input_file_id is required: the id of a file uploaded with purpose 'batch'",
                               param="input_file_id")
@@ -209,6 +200,15 @@ class Batches:
             record = self.files.get(tenant, input_file_id)
         except FileNotFound:
             raise OpenAIError(404, f"no file {input_file_id!r}", param="input_file_id", code="file_not_found") from None
+        hook = None
+        if webhook is not None:  # after the file: a missing file is the first thing to say
+            if self.webhook is None:
+                raise OpenAIError(400, "this server has no webhook signing secret (OMNI_WEBHOOK_SECRET), so it sends "
+                                  "no webhooks", param="webhook", code="webhooks_disabled")
+            try:
+                hook = self.submitter.validate_webhook(webhook, None)
+            except InvalidRequest as exc:
+                raise OpenAIError(400, f"webhook: {exc.errors[0].message}", param="webhook") from None
         if record.purpose != "batch":
             raise OpenAIError(400, f"file {input_file_id!r} has purpose {record.purpose!r}; a batch's input has "
                               "purpose 'batch'", param="input_file_id")
@@ -245,7 +245,8 @@ class Batches:
         if after:
             rank = self.redis.zrevrank(keys.tenant_batches(tenant), after)
             if rank is None:
-                raise OpenAIError(400, f"after: no batch {after!r}", param="after")
+                raise OpenAIError(404, f"after: no batch {after!r} (the last id of the previous page)", param="after",
+                                  code="batch_not_found")
             start = int(str(rank)) + 1
         ids = members(self.redis.zrevrange(keys.tenant_batches(tenant), start, start + limit))
         data: list[JsonValue] = []

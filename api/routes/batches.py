@@ -17,14 +17,41 @@ from starlette.datastructures import UploadFile
 
 from api.auth import api_key_id, authenticate
 from api.deps import get_context
+from api.routes.openai import OpenAIErrorBody
 from api.schemas import errors
-from omni_jobs.batch_lines import BatchFileInvalid
-from omni_jobs.batches import Batches, from_runtime
+from omni_jobs.batch_lines import ENDPOINTS, BatchFileInvalid
+from omni_jobs.batches import WINDOWS, Batches, from_runtime
 from omni_jobs.files import JSONL, FileNotFound, FileRecord
 from omni_jobs.json_types import JsonObject
 from omni_jobs.openai_errors import OpenAIError
 
 router = APIRouter(prefix="/v1", tags=["batches"], responses=errors(401, 503))
+_TEXT = {400: "A field is invalid; `param` names it (a refused file also lists its faulty lines in `errors`).",
+         404: "No such file or batch for this tenant (for a list: no batch `after` names).",
+         409: "The batch ended: it cannot be cancelled.",
+         413: "The file is larger than OMNI_BATCH_FILE_MAX_BYTES."}
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": OpenAIErrorBody, "description": _TEXT[code]} for code in codes}
+
+
+_FILE_FORM = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary",
+                            "description": "JSONL: one {custom_id, method: POST, url, body} a line."},
+                   "purpose": {"type": "string", "enum": ["batch"]}}}}}}}
+_BATCH_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["input_file_id", "endpoint", "completion_window"],
+    "properties": {"input_file_id": {"type": "string", "description": "A file of this tenant, purpose batch."},
+                   "endpoint": {"type": "string", "enum": list(ENDPOINTS)},
+                   "completion_window": {"type": "string", "enum": list(WINDOWS)},
+                   "metadata": {"anyOf": [{"type": "object", "maxProperties": 16,
+                                           "additionalProperties": {"type": "string", "maxLength": 512}},
+                                          {"type": "null"}]},
+                   "webhook": {"anyOf": [{"type": "string"}, {"type": "null"}],
+                               "description": "Where batch.completed / failed / expired / cancelled is POSTed, "
+                                              "signed as job webhooks are."}}}}}}}
 
 
 def install(app: FastAPI) -> None:
@@ -44,7 +71,8 @@ def _file(batches: Batches, tenant: str, file_id: str) -> FileRecord:
 
 
 # --- files ---
-@router.post("/files", summary="Upload a batch input file (multipart: file, purpose=batch); checked line by line")
+@router.post("/files", summary="Upload a batch input file (multipart: file, purpose=batch); checked line by line",
+             openapi_extra=_FILE_FORM, responses=_errors(400, 413))
 async def create_file(request: Request) -> JSONResponse:
     batches = _batches(request)
     settings = get_context(request).runtime.settings
@@ -82,13 +110,14 @@ async def list_files(request: Request, limit: Annotated[int, Query(ge=1, le=1000
     return {"object": "list", "data": [r.as_openai() for r in records], "has_more": False}
 
 
-@router.get("/files/{file_id}", summary="One file's record")
+@router.get("/files/{file_id}", summary="One file's record", responses=_errors(404))
 async def get_file(file_id: str, request: Request) -> dict[str, object]:
     record = await run_in_threadpool(_file, _batches(request), request.state.tenant, file_id)
     return record.as_openai()
 
 
-@router.get("/files/{file_id}/content", summary="A file's bytes (JSONL)", response_class=Response)
+@router.get("/files/{file_id}/content", summary="A file's bytes (JSONL)", response_class=Response,
+            responses={200: {"content": {JSONL: {"schema": {"type": "string"}}}}, **_errors(404)})
 async def file_content(file_id: str, request: Request) -> Response:
     batches = _batches(request)
     record = await run_in_threadpool(_file, batches, request.state.tenant, file_id)
@@ -96,7 +125,7 @@ async def file_content(file_id: str, request: Request) -> Response:
     return Response(data, media_type=JSONL)
 
 
-@router.delete("/files/{file_id}", summary="Delete a file (its record and its bytes)")
+@router.delete("/files/{file_id}", summary="Delete a file (its record and its bytes)", responses=_errors(404))
 async def delete_file(file_id: str, request: Request) -> dict[str, object]:
     batches = _batches(request)
     try:
@@ -107,7 +136,8 @@ async def delete_file(file_id: str, request: Request) -> dict[str, object]:
 
 
 # --- batches ---
-@router.post("/batches", summary="Run a batch file's requests as low-priority jobs")
+@router.post("/batches", summary="Run a batch file's requests as low-priority jobs", openapi_extra=_BATCH_BODY,
+             responses=_errors(400, 404))
 async def create_batch(request: Request) -> JSONResponse:
     try:
         body = await request.json()
@@ -124,20 +154,23 @@ async def create_batch(request: Request) -> JSONResponse:
     return JSONResponse(batch)
 
 
-@router.get("/batches", summary="The tenant's batches, newest first (after: the last id of the previous page)")
+@router.get("/batches", summary="The tenant's batches, newest first (after: the last id of the previous page)",
+            responses=_errors(404))
 async def list_batches(request: Request, after: str | None = None,
                        limit: Annotated[int, Query(ge=1, le=100)] = 20) -> JsonObject:
     page: JsonObject = await run_in_threadpool(_batches(request).page, request.state.tenant, after=after, limit=limit)
     return page
 
 
-@router.get("/batches/{batch_id}", summary="One batch: status, request_counts, output and error files")
+@router.get("/batches/{batch_id}", summary="One batch: status, request_counts, output and error files",
+            responses=_errors(404))
 async def get_batch(batch_id: str, request: Request) -> JsonObject:
     batch: JsonObject = await run_in_threadpool(_batches(request).get, request.state.tenant, batch_id)
     return batch
 
 
-@router.post("/batches/{batch_id}/cancel", summary="Cancel a batch: its running jobs are canceled, then it ends")
+@router.post("/batches/{batch_id}/cancel", summary="Cancel a batch: its running jobs are canceled, then it ends",
+             responses=_errors(404, 409))
 async def cancel_batch(batch_id: str, request: Request) -> JsonObject:
     batch: JsonObject = await run_in_threadpool(_batches(request).cancel, request.state.tenant, batch_id)
     return batch
