@@ -6,7 +6,10 @@ GPU never lets a lease lapse; a lease it finds lost (the job was canceled, or th
 back after a network cut) is reported so the step stops. ``Reaper`` runs in every worker and in
 cleanup, one pass at a time under a lock. It:
 
-- queues the next attempt of every slot whose lease expired (its worker was killed, OOM, lost);
+- queues the next attempt of every slot whose lease expired (its worker was killed, OOM, lost), but
+  not while the store is fresh from an outage: leases lapse while Redis is away whether their workers
+  live or not, so for ``grace_s`` after the reaper reaches the store again (or after Redis started,
+  ``store_uptime_s``) it waits for the live workers' keepers, which retry every second, to renew them;
 - at a worker's start, takes back at once what the previous process of the same node held;
 - cancels the jobs past their Cancel-After deadline that no worker runs (waiting on a queue with
   no workers, say): within a pass, whichever workers run;
@@ -35,6 +38,9 @@ from omni_jobs.jobs.models import now
 from omni_jobs.jobs.store import JobStore
 
 log = logging.getLogger(__name__)
+
+RETRY_S = 1.0
+"""How soon a lease keeper whose renewal failed tries again."""
 
 
 def lease_owner(worker: str) -> str:
@@ -103,12 +109,16 @@ class LeaseKeeper:
             self._thread.start()
 
     def _loop(self) -> None:
+        wait_s = self.every_s
         while True:
-            time.sleep(self.every_s)
+            time.sleep(wait_s)
             try:
                 self.renew_now()
+                wait_s = self.every_s
             except Exception as exc:  # noqa: BLE001 - Redis away: the leases keep until they expire; try again
-                log.warning("cannot renew leases (%s: %s); retrying in %.1fs", type(exc).__name__, exc, self.every_s)
+                # soon: the reaper gives live workers a grace once the store is back (Reaper.grace_s)
+                wait_s = min(self.every_s, RETRY_S)
+                log.warning("cannot renew leases (%s: %s); retrying in %.1fs", type(exc).__name__, exc, wait_s)
 
 
 @dataclass
@@ -118,6 +128,8 @@ class ReapReport:
     cleaned: int = 0
     redispatched: int = 0
     canceled: int = 0
+    deferred: int = 0
+    """Expired leases left for a later pass: the store is fresh from an outage (``Reaper.grace_s``)."""
     details: list[str] = field(default_factory=list)
 
     def count(self, outcome: str, slot: str) -> None:
@@ -135,11 +147,18 @@ class ReapReport:
 class Reaper:
     def __init__(self, ledger: JobLedger, store: JobStore, *, owner: str, queues: Callable[[], Iterable[str]],
                  queue_depth: Callable[[str], int] | None = None, dispatch_timeout_s: float = 20.0,
-                 backlog_timeout_s: float = 3600.0, interval_s: float = 2.0, batch: int = 100) -> None:
+                 backlog_timeout_s: float = 3600.0, interval_s: float = 2.0, batch: int = 100,
+                 grace_s: float = 0.0, store_uptime_s: Callable[[], float] | None = None) -> None:
         """``queue_depth``: messages waiting in the broker for a queue (None: no dispatch watchdog).
         A step sent and not started is sent again after ``dispatch_timeout_s`` once its queue is empty,
         and after ``backlog_timeout_s`` even behind a backlog (the broker keeps no copy of a message a
-        worker took: see omni_jobs.queueing); a copy that was not lost after all is skipped."""
+        worker took: see omni_jobs.queueing); a copy that was not lost after all is skipped.
+
+        ``grace_s``: expired leases are left alone for this long after a pass failed on the store and
+        one got through again, and while the store (``store_uptime_s``: its server's uptime) is younger:
+        every lease lapses during an outage longer than the lease, and live workers need a moment to
+        renew theirs (the runtime gives a renewal interval and two reaper passes). A worker that stayed
+        cut off past it loses its lease as before, and stops its step when it learns so."""
         self.ledger = ledger
         self.store = store
         self.owner = owner
@@ -149,8 +168,24 @@ class Reaper:
         self.backlog_timeout_s = backlog_timeout_s
         self.interval_s = interval_s
         self.batch = batch
+        self.grace_s = grace_s
+        self.store_uptime_s = store_uptime_s
+        self._store_failed = False
+        self._store_back_at = float("-inf")
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+
+    def store_failed(self) -> None:
+        """A pass could not reach the store: the next that does starts a grace period."""
+        self._store_failed = True
+
+    def in_grace(self) -> bool:
+        """Whether expired leases wait: the store is back from an outage less than ``grace_s`` ago."""
+        if self.grace_s <= 0:
+            return False
+        if time.monotonic() - self._store_back_at < self.grace_s:
+            return True
+        return self.store_uptime_s is not None and self.store_uptime_s() < self.grace_s
 
     def run_once(self) -> ReapReport:
         report = ReapReport()
@@ -158,7 +193,15 @@ class Reaper:
         # transition below is guarded, so two overlapping passes cannot both take a slot back.
         if not self.store.try_lock(keys.REAPER_LOCK, self.owner, max(0.2, self.interval_s * 0.9)):
             return report
-        for slot in self.store.expired_leases(now=now(), limit=self.batch):
+        if self._store_failed:
+            self._store_failed, self._store_back_at = False, time.monotonic()
+        expired = self.store.expired_leases(now=now(), limit=self.batch)
+        if expired and self.in_grace():
+            report.deferred = len(expired)
+            log.info("reaper: %d expired lease(s) wait %.0fs after the store came back, for live workers to "
+                     "renew them", len(expired), self.grace_s)
+            expired = []
+        for slot in expired:
             report.count(self.ledger.expire(slot), slot)
         for job_id in cancel_overdue(self.ledger, at=now(), limit=self.batch):
             report.canceled += 1
@@ -213,4 +256,5 @@ class Reaper:
             try:
                 self.run_once()
             except Exception as exc:  # noqa: BLE001 - Redis away: try again next interval
+                self.store_failed()
                 log.warning("reaper pass failed (%s: %s); next in %.1fs", type(exc).__name__, exc, self.interval_s)

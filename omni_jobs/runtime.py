@@ -180,7 +180,13 @@ class Runtime:
         return Reaper(self.ledger, self.store, owner=self.worker, queues=self.queues,
                       queue_depth=lambda q: queue_depth(self.broker_redis, q),
                       dispatch_timeout_s=s.dispatch_timeout_s,
-                      backlog_timeout_s=s.visibility_timeout_s, interval_s=s.reaper_interval_s)
+                      backlog_timeout_s=s.visibility_timeout_s, interval_s=s.reaper_interval_s,
+                      grace_s=s.lease_s / 3 + 2 * s.reaper_interval_s, store_uptime_s=self._redis_uptime_s)
+
+    def _redis_uptime_s(self) -> float:
+        """Seconds since the job store's Redis server started (a restart is an outage every lease lapsed in)."""
+        info = self.redis.info("server")
+        return float(info.get("uptime_in_seconds", float("inf")))
 
     @once_property
     def broker_redis(self) -> Redis:

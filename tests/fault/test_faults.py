@@ -281,6 +281,33 @@ def test_the_job_store_down_while_the_broker_is_up(faults: FaultSystem, api: htt
     report("Job store (Redis) down 5 s, broker up", done, duplicated, time.monotonic() - stopped_at)
 
 
+def test_a_store_outage_longer_than_the_lease_takes_back_no_running_stage(faults: FaultSystem,
+                                                                          api: httpx.Client) -> None:
+    """Every lease lapses while Redis is away longer than the lease. Once it is back, the reaper gives the live
+    workers a grace to renew theirs, instead of queueing a second attempt of each running stage (whose first
+    would then lose its lease, or have its finished work refused)."""
+    jobs = [submit(api, "text-to-image", f"long outage {i}", image_params(seed=i, steps=60, size=128))
+            for i in range(2)]
+
+    def dit_running() -> bool:
+        return any(s["id"] == "dit" and s["status"] == "running"
+                   for j in jobs for s in api.get(f"/v1/jobs/{j['id']}").json()["stages"])
+
+    wait_until(dit_running, what="a DiT stage running")
+    faults.state.kill()
+    stopped_at = time.monotonic()
+    time.sleep(LEASE_S + 3)
+    faults.state.start()
+    done = [wait_for_job(api, j["id"], timeout_s=240) for j in jobs]
+    assert [d["status"] for d in done] == ["succeeded"] * 2, [d["error"] for d in done]
+    attempts = {(d["id"], s["id"]): s["attempts"] for d in done for s in d["stages"]}
+    assert set(attempts.values()) == {1}, attempts
+    duplicated = duplicates(faults, done, outputs_per_job=2)
+    assert duplicated == 0
+    report(f"Job store (Redis) down {LEASE_S + 3:.0f} s, longer than the lease", done, duplicated,
+           time.monotonic() - stopped_at)
+
+
 def test_a_publish_that_fails_inside_submit_loses_nothing(faults: FaultSystem, api: httpx.Client) -> None:
     faults.broker.kill()  # the broker is gone: nothing can be published
     stopped_at = time.monotonic()

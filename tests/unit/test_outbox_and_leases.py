@@ -184,6 +184,32 @@ def test_the_reaper_requeues_expired_leases_one_pass_at_a_time() -> None:
     assert [e.step for e in store.claim_outbox(now=now(), limit=10, hold_s=1)] == [RunStage(taken.job.id, "ar", 2, "ar")]
 
 
+def test_after_a_store_outage_expired_leases_wait_a_grace_for_their_live_workers() -> None:
+    """Every lease lapses while Redis is away longer than the lease: the reaper must not take back the steps of
+    workers that live, so it waits ``grace_s`` after it reaches the store again, and while Redis is younger."""
+    store = MemoryJobStore()
+    ledger = JobLedger(store, lease_s=0.1)
+    taken = started(ledger, "ar@h#1.a")
+    time.sleep(0.15)  # the lease lapsed "during the outage"
+    uptime = [100.0]
+    reaper = Reaper(ledger, store, owner="r", queues=list, interval_s=0.01, grace_s=0.5,
+                    store_uptime_s=lambda: uptime[0])
+    reaper.store_failed()  # a pass found the store away
+    report = reaper.run_once()
+    assert (report.deferred, report.requeued) == (1, 0)
+    assert ledger.renew([taken.lease]) == []  # the worker lives: its keeper renews within the grace
+    time.sleep(0.5)
+    assert ledger.renew([taken.lease]) == []
+    assert reaper.run_once().requeued == 0 and ledger.require(taken.job.id).stage_record("ar").attempts == 1
+    time.sleep(0.25)  # its worker died after all: once the grace is over, the lease is taken back (a pass
+    uptime[0] = 0.2  # holds the reaper's lock 0.2 s) ... but not while Redis itself has just started (a restart)
+    assert reaper.run_once().deferred == 1
+    uptime[0] = 100.0
+    time.sleep(0.25)
+    assert reaper.run_once().requeued == 1
+    assert ledger.require(taken.job.id).stage_record("ar").status is StageStatus.queued
+
+
 def test_the_watchdog_republishes_only_what_waits_on_an_empty_queue() -> None:
     store = MemoryJobStore()
     ledger = JobLedger(store)
