@@ -158,12 +158,17 @@ class Batches:
     def __init__(self, redis_client: redis.Redis, *, files: FileStore, planner: LinePlanner,
                  submitter: JobSubmitter, get_jobs: Callable[[Sequence[str]], list[Job | None]],
                  cancel_job: Callable[[str, str], object], shaping: Shaping, max_in_flight: int,
-                 max_lines: int, webhook: BatchWebhook | None = None) -> None:
+                 max_lines: int, webhook: BatchWebhook | None = None,
+                 job_statuses: Callable[[Sequence[str]], list[str | None]] | None = None) -> None:
+        """``job_statuses``: each job's status (None: gone), read often for the pending lines: by default
+        from ``get_jobs``; redis_job_statuses reads the one field of each job hash instead."""
         self.redis = redis_client
         self.files = files
         self.planner = planner
         self.submitter = submitter
         self.get_jobs = get_jobs
+        self.job_statuses = job_statuses or (
+            lambda ids: [job.status.value if job is not None else None for job in get_jobs(ids)])
         self.cancel_job = cancel_job
         self.shaping = shaping
         self.max_in_flight = max_in_flight
@@ -384,14 +389,10 @@ class Batches:
         values = self.redis.hmget(keys.batch_lines(batch_id), pending)
         job_ids = {idx: (v.decode() if isinstance(v, bytes) else str(v or "")).split(",")
                    for idx, v in zip(pending, values, strict=True)}
-        with self.redis.pipeline(transaction=False) as pipe:
-            flat = [(idx, job_id) for idx, ids in job_ids.items() for job_id in ids if job_id]
-            for _idx, job_id in flat:
-                pipe.hget(keys.job(job_id), "status")
-            statuses = pipe.execute()
+        flat = [(idx, job_id) for idx, ids in job_ids.items() for job_id in ids if job_id]
+        statuses = self.job_statuses([job_id for _idx, job_id in flat])
         by_line: dict[str, list[str | None]] = {}
-        for (idx, job_id), status in zip(flat, statuses, strict=True):
-            state = status.decode() if isinstance(status, bytes) else status
+        for (idx, job_id), state in zip(flat, statuses, strict=True):
             by_line.setdefault(idx, []).append(state)
             if cancel and state is not None and state not in FINAL_JOB:
                 try:
@@ -524,6 +525,19 @@ class Batches:
         self._renew(keys=[keys.batch_lock(batch_id)], args=[token, ttl_ms])
 
 
+def redis_job_statuses(client: redis.Redis) -> Callable[[Sequence[str]], list[str | None]]:
+    """Each job's status read from its hash in the job store's Redis (one field each, one round trip)."""
+
+    def read(job_ids: Sequence[str]) -> list[str | None]:
+        with client.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hget(keys.job(job_id), "status")
+            replies = pipe.execute()
+        return [r.decode() if isinstance(r, bytes) else r for r in replies]
+
+    return read
+
+
 def _mapping(fields: dict[str, str]) -> dict[FieldT, EncodableT]:
     """A record's fields as redis-py's hset types its mapping."""
     return {name: value for name, value in fields.items()}
@@ -616,6 +630,7 @@ def from_runtime(rt: Runtime) -> tuple[Batches, BatchDriver]:
                                                         records=records),
                               planner=planner, submitter=rt.submitter, get_jobs=rt.store.get_many,
                               cancel_job=rt.ledger.cancel, shaping=shaping, max_in_flight=s.batch_max_in_flight,
-                              max_lines=s.batch_file_max_lines, webhook=webhook)
+                              max_lines=s.batch_file_max_lines, webhook=webhook,
+                              job_statuses=redis_job_statuses(rt.redis))
             made = _wired[id(rt)] = (batches, BatchDriver(batches, poll_s=s.batch_poll_s))
         return made
