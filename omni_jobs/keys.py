@@ -277,3 +277,14 @@ def tenant_batches(tenant: str) -> str:
 
 BATCHES_ACTIVE = f"{PREFIX}:batches:active"
 """Sorted set of the batches not settled yet (running, or a webhook still to send), scored by creation."""
+
+
+# --- usage per tenant (omni_jobs.usage) ---
+def usage(tenant: str, day: str) -> str:
+    """Hash of one tenant's usage on one UTC day (``YYYY-MM-DD``): ``jobs:<status>``, ``stage_seconds:<queue>``,
+    ``tokens_in``, ``tokens_out``, ``images``, ``audio_seconds``, ``video_frames`` (HINCRBYFLOAT)."""
+    return f"{PREFIX}:usage:{tenant}:{day}"
+
+
+USAGE_TENANTS = f"{PREFIX}:usage:tenants"
+"""Set of the tenants that have usage recorded (what an admin's GET /v1/usage reads)."""
