@@ -31,9 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import redis
 
 from omni_jobs.local.devservices import free_port
 from omni_jobs.local.embedded import EmbeddedSystem
+from omni_jobs.local.ha import RedisHA
 from omni_jobs.settings import Settings
 from tests.fault.chaos import (
     DONE_WITHIN_S,
@@ -47,6 +49,7 @@ from tests.fault.chaos import (
     _wait_all,
     _wait_webhooks,
 )
+from tests.fault.lag_proxy import LagProxy
 from tests.webhook_receiver import WebhookReceiver
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,6 +60,7 @@ WORKER_QUEUES = {"ar": "threads", "dit": "threads", "results": "solo", "webhooks
 @dataclass
 class FailoverResult(ChaosResult):
     wait_replicas: int = 1
+    replica_lag_ms: int = 0
     in_flight_at_kill: int = 0
     failover_s: float = 0.0
     """From the SIGKILL to the Sentinels naming a new primary that answers."""
@@ -70,6 +74,7 @@ class FailoverResult(ChaosResult):
     def table(self) -> str:
         extra = [
             f"| OMNI_REDIS_WAIT_REPLICAS | {self.wait_replicas} |",
+            f"| replication lag (the primary's machine lost with it) | {self.replica_lag_ms} ms |",
             f"| jobs in flight at the kill (202, not done) | {self.in_flight_at_kill} |",
             f"| failover (kill -> Sentinels name the replica) | {self.failover_s:.1f} s |",
             "| first 202 after the kill | "
@@ -80,14 +85,16 @@ class FailoverResult(ChaosResult):
 
 
 def run(jobs: int = 240, kill_at: int = 200, wait_replicas: int = 1, seed: int = 7, home: Path | None = None,
-        say: Any = print, image_share: float = 0.4) -> FailoverResult:
+        say: Any = print, image_share: float = 0.4, replica_lag_ms: int = 0) -> FailoverResult:
+    """``replica_lag_ms``: the replica replicates through a LagProxy (tests/fault/lag_proxy.py) and the
+    kill drops what is on its way too: the loss of the primary's machine with that replication lag."""
     rng = random.Random(seed)
     home = (home or REPO / "var" / "failover").resolve()
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
     journal = home / "engine-runs.jsonl"
     settings = Settings(models_dir=REPO / "var" / "models", artifacts_dir=home / "artifacts")
-    result = FailoverResult(wait_replicas=wait_replicas)
+    result = FailoverResult(wait_replicas=wait_replicas, replica_lag_ms=replica_lag_ms)
     lock = threading.Lock()
     accepted_at: dict[str, float] = {}
     killed = threading.Event()
@@ -103,6 +110,7 @@ def run(jobs: int = 240, kill_at: int = 200, wait_replicas: int = 1, seed: int =
         assert ha is not None
         held_down: set[str] = set()
         stop = threading.Event()
+        lag = _lag_replica(ha, replica_lag_ms / 1000) if replica_lag_ms else None
 
         def supervise() -> None:  # what `omni-jobs up` does, every half second
             while not stop.wait(0.5):
@@ -128,6 +136,8 @@ def run(jobs: int = 240, kill_at: int = 200, wait_replicas: int = 1, seed: int =
                 held_down.add(primary.name)
                 say(f"  [failover] SIGKILL the primary ({primary.name}, port {primary.port}) "
                     f"with {len(result.accepted)} jobs answered 202")
+                if lag is not None:
+                    lag.cut()  # what was on its way to the replica dies with the primary's machine
                 primary.kill()
                 killed_at = time.monotonic()
                 kill_time.append(time.time())
@@ -178,8 +188,26 @@ def run(jobs: int = 240, kill_at: int = 200, wait_replicas: int = 1, seed: int =
         finally:
             stop.set()
             api.close()
+            if lag is not None:
+                lag.cut()
             system.stop()
     return result
+
+
+def _lag_replica(ha: RedisHA, lag_s: float) -> LagProxy:
+    """Make the replica replicate through a LagProxy, and wait until its link is up again. Within the
+    Sentinels' failover-timeout (10 s) they leave its odd-looking primary address alone."""
+    primary, replica = ha.primary(), next(n for n in ha.nodes if n.port != ha.primary_port())
+    proxy = LagProxy(primary.port, lag_s).__enter__()
+    client = redis.Redis(port=replica.port, decode_responses=True)
+    client.execute_command("REPLICAOF", "127.0.0.1", str(proxy.port))
+    deadline = time.monotonic() + 20
+    while client.info("replication").get("master_link_status") != "up":
+        if time.monotonic() > deadline:
+            raise TimeoutError("the replica did not link through the lag proxy")
+        time.sleep(0.05)
+    client.close()
+    return proxy
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,9 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-at", type=int, default=200, help="SIGKILL the primary once this many jobs got 202")
     parser.add_argument("--wait-replicas", type=int, default=1, help="OMNI_REDIS_WAIT_REPLICAS")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--replica-lag-ms", type=int, default=0,
+                        help="the replica this far behind, and the primary's whole machine lost at the kill")
     parser.add_argument("--home", type=Path, default=REPO / "var" / "failover")
     args = parser.parse_args(argv)
-    result = run(args.jobs, args.kill_at, args.wait_replicas, args.seed, args.home)
+    result = run(args.jobs, args.kill_at, args.wait_replicas, args.seed, args.home,
+                 replica_lag_ms=args.replica_lag_ms)
     print("\n" + result.table())
     if args.wait_replicas < 1:
         print(f"\nlost: {len(result.missing)} of {len(result.accepted)} jobs answered 202")
