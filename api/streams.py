@@ -1,4 +1,5 @@
-"""How many long requests (SSE streams, the console's live pages, ``Prefer: wait``) an API process holds.
+"""How many long requests (SSE streams, the console's live pages, ``Prefer: wait``, the OpenAI routes, which
+answer when their job ends) an API process holds.
 
 Each one holds a Redis connection while it blocks on its job's event stream (omni_jobs.jobs.watch):
 without a bound, one key opening thousands of streams reached Redis's ``maxclients``, and the
@@ -13,30 +14,43 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import AsyncIterator
+from typing import Self, TypeVar
 
 from fastapi import HTTPException, status
 
 RETRY_AFTER_S = 5
+T = TypeVar("T")
 
 
 class Slot:
-    """One long request's place; ``release`` is idempotent."""
+    """One long request's place; ``release`` is idempotent. As a context manager it is released at the end of
+    the block unless a streaming body took it over (``guard``)."""
 
     def __init__(self, slots: StreamSlots, tenant: str) -> None:
         self._slots = slots
         self.tenant = tenant
         self._held = True
+        self._guarded = False
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if not self._guarded:
+            self.release()
 
     def release(self) -> None:
         if self._held:
             self._held = False
             self._slots._release(self.tenant)
 
-    def guard(self, body: AsyncIterator[str]) -> AsyncIterator[str]:
+    def guard(self, body: AsyncIterator[T]) -> AsyncIterator[T]:
         """``body`` (a streaming response's), giving the place back when it ends, fails or is dropped
         (a client that disconnects before the body starts leaves it never iterated)."""
 
-        async def guarded() -> AsyncIterator[str]:
+        self._guarded = True
+
+        async def guarded() -> AsyncIterator[T]:
             try:
                 async for chunk in body:
                     yield chunk

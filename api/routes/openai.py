@@ -61,6 +61,7 @@ from api.auth import api_key_id, authenticate
 from api.deps import ApiContext, get_context
 from api.disconnect import until_closed, while_connected
 from api.schemas import errors
+from api.streams import RETRY_AFTER_S, Slot
 from omni_jobs.artifacts import ArtifactError, codecs
 from omni_jobs.audio_formats import AudioFormat, convert, media_type
 from omni_jobs.audio_stream import AudioDeltaReader
@@ -194,6 +195,23 @@ def install(app: FastAPI) -> None:
 
 
 # --- jobs ---
+def _wait_place(ctx: ApiContext, request: Request) -> Slot:
+    """A place among the process's long requests (api.streams), taken before the job is made: every answer here
+    waits on its job's events, holding a Redis connection. None left: a 429 (the tenant's) or a 503 (the
+    process's) that OpenAI's clients retry after Retry-After, and no job was started."""
+    tenant = request.state.tenant
+    slot = ctx.streams.try_take(tenant)
+    if slot is not None:
+        return slot
+    if ctx.streams.held(tenant) >= ctx.streams.per_tenant:
+        raise OpenAIError(429, f"tenant '{tenant}' waits on {ctx.streams.per_tenant} answers or streams already "
+                          "(OMNI_MAX_STREAMS_PER_TENANT); no job was started", code="rate_limit_exceeded",
+                          type_="requests", retry_after_s=RETRY_AFTER_S)
+    raise OpenAIError(503, f"this API process waits on {ctx.streams.total} answers or streams (OMNI_MAX_STREAMS); "
+                      "no job was started", code="server_overloaded", type_="server_error",
+                      retry_after_s=RETRY_AFTER_S)
+
+
 async def _submit(ctx: ApiContext, plan: Plan, params: dict[str, dict[str, Any]], *, idempotency_key: str | None,
                   tenant: str, key_id: str | None = None, input_: dict[str, Any] | None = None) -> Job:
     """Submit one of the plan's jobs (``input_``: the plan's input with what the route adds, an upload's bytes)."""
@@ -308,15 +326,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
                            idempotency_key: IdempotencyKey = None) -> Response:
     ctx = get_context(request)
     plan = plan_chat(ctx.runtime.catalogue, body, aliases=ctx.runtime.settings.openai_model_aliases)
-    job = await _submit(ctx, plan, plan.params[0], idempotency_key=idempotency_key, tenant=request.state.tenant,
-                        key_id=api_key_id(request))
-    if body.stream:
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-        return StreamingResponse(_streamed(ctx, _chat_chunks(ctx, plan, job, include_usage=include_usage), job,
-                                           idempotent=idempotency_key is not None),
-                                 media_type="text/event-stream",
-                                 headers={**_headers([job]), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    (job,) = await _finished(ctx, [job], request, idempotent=idempotency_key is not None)
+    with _wait_place(ctx, request) as place:
+        job = await _submit(ctx, plan, plan.params[0], idempotency_key=idempotency_key, tenant=request.state.tenant,
+                            key_id=api_key_id(request))
+        if body.stream:
+            include_usage = bool((body.stream_options or {}).get("include_usage"))
+            chunks = _chat_chunks(ctx, plan, job, include_usage=include_usage)
+            return StreamingResponse(place.guard(_streamed(ctx, chunks, job, idempotent=idempotency_key is not None)),
+                                     media_type="text/event-stream",
+                                     headers={**_headers([job]), "Cache-Control": "no-cache",
+                                              "X-Accel-Buffering": "no"})
+        (job,) = await _finished(ctx, [job], request, idempotent=idempotency_key is not None)
     finish, usage = await _text_meta(ctx, plan.spec, job)
     data = {out.name: await (_speech(ctx, job, out, plan.audio_format) if out.type == "audio" else _bytes(ctx, out))
             for out in needed_outputs(job, plan.wanted)}
@@ -417,8 +437,9 @@ async def images_generations(body: ImageGenerationRequest, request: Request,
     plan = plan_images(ctx.runtime.catalogue, body, max_outputs=settings.max_outputs,
                        aliases=settings.openai_model_aliases)
     keys = [f"{idempotency_key}:{i}" if idempotency_key else None for i in range(len(plan.params))]
-    jobs = await _submit_all(ctx, plan, keys, tenant=request.state.tenant, key_id=api_key_id(request))
-    jobs = await _finished(ctx, jobs, request, idempotent=idempotency_key is not None)
+    with _wait_place(ctx, request):
+        jobs = await _submit_all(ctx, plan, keys, tenant=request.state.tenant, key_id=api_key_id(request))
+        jobs = await _finished(ctx, jobs, request, idempotent=idempotency_key is not None)
     items: list[dict[str, Any]] = []
     for job in jobs:
         images = [o for o in job.outputs if o.type == "image"]
@@ -446,17 +467,20 @@ _BINARY = {"schema": {"type": "string", "format": "binary"}}
 async def audio_speech(body: SpeechRequest, request: Request, idempotency_key: IdempotencyKey = None) -> Response:
     ctx = get_context(request)
     plan = plan_speech(ctx.runtime.catalogue, body, aliases=ctx.runtime.settings.openai_model_aliases)
-    job = await _submit(ctx, plan, plan.params[0], idempotency_key=idempotency_key, tenant=request.state.tenant,
-                        key_id=api_key_id(request))
-    if plan.sse:
-        return StreamingResponse(_streamed(ctx, _speech_events(ctx, plan, job), job,
-                                           idempotent=idempotency_key is not None), media_type="text/event-stream",
-                                 headers={**_headers([job]), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    if plan.audio_format == "pcm" and audio_source(plan.spec) is not None:
-        return StreamingResponse(_streamed(ctx, _speech_body(ctx, plan, job), job,
-                                           idempotent=idempotency_key is not None), media_type=media_type("pcm"),
-                                 headers={**_headers([job]), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    (job,) = await _finished(ctx, [job], request, idempotent=idempotency_key is not None)
+    idempotent = idempotency_key is not None
+    live = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    with _wait_place(ctx, request) as place:
+        job = await _submit(ctx, plan, plan.params[0], idempotency_key=idempotency_key, tenant=request.state.tenant,
+                            key_id=api_key_id(request))
+        if plan.sse:
+            return StreamingResponse(place.guard(_streamed(ctx, _speech_events(ctx, plan, job), job,
+                                                           idempotent=idempotent)),
+                                     media_type="text/event-stream", headers={**_headers([job]), **live})
+        if plan.audio_format == "pcm" and audio_source(plan.spec) is not None:
+            return StreamingResponse(place.guard(_streamed(ctx, _speech_body(ctx, plan, job), job,
+                                                           idempotent=idempotent)),
+                                     media_type=media_type("pcm"), headers={**_headers([job]), **live})
+        (job,) = await _finished(ctx, [job], request, idempotent=idempotent)
     audio = await _speech(ctx, job, first_output(job, "audio"), plan.audio_format)
     return Response(audio, media_type=media_type(plan.audio_format), headers=_headers([job]))
 
@@ -611,9 +635,10 @@ async def _transcription(request: Request, task: Task, idempotency_key: str | No
     assert plan.upload is not None
     limit = plan.spec.inputs[plan.upload].byte_limit
     data = upload.encode() if isinstance(upload, str) else await upload.read(limit + 1)  # one over: refused
-    job = await _submit(ctx, plan, plan.params[0], idempotency_key=idempotency_key, tenant=request.state.tenant,
-                        key_id=api_key_id(request), input_={**plan.input, plan.upload: data})
-    (job,) = await _finished(ctx, [job], request, idempotent=idempotency_key is not None)
+    with _wait_place(ctx, request):
+        job = await _submit(ctx, plan, plan.params[0], idempotency_key=idempotency_key, tenant=request.state.tenant,
+                            key_id=api_key_id(request), input_={**plan.input, plan.upload: data})
+        (job,) = await _finished(ctx, [job], request, idempotent=idempotency_key is not None)
     stage_id = plan.spec.stages[0].id
     ref = job.stage_record(stage_id).outputs.get("text")
     try:

@@ -1,4 +1,4 @@
-"""Long requests (SSE streams, Prefer: wait) are capped per tenant and per API process (issue 62): each
+"""Long requests (SSE streams, Prefer: wait, the OpenAI routes' waits) are capped per tenant and per API process (issue 62): each
 holds a Redis connection while it blocks, and the pool had no bound, so thousands of streams from one
 key reached Redis's maxclients, and the workers, on the same Redis, failed.
 
@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -34,7 +35,8 @@ def api(redis_service: RunningService, tmp_path: Path) -> Iterator[tuple[str, re
     port = free_port()
     env = {**os.environ, "OMNI_REDIS_URL": url, "OMNI_ARTIFACTS_DIR": str(tmp_path / "a"),
            "OMNI_MODELS_DIR": str(tmp_path / "m"), "OMNI_LOG_FORMAT": "text",
-           "OMNI_MAX_STREAMS_PER_TENANT": "2", "OMNI_MAX_STREAMS": "3"}
+           "OMNI_MAX_STREAMS_PER_TENANT": "2", "OMNI_MAX_STREAMS": "3",
+           "OMNI_OPENAI_WAIT_S": "4"}
     log = (tmp_path / "api.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "api.main:app", "--port", str(port)], cwd=REPO,
                             env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -111,3 +113,37 @@ def test_streams_and_waits_are_capped_per_tenant_and_per_process(api: tuple[str,
         time.sleep(0.2)
     a.close()
     b.close()
+
+
+CHAT = {"model": "text-to-text", "messages": [{"role": "user", "content": "wait"}], "max_tokens": 2}
+
+
+def jobs_of(client: httpx.Client) -> int:
+    return len(client.get("/v1/jobs", params={"limit": 100}).raise_for_status().json()["data"])
+
+
+def test_an_openai_answer_waits_in_a_place_and_none_left_starts_no_job(api: tuple[str, redis.Redis]) -> None:
+    base, state = api
+    a, a_job = tenant(base, state, "tenant-a")
+    with ExitStack() as held:
+        assert [open_stream(held, a, a_job).status_code for _ in range(2)] == [200, 200]
+        before = jobs_of(a)
+        refused = a.post("/v1/chat/completions", json=CHAT)
+        assert refused.status_code == 429 and refused.headers["retry-after"], refused.text
+        assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+        assert "OMNI_MAX_STREAMS_PER_TENANT" in refused.json()["error"]["message"]
+        assert jobs_of(a) == before  # refused before its job was made: nothing runs for an error
+    OPEN.clear()
+    time.sleep(0.5)  # the closed streams' places come back
+    with ExitStack() as held, ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(a.post, "/v1/chat/completions", json=CHAT)  # no worker: it waits OMNI_OPENAI_WAIT_S
+        time.sleep(1.0)
+        assert open_stream(held, a, a_job).status_code == 200
+        assert open_stream(held, a, a_job).status_code == 429  # the waiting answer holds the other place
+        assert waiting.result().status_code == 504  # the wait ran out: its place is given back
+        OPEN.clear()
+    time.sleep(0.5)
+    with ExitStack() as held:
+        assert [open_stream(held, a, a_job).status_code for _ in range(2)] == [200, 200]
+    OPEN.clear()
+    a.close()
