@@ -18,10 +18,11 @@ from api import body_limit, docs, uploads
 from api.deps import ApiContext
 from api.observability import ObservabilityMiddleware
 from api.responses import JSONText
-from api.routes import batches, events, health, jobs, metrics, openai, pipelines
+from api.routes import batches, events, health, jobs, metrics, openai, pipelines, usage
 from api.schemas import JobRequest, job_request_schemas
 from api.ui import router as ui_router
 from omni_jobs import openai_audio, openai_compat
+from omni_jobs import usage as usage_counts
 from omni_jobs.artifacts import ArtifactStoreUnavailable
 from omni_jobs.collector import set_young_threshold
 from omni_jobs.engines.model_source import load_model_sources
@@ -176,6 +177,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         set_young_threshold(settings.api_gc_young_threshold)  # the collector took ~6% of a submit (omni_jobs.collector)
         load_model_sources(settings.model_sources)  # tiny:NAME ids (validation knows their sizes)
         ctx = ApiContext(Runtime(settings, worker="api"))
+        usage_counts.install(ctx.runtime.redis)  # usage per tenant: the jobs this process makes and cancels
         ctx.runtime.catalogue.names()  # load and validate pipelines at start: a bad YAML stops the API here
         ctx.start()  # the outbox relay: what was accepted before a crash is published now
         if not settings.auth_enabled:
@@ -204,6 +206,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(ui_router)  # the web console under /ui (server-rendered pages over the same core)
     openai.install(app)  # /v1/chat/completions, /v1/images/generations, /v1/audio/*, /v1/models
     batches.install(app)  # /v1/files, /v1/batches (OpenAI's Batch API)
+    usage.install(app)  # /v1/usage
     app.add_middleware(ObservabilityMiddleware)  # request id, job id in logs, access log, HTTP metrics
     body_limit.install(app, settings.max_request_bytes)  # outermost: 413 before a large body is read
     app.add_exception_handler(InvalidRequest, _invalid_request)

@@ -35,7 +35,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from omni_jobs import telemetry
+from omni_jobs import telemetry, usage
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -121,6 +121,18 @@ HTTP_DURATION = Histogram(
     ["method", "route"], buckets=DURATION_BUCKETS,
 )
 
+# --- usage per tenant (omni_jobs.usage: the same increments GET /v1/usage reads from Redis) ---
+TENANT_JOBS = Counter("omni_jobs_tenant_jobs_total", "Jobs per tenant by status (queued: every job made).",
+                      ["tenant", "status"])
+TENANT_STAGE_SECONDS = Counter("omni_jobs_tenant_stage_seconds_total", "Stage run time per tenant and queue.",
+                               ["tenant", "queue"])
+TENANT_TOKENS = Counter("omni_jobs_tenant_tokens_total", "AR tokens per tenant, in (prompt) and out (completion).",
+                        ["tenant", "direction"])
+TENANT_IMAGES = Counter("omni_jobs_tenant_images_total", "Images output by succeeded jobs, per tenant.", ["tenant"])
+TENANT_AUDIO_SECONDS = Counter("omni_jobs_tenant_audio_seconds_total", "Seconds of audio output, per tenant.",
+                               ["tenant"])
+TENANT_VIDEO_FRAMES = Counter("omni_jobs_tenant_video_frames_total", "Video frames output, per tenant.", ["tenant"])
+
 _FINAL = {"job.succeeded": "succeeded", "job.failed": "failed", "job.canceled": "canceled"}
 
 
@@ -146,6 +158,24 @@ def record_job_events(job: Job, events: list[JobEvent]) -> None:
             record = job.stage_record(str(event.data["stage"]))
             if record.duration_s is not None:
                 STAGE_DURATION.labels(job.pipeline, record.id, record.engine, "succeeded").observe(record.duration_s)
+
+
+def record_usage(job: Job, events: list[JobEvent]) -> None:
+    """The tenant counters: what omni_jobs.usage says a commit adds."""
+    for inc in usage.increments(job, events):
+        field, _, detail = inc.field.partition(":")
+        if field == "jobs":
+            TENANT_JOBS.labels(inc.tenant, detail).inc(inc.amount)
+        elif field == "stage_seconds":
+            TENANT_STAGE_SECONDS.labels(inc.tenant, detail).inc(inc.amount)
+        elif field in ("tokens_in", "tokens_out"):
+            TENANT_TOKENS.labels(inc.tenant, "input" if field == "tokens_in" else "output").inc(inc.amount)
+        elif field == "images":
+            TENANT_IMAGES.labels(inc.tenant).inc(inc.amount)
+        elif field == "audio_seconds":
+            TENANT_AUDIO_SECONDS.labels(inc.tenant).inc(inc.amount)
+        elif field == "video_frames":
+            TENANT_VIDEO_FRAMES.labels(inc.tenant).inc(inc.amount)
 
 
 def _observe_failed_stage(job: Job, event: JobEvent) -> None:
@@ -212,6 +242,7 @@ class PrometheusListener(telemetry.Listener):
 
     def job_events(self, job: Job, events: list[JobEvent]) -> None:
         record_job_events(job, events)
+        record_usage(job, events)
 
 
 LISTENER = PrometheusListener()

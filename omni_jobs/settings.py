@@ -293,6 +293,9 @@ class Settings(BaseSettings):
         "footprint stays this many jobs, whatever its size (the rest wait in the file).")
     batch_poll_s: float = Field(1.0, gt=0, description="How often a results worker advances the running batches.")
     batch_file_ttl_s: int = Field(30 * 24 * 3600, gt=0, description="Lifetime of uploaded and output files.")
+    admin_tenants: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Tenants whose API keys see every tenant's usage (GET /v1/usage), "
+        "comma-separated or a JSON list in env; any other key sees its own tenant's.")
 
     # --- API ---
     public_url: str = Field("http://127.0.0.1:8000", description="Base URL clients use to reach the API.")
@@ -369,7 +372,8 @@ class Settings(BaseSettings):
     )
     webhook_deliveries_kept: int = Field(100, ge=1, description="Latest delivery attempts kept on the job.")
 
-    @field_validator("model_sources", "pipelines_path", "webhook_allow_hosts", "openai_model_aliases", mode="before")
+    @field_validator("model_sources", "pipelines_path", "webhook_allow_hosts", "openai_model_aliases", "admin_tenants",
+                     mode="before")
     @classmethod
     def _list_from_env(cls, value: object) -> object:
         return _env_list(value)

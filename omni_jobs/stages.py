@@ -187,6 +187,17 @@ def _ar_values(output: AROutput) -> StageValues:
     return {"text": text, "token_ids": output.token_ids}
 
 
+def token_usage(values: StageValues) -> dict[str, float]:
+    """An AR stage's tokens as stage metrics (``prompt_tokens``, ``completion_tokens``): what usage per tenant
+    counts (omni_jobs.usage). Nothing for a stage whose values carry no usage."""
+    text = values.get("text")
+    usage = text.get("usage") if isinstance(text, dict) else None
+    if not isinstance(usage, dict):
+        return {}
+    return {name: float(usage[name]) for name in ("prompt_tokens", "completion_tokens")
+            if isinstance(usage.get(name), int | float)}
+
+
 class StageRunner:
     """Runs stage attempts for any pipeline in the catalogue, with engines loaded once per process."""
 
@@ -301,11 +312,13 @@ class StageRunner:
             inputs = self._load_inputs(spec, stage, job)
             cache, digest = self._stage_cache(spec, stage, job)
             hit = cache.get(f"{spec.name}.{stage.id}", digest) if cache is not None and digest else None
+            tokens: dict[str, float] = {}  # a cached result ran no engine: no tokens to count
             if hit is not None:  # the same stage config, params and inputs ran before: skip the engine
                 self._stream_cached_text(stage, job, lease, hit, tail)
                 encoded, engine_s = hit, 0.0
             else:
                 values = self._execute(stage, job, inputs, lease, tail, spec.name)
+                tokens = token_usage(values)
                 self.progress.drain(lease)  # its last preview goes out before the stage's result
                 engine_s = time.perf_counter() - started
                 encoded = self._encode_outputs(stage, values)
@@ -330,7 +343,7 @@ class StageRunner:
             log.warning("%s: transient error (%s: %s); %s", where, type(exc).__name__, exc,
                         f"attempt {step.attempt + 1} in {delay:.1f}s" if outcome == "retrying" else outcome)
             return StepOutcome("retrying" if outcome == "retrying" else outcome, str(exc)), None, None
-        metrics = {"run_s": time.perf_counter() - started, "engine_s": engine_s}
+        metrics = {"run_s": time.perf_counter() - started, "engine_s": engine_s, **tokens}
         if cache is not None and digest:
             metrics["cache_hit"] = 1.0 if hit is not None else 0.0
         inline = worker if self.assemble_results is not None else None

@@ -22,7 +22,7 @@ from typing import Any
 from celery import Task, signals
 from celery.exceptions import Reject
 
-from omni_jobs import metrics
+from omni_jobs import metrics, usage
 from omni_jobs.batches import BatchDriver
 from omni_jobs.batches import from_runtime as batches_from_runtime
 from omni_jobs.collector import freeze_loaded_objects
@@ -62,6 +62,7 @@ def runtime() -> Runtime:
     metrics.install()  # already done at worker_init; again for a process that runs tasks without it
     rt = Runtime(settings, hard_time_limits=True)  # a stage past its hard limit ends this process
     rt.relay(partial(publish_steps, app))  # this process publishes what its commits dispatch
+    usage.install(rt.redis)  # usage per tenant: what this process's commits end or run
     return rt
 
 

@@ -98,6 +98,7 @@ def system(
             # Concurrent batching is covered by tests/integration/test_batched_workers.py and tests/fault.
             "OMNI_STAGE_MAX_IN_FLIGHT": "1",
             "OMNI_PRIORITY_AGING_S": str(PRIORITY_AGING_S),
+            "OMNI_ADMIN_TENANTS": "ops",  # test_usage: an admin's key sees every tenant's usage
             **WEBHOOK_ENV,
         },
     )
