@@ -34,7 +34,7 @@ from omni_jobs.engines.openmp import release_thread_team
 
 if TYPE_CHECKING:
     from omni_jobs.engines.ar import AREngine, AROutput, ARRequest
-    from omni_jobs.engines.dit import DiTEngine, DiTOutput, DiTRequest
+    from omni_jobs.engines.dit import DiTLikeEngine, DiTOutput, DiTRequest
     from omni_jobs.pipelines.spec import StageSpec
 
 log = logging.getLogger(__name__)
@@ -465,7 +465,7 @@ class Batcher(Generic[R, O]):
 
 _ar_batchers: weakref.WeakKeyDictionary[AREngine, dict[BatchPolicy, Batcher[ARRequest, AROutput]]] = \
     weakref.WeakKeyDictionary()
-_dit_batchers: weakref.WeakKeyDictionary[DiTEngine, dict[BatchPolicy, Batcher[DiTRequest, DiTOutput]]] = \
+_dit_batchers: weakref.WeakKeyDictionary[DiTLikeEngine, dict[BatchPolicy, Batcher[DiTRequest, DiTOutput]]] = \
     weakref.WeakKeyDictionary()
 _batchers_lock = threading.Lock()
 
@@ -528,9 +528,10 @@ class _AllMembersStopped(Exception):
     """Every member of a diffusers call was canceled: stop the call at this step."""
 
 
-def dit_batcher(engine: DiTEngine, policy: BatchPolicy) -> Batcher[DiTRequest, DiTOutput]:
-    """Batcher of a DiTEngine: only requests with the same call settings (size, steps, guidance,
-    negative prompt, strength, duration, embedding shape) share a pipeline call; each keeps its seed."""
+def dit_batcher(engine: DiTLikeEngine, policy: BatchPolicy) -> Batcher[DiTRequest, DiTOutput]:
+    """Batcher of a DiTEngine (or the benchmark's GPU-shaped engine): only requests with the same call settings
+    (size, steps, guidance, negative prompt, strength, duration, embedding shape) share a pipeline call; each
+    keeps its seed."""
     from omni_jobs.engines.dit import group_key as _group_key
 
     def run(batch: Sequence[Member[DiTRequest, DiTOutput]]) -> list[DiTOutput | BaseException]:

@@ -22,9 +22,10 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -127,6 +128,19 @@ class DiTOutput:
     latents: torch.Tensor | None = None
     video: np.ndarray | None = None
     """float32 frames in [0, 1] shaped [frames, height, width, 3]."""
+
+
+class DiTLikeEngine(Protocol):
+    """What the DiT batcher and a DiT stage use of an engine: DiTEngine, and the benchmark's GPU-shaped
+    stand-in (omni_jobs.engines.gpu_shaped), which takes the same requests behind the same batcher."""
+
+    pipeline_class: str
+
+    def generate(self, requests: Sequence[DiTRequest], on_step: StepCallback | None = None) -> list[DiTOutput]: ...
+
+    def turn(self) -> AbstractContextManager[None]: ...
+
+    def check_task(self, task: str, *, conditioned_on_embeds: bool = False) -> None: ...
 
 
 GroupKey = tuple[int | None, int | None, int, float, str | None, float | None, float | None, tuple[int, ...] | None,

@@ -21,13 +21,14 @@ from omni_jobs.engines.ar import AREngine
 from omni_jobs.engines.code2wav import Code2Wav
 from omni_jobs.engines.dit import DiTEngine
 from omni_jobs.engines.encoder import AREncoder
+from omni_jobs.engines.gpu_shaped import GpuShapedDiT
 from omni_jobs.engines.model_source import resolve_model
 from omni_jobs.engines.projection import Projection, load_projection
 from omni_jobs.json_types import JsonValue
-from omni_jobs.pipelines.spec import DiTEngineArgs
+from omni_jobs.pipelines.spec import GpuShapedArgs, dit_engine_args
 
-Engine = AREngine | DiTEngine | AREncoder | Code2Wav
-E = TypeVar("E", AREngine, DiTEngine, AREncoder, Code2Wav)
+Engine = AREngine | DiTEngine | GpuShapedDiT | AREncoder | Code2Wav
+E = TypeVar("E", AREngine, DiTEngine, GpuShapedDiT, AREncoder, Code2Wav)
 V = TypeVar("V", AREngine, AREncoder)
 T = TypeVar("T")
 
@@ -50,13 +51,18 @@ class EnginePool:
         """The AR engine for ``model``; ``engine_args`` go to vLLM and override the defaults."""
         return self._vllm("ar", AREngine, model, engine_args)
 
-    def dit(self, model: str, engine_args: Mapping[str, JsonValue]) -> DiTEngine:
+    def dit(self, model: str, engine_args: Mapping[str, JsonValue]) -> DiTEngine | GpuShapedDiT:
         """The DiT engine for ``model``: ``pipeline_class``, ``torch_dtype``, ``call_args`` and ``cache``
-        configure the engine (DiTEngineArgs); every other key goes to ``from_pretrained``."""
+        configure the engine (DiTEngineArgs); every other key goes to ``from_pretrained``. Where they name
+        ``kind: gpu-shaped``, the benchmark's GPU-shaped engine instead (GpuShapedArgs; ``model`` is only its name)."""
         args = dict(engine_args)
+        ctor = dit_engine_args(args)
+        if isinstance(ctor, GpuShapedArgs):
+            shaped = ctor
+            return self._get("dit", model, args, GpuShapedDiT, lambda _resolved: GpuShapedDiT.from_args(shaped.model_dump()))
 
         def load(resolved: str) -> DiTEngine:
-            ctor = DiTEngineArgs.model_validate(args)
+            assert not isinstance(ctor, GpuShapedArgs)
             return DiTEngine(resolved, device=self.device, pipeline_class=ctor.pipeline_class,
                              torch_dtype=ctor.torch_dtype, call_args=ctor.call_args,
                              cache=ctor.cache.model_dump() if ctor.cache is not None else None,

@@ -139,6 +139,10 @@ class DiTEngineArgs(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
+    kind: Literal["diffusers", "gpu-shaped"] = Field(
+        "diffusers", description="The engine: a diffusers pipeline, or the GPU-shaped stand-in of the benchmark "
+        "(GpuShapedArgs; never in a built-in pipeline)."
+    )
     pipeline_class: str | None = Field(
         None, pattern=_PY_IDENTIFIER, description="diffusers class, e.g. PixArtSigmaPipeline; default: the model's own."
     )
@@ -147,6 +151,32 @@ class DiTEngineArgs(BaseModel):
     cache: DenoiseCacheSpec | None = Field(
         None, description="A diffusers denoising cache on the transformer: {type: first_block|faster|pab, ...}."
     )
+
+
+class GpuShapedArgs(Strict):
+    """The engine_args of a DiT stage on the GPU-shaped engine (``kind: gpu-shaped``, omni_jobs.engines.gpu_shaped):
+    a benchmark's stand-in for a diffusion model on a GPU. The defaults are the H200's profile (bench/NOTES.md,
+    "The DiT path on a GPU"): 20 ms an image in batches of 32 at 256 px, 6% of the engine thread's time on the
+    CPU side."""
+
+    kind: Literal["gpu-shaped"]
+    ms_per_image: float = Field(20.0, gt=0, le=60_000, description="An image's share of a full batch's time.")
+    gil_share: float = Field(0.06, ge=0, le=1, description="Of a batch's time, the share that holds the "
+                             "interpreter's lock (CPU-side work: launches, preparation); the rest the device's.")
+    batch_size: int = Field(32, ge=1, le=1024, description="The largest batch in one device call (more is split), "
+                            "and the size at which an image takes ms_per_image.")
+    fixed_share: float = Field(0.17, ge=0, lt=1, description="Of a full batch's time, the part that does not "
+                               "shrink with a smaller batch (the H200: one image alone took 6.25x its share of 32).")
+
+
+def dit_engine_args(args: Mapping[str, JsonValue]) -> DiTEngineArgs | GpuShapedArgs:
+    """A DiT stage's engine_args, validated for the engine its ``kind`` names; errors name the engine_args field."""
+    try:
+        if args.get("kind") == "gpu-shaped":
+            return GpuShapedArgs.model_validate(args)
+        return DiTEngineArgs.model_validate(args)
+    except ValidationError as exc:
+        raise ValueError(_pydantic_problems(exc, "engine_args")) from None
 
 
 class BatchingSpec(Strict):
@@ -272,10 +302,7 @@ class StageSpec(Strict):
             if not self.produces or len(set(self.produces)) != len(self.produces):
                 raise ValueError("outputs: list each output once, at least one")
         if self.engine == "dit":
-            try:
-                DiTEngineArgs.model_validate(self.engine_args)
-            except ValidationError as exc:
-                raise ValueError(_pydantic_problems(exc, "engine_args")) from None
+            dit_engine_args(self.engine_args)
         try:
             self.params_model.model_validate(self.defaults)
         except ValidationError as exc:
