@@ -42,8 +42,6 @@ class ApiContext:
         self.streams = StreamSlots(per_tenant=settings.max_streams_per_tenant, total=settings.max_streams)
         # Reads on the event loop (API keys); made here, in the lifespan: it belongs to the app's loop.
         self.aredis = async_client_from_url(runtime.settings.redis_url)
-        url = runtime.settings.redis_url  # the submit path's client: the same URL as the sync one (TLS too)
-        runtime.store.use_async_client(lambda: async_client_from_url(url))
         self.key_cache: dict[str, tuple[float, ApiKeyInfo]] = {}
         """Verified API keys of submits (api.auth.authenticate_submit): SHA-256 -> (valid until, record)."""
 

@@ -681,7 +681,8 @@ class RedisJobStore:
     # --- async (the API's event loop) ---
     def use_async_client(self, make: Callable[[], aioredis.Redis]) -> None:
         """How the ``a*`` methods make their client (once per event loop), e.g. from the same URL as
-        the sync client, TLS and all: ``lambda: redis.asyncio.Redis.from_url(url)``."""
+        the sync client, TLS and Sentinels and all: ``lambda: async_client_from_url(url)``
+        (omni_jobs.redis_clients; the Runtime does so)."""
         self._make_async = make
 
     def _aclient(self) -> tuple[aioredis.Redis, AsyncScript]:
