@@ -19,6 +19,7 @@ from bench.run import (
     ar_engine_args,
     data_uri,
     engine_cores_env,
+    gpu_shaped_args,
     images,
     parse,
     pipelines,
@@ -46,9 +47,20 @@ def test_every_workload_has_a_valid_batched_pipeline_and_a_naive_twin(specs: dic
 
 
 def test_every_benchmark_model_is_one_omni_jobs_tiny_builds(specs: dict[str, Any]) -> None:
-    names = {s.model.removeprefix("tiny:") for spec in specs.values() for s in spec.stages}
+    names = {s.model.removeprefix("tiny:") for spec in specs.values() for s in spec.stages
+             if s.engine_args.get("kind") != "gpu-shaped"}
     assert names <= set(tiny.TINY_MODELS) | set(tiny.BENCH_MODELS)
     assert {"bench-llama-1024", "bench-pixart-128", "bench-pixart"} <= names  # larger than the test models
+
+
+def test_the_gpu_shaped_rows_run_the_gpu_shaped_engine_at_256_px_on_the_dit_worker(specs: dict[str, Any]) -> None:
+    rows = {w.name: w for w in WORKLOADS if w.kind == "gpu"}
+    assert set(rows) == {"GPU-shaped DiT 20 ms", "GPU-shaped DiT 5 ms"}
+    for w in rows.values():
+        (stage,) = specs[w.pipeline].stages
+        assert (stage.engine, stage.queue, w.size) == ("dit", "dit", 256)
+        assert stage.engine_args == gpu_shaped_args(w.gpu_ms) == {"kind": "gpu-shaped", "ms_per_image": w.gpu_ms}
+        assert (stage.defaults["height"], stage.defaults["width"]) == (256, 256)
 
 
 def test_the_vlm_row_posts_a_prompt_and_an_image_to_a_chat_stage_on_the_ar_worker(specs: dict[str, Any]) -> None:
