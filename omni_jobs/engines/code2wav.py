@@ -160,16 +160,20 @@ class Code2Wav:
         noise = torch.cat([self.noise(r.seed, r.offset * self.repeats, n * self.repeats) for r in batch]).to(self.device)
         cond = voice.cond.to(self.device).expand(len(batch), -1)
         ref = voice.ref_mel.to(self.device).expand(len(batch), -1, -1)
+        # a batch of streams' first windows keeps the turn: their listeners hear nothing yet, while the talker's
+        # codes can wait half a second; any other batch lets a talker on the same cores step between evaluations
+        step_aside = pass_turn if any(r.offset > 0 for r in batch) else _keep_turn
         with self._lock, engine_turn(), torch.no_grad():
             telemetry.batch("code2wav", len(batch))
-            mel = self._mel(codes, cond, ref, noise, first.num_steps, first.guidance_scale)
-            pass_turn()
+            mel = self._mel(codes, cond, ref, noise, first.num_steps, first.guidance_scale, step_aside=step_aside)
+            step_aside()
             wave = self.model.code2wav_bigvgan_model(mel)
         wave = wave.reshape(len(batch), -1).float().numpy()
         return [np.ascontiguousarray(w, dtype=np.float32) for w in wave]
 
     def _mel(self, codes: torch.Tensor, cond: torch.Tensor, ref: torch.Tensor, noise: torch.Tensor, num_steps: int,
-             guidance_scale: float, sway_coefficient: float = -1.0) -> torch.Tensor:
+             guidance_scale: float, sway_coefficient: float = -1.0,
+             step_aside: Callable[[], None] | None = None) -> torch.Tensor:
         """transformers' ``Qwen2_5OmniToken2WavDiTModel.sample`` from the given initial noise: [B, mel_dim, frames]."""
         import torch
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
@@ -185,7 +189,8 @@ class Code2Wav:
             # between two of the DiT's ~40 evaluations a talker of this host may take its step (engines.turns):
             # a whole render held the turn for up to ~1 s, so a talker beside it made one code per render, and
             # at 16 streams their first chunks waited ~5 s for the talker's 24 codes instead of ~0.5
-            pass_turn()
+            if step_aside is not None:
+                step_aside()
             if guidance_scale < 1e-5:
                 plain: torch.Tensor = dit(hidden_states=state, speaker_embedding=speaker, condition_vector=ref,
                                           quantized_code=codes, time_step=time_step, drop_audio_conditioning=False,
@@ -207,6 +212,10 @@ class Code2Wav:
     def stream(self, speaker: str, **settings: Any) -> Code2WavStream:
         """A ``Code2WavStream`` of this engine (its settings: ``Code2WavStream``'s keywords)."""
         return Code2WavStream(self, speaker, **settings)
+
+
+def _keep_turn() -> None:
+    """Not stepping aside: the render holds the engine turn to its end."""
 
 
 def group_key(r: Code2WavRequest) -> Hashable:
