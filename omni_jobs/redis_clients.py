@@ -84,9 +84,13 @@ def _sentinel_kwargs(target: SentinelUrl) -> dict[str, Any]:
         kwargs["password"] = target.sentinel_password
     if target.sentinel_username is not None:
         kwargs["username"] = target.sentinel_username
-    if target.tls:
-        kwargs["ssl"] = True
-    return kwargs
+    return {**kwargs, **_tls(target)}
+
+
+def _tls(target: SentinelUrl) -> dict[str, Any]:
+    if not target.tls:
+        return {}
+    return {"ssl": True, **({"ssl_ca_certs": target.ssl_ca_certs} if target.ssl_ca_certs is not None else {})}
 
 
 def _primary_kwargs(target: SentinelUrl, options: dict[str, Any]) -> dict[str, Any]:
@@ -96,9 +100,7 @@ def _primary_kwargs(target: SentinelUrl, options: dict[str, Any]) -> dict[str, A
         kwargs["password"] = target.password
     if target.username is not None:
         kwargs["username"] = target.username
-    if target.tls:
-        kwargs["ssl"] = True
-    return kwargs
+    return {**kwargs, **_tls(target)}
 
 
 def _options(socket_timeout: float | None, socket_connect_timeout: float | None, decode_responses: bool,

@@ -15,8 +15,8 @@ SENTINEL_SCHEMES = {"sentinel": False, "sentinels": True}
 """Scheme -> TLS (to the Sentinels and to the primary, as ``rediss://`` is to one server)."""
 SERVER_SCHEMES = ("redis", "rediss", "unix")
 SENTINEL_FORMAT = ("sentinel://[[user]:password@]host[:port][,host[:port]...]/master-name[/db]"
-                   "[?sentinel_password=...&sentinel_username=...] (sentinels:// for TLS)")
-SENTINEL_OPTIONS = ("sentinel_password", "sentinel_username")
+                   "[?sentinel_password=...&sentinel_username=...] (sentinels:// for TLS, with ssl_ca_certs=FILE)")
+SENTINEL_OPTIONS = ("sentinel_password", "sentinel_username", "ssl_ca_certs")
 
 
 class RedisUrlInvalid(ValueError):
@@ -39,6 +39,8 @@ class SentinelUrl:
     sentinel_username: str | None = None
     sentinel_password: str | None = None
     tls: bool = False
+    ssl_ca_certs: str | None = None
+    """The CA bundle that signed the servers' and the Sentinels' certificates (TLS; default: the system's)."""
 
     @property
     def scheme(self) -> str:
@@ -123,7 +125,7 @@ def parse_sentinel_url(url: str, setting: str = "OMNI_REDIS_URL") -> SentinelUrl
     return SentinelUrl(sentinels=sentinels, master=master, db=db, username=username, password=password,
                        sentinel_username=options.get("sentinel_username") or None,
                        sentinel_password=options.get("sentinel_password") or None,
-                       tls=SENTINEL_SCHEMES[scheme.lower()])
+                       tls=SENTINEL_SCHEMES[scheme.lower()], ssl_ca_certs=options.get("ssl_ca_certs") or None)
 
 
 def check_redis_url(url: str, setting: str) -> str:
@@ -173,12 +175,15 @@ def kombu_broker(url: str, setting: str = "OMNI_BROKER_URL") -> dict[str, object
         sentinel_kwargs["password"] = target.sentinel_password
     if target.sentinel_username is not None:
         sentinel_kwargs["username"] = target.sentinel_username
+    tls: dict[str, object] = {"ssl_cert_reqs": "required"}  # kombu turns TLS on only for a non-empty dict
+    if target.ssl_ca_certs is not None:
+        tls["ssl_ca_certs"] = target.ssl_ca_certs
     if target.tls:
-        sentinel_kwargs["ssl"] = True
+        sentinel_kwargs.update(ssl=True, **tls)
     options: dict[str, object] = {"master_name": target.master}
     if sentinel_kwargs:
         options["sentinel_kwargs"] = sentinel_kwargs
     config: dict[str, object] = {"broker_url": ";".join(urls), "broker_transport_options": options}
-    if target.tls:  # kombu turns TLS on only for a non-empty dict
-        config["broker_use_ssl"] = {"ssl_cert_reqs": "required"}
+    if target.tls:
+        config["broker_use_ssl"] = tls
     return config

@@ -71,11 +71,13 @@ def test_redaction() -> None:
 
 def test_kombu_spelling() -> None:
     assert kombu_broker("redis://h:6379/0") == {"broker_url": "redis://h:6379/0"}
-    config = kombu_broker("sentinels://:p%3Aw@h1,h2:26380/mymaster/2?sentinel_password=s")
+    config = kombu_broker("sentinels://:p%3Aw@h1,h2:26380/mymaster/2?sentinel_password=s&ssl_ca_certs=/ca.pem")
+    tls = {"ssl_cert_reqs": "required", "ssl_ca_certs": "/ca.pem"}
     assert config == {
         "broker_url": "sentinel://:p%3Aw@h1:26379/2;sentinel://:p%3Aw@h2:26380",
-        "broker_transport_options": {"master_name": "mymaster", "sentinel_kwargs": {"password": "s", "ssl": True}},
-        "broker_use_ssl": {"ssl_cert_reqs": "required"},
+        "broker_transport_options": {"master_name": "mymaster",
+                                     "sentinel_kwargs": {"password": "s", "ssl": True, **tls}},
+        "broker_use_ssl": tls,
     }
 
 
