@@ -27,6 +27,7 @@ from fastapi.routing import APIRoute
 from api.deps import ApiContext, get_context
 from api.ui import forms, graph, session, templating, views
 from omni_jobs.artifacts import ArtifactCorrupted, ArtifactNotFound, ArtifactStoreUnavailable
+from omni_jobs.batches import from_runtime as batches_of
 from omni_jobs.cancellation import cancel_job
 from omni_jobs.errors import (
     IdempotencyConflict,
@@ -40,6 +41,7 @@ from omni_jobs.errors import (
 from omni_jobs.jobs.models import FINAL_EVENTS, JobStatus
 from omni_jobs.jobs.watch import STREAM_ID
 from omni_jobs.metrics import QUOTA_REFUSALS
+from omni_jobs.usage import DAY_S, read_usage
 
 log = logging.getLogger(__name__)
 
@@ -515,6 +517,31 @@ def _file_response(request: Request, data: bytes, media_type: str, filename: str
         return Response(data[start:end + 1], status_code=206, media_type=media_type,
                         headers={**headers, "Content-Range": f"bytes {start}-{end}/{size}"})
     return Response(data, media_type=media_type, headers=headers)
+
+
+# --- batches and usage (omni_jobs.batches, omni_jobs.usage) ---
+def _when(at: object) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(at))) if isinstance(at, int | float) else ""
+
+
+def _day(at: object) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(float(at))) if isinstance(at, int | float) else ""
+
+
+@router.get("/batches")
+def batches_page(request: Request, ctx: Ctx, who: Viewer) -> Response:
+    page = batches_of(ctx.runtime)[0].page(who.tenant, limit=100)
+    return templating.render(request, "batches.html", viewer=who, batches=page["data"], when=_when)
+
+
+@router.get("/usage")
+def usage_page(request: Request, ctx: Ctx, who: Viewer,
+               days: Annotated[int, Query(ge=1, le=366)] = 7) -> Response:
+    admin = who.tenant in ctx.runtime.settings.admin_tenants
+    end = time.time()
+    page = read_usage(ctx.runtime.redis, tenants=None if admin else [who.tenant], start=end - days * DAY_S, end=end)
+    return templating.render(request, "usage.html", viewer=who, buckets=page["data"], days=days, admin=admin,
+                             day=_day)
 
 
 # --- pipelines and the playground ---

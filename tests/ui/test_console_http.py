@@ -507,3 +507,26 @@ def test_behind_a_tls_proxy_the_session_cookie_is_secure(redis_url: str, redis_c
     finally:
         api.terminate()
         api.wait(timeout=30)
+
+
+def test_the_batches_and_usage_pages_show_the_tenants_own(app: Any, acme: TestClient, keys: dict[str, str]) -> None:
+    bearer = {"authorization": f"Bearer {keys['acme']}"}
+    rows = [{"custom_id": f"c{i}", "url": "/v1/jobs", "body": {"pipeline": "text-to-text", "input": {"prompt": "x"}}}
+            for i in range(2)]
+    data = b"".join(json.dumps(r).encode() + b"\n" for r in rows)
+    file_id = acme.post("/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"},
+                        headers=bearer).json()["id"]
+    batch = acme.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/jobs",
+                                           "completion_window": "24h"}, headers=bearer).json()
+    page = acme.get("/ui/batches", headers=HTML)
+    assert page.status_code == 200
+    assert f'data-batch="{batch["id"]}" data-status="validating"' in page.text and "0/2" in page.text
+    assert submit(acme).status_code == 303  # a job made by the API process: counted as it is queued
+    usage = acme.get("/ui/usage", headers=HTML)
+    assert usage.status_code == 200 and 'data-tenant="acme"' in usage.text and "queued 1" in usage.text
+    other = signed_in(app, keys["other"])  # after acme's API calls: each client runs the app's lifespan
+    try:
+        assert batch["id"] not in other.get("/ui/batches", headers=HTML).text
+        assert 'data-tenant="acme"' not in other.get("/ui/usage", headers=HTML).text
+    finally:
+        other.__exit__(None, None, None)
