@@ -17,8 +17,10 @@ from omni_jobs.engines.gpu_shaped import GpuShapedDiT
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.engines.stage_exec import load_stage_engine
 from omni_jobs.errors import PipelineSpecError
+from omni_jobs.omni import Omni
 from omni_jobs.pipelines.catalogue import builtin_pipelines, parse_pipeline
 from omni_jobs.previews import LatentPreview
+from omni_jobs.settings import Settings
 
 FAST = {"ms_per_image": 1.0, "batch_size": 4}
 
@@ -149,3 +151,14 @@ def test_no_built_in_pipeline_uses_it() -> None:
     for spec in builtin_pipelines():
         for stage in spec.stages:
             assert stage.engine_args.get("kind", "diffusers") == "diffusers", (spec.name, stage.id)
+
+
+def test_a_job_on_it_runs_the_whole_stage_path_with_progress_previews_and_a_png_output(tmp_path: Path) -> None:
+    """In process (Omni: the same stage runner as a worker's): the job's image stored and read back as a PNG."""
+    spec = parse_pipeline(pipeline({"kind": "gpu-shaped", **FAST}), source="test")
+    omni = Omni(spec, settings=Settings(models_dir=tmp_path / "models", artifacts_dir=tmp_path / "artifacts"))
+    events: list[str] = []
+    result = omni.generate({"prompt": "a lighthouse"}, {"dit": {"num_inference_steps": 6, "preview_every": 2}},
+                           on_event=lambda e: events.append(str(e.type)))
+    assert result["image"].image().size == (64, 64)
+    assert events.count("output.preview") == 2 and "stage.progress" in events and events[-1] == "job.succeeded"
