@@ -21,7 +21,9 @@ slow: its share went from 6% alone to 24% in the worker). A batch of ``n`` takes
 ``full * (fixed_share + (1 - fixed_share) * n / batch_size)``, where ``full`` is ``ms_per_image *
 batch_size``: a smaller batch costs more per image, as on the device (one image alone took 6.25x its
 share of a batch of 32 on the H200), so the batcher's burst filling sees the cost curve it sees
-there. Size and steps change the outputs and how often progress is reported, not the time.
+there. Size and steps change the outputs and how often progress is reported, not the time. Not modelled:
+a real engine releases the lock around every torch op (hundreds a step) and takes it back each time, where
+this one releases it once a step, so it may suffer less from a busy lock than a real engine does.
 
 Its outputs are real images of the requested size, deterministic from the request's seed and prompt
 (a cheap pattern, made within the CPU-side share), so PNG encoding, artifact writes, commits,
