@@ -15,7 +15,11 @@ worker, which runs the batch driver), then:
 3. runs a ``--run-lines``-line text-to-text batch and, in turns, the same requests POSTed one by one to
    /v1/chat/completions with ``--in-flight`` in flight: lines/s of each;
 4. reads, with Redis's MEMORY USAGE, what the batch keeps in Redis per line (its record, its line ->
-   job map, its pending set) and the peak of its unended jobs (at most OMNI_BATCH_MAX_IN_FLIGHT).
+   job map, its pending set) and the peak of its unended jobs (at most OMNI_BATCH_MAX_IN_FLIGHT);
+5. interactive latency: the p50 of ``--interactive`` chat requests sent one after another (same tenant,
+   priority normal), alone (before and after) and while a ``--lines``-line batch runs (issue 64's target:
+   within 1.5x);
+6. the API's RSS, at the start, after each upload and at the end.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import redis
 
 from bench.procfs import memory_mib
 from omni_jobs import keys
+from omni_jobs.local.devservices import free_port
 from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.settings import Settings
 
@@ -111,20 +116,37 @@ def one_by_one(api: httpx.Client, rows: list[dict[str, Any]], in_flight: int) ->
     return time.perf_counter() - started
 
 
+def interactive_p50(api: httpx.Client, n: int) -> float:
+    """The median seconds of ``n`` chat requests sent one after another."""
+    took = []
+    for i in range(n):
+        started = time.perf_counter()
+        api.post("/v1/chat/completions", json={"model": "text-to-text", "max_tokens": 4, "temperature": 0,
+                                               "messages": [{"role": "user", "content": f"Hello {i}"}]},
+                 timeout=600).raise_for_status()
+        took.append(time.perf_counter() - started)
+    return sorted(took)[len(took) // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.batches", description=__doc__.split("\n\n")[0])
     parser.add_argument("--lines", type=int, default=10_000, help="lines of the file accepted (default %(default)s)")
     parser.add_argument("--run-lines", type=int, default=1000, help="lines of the batch that runs (default %(default)s)")
     parser.add_argument("--in-flight", type=int, default=64, help="requests in flight one by one (default %(default)s)")
     parser.add_argument("--reps", type=int, default=3, help="uploads of the big file (default %(default)s)")
+    parser.add_argument("--interactive", type=int, default=30, help="interactive requests per arm (default %(default)s)")
+    parser.add_argument("--max-in-flight", type=int, default=None,
+                        help="OMNI_BATCH_MAX_IN_FLIGHT for the run (default: the setting's default)")
     args = parser.parse_args(argv)
     home = Path(tempfile.mkdtemp(prefix="omni-bench-batches-"))
     settings = Settings(models_dir=(ROOT / "var" / "models").resolve(), artifacts_dir=home / "artifacts",
                         redis_url="redis://unused")
     env = {"OMNI_AUTH_ENABLED": "false", "OMNI_LOG_FORMAT": "text", "OMNI_MAX_QUEUED_PER_QUEUE": "100000",
            "OMNI_MAX_REQUEST_BYTES": str(64 * 1024 * 1024), "OMNI_BATCH_FILE_MAX_BYTES": str(64 * 1024 * 1024)}
+    if args.max_in_flight is not None:
+        env["OMNI_BATCH_MAX_IN_FLIGHT"] = str(args.max_in_flight)
     os.environ.update(env)
-    system = EmbeddedSystem(settings=settings, home=home, extra_env=env, with_flower=False,
+    system = EmbeddedSystem(settings=settings, home=home, extra_env=env, with_flower=False, api_port=free_port(),
                             worker_queues={"ar": "threads", "results": "solo"})
     system.start(say=lambda m: print(f"  [system] {m}", flush=True))
     try:
@@ -166,7 +188,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"4. Redis: the batch's own keys {kept / args.run_lines:.0f} and {kept2 / args.run_lines:.0f} bytes "
                   f"a line once ended; at most {max(peak, peak2)} lines pending (unended jobs) at once")
             rss.append(memory_mib(api_pid, "VmRSS"))
-            print(f"5. API RSS (MiB): start {rss[0]:.1f}, after each upload "
+            alone = interactive_p50(api, args.interactive)
+            _upload_s, _create_s, running = accept(api, big)
+            while api.get(f"/v1/batches/{running}").json()["request_counts"]["completed"] < 50:
+                time.sleep(0.2)  # the batch's jobs fill the AR worker
+            during = interactive_p50(api, args.interactive)
+            done_meanwhile = api.get(f"/v1/batches/{running}").json()["request_counts"]["completed"]
+            api.post(f"/v1/batches/{running}/cancel").raise_for_status()
+            alone2 = interactive_p50(api, args.interactive) if wait_ended(api, running) else alone
+            base = (alone + alone2) / 2
+            print(f"5. interactive chat p50, one at a time: alone {alone * 1000:.0f} / {alone2 * 1000:.0f} ms, while the "
+                  f"{args.lines:,}-line batch ran ({done_meanwhile} of its lines done by then) {during * 1000:.0f} ms: "
+                  f"{during / base:.2f}x (target 1.5x)")
+            print(f"6. API RSS (MiB): start {rss[0]:.1f}, after each upload "
                   f"{', '.join(f'{r:.1f}' for r in rss[1:-1])}, at the end {rss[-1]:.1f} "
                   f"(last/first upload {rss[-2] / rss[1]:.3f})")
     finally:
