@@ -66,7 +66,7 @@ from omni_jobs.artifacts import ArtifactError, codecs
 from omni_jobs.audio_formats import AudioFormat, convert, media_type
 from omni_jobs.audio_stream import AudioDeltaReader
 from omni_jobs.errors import InvalidRequest, QuotaExceeded
-from omni_jobs.jobs.models import FINAL_EVENTS, EventType, Job, JobOutput, JobStatus
+from omni_jobs.jobs.models import FINAL_EVENTS, EventType, Job, JobEvent, JobOutput, JobStatus
 from omni_jobs.jobs.view import output_url
 from omni_jobs.logs import bind
 from omni_jobs.openai_audio import (
@@ -349,6 +349,44 @@ def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n"
 
 
+KEEP_ALIVE = "keep-alive"
+"""``_deltas``: nothing happened for a while (a streamed answer sends a comment so proxies keep it open)."""
+TIMED_OUT = "timed-out"
+"""``_deltas``: the job outlasted OMNI_OPENAI_WAIT_S (the last item)."""
+
+
+async def _deltas(ctx: ApiContext, job: Job) -> AsyncIterator[JobEvent | str]:
+    """The job's ``output.delta`` events until its final one, with ``KEEP_ALIVE`` at least every 5 s and at the
+    deadline, and ``TIMED_OUT`` (then nothing) once OMNI_OPENAI_WAIT_S has passed: what every streamed answer
+    follows. The job as it ended is then ``ctx.watcher.get``'s."""
+    wait_s = ctx.runtime.settings.openai_wait_s
+    deadline = time.monotonic() + wait_s
+    async for event in ctx.watcher.follow(job.id, heartbeat_s=min(5.0, wait_s)):
+        if time.monotonic() > deadline:
+            yield TIMED_OUT
+            return
+        if event is None:
+            yield KEEP_ALIVE
+        elif event.type in FINAL_EVENTS:
+            return
+        elif event.type == EventType.output_delta:
+            yield event
+
+
+def _timeout_message(ctx: ApiContext, job: Job) -> str:
+    return (f"job {job.id} still running after {ctx.runtime.settings.openai_wait_s:g}s (OMNI_OPENAI_WAIT_S); "
+            f"follow it at GET /v1/jobs/{job.id}")
+
+
+def _unsuccessful(job_id: str, final: Job | None) -> tuple[str, str] | None:
+    """(message, code) of a job that did not succeed (None: it did), for an error event in a stream."""
+    if final is not None and final.status is JobStatus.succeeded:
+        return None
+    reason = final.error.message if final is not None and final.error else None
+    status = final.status.value if final is not None else "gone"
+    return f"job {job_id} {status}" + (f": {reason}" if reason else ""), f"job_{status}"
+
+
 async def _chat_chunks(ctx: ApiContext, plan: Plan, job: Job, *, include_usage: bool) -> AsyncIterator[str]:
     """The chat answer as OpenAI's chunks, from the job's event stream: role, content deltas, the
     finish chunk, the usage chunk (``include_usage``), ``[DONE]``; an error chunk if the job fails.
@@ -383,31 +421,23 @@ async def _chat_chunks(ctx: ApiContext, plan: Plan, job: Job, *, include_usage: 
         return _sse({"error": {"message": message, "type": status, "param": None, "code": code}})
 
     yield chunk({"role": "assistant", "content": ""})
-    wait_s = ctx.runtime.settings.openai_wait_s
-    deadline = time.monotonic() + wait_s
-    # a keep-alive at least every 5 s, and one at the deadline: the timeout is sent when it is due
-    async for event in ctx.watcher.follow(job.id, heartbeat_s=min(5.0, wait_s)):
-        if time.monotonic() > deadline:
-            yield error("timeout", f"job {job.id} still running after {ctx.runtime.settings.openai_wait_s:g}s "
-                        f"(OMNI_OPENAI_WAIT_S); follow it at GET /v1/jobs/{job.id}", "job_timeout")
+    async for event in _deltas(ctx, job):
+        if event == TIMED_OUT:
+            yield error("timeout", _timeout_message(ctx, job), "job_timeout")
             return
-        if event is None:
+        if event == KEEP_ALIVE:
             yield ": keep-alive\n\n"
             continue
-        if event.type in FINAL_EVENTS:
-            break
-        if event.type != EventType.output_delta:
-            continue
+        assert isinstance(event, JobEvent)
         if reader is not None and (new := reader.feed(event.data)):
             yield said(new)
         if sound is not None and (piece := sound.feed(event.data)) is not None:
             yield chunk(audio_delta_message(audio_id, data=streamed_pcm(piece)))
     final = await ctx.watcher.get(job.id)
-    if final is None or final.status is not JobStatus.succeeded:
-        reason = (final.error.message if final is not None and final.error else None)
-        status = final.status.value if final is not None else "gone"
-        yield error("server_error", f"job {job.id} {status}" + (f": {reason}" if reason else ""), f"job_{status}")
+    if (failure := _unsuccessful(job.id, final)) is not None:
+        yield error("server_error", *failure)
         return
+    assert final is not None  # it succeeded
     text, sent = text_of(final) or "", reader.text if reader is not None else ""
     if len(text) > len(sent) and text.startswith(sent):
         yield said(text[len(sent):])
@@ -492,19 +522,15 @@ async def _speech_body(ctx: ApiContext, plan: Plan, job: Job) -> AsyncIterator[b
     source = audio_source(plan.spec)
     assert source is not None
     sound = AudioDeltaReader(*source)
-    deadline = time.monotonic() + ctx.runtime.settings.openai_wait_s
-    async for event in ctx.watcher.follow(job.id, heartbeat_s=5.0):
-        if time.monotonic() > deadline:
+    async for event in _deltas(ctx, job):
+        if event == TIMED_OUT:
             return
-        if event is None:
-            continue
-        if event.type in FINAL_EVENTS:
-            break
-        if event.type == EventType.output_delta and (piece := sound.feed(event.data)):
+        if isinstance(event, JobEvent) and (piece := sound.feed(event.data)):
             yield streamed_pcm(piece)
     final = await ctx.watcher.get(job.id)
-    if final is None or final.status is not JobStatus.succeeded:
+    if _unsuccessful(job.id, final) is not None:
         return
+    assert final is not None  # it succeeded
     data = await _speech(ctx, final, first_output(final, "audio"), "pcm")
     for rest in unsent_pcm(data, sound.handed_out, sound.sample_rate):
         yield rest
@@ -525,26 +551,19 @@ async def _speech_events(ctx: ApiContext, plan: Plan, job: Job) -> AsyncIterator
 
     source = audio_source(plan.spec)
     sound = AudioDeltaReader(*source) if source is not None and plan.audio_format == "pcm" else None
-    wait_s = ctx.runtime.settings.openai_wait_s
-    deadline = time.monotonic() + wait_s
-    async for event in ctx.watcher.follow(job.id, heartbeat_s=min(5.0, wait_s)):
-        if time.monotonic() > deadline:
-            yield error("timeout", f"job {job.id} still running after {wait_s:g}s (OMNI_OPENAI_WAIT_S); follow it at "
-                        f"GET /v1/jobs/{job.id}", "job_timeout")
+    async for event in _deltas(ctx, job):
+        if event == TIMED_OUT:
+            yield error("timeout", _timeout_message(ctx, job), "job_timeout")
             return
-        if event is None:
+        if event == KEEP_ALIVE:
             yield ": keep-alive\n\n"
-            continue
-        if event.type in FINAL_EVENTS:
-            break
-        if sound is not None and event.type == EventType.output_delta and (piece := sound.feed(event.data)):
+        elif sound is not None and isinstance(event, JobEvent) and (piece := sound.feed(event.data)):
             yield _sse(speech_event("delta", audio=streamed_pcm(piece)))
     final = await ctx.watcher.get(job.id)
-    if final is None or final.status is not JobStatus.succeeded:
-        reason = final.error.message if final is not None and final.error else None
-        status = final.status.value if final is not None else "gone"
-        yield error("server_error", f"job {job.id} {status}" + (f": {reason}" if reason else ""), f"job_{status}")
+    if (failure := _unsuccessful(job.id, final)) is not None:
+        yield error("server_error", *failure)
         return
+    assert final is not None  # it succeeded
     try:
         data = await _speech(ctx, final, first_output(final, "audio"), plan.audio_format)
     except OpenAIError as exc:

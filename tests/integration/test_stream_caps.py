@@ -7,6 +7,7 @@ submitted jobs wait on their queues, so their streams stay open."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -146,4 +147,31 @@ def test_an_openai_answer_waits_in_a_place_and_none_left_starts_no_job(api: tupl
     with ExitStack() as held:
         assert [open_stream(held, a, a_job).status_code for _ in range(2)] == [200, 200]
     OPEN.clear()
+    a.close()
+
+
+def test_a_streamed_openai_answer_keeps_alive_and_ends_with_a_timeout_error(api: tuple[str, redis.Redis]) -> None:
+    """No worker runs: the job outlasts OMNI_OPENAI_WAIT_S (4 s). The chat stream and the speech SSE send their
+    first chunk, then (the deadline is due with the first keep-alive) OpenAI's error naming the job; a pcm body
+    just ends."""
+    base, state = api
+    a, _ = tenant(base, state, "tenant-a")
+    with a.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as chat:
+        assert chat.status_code == 200
+        lines = [line for line in chat.iter_lines() if line]
+    job_id = chat.headers["x-omni-job-id"]
+    assert lines[0].startswith("data: ") and '"role":"assistant"' in lines[0]
+    assert all(line == ": keep-alive" for line in lines[1:-1])  # nothing was said
+    last = json.loads(lines[-1].removeprefix("data: "))
+    assert last["error"]["code"] == "job_timeout" and job_id in last["error"]["message"]
+    speech = {"model": "text-to-speech", "input": "hello", "voice": "Chelsie", "response_format": "pcm"}
+    with a.stream("POST", "/v1/audio/speech", json={**speech, "stream_format": "sse"}) as events:
+        assert events.status_code == 200
+        lines = [line for line in events.iter_lines() if line]
+    last = json.loads(lines[-1].removeprefix("data: "))
+    assert last["type"] == "error" and last["error"]["code"] == "job_timeout", lines
+    started = time.monotonic()
+    with a.stream("POST", "/v1/audio/speech", json=speech) as body:
+        assert body.status_code == 200 and body.read() == b""  # nothing was said before the wait ran out
+    assert 3 < time.monotonic() - started < 15
     a.close()
