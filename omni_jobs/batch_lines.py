@@ -9,6 +9,7 @@ would submit. A refused file names the lines at fault (1-based), as OpenAI's bat
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from omni_jobs.errors import InvalidRequest
 from omni_jobs.json_types import JsonObject, JsonValue
+from omni_jobs.openai_audio import FILE_FIELD, Task, TranscriptionForm, plan_transcription, read_form
 from omni_jobs.openai_compat import (
     ChatCompletionRequest,
     ImageGenerationRequest,
@@ -35,10 +37,14 @@ from omni_jobs.pipelines.catalogue import PipelineCatalogue
 CHAT = "/v1/chat/completions"
 IMAGES = "/v1/images/generations"
 SPEECH = "/v1/audio/speech"
+TRANSCRIPTIONS = "/v1/audio/transcriptions"
+TRANSLATIONS = "/v1/audio/translations"
 JOBS = "/v1/jobs"
-ENDPOINTS = (CHAT, IMAGES, SPEECH, JOBS)
-"""The routes a batch line may name. /v1/audio/transcriptions takes its audio as a multipart upload,
-which a JSONL line does not carry: not offered (a /v1/jobs line with a speech-to-text pipeline is)."""
+ENDPOINTS = (CHAT, IMAGES, SPEECH, TRANSCRIPTIONS, TRANSLATIONS, JOBS)
+"""The routes a batch line may name. A transcription's form becomes the line's JSON body: its text fields
+as JSON values, and ``file`` the audio as a file input takes it in POST /v1/jobs (a data: URI, base64, or a
+stored output's URL), since a JSONL line carries no multipart upload."""
+SPEECH_TO_TEXT: dict[str, Task] = {TRANSCRIPTIONS: "transcribe", TRANSLATIONS: "translate"}
 JOB_FIELDS = frozenset({"pipeline", "input", "params", "webhook", "webhook_events_filter", "priority"})
 MAX_REPORTED_ERRORS = 20
 """A refused file's answer lists this many faulty lines at most (and how many there were)."""
@@ -90,6 +96,8 @@ class LinePlan:
     body: JsonObject = field(default_factory=dict)
     webhook: JsonValue = None
     webhook_events_filter: JsonValue = None
+    form: TranscriptionForm | None = None
+    """A transcription's form (its response_format shapes the answer)."""
 
 
 class Validator(Protocol):
@@ -134,10 +142,14 @@ class LinePlanner:
 
     def plan(self, url: str, body: JsonObject) -> LinePlan:
         """The job(s) of one line; LineRefused naming the field its route refuses."""
+        form: TranscriptionForm | None = None
         try:
             if url == JOBS:
                 return self._job(body)
-            plan = self._openai(url, body)
+            if url in SPEECH_TO_TEXT:
+                plan, form = self._speech_to_text(SPEECH_TO_TEXT[url], body)
+            else:
+                plan = self._openai(url, body)
         except OpenAIError as exc:
             raise _from_openai(exc) from None
         for params in plan.params:
@@ -145,7 +157,30 @@ class LinePlanner:
                 self.validator.validate(plan.spec.name, plan.input, params)
             except InvalidRequest as exc:
                 raise _from_openai(invalid_request(exc, plan)) from None
-        return LinePlan(plan.spec.name, plan.input, plan.params, plan, body)
+        return LinePlan(plan.spec.name, plan.input, plan.params, plan, body, form=form)
+
+    def _speech_to_text(self, task: Task, body: JsonObject) -> tuple[Plan, TranscriptionForm]:
+        """The transcription route's form from a JSON body (its own checks: read_form, plan_transcription);
+        the audio, ``file``, goes to the pipeline's audio input as a file input value."""
+        audio = body.get(FILE_FIELD)
+        if audio is None:
+            raise LineRefused(f"body.{FILE_FIELD} is required: the audio as a data: URI, base64, or the URL of a "
+                              "stored output", FILE_FIELD)
+        fields: list[tuple[str, str]] = []
+        for name, value in body.items():
+            if name == FILE_FIELD:
+                continue
+            for item in value if isinstance(value, list) else [value]:
+                if isinstance(item, bool):
+                    fields.append((name, "true" if item else "false"))
+                elif isinstance(item, str | int | float):
+                    fields.append((name, str(item)))
+                else:
+                    raise LineRefused(f"body.{name}: a form field is a string, number or boolean", name)
+        form = read_form(fields)
+        plan = plan_transcription(self.catalogue, form, task, aliases=self.aliases)
+        assert plan.upload is not None
+        return dataclasses.replace(plan, input={**plan.input, plan.upload: audio}), form
 
     def _openai(self, url: str, body: JsonObject) -> Plan:
         if url == CHAT:

@@ -4,7 +4,8 @@ The body of an output line is what the line's route answers for the same jobs (t
 omni_jobs.openai_compat: chat_completion, image_items, images_response; a job line's body is the job
 object of GET /v1/jobs/{id}). A failed, canceled or vanished job gives an error line whose body is the
 route's error (openai_compat.finished raises it). Speech, which OpenAI's batches do not carry, is
-``{"object": "audio.speech", "model", "response_format", "media_type", "data": <base64>}``.
+``{"object": "audio.speech", "model", "response_format", "media_type", "data": <base64>}``; a transcription's
+body is the route's in its ``response_format`` (a JSON object, or the text of text, srt and vtt).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from omni_jobs.audio_formats import convert, media_type
 from omni_jobs.batch_lines import IMAGES, SPEECH, LinePlan, RequestLine
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.json_types import JsonObject, JsonValue
+from omni_jobs.openai_audio import read_transcript, transcription_answer
 from omni_jobs.openai_compat import (
     ImageGenerationRequest,
     Plan,
@@ -97,6 +99,16 @@ def _answer(plan: LinePlan, url: str, jobs: list[Job], shaping: Shaping) -> Json
                 items += image_items(job, fmt, data={o.name: shaping.read(o.artifact) for o in images})
         return images_response(jobs, items)
     (job,) = jobs
+    if plan.form is not None:  # a transcription or translation: the speech stage's document, in its format
+        stage_id = openai.spec.stages[0].id
+        ref = job.stage_record(stage_id).outputs.get("text")
+        if ref is None:
+            raise ValueError(f"stage '{stage_id}' left no text output")
+        temperature = job.params.get(stage_id, {}).get("temperature", 0.0)
+        answer, _media_type = transcription_answer(
+            read_transcript(codecs.decode_json(shaping.read(ref))), plan.form.response_format,
+            temperature=float(temperature) if isinstance(temperature, int | float) else 0.0)
+        return answer
     if url == SPEECH:
         audio = convert(shaping.read(first_output(job, "audio").artifact), openai.audio_format)
         return {"object": "audio.speech", "model": openai.spec.name, "response_format": openai.audio_format,

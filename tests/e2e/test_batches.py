@@ -22,6 +22,7 @@ from standardwebhooks.webhooks import Webhook
 
 from omni_jobs.local.embedded import EmbeddedSystem
 from tests.e2e.conftest import WEBHOOK_SECRETS
+from tests.media_files import wav
 from tests.webhook_receiver import WebhookReceiver
 
 
@@ -199,3 +200,24 @@ def test_a_batch_announces_its_end_with_a_signed_webhook(client: OpenAI) -> None
         assert event["data"]["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
         time.sleep(2)
         assert len(receiver.at("/batch")) == 1  # delivered once
+
+
+def test_a_transcriptions_batch_answers_as_the_route_does(client: OpenAI) -> None:
+    audio = "data:audio/wav;base64," + base64.b64encode(wav(1.0)).decode()
+    rows = [{"custom_id": fmt, "method": "POST", "url": "/v1/audio/transcriptions",
+             "body": {"model": "whisper-1", "file": audio, "response_format": fmt}} for fmt in ("json", "srt")]
+    uploaded = client.files.create(file=("asr.jsonl", jsonl(rows)), purpose="batch")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/audio/transcriptions",
+                                  completion_window="24h")
+    ended = wait_until_ended(client, batch.id)
+    assert ended.status == "completed" and ended.error_file_id is None
+    as_json, as_srt = lines_of(client, ended.output_file_id)
+    assert as_json["custom_id"] == "json" and as_srt["custom_id"] == "srt"
+    text = as_json["response"]["body"]["text"]
+    assert as_json["response"]["body"]["usage"] == {"type": "duration", "seconds": 1.0}
+    with io.BytesIO(wav(1.0)) as f:
+        same = client.audio.transcriptions.create(model="whisper-1", file=("a.wav", f))
+    assert same.text == text
+    assert isinstance(as_srt["response"]["body"], str)
+    if text.strip():
+        assert as_srt["response"]["body"].startswith("1\n00:00:00,000 --> 00:00:01,000\n")

@@ -14,6 +14,8 @@ from omni_jobs.batch_lines import (
     CHAT,
     IMAGES,
     JOBS,
+    TRANSCRIPTIONS,
+    TRANSLATIONS,
     BatchFileInvalid,
     LinePlanner,
     check_file,
@@ -28,6 +30,7 @@ from omni_jobs.openai_models import OPENAI_MODEL_NAMES
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.settings import Settings
 from omni_jobs.submission import JobSubmitter, build_job
+from tests.media_files import wav
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +205,21 @@ def test_a_job_line_answers_the_job_object(planner: LinePlanner) -> None:
     ok, result = line_result("batch_x", line, plan, [canceled], shaping({}))
     assert not ok and result["response"]["body"]["error"]["code"] == "job_canceled"
     assert result["response"]["body"]["job"] == {"id": "job_k", "status": "canceled"}
+
+
+def test_a_transcription_line_is_the_routes_form_with_its_audio_as_a_file_input(planner: LinePlanner) -> None:
+    audio = "data:audio/wav;base64," + base64.b64encode(wav(0.5)).decode()
+    plan = planner.plan(TRANSCRIPTIONS, {"model": "whisper-1", "file": audio, "language": "en",
+                                         "response_format": "srt", "temperature": 0})
+    assert plan.pipeline == "speech-to-text" and plan.form is not None and plan.form.response_format == "srt"
+    assert plan.input == {"audio": audio}
+    assert plan.params == [{"asr": {"task": "transcribe", "language": "en", "temperature": 0.0}}]
+    translated = planner.plan(TRANSLATIONS, {"model": "speech-to-text", "file": audio})
+    assert translated.params == [{"asr": {"task": "translate"}}]
+    exc = refused(planner, jsonl({"custom_id": "nofile", "url": TRANSCRIPTIONS, "body": {"model": "whisper-1"}},
+                                 {"custom_id": "fmt", "url": TRANSCRIPTIONS,
+                                  "body": {"model": "whisper-1", "file": audio, "response_format": "mp3"}},
+                                 {"custom_id": "notaudio", "url": TRANSCRIPTIONS,
+                                  "body": {"model": "whisper-1", "file": 7}}))
+    assert [(e.line, e.param) for e in exc.errors] == [(1, "body.file"), (2, "body.response_format"),
+                                                       (3, "body.file")]
