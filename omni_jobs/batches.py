@@ -443,6 +443,8 @@ class Batches:
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(keys.batch(batch_id), mapping=_mapping(ended))
             pipe.delete(keys.batch_pending(batch_id))
+            for key in (keys.batch(batch_id), keys.batch_lines(batch_id)):  # kept as long as its files
+                pipe.expire(key, self.files.ttl_s)
             if not fields.get("webhook_url"):
                 pipe.zrem(keys.BATCHES_ACTIVE, batch_id)
             pipe.execute()
@@ -474,6 +476,7 @@ class Batches:
                          webhook_id=f"msg_{fields['id'].removeprefix('batch_')}_failed")
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(keys.batch(fields["id"]), mapping=_mapping(ended))
+            pipe.expire(keys.batch(fields["id"]), self.files.ttl_s)
             if not fields.get("webhook_url"):
                 pipe.zrem(keys.BATCHES_ACTIVE, fields["id"])
             pipe.execute()

@@ -121,3 +121,13 @@ def test_a_cancel_accounts_for_lines_never_submitted(world: tuple[Batches, JobLe
     with pytest.raises(Exception) as other_tenant:
         batches.get("someone-else", batch_id)
     assert getattr(other_tenant.value, "status", None) == 404
+
+
+def test_an_ended_batch_is_kept_as_long_as_its_files(world: tuple[Batches, JobLedger, redis.Redis]) -> None:
+    batches, _ledger, client = world
+    batch_id = make_batch(batches, 2)
+    batches.cancel(TENANT, batch_id)
+    batches.advance(batch_id)
+    assert 0 < client.ttl(keys.batch(batch_id)) <= 3600
+    assert client.ttl(keys.batch_lines(batch_id)) in (-2, *range(1, 3601))  # none recorded: no key at all
+    assert not client.exists(keys.batch_pending(batch_id))
