@@ -21,7 +21,7 @@ from PIL import Image
 from standardwebhooks.webhooks import Webhook
 
 from omni_jobs.local.embedded import EmbeddedSystem
-from tests.e2e.conftest import WEBHOOK_SECRETS
+from tests.e2e.conftest import WEBHOOK_SECRETS, auth_headers
 from tests.media_files import wav
 from tests.webhook_receiver import WebhookReceiver
 
@@ -63,7 +63,7 @@ def lines_of(client: OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     return [json.loads(line) for line in client.files.content(file_id).content.splitlines()]
 
 
-def test_a_file_is_checked_kept_and_deleted(api: httpx.Client) -> None:
+def test_a_file_is_checked_kept_and_deleted(api: httpx.Client, system: EmbeddedSystem) -> None:
     data = jsonl([chat("a", "hi"), chat("b", "there")])
     made = api.post("/v1/files", files={"file": ("in.jsonl", data)}, data={"purpose": "batch"})
     assert made.status_code == 200, made.text
@@ -74,6 +74,12 @@ def test_a_file_is_checked_kept_and_deleted(api: httpx.Client) -> None:
     content = api.get(f"/v1/files/{record['id']}/content")
     assert content.content == data
     assert record["id"] in [f["id"] for f in api.get("/v1/files").json()["data"]]
+    with httpx.Client(base_url=str(api.base_url), timeout=30,
+                      headers=auth_headers(system.create_api_key(f"other-{time.time_ns()}"))) as other:
+        for path in (f"/v1/files/{record['id']}", f"/v1/files/{record['id']}/content"):
+            assert other.get(path).status_code == 404  # another tenant's file is nobody's
+        assert other.delete(f"/v1/files/{record['id']}").status_code == 404
+        assert record["id"] not in [f["id"] for f in other.get("/v1/files").json()["data"]]
     assert api.delete(f"/v1/files/{record['id']}").json() == {"id": record["id"], "object": "file", "deleted": True}
     gone = api.get(f"/v1/files/{record['id']}")
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "file_not_found"
@@ -162,10 +168,12 @@ def test_an_images_batch_runs_n_jobs_a_line(client: OpenAI) -> None:
     assert err.value.code == "batch_not_cancellable"
 
 
-def test_a_cancelled_batch_accounts_for_every_line(client: OpenAI) -> None:
+def test_a_cancelled_batch_accounts_for_every_line(client: OpenAI, system: EmbeddedSystem) -> None:
     rows = [dit_job(f"j{i}", i) for i in range(40)]
     uploaded = client.files.create(file=("dit.jsonl", jsonl(rows)), purpose="batch")
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h")
+    receiver = WebhookReceiver().__enter__()
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/jobs", completion_window="24h",
+                                  extra_body={"webhook": receiver.script("/cancelled", [])})
     deadline = time.monotonic() + 60
     while client.batches.retrieve(batch.id).status == "validating" and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -183,6 +191,17 @@ def test_a_cancelled_batch_accounts_for_every_line(client: OpenAI) -> None:
     codes = {(e["error"] or {}).get("code") or e["response"]["body"]["error"]["code"] for e in errors}
     assert codes <= {"batch_cancelled", "job_canceled"}
     assert client.batches.cancel(batch.id).status == "cancelled"  # cancelled again: answered as it is
+    try:
+        receiver.wait_until(lambda: bool(receiver.at("/cancelled")), timeout_s=60, what="batch.cancelled")
+        (got,) = receiver.at("/cancelled")
+        event = Webhook(WEBHOOK_SECRETS[0]).verify(got.body, got.headers)
+        assert event["type"] == "batch.cancelled" and event["data"]["request_counts"]["total"] == 40
+    finally:
+        receiver.__exit__()
+    with httpx.Client(base_url=system.api_url, timeout=30,
+                      headers=auth_headers(system.create_api_key(f"other-{time.time_ns()}"))) as other:
+        assert other.get(f"/v1/batches/{batch.id}").status_code == 404  # another tenant's batch is nobody's
+        assert other.post(f"/v1/batches/{batch.id}/cancel").status_code == 404
 
 
 def test_a_batch_announces_its_end_with_a_signed_webhook(client: OpenAI) -> None:
