@@ -47,6 +47,8 @@ from omni_jobs.batch_lines import (
     RequestLine,
     check_file,
     iter_lines,
+    read_line,
+    split_lines,
 )
 from omni_jobs.batch_results import Shaping, error_line, line_result
 from omni_jobs.errors import (
@@ -152,6 +154,20 @@ class BatchWebhook:
     policy: RetryPolicy
 
 
+class FileLines:
+    """A batch file's lines as raw bytes, each read (parsed) when it is used: a process holds a running batch's
+    file, not a parsed object per line (a 50,000-line file would be ~100 MB of dicts)."""
+
+    def __init__(self, raw: list[bytes]) -> None:
+        self.raw = raw
+
+    def __len__(self) -> int:
+        return len(self.raw)
+
+    def __getitem__(self, index: int) -> RequestLine:
+        return read_line(index, self.raw[index])
+
+
 class Batches:
     """Create, read, cancel and advance batches (the routes call the first three, the driver ``advance``)."""
 
@@ -178,8 +194,8 @@ class Batches:
         self._settle = redis_client.register_script(_SETTLE)
         self._unlock = redis_client.register_script(_UNLOCK)
         self._renew = redis_client.register_script(_RENEW)
-        self._lines: dict[str, list[RequestLine]] = {}
-        """A running batch's parsed lines, read once per process (dropped at finalize)."""
+        self._lines: dict[str, FileLines] = {}
+        """A running batch's lines, read once per process (dropped at finalize)."""
 
     # --- files ---
     def check_file(self, data: bytes) -> FileSummary:
@@ -323,16 +339,15 @@ class Batches:
             return "expired"
         return "completed"
 
-    def _lines_of(self, fields: dict[str, str]) -> list[RequestLine]:
+    def _lines_of(self, fields: dict[str, str]) -> FileLines:
         batch_id = fields["id"]
         lines = self._lines.get(batch_id)
         if lines is None:
             record: FileRecord = self.files.get(fields["tenant"], fields["input_file_id"])
-            lines = list(iter_lines(self.files.artifacts.get(record.artifact)))
-            self._lines[batch_id] = lines
+            lines = self._lines[batch_id] = FileLines(split_lines(self.files.artifacts.get(record.artifact)))
         return lines
 
-    def _submit(self, fields: dict[str, str], lines: list[RequestLine], keep: Callable[[], None]) -> None:
+    def _submit(self, fields: dict[str, str], lines: FileLines, keep: Callable[[], None]) -> None:
         """Submit lines from the cursor while fewer than max_in_flight are pending; a quota or a full queue
         ends the pass (the next one tries again)."""
         batch_id = fields["id"]
@@ -406,7 +421,7 @@ class Batches:
         if args:
             self._settle(keys=[keys.batch_pending(batch_id), keys.batch(batch_id)], args=args)
 
-    def _finalize(self, fields: dict[str, str], lines: list[RequestLine], ending: str,
+    def _finalize(self, fields: dict[str, str], lines: FileLines, ending: str,
                   keep: Callable[[], None]) -> None:
         """The output and error files from every line in order, then the end in one transaction."""
         batch_id = fields["id"]
@@ -419,7 +434,7 @@ class Batches:
         err: list[bytes] = []
         for start in range(0, len(lines), CHUNK):
             keep()
-            chunk = lines[start:start + CHUNK]
+            chunk = [lines[index] for index in range(start, min(start + CHUNK, len(lines)))]
             values = self.redis.hmget(keys.batch_lines(batch_id), [line.index for line in chunk])
             recorded = [v.decode() if isinstance(v, bytes) else v for v in values]
             wanted = [job_id for v in recorded if v and not v.startswith("!") for job_id in v.split(",")]
