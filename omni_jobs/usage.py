@@ -123,20 +123,6 @@ def install(client: redis.Redis) -> UsageRecorder:
     return recorder
 
 
-def parse_time(value: str, *, name: str) -> float:
-    """Unix seconds, or an ISO 8601 date or time (UTC when it names no zone); ValueError naming ``name``."""
-    try:
-        return float(value)
-    except ValueError:
-        pass
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError:
-        raise ValueError(f"{name} must be Unix seconds or an ISO 8601 date ('2026-12-01', "
-                         f"'2026-12-01T12:00:00Z'); got {value!r}") from None
-    return (parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)).timestamp()
-
-
 def _bucket(fields: dict[str, str]) -> JsonObject:
     jobs: JsonObject = {}
     stage_seconds: JsonObject = {}

@@ -18,7 +18,10 @@ from api.routes.openai import OpenAIErrorBody
 from api.schemas import errors
 from omni_jobs.json_types import JsonObject
 from omni_jobs.openai_errors import OpenAIError
-from omni_jobs.usage import DAY_S, parse_time, read_usage
+from omni_jobs.usage import DAY_S, read_usage
+
+MAX_TIME = 10**11
+"""Unix seconds far beyond any date a job has (the year 5138)."""
 
 router = APIRouter(prefix="/v1", tags=["usage"], responses=errors(401, 503))
 
@@ -29,13 +32,15 @@ def install(app: FastAPI) -> None:
 
 @router.get("/usage", summary="Usage per tenant by day: jobs by status, stage-seconds per queue, tokens, images, "
             "audio seconds, video frames",
-            responses={400: {"model": OpenAIErrorBody, "description": "A bad start, end or bucket; `param` names it."},
+            responses={400: {"model": OpenAIErrorBody, "description": "end is not after start, or more than 366 days "
+                             "after it (param: end)."},
                        403: {"model": OpenAIErrorBody, "description": "tenant= names another tenant, and this key is "
                              "not an admin's (OMNI_ADMIN_TENANTS)."}})
 async def get_usage(
     request: Request,
-    start: Annotated[str, Query(max_length=40, description="Unix seconds or an ISO 8601 date/time (UTC).")],
-    end: Annotated[str | None, Query(max_length=40, description="Exclusive; default: now.")] = None,
+    start: Annotated[int, Query(ge=0, le=MAX_TIME, description="Unix seconds (UTC): the first day's bucket holds it.")],
+    end: Annotated[int | None, Query(ge=0, le=MAX_TIME, description="Unix seconds, exclusive; default: now. "
+                                     "After start, at most 366 days later.")] = None,
     bucket: Literal["day", "1d"] = "day",
     tenant: Annotated[str | None, Query(max_length=200, description="Admins: one tenant only.")] = None,
 ) -> JsonObject:
@@ -45,13 +50,11 @@ async def get_usage(
     if tenant is not None and tenant != own and not admin:
         raise OpenAIError(403, f"this key sees tenant {own!r}'s usage only; an admin's key (OMNI_ADMIN_TENANTS) sees "
                           "others'", param="tenant", code="forbidden", type_="permission_error")
+    end_s = float(end) if end is not None else max(time.time(), start + DAY_S)
+    tenants = [tenant] if tenant is not None else (None if admin else [own])
     try:
-        start_s = parse_time(start, name="start")
-        end_s = parse_time(end, name="end") if end is not None else max(time.time(), start_s + DAY_S)
-        tenants = [tenant] if tenant is not None else (None if admin else [own])
         page: dict[str, Any] = await run_in_threadpool(read_usage, ctx.runtime.redis, tenants=tenants,
-                                                       start=start_s, end=end_s)
-    except ValueError as exc:
-        param = "start" if str(exc).startswith("start") else "end"
-        raise OpenAIError(400, str(exc), param=param) from None
+                                                       start=float(start), end=end_s)
+    except ValueError as exc:  # end before start, or more than 366 days
+        raise OpenAIError(400, str(exc), param="end") from None
     return page

@@ -36,11 +36,14 @@ def cannot_be_said(case: Case, response: Response) -> bool:
     the stage's default for an absent one). The OpenAI routes that take files (a chat's media parts, a
     transcription's file) answer the first of those as a 400 with its type as the code. A batch file
     (POST /v1/files) is lines of requests, each checked by its route: a file of other bytes is a 400
-    ``invalid_batch_file``. Everything else must be accepted."""
+    ``invalid_batch_file``. GET /v1/usage's end must come after its start, by at most 366 days (two fields
+    again). Everything else must be accepted."""
     if case.path in OPENAI_FILE_PATHS and response.status_code == 400:
         return response.json()["error"]["code"] in FILE_ERRORS
     if case.path == "/v1/files" and response.status_code == 400:  # a batch file's lines are requests to check
         return response.json()["error"]["code"] == "invalid_batch_file"
+    if case.path == "/v1/usage" and response.status_code == 400:  # end after start, by at most 366 days
+        return response.json()["error"]["param"] == "end"
     if case.path not in SUBMIT_PATHS or response.status_code != 422:
         return False
     return all(e["type"] in FILE_ERRORS or "leaves no denoising step" in e["msg"] or _other_pipelines_part(case, e)
