@@ -4,13 +4,16 @@ One pure function (:func:`increments`) reads a job commit's events and says what
 status (``queued`` counts every job made), stage-seconds per queue (a succeeded stage's run, and a failed job's
 failing stage until the failure: the attempts that ended it, as omni_jobs.metrics counts them), tokens in and out (an AR stage's ``prompt_tokens`` / ``completion_tokens``
 metrics), images, audio seconds and video frames (a succeeded job's outputs). Two listeners count the same
-increments: :class:`UsageRecorder` in Redis (a hash per tenant and day, read back here), and the Prometheus
-counters of omni_jobs.metrics. Like those counters, it counts what the committing process saw: a commit
+increments: :class:`UsageRecorder` in Redis (a hash per tenant and day, read back here; written once a second
+from a tally, off the committing thread), and the Prometheus counters of omni_jobs.metrics. Like those counters, it counts what the committing process saw: a commit
 whose listener never ran (the process died right after it) is not counted.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -23,6 +26,7 @@ from omni_jobs.jobs.models import EventType, Job, JobEvent, StageRecord
 from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.redis_replies import members, text_hash
 
+log = logging.getLogger(__name__)
 DAY_S = 24 * 3600
 _FINAL = {"job.succeeded": "succeeded", "job.failed": "failed", "job.canceled": "canceled", "job.queued": "queued"}
 
@@ -86,24 +90,68 @@ def _record(job: Job, stage: object) -> StageRecord | None:
 
 
 class UsageRecorder(telemetry.Listener):
-    """Counts usage in Redis (``keys.usage``), one pipeline per commit that adds any; failures are the
-    telemetry's to log, never the commit's."""
+    """Counts usage in Redis (``keys.usage``). A commit only adds its increments to this process's tally (a dict
+    under a lock: no I/O on the committing thread, which for a submit is the API's event loop); a daemon thread
+    writes the tally every ``flush_s`` in one pipeline. A process killed meanwhile loses its last ``flush_s`` of
+    counts, as its Prometheus counters lose theirs."""
 
-    def __init__(self, client: redis.Redis, *, ttl_s: int = 400 * DAY_S) -> None:
+    def __init__(self, client: redis.Redis, *, ttl_s: int = 400 * DAY_S, flush_s: float = 1.0) -> None:
         self.client = client
         self.ttl_s = ttl_s
+        self.flush_s = flush_s
+        self._tally: dict[tuple[str, str, str], float] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._pid = 0
 
     def job_events(self, job: Job, events: list[JobEvent]) -> None:
         found = increments(job, events)
         if not found:
             return
-        with self.client.pipeline(transaction=True) as pipe:
+        with self._lock:
             for inc in found:
-                key = keys.usage(inc.tenant, inc.day)
-                pipe.hincrbyfloat(key, inc.field, inc.amount)
-                pipe.expire(key, self.ttl_s)
-            pipe.sadd(keys.USAGE_TENANTS, *{inc.tenant for inc in found})
-            pipe.execute()
+                key = (inc.tenant, inc.day, inc.field)
+                self._tally[key] = self._tally.get(key, 0.0) + inc.amount
+        if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
+            self._start()
+
+    def flush(self) -> int:
+        """Write the tally to Redis now; returns how many fields were written. What cannot be written (Redis
+        away) goes back into the tally for the next flush."""
+        with self._lock:
+            tally, self._tally = self._tally, {}
+        if not tally:
+            return 0
+        try:
+            with self.client.pipeline(transaction=True) as pipe:
+                for (tenant, day, field), amount in tally.items():
+                    key = keys.usage(tenant, day)
+                    pipe.hincrbyfloat(key, field, amount)
+                    pipe.expire(key, self.ttl_s)
+                pipe.sadd(keys.USAGE_TENANTS, *{tenant for tenant, _day, _field in tally})
+                pipe.execute()
+        except redis.RedisError:
+            with self._lock:
+                for held, amount in tally.items():
+                    self._tally[held] = self._tally.get(held, 0.0) + amount
+            raise
+        return len(tally)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
+                return
+            self._pid = os.getpid()
+            self._thread = threading.Thread(target=self._loop, name="omni-usage-flush", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(self.flush_s)
+            try:
+                self.flush()
+            except Exception:
+                log.warning("usage: cannot write the tally yet", exc_info=True)
 
 
 _installed: list[UsageRecorder] = []
@@ -121,6 +169,12 @@ def install(client: redis.Redis) -> UsageRecorder:
     _installed[:] = [recorder]
     telemetry.add_listener(recorder)
     return recorder
+
+
+def flush_pending() -> None:
+    """Write this process's tally now (a read of usage in the same process then includes its own last commits)."""
+    for recorder in _installed:
+        recorder.flush()
 
 
 def _bucket(fields: dict[str, str]) -> JsonObject:

@@ -18,7 +18,7 @@ from api.routes.openai import OpenAIErrorBody
 from api.schemas import errors
 from omni_jobs.json_types import JsonObject
 from omni_jobs.openai_errors import OpenAIError
-from omni_jobs.usage import DAY_S, read_usage
+from omni_jobs.usage import DAY_S, flush_pending, read_usage
 
 MAX_TIME = 10**11
 """Unix seconds far beyond any date a job has (the year 5138)."""
@@ -53,6 +53,7 @@ async def get_usage(
     end_s = float(end) if end is not None else max(time.time(), start + DAY_S)
     tenants = [tenant] if tenant is not None else (None if admin else [own])
     try:
+        await run_in_threadpool(flush_pending)  # this process's last commits too
         page: dict[str, Any] = await run_in_threadpool(read_usage, ctx.runtime.redis, tenants=tenants,
                                                        start=float(start), end=end_s)
     except ValueError as exc:  # end before start, or more than 366 days

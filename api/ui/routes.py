@@ -41,7 +41,7 @@ from omni_jobs.errors import (
 from omni_jobs.jobs.models import FINAL_EVENTS, JobStatus
 from omni_jobs.jobs.watch import STREAM_ID
 from omni_jobs.metrics import QUOTA_REFUSALS
-from omni_jobs.usage import DAY_S, read_usage
+from omni_jobs.usage import DAY_S, flush_pending, read_usage
 
 log = logging.getLogger(__name__)
 
@@ -539,6 +539,7 @@ def usage_page(request: Request, ctx: Ctx, who: Viewer,
                days: Annotated[int, Query(ge=1, le=366)] = 7) -> Response:
     admin = who.tenant in ctx.runtime.settings.admin_tenants
     end = time.time()
+    flush_pending()  # this process's last commits too
     page = read_usage(ctx.runtime.redis, tenants=None if admin else [who.tenant], start=end - days * DAY_S, end=end)
     return templating.render(request, "usage.html", viewer=who, buckets=page["data"], days=days, admin=admin,
                              day=_day)
