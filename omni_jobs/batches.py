@@ -82,6 +82,8 @@ TIMESTAMPS = ("created_at", "in_progress_at", "expires_at", "finalizing_at", "co
 CHUNK = 500
 """Lines read together at finalize (one HMGET, one read of their jobs)."""
 MAX_METADATA = 16
+SWEEP_EVERY_S = 60.0
+"""How often a driver deletes expired files' bytes (FileStore.sweep)."""
 EXPIRED_MESSAGE = "this request could not be executed before the completion window expired"
 
 _RECORD = """
@@ -582,9 +584,17 @@ class BatchDriver:
         self.lock_ms = lock_ms
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._next_sweep = 0.0
 
     def run_once(self) -> int:
-        """One pass over the active batches; returns how many this process advanced."""
+        """One pass over the active batches; returns how many this process advanced. Once a minute it also
+        deletes the bytes of files whose time ran out."""
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + SWEEP_EVERY_S
+            try:
+                self.batches.files.sweep(time.time())
+            except Exception:  # Redis or the store away: the next sweep tries again
+                log.warning("batch driver: the file sweep failed", exc_info=True)
         advanced = 0
         for batch_id in members(self.batches.redis.zrange(keys.BATCHES_ACTIVE, 0, 999)):
             token = self.batches.lock(batch_id, self.lock_ms)

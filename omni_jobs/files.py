@@ -136,6 +136,7 @@ class FileStore:
         ref = self.artifacts.put_output(keys.file_artifact(file_id), data, JSONL)
         created = int(time.time())
         record = FileRecord(file_id, tenant, purpose, filename, len(data), created, lines, ref, created + self.ttl_s)
+        self.redis.zadd(keys.FILES_EXPIRING, {file_id: created + self.ttl_s})  # first: the bytes go when it is due
         self.records.put(keys.file(file_id), record.fields(), indexes=[keys.tenant_files(tenant)], member=file_id,
                          score=created, ttl_s=self.ttl_s)
         return record
@@ -156,7 +157,19 @@ class FileStore:
             pipe.zrem(keys.tenant_files(tenant), file_id)
             pipe.execute()
         self.artifacts.delete(record.artifact)
+        self.redis.zrem(keys.FILES_EXPIRING, file_id)
         return record
+
+    def sweep(self, now: float, *, limit: int = 100) -> int:
+        """Delete the bytes of the files whose time ran out (their records expire by TTL); returns how many."""
+        due = members(self.redis.zrangebyscore(keys.FILES_EXPIRING, 0, now, start=0, num=limit))
+        for file_id in due:
+            self.artifacts.large.delete(keys.file_artifact(file_id))
+            with self.redis.pipeline(transaction=True) as pipe:
+                pipe.delete(keys.file(file_id))
+                pipe.zrem(keys.FILES_EXPIRING, file_id)
+                pipe.execute()
+        return len(due)
 
     def list(self, tenant: str, *, limit: int = 100) -> list[FileRecord]:
         """The tenant's files, newest first (ids whose record expired are dropped from the index)."""

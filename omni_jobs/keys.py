@@ -288,3 +288,8 @@ def usage(tenant: str, day: str) -> str:
 
 USAGE_TENANTS = f"{PREFIX}:usage:tenants"
 """Set of the tenants that have usage recorded (what an admin's GET /v1/usage reads)."""
+
+
+FILES_EXPIRING = f"{PREFIX}:files:expiring"
+"""Sorted set of file ids scored by when they expire: the batch driver deletes their bytes then
+(omni_jobs.files.FileStore.sweep), as the record's TTL deletes the record."""

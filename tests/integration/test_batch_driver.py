@@ -6,6 +6,7 @@ lines never submitted."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -131,3 +132,16 @@ def test_an_ended_batch_is_kept_as_long_as_its_files(world: tuple[Batches, JobLe
     assert 0 < client.ttl(keys.batch(batch_id)) <= 3600
     assert client.ttl(keys.batch_lines(batch_id)) in (-2, *range(1, 3601))  # none recorded: no key at all
     assert not client.exists(keys.batch_pending(batch_id))
+
+
+def test_a_files_bytes_go_when_its_time_runs_out(world: tuple[Batches, JobLedger, redis.Redis]) -> None:
+    batches, _ledger, client = world
+    record = batches.files.put(TENANT, b'{"x": 1}\n', filename="f.jsonl", purpose="batch", lines=1)
+    assert batches.files.sweep(time.time()) == 0  # not due: kept
+    assert batches.files.content(TENANT, record.id) == b'{"x": 1}\n'
+    assert batches.files.sweep(time.time() + 3601) == 1  # the fixture's files live an hour
+    assert not batches.files.artifacts.exists(record.artifact)
+    assert not client.exists(keys.file(record.id)) and client.zcard(keys.FILES_EXPIRING) == 0
+    gone = batches.files.put(TENANT, b"{}\n", filename="g.jsonl", purpose="batch", lines=1)
+    batches.files.delete(TENANT, gone.id)  # a deleted file leaves nothing to sweep
+    assert client.zcard(keys.FILES_EXPIRING) == 0
