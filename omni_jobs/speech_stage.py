@@ -21,6 +21,7 @@ from omni_jobs.json_types import JsonObject
 from omni_jobs.pipelines.params import DiTCode2WavParams
 from omni_jobs.pipelines.spec import StageSpec
 
+
 class JobEnded(Exception):
     """The job ended (failed or canceled) while the stage waited for its talker."""
 

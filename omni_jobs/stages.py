@@ -24,14 +24,15 @@ import redis
 
 from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, ArtifactStoreUnavailable
+from omni_jobs.code_stream import CODES_DELTA_INTERVAL_S, CODES_FIELD, codes_text
 from omni_jobs.engines.ar import AROutput, TextSoFar
 from omni_jobs.engines.batching import BatchDefaults, BatchPolicy, ar_batcher
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.engines.stage_exec import (
     StageValues,
-    code_ids,
     ar_engine_args,
     ar_request,
+    code_ids,
     execute_code2wav,
     execute_dit,
     execute_encode,
@@ -50,15 +51,14 @@ from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.leases import LeaseKeeper
 from omni_jobs.payloads import FORMATS, Payload, decode_payload, encode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
-from omni_jobs.code_stream import CODES_DELTA_INTERVAL_S, CODES_FIELD, codes_text
 from omni_jobs.pipelines.params import ARParams, DiTCode2WavParams, StageParams
 from omni_jobs.pipelines.spec import INPUT_SOURCE, Binding, PipelineSpec, StageSpec
 from omni_jobs.previews import LatentPreview
 from omni_jobs.progress_writer import ProgressWriter
 from omni_jobs.run_journal import RunJournal
+from omni_jobs.speech_stage import JobEnded, run_streamed_code2wav
 from omni_jobs.stage_cache import CachedOutputs, Eviction, StageOutputCache, cache_key, text_digest
 from omni_jobs.steps import AssembleResults, RunStage, StepOutcome
-from omni_jobs.speech_stage import JobEnded, run_streamed_code2wav
 from omni_jobs.text_stream import DELTA_INTERVAL_S, Publish, TextDeltas, TextStreams, publish_each
 from omni_jobs.watchdog import hard_time_limit
 

@@ -13,8 +13,8 @@ from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import JobStatus
 from omni_jobs.pipelines.catalogue import load_catalogue
-from tests.own_loop import run_in_own_loop
 from omni_jobs.submission import JobSubmitter
+from tests.own_loop import run_in_own_loop
 
 
 class Leaves:
