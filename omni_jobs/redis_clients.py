@@ -35,6 +35,11 @@ _BACKOFF_BASE_S, _BACKOFF_CAP_S = 0.05, 0.5
 SENTINEL_TIMEOUT_S = 2.0
 """Connect and read timeout of a question to one Sentinel: an unreachable one is passed over for the
 next, rather than holding every new connection."""
+PRIMARY_TIMEOUT_S, PRIMARY_CONNECT_TIMEOUT_S = 10.0, 2.0
+"""A Sentinel client's read and connect timeouts where its caller names none. A primary whose machine
+is gone (or cut off) answers nothing, not even a reset: without them a command would wait on it for
+the kernel's minutes, not fail over. The longest command a sync client sends blocks for 0.5 s (a
+stage's XREAD), a WAIT for OMNI_REDIS_WAIT_TIMEOUT_MS; a caller that blocks longer names its own."""
 POOL_WAIT_S = 5.0
 """How long a caller waits for a connection of a bounded pool (``max_connections``) before a
 ConnectionError (the API: a 503)."""
@@ -93,6 +98,36 @@ def _tls(target: SentinelUrl) -> dict[str, Any]:
     return {"ssl": True, **({"ssl_ca_certs": target.ssl_ca_certs} if target.ssl_ca_certs is not None else {})}
 
 
+class _Following(redis.sentinel.SentinelManagedConnection):
+    """A connection to the primary that, connecting again after an error, asks the Sentinels where the
+    primary is now. redis-py 8.2 does so only when a pool hands a connection out: a command retried
+    after its connection broke reconnected to the old address, which, where the primary's machine is
+    gone, accepts nothing or nothing but a TCP handshake: each retry then waited a full read timeout,
+    for minutes, while the Sentinels already named the new primary."""
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self._sock:
+            self.connect()  # type: ignore[no-untyped-call]  # redis-py; the Sentinel-aware connect
+        super().send_packed_command(command, check_health)  # type: ignore[no-untyped-call]  # redis-py
+
+
+class _FollowingSSL(_Following, redis.sentinel.SentinelManagedSSLConnection):
+    """``_Following`` over TLS."""
+
+
+class _AsyncFollowing(asentinel.SentinelManagedConnection):
+    """``_Following`` for redis.asyncio."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if not self.is_connected:
+            await self.connect()  # type: ignore[no-untyped-call]  # redis-py
+        await super().send_packed_command(command, check_health)
+
+
+class _AsyncFollowingSSL(_AsyncFollowing, asentinel.SentinelManagedSSLConnection):
+    """``_AsyncFollowing`` over TLS."""
+
+
 def _primary_kwargs(target: SentinelUrl, options: dict[str, Any]) -> dict[str, Any]:
     """How to log in to the primary (database, credentials, TLS), with the caller's options."""
     kwargs: dict[str, Any] = {"db": target.db, **options}
@@ -120,13 +155,17 @@ def redis_client(url: str, *, setting: str = "OMNI_REDIS_URL", socket_timeout: f
                  health_check_interval: int = 0) -> redis.Redis:
     """A sync client for ``url``: one server, or the primary that Sentinels name (following it through
     failovers). ``setting`` is named when a Sentinel URL is malformed (RedisUrlInvalid)."""
-    options = _options(socket_timeout, socket_connect_timeout, decode_responses, health_check_interval)
     if not is_sentinel_url(url):
-        return redis.Redis.from_url(url, **options)
+        return redis.Redis.from_url(url, **_options(socket_timeout, socket_connect_timeout, decode_responses,
+                                                    health_check_interval))
     target = parse_sentinel_url(url, setting)
+    options = _options(PRIMARY_TIMEOUT_S if socket_timeout is None else socket_timeout,
+                       PRIMARY_CONNECT_TIMEOUT_S if socket_connect_timeout is None else socket_connect_timeout,
+                       decode_responses, health_check_interval)
     sentinel = redis.sentinel.Sentinel(list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target))
-    client: redis.Redis = sentinel.master_for(target.master,
-                                              **_primary_kwargs(target, {**options, "retry": failover_retry()}))
+    kwargs = _primary_kwargs(target, {**options, "retry": failover_retry()})
+    kwargs["connection_class"] = _FollowingSSL if target.tls else _Following
+    client: redis.Redis = sentinel.master_for(target.master, **kwargs)
     return client
 
 
@@ -144,8 +183,11 @@ def async_client_from_url(url: str, *, setting: str = "OMNI_REDIS_URL", socket_t
     options = _options(socket_timeout, None, False, health_check_interval)
     if is_sentinel_url(url):
         target = parse_sentinel_url(url, setting)
+        options = _options(PRIMARY_TIMEOUT_S if socket_timeout is None else socket_timeout,
+                           PRIMARY_CONNECT_TIMEOUT_S, False, health_check_interval)
         sentinel = asentinel.Sentinel(list(target.sentinels), sentinel_kwargs=_sentinel_kwargs(target))
         kwargs = _primary_kwargs(target, {**options, "retry": async_failover_retry()})
+        kwargs["connection_class"] = _AsyncFollowingSSL if target.tls else _AsyncFollowing
         if max_connections is not None:  # bounded: a caller past them waits
             kwargs.update(connection_pool_class=_BlockingSentinelPool, max_connections=max_connections,
                           timeout=POOL_WAIT_S)

@@ -157,3 +157,43 @@ def test_clients_and_the_broker_follow_a_failover_over_tls(tls_set: TlsSet) -> N
 
     asyncio.run(streams())
     sync.close()
+
+
+def test_a_primary_that_answers_nothing_is_left_for_the_new_one(tmp_path: Path) -> None:
+    """The primary's machine gone (here: the process stopped, so its port still takes a TCP handshake
+    and answers nothing): a command in flight times out, and its retry asks the Sentinels again
+    instead of waiting on the old address for every one of its tries (minutes, with redis-py 8.2's own
+    reconnect)."""
+    import os
+    import signal
+    import time
+
+    from omni_jobs.local.ha import start_redis_ha
+
+    ha = start_redis_ha(tmp_path / "ha", replicas=1)
+    old = ha.primary()
+    try:
+        sync = redis_client(ha.url)
+        sync.set("n", 0)
+
+        async def go() -> float:
+            client = async_client_from_url(ha.url, max_connections=2)
+            await client.set("m", 0)
+            assert old.pid is not None
+            os.kill(old.pid, signal.SIGSTOP)
+            start = time.monotonic()
+            await client.incr("m")
+            await client.aclose()
+            return time.monotonic() - start
+
+        followed_async = asyncio.run(go())
+        start = time.monotonic()
+        assert sync.incr("n") == 1
+        followed_sync = time.monotonic() - start
+        assert ha.primary_port() != old.port
+        assert followed_async < 25 and followed_sync < 25, (followed_async, followed_sync)
+        sync.close()
+    finally:
+        if old.pid is not None:
+            os.kill(old.pid, signal.SIGCONT)
+        ha.stop()
