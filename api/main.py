@@ -219,6 +219,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(ArtifactStoreUnavailable, _unavailable)
     app.add_exception_handler(NotDurable, _unavailable)
     app.add_exception_handler(redis.ConnectionError, _unavailable)
+    app.add_exception_handler(redis.TimeoutError, _unavailable)  # a primary that answers nothing (failover)
     return app
 
 

@@ -17,6 +17,8 @@ SERVER_SCHEMES = ("redis", "rediss", "unix")
 SENTINEL_FORMAT = ("sentinel://[[user]:password@]host[:port][,host[:port]...]/master-name[/db]"
                    "[?sentinel_password=...&sentinel_username=...] (sentinels:// for TLS, with ssl_ca_certs=FILE)")
 SENTINEL_OPTIONS = ("sentinel_password", "sentinel_username", "ssl_ca_certs")
+BROKER_TIMEOUT_S, BROKER_CONNECT_TIMEOUT_S, BROKER_HEALTH_CHECK_S = 10.0, 2.0, 5
+"""kombu's read and connect timeouts and health checks on a Sentinel broker (see ``kombu_broker``)."""
 
 
 class RedisUrlInvalid(ValueError):
@@ -180,7 +182,11 @@ def kombu_broker(url: str, setting: str = "OMNI_BROKER_URL") -> dict[str, object
         tls["ssl_ca_certs"] = target.ssl_ca_certs
     if target.tls:
         sentinel_kwargs.update(ssl=True, **tls)
-    options: dict[str, object] = {"master_name": target.master}
+    # A primary whose machine is gone answers nothing and resets nothing: without timeouts a publish
+    # waited on it for ever, and a consumer's BRPOP for brpop_timeout + 2 x health_check_interval (51 s).
+    options: dict[str, object] = {"master_name": target.master, "socket_timeout": BROKER_TIMEOUT_S,
+                                  "socket_connect_timeout": BROKER_CONNECT_TIMEOUT_S, "socket_keepalive": True,
+                                  "health_check_interval": BROKER_HEALTH_CHECK_S}
     if sentinel_kwargs:
         options["sentinel_kwargs"] = sentinel_kwargs
     config: dict[str, object] = {"broker_url": ";".join(urls), "broker_transport_options": options}

@@ -20,8 +20,10 @@ duplicated and every job is done within 60 s of the failover. With 0 it reports 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -53,6 +55,7 @@ from tests.fault.lag_proxy import LagProxy
 from tests.webhook_receiver import WebhookReceiver
 
 REPO = Path(__file__).resolve().parents[2]
+FROZEN_S = 30.0
 WORKER_QUEUES = {"ar": "threads", "dit": "threads", "results": "solo", "webhooks": "threads"}
 """The queues of the jobs it submits (text-to-image, text-to-text): no speech engines to load."""
 
@@ -85,9 +88,12 @@ class FailoverResult(ChaosResult):
 
 
 def run(jobs: int = 240, kill_at: int = 200, wait_replicas: int = 1, seed: int = 7, home: Path | None = None,
-        say: Any = print, image_share: float = 0.4, replica_lag_ms: int = 0) -> FailoverResult:
+        say: Any = print, image_share: float = 0.4, replica_lag_ms: int = 0, freeze: bool = False) -> FailoverResult:
     """``replica_lag_ms``: the replica replicates through a LagProxy (tests/fault/lag_proxy.py) and the
-    kill drops what is on its way too: the loss of the primary's machine with that replication lag."""
+    kill drops what is on its way too: the loss of the primary's machine with that replication lag.
+    ``freeze``: SIGSTOP the primary instead (its port takes a TCP handshake and answers nothing, as a
+    machine that is gone or cut off), and SIGKILL it only ``FROZEN_S`` after the Sentinels promoted the
+    replica: until then no connection to it is reset, and every process must have left it by itself."""
     rng = random.Random(seed)
     home = (home or REPO / "var" / "failover").resolve()
     shutil.rmtree(home, ignore_errors=True)
@@ -138,12 +144,18 @@ def run(jobs: int = 240, kill_at: int = 200, wait_replicas: int = 1, seed: int =
                     f"with {len(result.accepted)} jobs answered 202")
                 if lag is not None:
                     lag.cut()  # what was on its way to the replica dies with the primary's machine
-                primary.kill()
+                if freeze and primary.pid is not None:
+                    os.kill(primary.pid, signal.SIGSTOP)
+                else:
+                    primary.kill()
                 killed_at = time.monotonic()
                 kill_time.append(time.time())
                 killed.set()
                 result.faults = [Fault(primary.name, killed_at - started)]
                 result.failover_s = ha.wait_for_failover(primary.port)
+                if freeze:
+                    stop.wait(FROZEN_S)
+                    primary.kill()  # SIGKILL ends a stopped process too
                 say(f"  [failover] the Sentinels named port {ha.primary_port()} after {result.failover_s:.1f} s")
                 held_down.discard(primary.name)  # the supervisor starts it, as the new primary's replica
 
@@ -216,12 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kill-at", type=int, default=200, help="SIGKILL the primary once this many jobs got 202")
     parser.add_argument("--wait-replicas", type=int, default=1, help="OMNI_REDIS_WAIT_REPLICAS")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--freeze", action="store_true",
+                        help="SIGSTOP the primary (answers nothing, as a machine gone) rather than SIGKILL it")
     parser.add_argument("--replica-lag-ms", type=int, default=0,
                         help="the replica this far behind, and the primary's whole machine lost at the kill")
     parser.add_argument("--home", type=Path, default=REPO / "var" / "failover")
     args = parser.parse_args(argv)
     result = run(args.jobs, args.kill_at, args.wait_replicas, args.seed, args.home,
-                 replica_lag_ms=args.replica_lag_ms)
+                 replica_lag_ms=args.replica_lag_ms, freeze=args.freeze)
     print("\n" + result.table())
     if args.wait_replicas < 1:
         print(f"\nlost: {len(result.missing)} of {len(result.accepted)} jobs answered 202")

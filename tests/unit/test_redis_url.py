@@ -16,6 +16,8 @@ from omni_jobs.redis_url import (
 )
 from omni_jobs.settings import Settings, SettingsInvalid, load_settings
 
+TIMEOUTS = {"socket_timeout": 10.0, "socket_connect_timeout": 2.0, "socket_keepalive": True, "health_check_interval": 5}
+
 
 def test_sentinels_master_and_db() -> None:
     target = parse_sentinel_url("sentinel://h1:26380,h2,[::1]:26381/mymaster/3")
@@ -75,7 +77,7 @@ def test_kombu_spelling() -> None:
     tls = {"ssl_cert_reqs": "required", "ssl_ca_certs": "/ca.pem"}
     assert config == {
         "broker_url": "sentinel://:p%3Aw@h1:26379/2;sentinel://:p%3Aw@h2:26380",
-        "broker_transport_options": {"master_name": "mymaster",
+        "broker_transport_options": {"master_name": "mymaster", **TIMEOUTS,
                                      "sentinel_kwargs": {"password": "s", "ssl": True, **tls}},
         "broker_use_ssl": tls,
     }
@@ -86,7 +88,7 @@ def test_celery_config_keeps_its_transport_options_and_direct_publish() -> None:
     settings = Settings(redis_url=url)
     config = celery_config(settings)
     assert config["broker_url"] == "sentinel://h1:26379/0;sentinel://h2:26379"
-    assert config["broker_transport_options"] == {"ack_emulation": False, "master_name": "omni"}
+    assert config["broker_transport_options"] == {"ack_emulation": False, "master_name": "omni", **TIMEOUTS}
     assert settings.publishes_in_commit  # the broker is the job store's Redis: commits push the messages
 
 
