@@ -32,7 +32,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from omni_jobs import telemetry, usage
@@ -383,9 +383,28 @@ def process_registry() -> CollectorRegistry:
     return registry
 
 
-def render(*extra: Collector) -> tuple[bytes, str]:
-    """The text exposition of this process's metrics plus the extra collectors (read once, now)."""
-    body = generate_latest(process_registry())
+class WithoutTenants(Collector):
+    """A registry's metric families but those labelled by tenant (the usage counters): what a scrape that did
+    not authenticate may read (OMNI_METRICS_TOKEN), which names no tenant."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self.registry.collect():
+            if not any("tenant" in sample.labels for sample in family.samples):
+                yield family
+
+
+def render(*extra: Collector, tenants: bool = True) -> tuple[bytes, str]:
+    """The text exposition of this process's metrics plus the extra collectors (read once, now); without
+    ``tenants``, no series labelled by tenant."""
+    registry = process_registry()
+    if not tenants:
+        filtered = CollectorRegistry(auto_describe=False)
+        filtered.register(WithoutTenants(registry))
+        registry = filtered
+    body = generate_latest(registry)
     if extra:
         registry = CollectorRegistry(auto_describe=False)
         for collector in extra:

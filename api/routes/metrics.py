@@ -5,7 +5,8 @@ them), so summing every target never counts a queue twice.
 
 With OMNI_METRICS_TOKEN set, a scrape must carry it (``Authorization: Bearer <token>``; Prometheus's
 ``authorization`` setting); without it, /metrics is open and names no tenant (the scheduler's ready
-stages are counted per queue). /readyz uses the same token for its details (api.routes.health).
+stages are counted per queue, the usage counters per tenant left out). /readyz uses the same token for its
+details (api.routes.health).
 """
 
 from __future__ import annotations
@@ -44,5 +45,5 @@ async def prometheus_metrics(ctx: Annotated[ApiContext, Depends(get_context)], r
                                    "Authorization: Bearer <token>")
     queues = metrics.QueueCollector(rt.broker_redis, rt.redis, lambda: required_queues(rt.catalogue, rt.settings),
                                     counts=rt.store.queue_counts, tenants=authorized)
-    body, content_type = await run_in_threadpool(metrics.render, queues)
+    body, content_type = await run_in_threadpool(lambda: metrics.render(queues, tenants=authorized))
     return Response(body, media_type=content_type)

@@ -80,6 +80,7 @@ def test_the_scrape_token_is_required_for_metrics_and_shows_the_details(settings
         scraped = client.get("/metrics", headers={"authorization": f"Bearer {TOKEN}"})
         assert scraped.status_code == 200
         assert {"queue": "ar", "tenant": TENANT} in series(scraped.text, "omni_jobs_queue_ready")
+        assert {"tenant": TENANT, "status": "queued"} in series(scraped.text, "omni_jobs_tenant_jobs_total")
         plain = client.get("/readyz")  # a probe has no token: the verdict, without the details
         assert plain.status_code == 503 and HOST not in plain.text
         detailed = client.get("/readyz", headers={"authorization": f"Bearer {TOKEN}"})
