@@ -22,19 +22,15 @@ from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.openai_audio import read_transcript, transcription_answer
 from omni_jobs.openai_compat import (
     ImageGenerationRequest,
-    Plan,
     chat_completion,
-    finish_by_length,
     finished,
     first_output,
     image_items,
     images_response,
     needed_outputs,
-    reported_text_meta,
-    text_source,
+    text_meta,
 )
 from omni_jobs.openai_errors import OpenAIError
-from omni_jobs.payloads import decode_payload
 
 Read = Callable[[ArtifactRef], bytes]
 
@@ -63,25 +59,6 @@ def error_line(batch_id: str, line: RequestLine, code: str, message: str) -> Jso
 def _response(batch_id: str, line: RequestLine, status: int, job_ids: list[str], body: JsonValue) -> JsonObject:
     return {"id": request_id(batch_id, line.index), "custom_id": line.custom_id,
             "response": {"status_code": status, "request_id": ",".join(job_ids), "body": body}, "error": None}
-
-
-def text_meta(plan: Plan, job: Job, read: Read) -> tuple[str, dict[str, int] | None]:
-    """(finish_reason, usage) of a chat's text, as the chat route reads them (api.routes.openai._text_meta)."""
-    source = text_source(plan.spec)
-    if source is None:
-        return "stop", None
-    stage_id, port = source
-    ref = job.stage_record(stage_id).outputs.get(port)
-    if ref is None:
-        return "stop", None
-    finish, usage = reported_text_meta(codecs.decode_json(read(ref)))
-    if finish is not None:
-        return finish, usage
-    tokens_ref = job.stage_record(stage_id).outputs.get("token_ids")
-    max_tokens = job.params.get(stage_id, {}).get("max_tokens")
-    if tokens_ref is None or max_tokens is None:
-        return "stop", usage
-    return finish_by_length(len(decode_payload("token_ids", read(tokens_ref))), max_tokens), usage
 
 
 def _answer(plan: LinePlan, url: str, jobs: list[Job], shaping: Shaping) -> JsonValue:
@@ -113,7 +90,7 @@ def _answer(plan: LinePlan, url: str, jobs: list[Job], shaping: Shaping) -> Json
         audio = convert(shaping.read(first_output(job, "audio").artifact), openai.audio_format)
         return {"object": "audio.speech", "model": openai.spec.name, "response_format": openai.audio_format,
                 "media_type": media_type(openai.audio_format), "data": base64.b64encode(audio).decode("ascii")}
-    finish, usage = text_meta(openai, job, shaping.read)
+    finish, usage = text_meta(openai.spec, job, shaping.read)
     data = {out.name: (convert(shaping.read(out.artifact), openai.audio_format) if out.type == "audio"
                        else shaping.read(out.artifact)) for out in needed_outputs(job, openai.wanted)}
     return chat_completion(openai, job, finish=finish, usage=usage, data=data, output_ttl_s=shaping.output_ttl_s)

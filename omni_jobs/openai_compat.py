@@ -26,7 +26,7 @@ import base64
 import itertools
 import re
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, TypeAlias
 
@@ -34,6 +34,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
 from omni_jobs.artifacts.codecs import CodecError
+from omni_jobs.artifacts.refs import ArtifactRef
 from omni_jobs.audio_formats import AUDIO_FORMATS, PCM_RATE, AudioFormat, check_format, pcm16
 from omni_jobs.audio_stream import AudioChunk
 from omni_jobs.checks import is_builtin
@@ -868,6 +869,32 @@ def reported_text_meta(document: JsonValue) -> tuple[str | None, dict[str, int] 
 def finish_by_length(tokens: int, max_tokens: object) -> str:
     """The finish_reason of a text whose engine did not report one: 'length' when it made max_tokens tokens."""
     return "length" if isinstance(max_tokens, int | float) and tokens >= int(max_tokens) else "stop"
+
+
+def text_meta(spec: PipelineSpec, job: Job,
+              read: Callable[[ArtifactRef], bytes]) -> tuple[str, dict[str, int] | None]:
+    """(finish_reason, usage) of the chat's text answer, as the AR engine reported them beside its text (``read``:
+    an artifact's bytes; blocking). A stage output written before the engine reported them (kept in the
+    stage-output cache) has neither: then 'length' when the stage made max_tokens tokens, else 'stop', and no
+    usage."""
+    from omni_jobs.artifacts import codecs
+    from omni_jobs.payloads import decode_payload
+
+    source = text_source(spec)
+    if source is None:
+        return "stop", None
+    stage_id, port = source
+    ref = job.stage_record(stage_id).outputs.get(port)
+    if ref is None:
+        return "stop", None
+    finish, usage = reported_text_meta(codecs.decode_json(read(ref)))
+    if finish is not None:
+        return finish, usage
+    tokens_ref = job.stage_record(stage_id).outputs.get("token_ids")
+    max_tokens = job.params.get(stage_id, {}).get("max_tokens")
+    if tokens_ref is None or max_tokens is None:
+        return "stop", usage
+    return finish_by_length(len(decode_payload("token_ids", read(tokens_ref))), max_tokens), usage
 
 
 def chat_completion(plan: Plan, job: Job, *, finish: str, usage: dict[str, int] | None,

@@ -85,7 +85,6 @@ from omni_jobs.openai_compat import (
     audio_delta_message,
     audio_source,
     chat_completion,
-    finish_by_length,
     finished,
     first_output,
     image_items,
@@ -96,9 +95,9 @@ from omni_jobs.openai_compat import (
     plan_chat,
     plan_images,
     plan_speech,
-    reported_text_meta,
     speech_event,
     streamed_pcm,
+    text_meta,
     text_of,
     text_source,
     unsent_pcm,
@@ -283,29 +282,9 @@ async def _speech(ctx: ApiContext, job: Job, output: JobOutput, fmt: AudioFormat
 
 
 async def _text_meta(ctx: ApiContext, spec: PipelineSpec, job: Job) -> tuple[str, dict[str, int] | None]:
-    """(finish_reason, usage) of the text answer, as the AR engine reported them beside its text.
-
-    A stage output written before the engine reported them (kept in the stage-output cache) has neither:
-    then 'length' when the stage made max_tokens tokens, else 'stop', and no usage."""
-    source = text_source(spec)
-    if source is None:
-        return "stop", None
-    stage_id, port = source
-    ref = job.stage_record(stage_id).outputs.get(port)
-    if ref is None:
-        return "stop", None
-    document = codecs.decode_json(await run_in_threadpool(ctx.runtime.artifacts.get, ref))
-    finish, usage = reported_text_meta(document)
-    if finish is not None:
-        return finish, usage
-    tokens_ref = job.stage_record(stage_id).outputs.get("token_ids")
-    max_tokens = job.params.get(stage_id, {}).get("max_tokens")
-    if tokens_ref is None or max_tokens is None:
-        return "stop", usage
-    from omni_jobs.payloads import decode_payload
-
-    tokens = decode_payload("token_ids", await run_in_threadpool(ctx.runtime.artifacts.get, tokens_ref))
-    return finish_by_length(len(tokens), max_tokens), usage
+    """openai_compat.text_meta, its artifact reads off the event loop."""
+    meta: tuple[str, dict[str, int] | None] = await run_in_threadpool(text_meta, spec, job, ctx.runtime.artifacts.get)
+    return meta
 
 
 def _headers(jobs: list[Job]) -> dict[str, str]:
