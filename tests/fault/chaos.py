@@ -139,6 +139,23 @@ def _client_submit(api: httpx.Client, body: dict[str, Any], result: ChaosResult,
     raise RuntimeError(f"could not submit {body['pipeline']} in 120 s")
 
 
+def start_supervisor(system: EmbeddedSystem, held_down: set[str], stop: threading.Event, say: Any, *,
+                     name: str) -> None:
+    """What `omni-jobs up` does, every half second until ``stop``: start again every process of ``system`` that
+    is not running, but those ``held_down`` (killed on purpose, kept down for a while)."""
+
+    def supervise() -> None:
+        while not stop.wait(0.5):
+            for proc in list(system.processes):
+                if not proc.running and proc.name not in held_down:
+                    try:
+                        proc.start()
+                    except Exception as exc:  # noqa: BLE001 - try again at the next round
+                        say(f"  [supervisor] {proc.name} did not start: {exc}")
+
+    threading.Thread(target=supervise, name=name, daemon=True).start()
+
+
 def run(jobs: int = 200, seed: int = 7, home: Path | None = None, say: Any = print,
         engine_workers: int = 1) -> ChaosResult:
     rng = random.Random(seed)
@@ -158,16 +175,7 @@ def run(jobs: int = 200, seed: int = 7, home: Path | None = None, say: Any = pri
         held_down: set[str] = set()
         stop = threading.Event()
 
-        def supervise() -> None:  # what `omni-jobs up` does, every half second
-            while not stop.wait(0.5):
-                for proc in system.processes:
-                    if not proc.running and proc.name not in held_down:
-                        try:
-                            proc.start()
-                        except Exception as exc:  # noqa: BLE001 - try again at the next round
-                            say(f"  [supervisor] {proc.name} did not start: {exc}")
-
-        threading.Thread(target=supervise, name="chaos-supervisor", daemon=True).start()
+        start_supervisor(system, held_down, stop, say, name="chaos-supervisor")
         api = httpx.Client(base_url=system.api_url, timeout=30,
                            headers={"authorization": f"Bearer {system.api_key}"} if system.api_key else {})
         try:

@@ -50,6 +50,7 @@ from tests.fault.chaos import (
     _explain_missing_webhooks,
     _wait_all,
     _wait_webhooks,
+    start_supervisor,
 )
 from tests.fault.lag_proxy import LagProxy
 from tests.webhook_receiver import WebhookReceiver
@@ -118,16 +119,7 @@ def run(jobs: int = 240, kill_at: int = 200, wait_replicas: int = 1, seed: int =
         stop = threading.Event()
         lag = _lag_replica(ha, replica_lag_ms / 1000) if replica_lag_ms else None
 
-        def supervise() -> None:  # what `omni-jobs up` does, every half second
-            while not stop.wait(0.5):
-                for proc in list(system.processes):
-                    if not proc.running and proc.name not in held_down:
-                        try:
-                            proc.start()
-                        except Exception as exc:  # noqa: BLE001 - try again at the next round
-                            say(f"  [supervisor] {proc.name} did not start: {exc}")
-
-        threading.Thread(target=supervise, name="failover-supervisor", daemon=True).start()
+        start_supervisor(system, held_down, stop, say, name="failover-supervisor")
         api = httpx.Client(base_url=system.api_url, timeout=30,
                            headers={"authorization": f"Bearer {system.api_key}"} if system.api_key else {})
         kill_time: list[float] = []
