@@ -4,8 +4,8 @@ The core (omni_jobs/, less the tooling packages) imports neither its tooling (om
 omni_jobs.client, omni_jobs.local) nor the shells (api, workers) nor Celery or FastAPI; only the
 Prometheus adapter (omni_jobs/metrics.py, installed by the shells) imports prometheus_client, and
 no core module imports a private name of another. Checked on the source (ASTs), so an import
-inside a function or under TYPE_CHECKING counts too. The README's Layout section names every
-top-level module and package of omni_jobs/.
+inside a function or under TYPE_CHECKING counts too. The Layout section of docs/architecture.md names
+every top-level module and package of omni_jobs/.
 """
 
 from __future__ import annotations
@@ -108,24 +108,24 @@ def test_the_checker_sees_nested_and_relative_imports() -> None:
     assert (3, "omni_jobs.engines.x", ["_private"]) in found
 
 
-def _readme_layout() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+def _layout_section() -> str:
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     match = re.search(r"^## Layout\n(.*?)(?=^## |\Z)", text, re.DOTALL | re.MULTILINE)
-    assert match, "README.md has no '## Layout' section"
+    assert match, "docs/architecture.md has no '## Layout' section"
     return match.group(1)
 
 
-def test_the_readme_layout_names_every_top_level_module_and_package() -> None:
-    layout = _readme_layout()
+def test_the_layout_section_names_every_top_level_module_and_package() -> None:
+    layout = _layout_section()
     names = sorted(
         p.stem if p.is_file() else p.name
         for p in PACKAGE.iterdir()
         if (p.suffix == ".py" and p.name != "__init__.py") or (p.is_dir() and (p / "__init__.py").is_file())
     )
     missing = [n for n in names if not re.search(rf"(?<!\w){re.escape(n)}\b", layout)]
-    assert not missing, f"README.md's Layout section does not name: {missing}"
+    assert not missing, f"docs/architecture.md's Layout section does not name: {missing}"
     gone = [m for m in re.findall(r"omni_jobs/(\w+)/", layout) if not (PACKAGE / m).is_dir()]
-    assert not gone, f"README.md's Layout section names packages that do not exist: {gone}"
+    assert not gone, f"docs/architecture.md's Layout section names packages that do not exist: {gone}"
 
 
 # --- the model-source registry: how the core resolves tiny:NAME without importing the tooling ---
