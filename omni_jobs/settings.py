@@ -222,7 +222,7 @@ class Settings(BaseSettings):
         "hands the GIL back sooner, at the cost of more forced switches (bench/NOTES.md, 'Switch interval').")
     worker_handoff_ms: float = Field(
         0.2, ge=0, le=5, description="How long a worker's Celery consumer pauses after handing a task to its "
-        "thread, so that the task's thread takes the interpreter at once and starts the step (workers/handoff.py; "
+        "thread, so that the task's thread takes the interpreter at once and starts the step (workers/celery_patches.py; "
         "0: no pause).")
     worker_task_events: bool = Field(
         False, description="Workers send Celery's task events (received, started, succeeded: what Flower shows) "

@@ -18,10 +18,12 @@ from celery import Celery
 
 from omni_jobs.queueing import celery_config
 from omni_jobs.settings import get_settings
-from workers import broker_fix, handoff, quiet_cluster
+from workers import celery_patches, quiet_cluster
 
-broker_fix.install()  # threads-pool workers must survive a broker restart (see workers/broker_fix.py)
-handoff.install(get_settings().worker_handoff_ms)  # a task's thread starts before the consumer goes on
+# The only changes to Celery's and kombu's own code (each with its upstream issue: workers/celery_patches.py):
+# threads-pool workers survive a broker restart, a kombu channel keeps one Redis client, and a task's thread
+# starts before the consumer goes on.
+celery_patches.install(get_settings().worker_handoff_ms)
 
 # The engine thread gives up the GIL at every torch op and takes it back from whichever of the worker's
 # other threads holds it, after up to the switch interval (OMNI_WORKER_SWITCH_INTERVAL_MS). 1 ms was
@@ -36,8 +38,7 @@ ENGINE_MALLOC = tune_engine_malloc(get_settings().engine_malloc)
 
 app = Celery("omni_jobs")
 app.conf.update(celery_config(get_settings()))
-app.conf.update(include=["workers.tasks"])
-quiet_cluster.install(app)  # no gossip, no mingle (workers/quiet_cluster.py)
+app.conf.update(include=["workers.tasks"], worker_consumer=quiet_cluster.CONSUMER)  # no gossip, no mingle
 
 # JSON logs with job/stage/task ids and the metrics port: connected before Celery sets up logging.
 import workers.observability  # noqa: F401

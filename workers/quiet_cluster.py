@@ -6,34 +6,31 @@ revoked tasks and clocks at start. omni-jobs uses neither: liveness is its own r
 (omni_jobs.worker_registry), a cancel is a ledger write, not a Celery revoke, and Flower reads the
 events itself. With W workers, gossip has each one handle W/2 events a second in Python, in the
 process whose engine thread needs the interpreter (with ~10 workers it was about as much CPU as
-the outbox relay's passes). This is ``--without-gossip --without-mingle`` for every launch of
-``workers.app``, whatever its command line: compose, Kubernetes, ``omni-jobs up``, a hand-typed one.
+the outbox relay's passes).
+
+This is ``--without-gossip --without-mingle`` for every launch of ``workers.app``, whatever its
+command line (compose, Kubernetes, ``omni-jobs up``, a hand-typed one): Celery has no setting for
+either (celery/celery#2566, open), but it has ``worker_consumer``, the consumer class a worker makes,
+and that class receives the worker's options. workers.app names QuietConsumer there, and it hands
+Celery's consumer the same two options the command-line flags set. Pinned by
+tests/integration/test_quiet_cluster.py.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from celery import Celery, bootsteps
-from celery.worker.consumer.gossip import Gossip
-from celery.worker.consumer.mingle import Mingle
+from celery.worker.consumer import Consumer
+
+CONSUMER = f"{__name__}:QuietConsumer"
+"""The value of the ``worker_consumer`` setting."""
+
+QUIET = {"without_gossip": True, "without_mingle": True}
+"""What ``--without-gossip --without-mingle`` put in a worker's options."""
 
 
-class QuietCluster(bootsteps.StartStopStep):
-    """A consumer step made after Gossip (which comes after Mingle) that turns both off before they start."""
+class QuietConsumer(Consumer):
+    """Celery's consumer, made as if the worker had been started with ``--without-gossip --without-mingle``."""
 
-    requires = (Gossip,)
-
-    def __init__(self, parent: Any, **kwargs: Any) -> None:
-        for name in (Gossip.name, Mingle.name):
-            step = parent.blueprint.steps.get(name)
-            if step is not None:
-                step.enabled = False
-        super().__init__(parent, **kwargs)
-
-    def include_if(self, parent: Any) -> bool:
-        return False  # nothing to start of its own
-
-
-def install(app: Celery) -> None:
-    app.steps["consumer"].add(QuietCluster)
+    def __init__(self, *args: Any, worker_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, worker_options={**(worker_options or {}), **QUIET}, **kwargs)

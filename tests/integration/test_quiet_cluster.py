@@ -1,4 +1,4 @@
-"""Workers add nobody's load but their own (workers/quiet_cluster.py, OMNI_WORKER_TASK_EVENTS).
+"""Workers add nobody's load but their own (workers/quiet_cluster.py: the worker_consumer setting; OMNI_WORKER_TASK_EVENTS).
 
 Real Celery worker processes on the session Redis, started with a plain command line (no
 ``--without-gossip``, no ``-E``):

@@ -1,5 +1,6 @@
-"""A threads-pool worker's consumer hands each task to its thread before it goes on (workers/handoff.py):
-a real Celery threads pool, the task's thread and the caller timed against each other."""
+"""A threads-pool worker's consumer hands each task to its thread before it goes on
+(workers/celery_patches.py, pause_after_handoff): a real Celery threads pool, the task's thread and the
+caller timed against each other. The first test fails without the patch."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 from celery.concurrency import thread
 
-from workers import handoff
+from workers import celery_patches
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,21 +47,23 @@ def apply_and_time(pool: thread.TaskPool) -> tuple[float, float]:
 
 def test_the_task_thread_starts_before_the_consumer_goes_on(pool: thread.TaskPool) -> None:
     apply_and_time(pool)  # the pool's thread exists and waits, as in a running worker
-    handoff.install(50.0)  # long enough to hold on a loaded machine; workers pause 0.2 ms
+    celery_patches.pause_after_handoff(200.0)  # long enough to hold on a loaded machine; workers pause 0.2 ms
     for _ in range(3):
         began, returned = apply_and_time(pool)
         assert began < returned, "the consumer went on before the task's thread had started"
 
 
-def test_installing_again_wraps_once_and_zero_removes_the_pause(pool: thread.TaskPool) -> None:
+def test_installing_again_wraps_once_and_zero_removes_the_pause(pool: thread.TaskPool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     installed = thread.TaskPool.on_apply  # wrapped already where a test imported workers.app
     original = getattr(installed, "_omni_original", installed)
-    handoff.install(0.2)
-    handoff.install(30.0)
-    started = time.monotonic()
+    celery_patches.pause_after_handoff(0.2)
+    celery_patches.pause_after_handoff(30.0)
+    pauses: list[float] = []
+    monkeypatch.setattr(celery_patches, "sleep", pauses.append)  # the pauses counted, not timed
     apply_and_time(pool)
-    assert 0.03 <= time.monotonic() - started < 0.06  # one pause of the last setting, not two
-    handoff.install(0)
+    assert pauses == [0.03]  # one pause of the last setting, not two
+    celery_patches.pause_after_handoff(0)
     assert thread.TaskPool.on_apply is original
 
 
