@@ -58,7 +58,7 @@ async def authenticate(request: Request,
         raise HTTPException(status.HTTP_401_UNAUTHORIZED, UNAUTHORIZED,
                             headers={"WWW-Authenticate": 'Bearer error="invalid_token"'}) from None
     request.state.tenant = info.tenant
-    request.state.api_key_id = info.id  # its own quotas, if it has any (README "Scheduling")
+    request.state.api_key_id = info.id  # its own quotas, if it has any (docs/scaling.md)
     return info.tenant
 
 

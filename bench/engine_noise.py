@@ -10,7 +10,7 @@
   the batch split matters.
 
 The arms take turns; it prints medians. This is what the system/direct rows of ``python -m bench``
-are made of on a small CPU machine (see bench/NOTES.md).
+are made of on a small CPU machine (docs/decisions/another-process-wakeups.md).
 """
 
 from __future__ import annotations

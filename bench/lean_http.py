@@ -3,7 +3,7 @@
 The driver shares the machine's cores with the system it measures, so its own cost per request lands
 in the system arm's figures. httpx cost 0.90-0.92 ms of CPU per POST here, ``http.client`` 0.15-0.16
 (8 threads posting 64 jobs to the bare stack of bench.submit); a burst of 64 took 64 ms to post with
-httpx and 20 with this (bench/NOTES.md, "The driver's own client").
+httpx and 20 with this.
 """
 
 from __future__ import annotations

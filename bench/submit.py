@@ -19,7 +19,7 @@ Rows (each with a fresh redis-server that both arms write to):
 - ``busy``: 1,000 jobs queued first, then the ar and results workers running (on this machine's
   CPUs too) while the arms run;
 - ``durable``: Redis AOF ``appendfsync always`` (the setting a durable 202 relies on, see
-  bench/durability.py and README "Reliability"), no workers;
+  bench/durability.py and docs/reliability.md), no workers;
 - ``waitaof``: the other durable 202: a server with WAITAOF (Valkey, or Redis >= 7.2) on AOF
   ``everysec``, and each submit waits for its own fsync (OMNI_REDIS_WAIT_AOF; the bare arm sends
   WAITAOF after its MULTI), no workers.

@@ -10,8 +10,7 @@ same. Both take the same CPU. A stage worker's Python (its tasks, Celery's consu
 kind; a Redis command, the API, the driver are the second. A fourth arm is the worker's own pattern:
 a thread of the engine's process that sends Redis a PING at each wake-up (another process, Redis,
 wakes to answer it). It prints each arm's median batch time
-over ``alone``, beside the share of a core the other work used (bench/NOTES.md, "Another process's
-wake-ups").
+over ``alone``, beside the share of a core the other work used (docs/decisions/another-process-wakeups.md).
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ with no Python frames (OpenMP's team, gloo's loops).
 
 Each thread's CPU is read from /proc/<pid>/task/<tid>/schedstat, in nanoseconds. /proc's ``stat``
 counts 10 ms ticks: per thread, over a few hundred jobs, that put the 64 task threads at 0.4-1.0 ms a
-job in earlier notes, where their real total is ~3.7 (bench/NOTES.md, "The DiT worker's CPU, per
-thread and per phase"). Names come from one ``py-spy dump`` of the worker (``pip install py-spy``);
+job, where their real total is ~3.7. Names come from one ``py-spy dump`` of the worker (``pip install py-spy``);
 without it the threads are listed by id.
 """
 

@@ -7,8 +7,7 @@ each walking the live requests' objects and promoting them to older generations,
 later: ~6% of the API's CPU went to the collector (gc.callbacks, `python -m bench.submit`'s idle row).
 At 20,000 most of a request's objects are freed by their reference counts before a collection sees
 them: the API used 0.46 ms of CPU a submit instead of 0.51, and accepted 0.58 of the bare stack's jobs
-per second instead of 0.54 (bench/NOTES.md, "The DiT worker's CPU, per thread and per phase; the
-collector's full passes"). Garbage cycles wait longer: at most ~20,000 objects, a few MB.
+per second instead of 0.54 (docs/decisions/api-young-generation.md). Garbage cycles wait longer: at most ~20,000 objects, a few MB.
 
 **The engines' objects, frozen.** A worker that loaded its engines holds millions of objects the
 collector tracks: torch's modules and parameters, the diffusers pipeline and its tokenizer, vLLM's

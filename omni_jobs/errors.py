@@ -132,7 +132,7 @@ class NotDurable(OmniError):
 
 
 class QuotaExceeded(OmniError):
-    """A tenant reached one of its limits (README "Scheduling"): the job is refused, nothing stored."""
+    """A tenant reached one of its limits (docs/scaling.md): the job is refused, nothing stored."""
 
     def __init__(self, tenant: str, limit: str, value: int, retry_after_s: float) -> None:
         self.tenant = tenant

@@ -1,6 +1,6 @@
 """The one place a Redis URL becomes a client, sync or asyncio: the job store, the event streams, the
-API's reads, the CLI and the workers all get theirs here, so that a ``sentinel://`` URL (README
-"Redis failover") works everywhere the same way.
+API's reads, the CLI and the workers all get theirs here, so that a ``sentinel://`` URL
+(docs/reliability.md, "Redis failover") works everywhere the same way.
 
 A Sentinel URL gives a client of redis-py's ``master_for``: each new connection asks the Sentinels
 where the primary is, a connection error or a READONLY answer (a primary demoted to a replica)

@@ -70,11 +70,11 @@ class Settings(BaseSettings):
         "through kombu after the commit, as it does for any other broker.")
     redis_wait_replicas: int = Field(
         0, ge=0, description="A submit is answered 202 only once this many Redis replicas have the job (WAIT); "
-        "0 relies on the primary's AOF with appendfsync always (README \"Reliability\").")
+        "0 relies on the primary's AOF with appendfsync always (docs/reliability.md).")
     redis_wait_aof: bool = Field(
         False, description="A submit is answered 202 only once Redis's AOF has the job on disk (WAITAOF; Redis >= 7.2 "
         "or Valkey, with appendonly yes). Then Redis can run appendfsync everysec: only submits wait for the disk, "
-        "every other write answers at once (README \"Reliability\"). `omni-jobs up` turns it on where its server "
+        "every other write answers at once (docs/reliability.md). `omni-jobs up` turns it on where its server "
         "can.")
     redis_wait_timeout_ms: int = Field(1000, gt=0, description="How long a submit waits for those replicas (or "
                                        "the disk) before answering 503.")
@@ -219,7 +219,7 @@ class Settings(BaseSettings):
         5.0, gt=0, description="The Python interpreter's thread switch interval in worker processes (Python's "
         "own default, 5 ms): how long an engine thread back from a torch op may wait for the GIL while the "
         "worker's other threads (Celery's consumer, tasks recording results, the writers) hold it. Shorter "
-        "hands the GIL back sooner, at the cost of more forced switches (bench/NOTES.md, 'Switch interval').")
+        "hands the GIL back sooner, at the cost of more forced switches (docs/decisions/switch-interval.md).")
     worker_handoff_ms: float = Field(
         0.2, ge=0, le=5, description="How long a worker's Celery consumer pauses after handing a task to its "
         "thread, so that the task's thread takes the interpreter at once and starts the step (workers/celery_patches.py; "
@@ -228,7 +228,7 @@ class Settings(BaseSettings):
         False, description="Workers send Celery's task events (received, started, succeeded: what Flower shows) "
         "from their start. Off, they send them only once a monitor asks: Flower does within 5 s of its start and "
         "every 5 s after (`celery control enable_events` too), so Flower sees every task from then on. Off saves "
-        "the workers ~2% of their throughput while nobody watches (bench/NOTES.md, 'Task events nobody reads').")
+        "the workers ~2% of their throughput while nobody watches (docs/decisions/task-events-off.md).")
     stage_max_in_flight: int = Field(
         16, ge=1, description="Tasks one AR/DiT worker process runs at once (its threads; per-stage override)."
     )
@@ -239,7 +239,7 @@ class Settings(BaseSettings):
         "then its job fails.")
     stage_retry_backoff_s: float = Field(1.0, gt=0, description="First retry delay; doubles each retry, with jitter.")
 
-    # --- Job state: leases, the reaper, the outbox relay (README "Reliability") ---
+    # --- Job state: leases, the reaper, the outbox relay (docs/reliability.md) ---
     lease_s: float = Field(
         15, gt=0, description="A running step's lease: renewed every third of it while its worker lives; when it "
         "expires (the worker was killed), the reaper queues the step's next attempt.")
@@ -263,7 +263,7 @@ class Settings(BaseSettings):
     run_journal: Path | None = Field(
         None, description="Append one JSON line per engine run to this file (audits; the chaos test counts runs).")
 
-    # --- Scheduling (README "Scheduling") ---
+    # --- Scheduling (docs/scaling.md) ---
     priority_aging_s: float = Field(
         300, ge=0, description="A high job's stages go this far ahead of its tenant's normal work queued before "
         "them; a low job's are passed by normal work queued at most this long after them (no starvation).")
@@ -324,7 +324,7 @@ class Settings(BaseSettings):
         "size (plus a few for reads), so streams cannot take the connections that submits use, nor fill Redis's "
         "maxclients, which the workers need.")
 
-    # --- Security (README "Security") ---
+    # --- Security (docs/operations/security.md) ---
     auth_enabled: bool = Field(
         True, description="Require `Authorization: Bearer <API key>` on /v1 routes. Only the embedded demo or a "
         "test may turn it off, explicitly; the API then logs a warning at start and every job is tenant 'default'.",
@@ -355,7 +355,7 @@ class Settings(BaseSettings):
         "public address.",
     )
 
-    # --- Webhooks (Standard Webhooks; schedule documented in README "Webhooks") ---
+    # --- Webhooks (Standard Webhooks; schedule documented in docs/api/webhooks.md) ---
     webhook_secret: SecretStr | None = Field(
         None,
         description="Signing secret(s) `whsec_<base64>`, comma-separated during rotation (one signature each). "

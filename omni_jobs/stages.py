@@ -633,7 +633,7 @@ class StageRunner:
         that writes none (its start and its end are events of their own, and the end clears the
         job's progress). Those two writes were a commit each for every job of a batch, beside the
         engine: without them a DiT 32px small job runs 4.4 scripts in Redis instead of 6.7
-        (bench/NOTES.md, "Progress nobody reads")."""
+        (docs/decisions/progress-nobody-reads.md)."""
         unit = "tokens" if stage.engine == "ar" else "steps"
         soft_limit_s, _hard = self.limits.for_stage(stage)
         often, seldom = self.limits.progress_interval_s, self.limits.progress_unfollowed_interval_s

@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "its share). Default 1: one worker per queue on every CPU")
     up.add_argument("--replicas", type=int, default=0, metavar="N",
                     help="run N replicas of Redis and 3 Sentinels; every process follows the primary through a "
-                         "failover, and submits wait for a replica (README \"Redis failover\"). Default 0")
+                         "failover, and submits wait for a replica (docs/reliability.md, \"Redis failover\"). Default 0")
     up.set_defaults(func=cmd_up)
 
     t = sub.add_parser("tiny", help="build the small random-weight models used by the demo and tests")

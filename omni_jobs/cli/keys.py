@@ -61,7 +61,7 @@ LIMITS = ("max_active", "per_minute")
 
 
 def cmd_limits(args: argparse.Namespace) -> int:
-    """Show, set or clear the quotas of a tenant or of one API key (README "Scheduling")."""
+    """Show, set or clear the quotas of a tenant or of one API key (docs/scaling.md)."""
     client = redis_client(load_settings().redis_url, decode_responses=True)
     if args.key_id:
         target, what = keys.api_key(args.key_id), f"key {args.key_id}"

@@ -3,8 +3,8 @@
 A stage worker's threads start and finish their jobs in bursts: a batch's 32 requests end at once,
 and the next batch's tasks start while it runs. Each start and each completion is a commit, a round
 trip to Redis, and each round trip wakes Redis, another process, beside the engine's batch: about
-1 ms of the batch's time each, ten times the CPU it takes (``python -m bench.wakeups``; bench/NOTES.md,
-"Another process's wake-ups"). So one thread at a time sends: the first caller sends its own at
+1 ms of the batch's time each, ten times the CPU it takes (``python -m bench.wakeups``;
+docs/decisions/another-process-wakeups.md). So one thread at a time sends: the first caller sends its own at
 once; whoever calls meanwhile waits, and the first of them, once that round trip is back, sends all
 that waited in one pipeline. Nothing waits for a timer: a lone call goes out as before, and a burst
 needs a few round trips instead of one each.

@@ -46,7 +46,7 @@ FINAL_STATUSES = frozenset({JobStatus.succeeded, JobStatus.failed, JobStatus.can
 
 
 class Priority(StrEnum):
-    """How soon a job's waiting stages start, against the same tenant's other jobs (README "Scheduling")."""
+    """How soon a job's waiting stages start, against the same tenant's other jobs (docs/scaling.md)."""
 
     low = "low"
     normal = "normal"

@@ -577,7 +577,7 @@ class RedisJobStore:
         """The commit script, then its waits, each in its own round trip on one connection: WAITAOF
         waits for its own connection's writes, and sent in the same packet as the write, Valkey 8.0
         left it blocked until its next timer tick (100 ms per submit; 0.3 ms once the write was
-        answered: bench/NOTES.md, "Durable submits with WAITAOF")."""
+        answered: docs/decisions/waitaof.md)."""
         pool = self.redis.connection_pool
         conn = pool.get_connection()
 

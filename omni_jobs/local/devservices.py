@@ -229,7 +229,7 @@ WAITAOF_HZ = 100
 background fsync ended when it next wakes: with every client waiting, at its next timer tick, every
 100 ms at Redis's default 10. At 100, ``python -m bench.submit --rows waitaof`` (16 clients) had p99
 14-16 ms against 17-58 at 10, at the same rate; a running CPU engine beside it was no slower (x0.99,
-7 paired rounds of the DiT small batches, 20k keys with a TTL). bench/NOTES.md, "WAITAOF's timer tick"."""
+7 paired rounds of the DiT small batches, 20k keys with a TTL): docs/decisions/waitaof-hz-100.md."""
 
 
 def server_version(binary: str) -> tuple[int, int]:
@@ -265,7 +265,7 @@ def start_redis(
 ) -> RunningService:
     """A private redis-server on 127.0.0.1 (no RDB snapshots; AOF when ``appendonly``, fsynced per
     ``appendfsync``: 'always' before each reply, so an acknowledged write survives a crash, or
-    'everysec'; see README "Reliability"). ``replica_of``: the port of a primary to replicate.
+    'everysec'; see docs/reliability.md). ``replica_of``: the port of a primary to replicate.
     ``binary``: the server to run (e.g. ``find_waitaof_server()``); default redis-server. ``waitaof``:
     submits will wait on it with WAITAOF, so it ticks at ``WAITAOF_HZ`` instead of the server's own 10."""
     binary = binary or find_redis_server()

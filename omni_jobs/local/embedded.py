@@ -68,7 +68,7 @@ DURABILITY_SAID = {
 def redis_durability(asked: str) -> tuple[str, str | None]:
     """(mode, server binary) for a private Redis: ``asked`` ('auto', 'always', 'waitaof', 'everysec'),
     with 'auto' made concrete. 'waitaof' answers only submits after their fsync, and every other write
-    at once (a stage starting, its progress, its result: ~0.4 ms less per hop here, bench/NOTES.md); it
+    at once (a stage starting, its progress, its result: ~0.4 ms less per hop here, docs/decisions/waitaof.md); it
     needs a server with WAITAOF, and 'auto' takes it only where one is installed and
     OMNI_REDIS_WAIT_AOF is not turned off."""
     if asked not in ("auto", *DURABILITY_SAID):
@@ -132,7 +132,7 @@ class EmbeddedSystem:
     redis_url: str | None = None
     """An existing Redis to use; None starts a private one (with AOF) under home."""
     redis_durability: str = "auto"
-    """How the private Redis keeps a 202 (README "Reliability"): 'always' (AOF fsynced before every
+    """How the private Redis keeps a 202 (docs/reliability.md): 'always' (AOF fsynced before every
     reply), 'waitaof' (AOF fsynced every second, and each submit waits for its own fsync: WAITAOF,
     OMNI_REDIS_WAIT_AOF; needs Redis >= 7.2 or Valkey), 'auto' ('waitaof' where such a server is
     installed, else 'always'), or 'everysec' (for benchmarks: up to a second of 202s lost in a crash)."""
@@ -281,7 +281,7 @@ class EmbeddedSystem:
         elif self.redis_replicas > 0:
             self._start_redis_ha(say)
         else:
-            # A job answered 202 is on disk either way (README "Reliability").
+            # A job answered 202 is on disk either way (docs/reliability.md).
             service, mode = start_job_redis(self.home / "redis", self.redis_durability)
             self.processes.append(service)
             self.redis_url = service.url

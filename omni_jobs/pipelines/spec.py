@@ -155,8 +155,8 @@ class DiTEngineArgs(BaseModel):
 
 class GpuShapedArgs(Strict):
     """The engine_args of a DiT stage on the GPU-shaped engine (``kind: gpu-shaped``, omni_jobs.engines.gpu_shaped):
-    a benchmark's stand-in for a diffusion model on a GPU. The defaults are the H200's profile (bench/NOTES.md,
-    "The DiT path on a GPU"): 20 ms an image in batches of 32 at 256 px, 6% of the engine thread's time on the
+    a benchmark's stand-in for a diffusion model on a GPU. The defaults are the H200's profile (docs/performance.md,
+    "On a GPU"): 20 ms an image in batches of 32 at 256 px, 6% of the engine thread's time on the
     CPU side."""
 
     kind: Literal["gpu-shaped"]

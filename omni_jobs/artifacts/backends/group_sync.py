@@ -6,7 +6,7 @@ small row ~5% (the same system without them: 0.939 and 0.950 of its jobs/s, pair
 first writer to ask syncs the filesystem, after waiting up to ``gather_s`` for the writers still on
 their way; those who ask meanwhile wait for the next sync, which one of them then begins for all of
 them, as a group commit does with a database's log (paired against an fsync each: 1.041, 9 reps;
-bench/NOTES.md "One disk flush for a batch's outputs").
+docs/decisions/one-syncfs-per-batch.md).
 
 The guarantee is the one a writer's own ``fsync`` gave, and a little more: a sync that began after a
 file was written and renamed into place covers its data and its name. A failed sync fails every
