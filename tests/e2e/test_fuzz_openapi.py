@@ -2,7 +2,7 @@
 --checks all`` runs: no input makes the API answer 5xx, every status and body it answers is in the
 spec, schema-valid requests are accepted and invalid ones refused, and an unknown resource is a
 404. Authenticated, so the routes behind the key are reached; positive and negative cases both.
-What is excused, and why, is tests/e2e/fuzz_hooks.py, which the CLI run loads too (README, API).
+What is excused, and why, is tests/e2e/fuzz_hooks.py, which the CLI run loads too (docs/api/jobs.md).
 
 The app runs in-process over real Redis (its own DB) with no workers: fuzzed jobs are accepted
 and wait on their queues instead of loading the e2e system's workers with random work.

@@ -157,7 +157,7 @@ def test_a_submit_waits_for_a_replica_and_is_refused_without_one(tmp_path: Path)
 def test_omni_jobs_ups_redis_ticks_faster_only_where_submits_wait_with_waitaof(
         tmp_path: Path, waitaof_server: RunningService) -> None:
     """A WAITAOF wait ends when the server's main thread next wakes; with every client waiting, that is
-    its timer tick (README "Reliability"). `omni-jobs up` runs a WAITAOF server at WAITAOF_HZ, and an
+    its timer tick (docs/reliability.md). `omni-jobs up` runs a WAITAOF server at WAITAOF_HZ, and an
     `always` one at the server's default."""
     service, mode = start_job_redis(tmp_path / "waitaof", "waitaof")
     with service:

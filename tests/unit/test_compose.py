@@ -231,7 +231,7 @@ def test_redis_persists_and_requires_a_password(services):
 
 def test_ha_profile_runs_a_replica_and_three_sentinels(services):
     """`--profile ha`: a replica of `redis` with the same password and durability, and 3 Sentinels
-    (quorum 2) monitoring it as `omni`, as the README's sentinel URL names it; none in the default stack."""
+    (quorum 2) monitoring it as `omni`, as the sentinel URL in docs/reliability.md names it; none in the default stack."""
     replica = services["redis-replica"]
     args = argv(replica)
     assert replica["profiles"] == ["ha"] and args[0] == "redis-server"
