@@ -29,7 +29,7 @@ celery_patches.install(get_settings().worker_handoff_ms)
 # other threads holds it, after up to the switch interval (OMNI_WORKER_SWITCH_INTERVAL_MS). 1 ms was
 # faster than Python's 5 for DiT 32px small on an earlier machine and code; on the 2026-12-05 machine
 # and code 5 ms used 3-5% less worker CPU in three paired runs, one of them mirrored, with AR unchanged
-# (bench/NOTES.md, "Switch interval"): the default is Python's own again.
+# (docs/decisions/switch-interval.md): the default is Python's own again.
 sys.setswitchinterval(get_settings().worker_switch_interval_ms / 1000)
 
 # tcmalloc when the launcher preloaded it, else glibc's malloc with thresholds that keep a DiT's freed
