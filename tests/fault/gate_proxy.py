@@ -8,30 +8,22 @@ one is, and ``release`` lets it (and everything after it) through. Everything el
 from __future__ import annotations
 
 import re
-import socket
 import threading
-from typing import Self
+
+from tests.tcp_proxy import Link, TcpProxy
 
 
-class GateProxy:
+class GateProxy(TcpProxy):
+    name = "gate-proxy"
+
     def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._server.bind(("127.0.0.1", 0))
-        self._server.listen(64)
-        self.port: int = self._server.getsockname()[1]
+        super().__init__(upstream_port)
         self._pattern: re.Pattern[bytes] | None = None
         self._held = threading.Event()
         self._open = threading.Event()
         self._open.set()
         self._lock = threading.Lock()
         self.held_request = b""
-        self._stopped = False
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def hold(self, pattern: str) -> None:
         with self._lock:
@@ -47,55 +39,18 @@ class GateProxy:
             self._pattern = None
         self._open.set()
 
-    def _gate(self, data: bytes) -> None:
+    def on_request(self, data: bytes, link: Link) -> bool:
         """Block the sending connection if ``data`` starts the armed request."""
         with self._lock:
             pattern = self._pattern
             if pattern is None or not pattern.search(data):
-                return
+                return True
             self._pattern = None  # one request is held; the rest wait behind the closed gate anyway
             self.held_request = data[:200]
             self._held.set()
         self._open.wait()
+        return True
 
-    def _pump(self, source: socket.socket, sink: socket.socket, gated: bool) -> None:
-        try:
-            while True:
-                data = source.recv(65536)
-                if not data:
-                    break
-                if gated:
-                    self._gate(data)
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (source, sink):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def _serve(self) -> None:
-        while not self._stopped:
-            try:
-                client, _ = self._server.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
-                upstream.settimeout(None)
-            except OSError:  # S3 is down: the client sees its connection closed, as it would
-                client.close()
-                continue
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
-
-    def __enter__(self) -> Self:
-        threading.Thread(target=self._serve, name="gate-proxy", daemon=True).start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stopped = True
+    def __exit__(self, *exc: object) -> None:
         self._open.set()
-        self._server.close()
+        super().__exit__(*exc)

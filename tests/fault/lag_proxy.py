@@ -9,62 +9,52 @@ whatever is still on its way, as the machine's death would.
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections import deque
-from typing import Self
+
+from tests.tcp_proxy import Link, TcpProxy
 
 
-class LagProxy:
+class LagProxy(TcpProxy):
+    name = "lag-proxy"
+    backlog = 8
+
     def __init__(self, upstream_port: int, lag_s: float) -> None:
-        self.upstream_port = upstream_port
+        super().__init__(upstream_port)
         self.lag_s = lag_s
-        self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._server.bind(("127.0.0.1", 0))
-        self._server.listen(8)
-        self.port: int = self._server.getsockname()[1]
-        self._cut = threading.Event()
-        self._sockets: list[socket.socket] = []
 
-    def _forward(self, source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while not self._cut.is_set():
-                data = source.recv(65536)
-                if not data:
-                    break
-                sink.sendall(data)
-        except OSError:
-            pass
+    def requests(self, link: Link) -> None:
+        self.pump(link.client, link.upstream, link, self.on_request, close_at_end=False)
 
-    def _delayed(self, source: socket.socket, sink: socket.socket) -> None:
+    def replies(self, link: Link) -> None:
+        """The primary's bytes, each sent on by a thread of its own ``lag_s`` after they came."""
         queue: deque[tuple[float, bytes]] = deque()
         ready = threading.Condition()
 
         def send() -> None:
             try:
-                while not self._cut.is_set():
+                while not self.stopped:
                     with ready:
-                        while not queue and not self._cut.is_set():
+                        while not queue and not self.stopped:
                             ready.wait(0.05)
-                        if self._cut.is_set():
+                        if self.stopped:
                             return
                         due, data = queue[0]
                     if (wait := due - time.monotonic()) > 0:
                         time.sleep(wait)
                     with ready:
                         queue.popleft()
-                    if self._cut.is_set():
+                    if self.stopped:
                         return
-                    sink.sendall(data)
+                    link.client.sendall(data)
             except OSError:
                 pass
 
         threading.Thread(target=send, name="lag-proxy-send", daemon=True).start()
         try:
-            while not self._cut.is_set():
-                data = source.recv(65536)
+            while not self.stopped:
+                data = link.upstream.recv(65536)
                 if not data:
                     break
                 with ready:
@@ -72,32 +62,6 @@ class LagProxy:
                     ready.notify()
         except OSError:
             pass
-
-    def _serve(self) -> None:
-        while not self._cut.is_set():
-            try:
-                client, _ = self._server.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=5)
-                upstream.settimeout(None)
-            except OSError:
-                return
-            self._sockets += [client, upstream]
-            threading.Thread(target=self._forward, args=(client, upstream), daemon=True).start()
-            threading.Thread(target=self._delayed, args=(upstream, client), daemon=True).start()
-
-    def cut(self) -> None:
-        """Drop everything on its way and close every connection (the primary's machine is gone)."""
-        self._cut.set()
-        for s in [*self._sockets, self._server]:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            s.close()
-
-    def __enter__(self) -> Self:
-        threading.Thread(target=self._serve, name="lag-proxy", daemon=True).start()
-        return self
 
     def __exit__(self, *_: object) -> None:
         self.cut()

@@ -11,11 +11,7 @@ Real servers: the session's redis-server, reached through a loopback proxy that 
 
 from __future__ import annotations
 
-import re
-import socket
-import threading
 from pathlib import Path
-from typing import Self
 
 import pytest
 import redis
@@ -30,69 +26,11 @@ from omni_jobs.jobs.models import Job, StageRecord, new_job_id
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.local.devservices import RunningService
 from omni_jobs.settings import Settings
+from tests.tcp_proxy import ReplyCutter
 
 pytestmark = pytest.mark.integration
 
 BODY = {"pipeline": "text-to-text", "input": {"prompt": "answer me"}}
-
-
-class ReplyCutter:
-    """A TCP proxy to Redis that, once armed, lets the next request matching a pattern reach Redis,
-    then closes that connection instead of passing Redis's reply back: the write applied, its answer lost."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self._server = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._server.getsockname()[1]
-        self._pattern: re.Pattern[bytes] | None = None
-        self.cut = threading.Event()
-        self._lock = threading.Lock()
-
-    def arm(self, pattern: bytes) -> None:
-        with self._lock:
-            self._pattern = re.compile(pattern)
-            self.cut.clear()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, requests: bool, doomed: threading.Event) -> None:
-        """Bytes one way. A request that matches dooms its connection: its reply is dropped, not forwarded,
-        and the connection closed (the client sees it cut, after Redis ran the request)."""
-        try:
-            while data := source.recv(65536):
-                if requests:
-                    with self._lock:
-                        if self._pattern is not None and self._pattern.search(data) is not None:
-                            self._pattern = None
-                            doomed.set()
-                elif doomed.is_set():
-                    self.cut.set()
-                    break
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (source, sink):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                client, _ = self._server.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            doomed = threading.Event()
-            threading.Thread(target=self._pump, args=(client, upstream, True, doomed), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False, doomed), daemon=True).start()
-
-    def __enter__(self) -> Self:
-        threading.Thread(target=self._serve, daemon=True).start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._server.close()
 
 
 @pytest.fixture
@@ -117,7 +55,7 @@ def test_a_submit_whose_reply_was_lost_is_answered_the_job_it_made(
             assert api.post("/v1/jobs", json=BODY, headers=headers | {"idempotency-key": "warm-up"}).status_code == 202
             proxy.arm(rb"EVALSHA")
             answer = api.post("/v1/jobs", json=BODY, headers=headers)
-            assert proxy.cut.is_set(), "the proxy cut no reply"
+            assert proxy.cut_reply.is_set(), "the proxy cut no reply"
             assert answer.status_code == 202, answer.text
             made = answer.json()["id"]
             assert "idempotent-replayed" not in answer.headers  # this very request made it
