@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 from omni_jobs.followed import FollowedJobs, Readers
+from tests.waiting import wait_until
 
 
 def test_without_a_store_every_job_counts_as_followed() -> None:
@@ -40,9 +41,12 @@ def test_one_ask_covers_every_tracked_job_and_a_poll_is_not_a_stream() -> None:
 def test_the_thread_asks_every_check_and_a_failed_ask_keeps_the_last_answer() -> None:
     answers: list[Readers | Exception] = [Readers({"job_a"}, set()), RuntimeError("store down"), Readers(set(), set())]
     calls: list[float] = []
+    third = threading.Event()
 
     def ask(job_ids: Sequence[str]) -> Readers:
         calls.append(time.monotonic())
+        if len(calls) >= 3:
+            third.wait(10)  # held until the test has looked at what the failed ask left
         answer = answers[min(len(calls) - 1, len(answers) - 1)]
         if isinstance(answer, Exception):
             raise answer
@@ -50,14 +54,10 @@ def test_the_thread_asks_every_check_and_a_failed_ask_keeps_the_last_answer() ->
 
     followed = FollowedJobs(ask, check_s=0.05)
     followed.track("job_a")
-    deadline = time.monotonic() + 5
-    while len(calls) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(calls) >= 3, what="a third ask")  # the second one failed before it
     assert followed.watched("job_a")  # the first answer, kept through the failed second ask
-    while len(calls) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.02)
-    assert not followed.watched("job_a")
+    third.set()
+    wait_until(lambda: not followed.watched("job_a"), what="the third answer (nobody reads job_a)")
     assert calls[1] - calls[0] >= 0.04  # at most one ask per check
 
 

@@ -4,10 +4,10 @@ together next, each with its own answer; a lone call goes out at once, alone."""
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Sequence
 
 from omni_jobs.jobs.group_commit import GroupCommit
+from tests.waiting import wait_until
 
 
 class Wire:
@@ -29,13 +29,6 @@ class Wire:
             exc, self.fail_next = self.fail_next, None
             raise exc
         return [ValueError(f"refused {a}") if a < 0 else a * 10 for a in args]
-
-
-def wait_for(condition: object, what: str) -> None:
-    deadline = time.monotonic() + 10
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, what
-        time.sleep(0.001)
 
 
 def burst(group: GroupCommit[int, int], args: Sequence[int]) -> tuple[list[threading.Thread], dict[int, object]]:
@@ -66,9 +59,9 @@ def test_calls_made_while_one_is_out_go_together_next_each_with_its_own_answer()
     group: GroupCommit[int, int] = GroupCommit(wire.one, wire.many)
     wire.gate.clear()  # the first round trip stays out
     first, first_answer = burst(group, [1])
-    wait_for(lambda: wire.sent == [[1]], "the first call is out")
+    wait_until(lambda: wire.sent == [[1]], what="the first call is out")
     rest, answers = burst(group, [2, 3, -4, 5])
-    wait_for(lambda: len(group._waiting) == 4, "the others wait")
+    wait_until(lambda: len(group._waiting) == 4, what="the others wait")
     wire.gate.set()
     for t in first + rest:
         t.join(10)
@@ -83,9 +76,9 @@ def test_a_failed_round_trip_fails_every_call_of_it_and_the_next_goes_out() -> N
     group: GroupCommit[int, int] = GroupCommit(wire.one, wire.many)
     wire.gate.clear()
     first, first_answer = burst(group, [1])
-    wait_for(lambda: wire.sent == [[1]], "the first call is out")
+    wait_until(lambda: wire.sent == [[1]], what="the first call is out")
     rest, answers = burst(group, [2, 3])
-    wait_for(lambda: len(group._waiting) == 2, "the others wait")
+    wait_until(lambda: len(group._waiting) == 2, what="the others wait")
     wire.fail_next = ConnectionError("gone")  # the first round trip fails: only its call
     wire.gate.set()
     for t in first + rest:
@@ -100,9 +93,9 @@ def test_leading_passes_on_while_calls_keep_coming() -> None:
     group: GroupCommit[int, int] = GroupCommit(wire.one, wire.many)
     wire.gate.clear()
     threads, answers = burst(group, [1])
-    wait_for(lambda: len(wire.sent) == 1, "round trip 1 is out")
+    wait_until(lambda: len(wire.sent) == 1, what="round trip 1 is out")
     more, more_answers = burst(group, [2, 3])
-    wait_for(lambda: len(group._waiting) == 2, "two wait")
+    wait_until(lambda: len(group._waiting) == 2, what="two wait")
     wire.gate.set()  # round trip 1 back: its caller hands the sending to the first of the two
     last, last_answers = burst(group, [7, 8, 9])  # these come while round trip 2 may be out
     for t in threads + more + last:
@@ -118,7 +111,7 @@ def test_a_burst_from_many_threads_takes_two_round_trips() -> None:
     group: GroupCommit[int, int] = GroupCommit(wire.one, wire.many)
     wire.gate.clear()
     threads, answers = burst(group, list(range(1, callers + 1)))
-    wait_for(lambda: len(group._waiting) == callers - 1, "all but the first wait")
+    wait_until(lambda: len(group._waiting) == callers - 1, what="all but the first wait")
     wire.gate.set()
     for t in threads:
         t.join(10)

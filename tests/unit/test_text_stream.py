@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from omni_jobs.text_stream import DeltaReader, TextDeltas, TextStreams
+from tests.waiting import wait_until
 
 
 class FakeClock:
@@ -180,7 +181,7 @@ def test_outputs_stream_independently() -> None:
     b = streams.open("ar2", "text", b_sent)
     a.update("alpha")
     b.update("beta")
-    time.sleep(0.02)
+    wait_until(lambda: a_sent.texts and b_sent.texts, what="the first deltas")
     assert a_sent.texts == ["alpha"] and b_sent.texts == ["beta"]  # each output's first delta goes at once
     a.update("alpha beta")
     streams.discard(b)
@@ -223,14 +224,14 @@ def test_the_writer_publishes_the_deltas_due_together_in_one_call() -> None:
     for i, deltas in enumerate(outputs):  # one engine step reports every member
         deltas.update(f"step one of {i}")
     doomed.update("doomed text")
-    time.sleep(0.03)
+    wait_until(lambda: calls and doomed.stopped, what="the first write")
     assert sorted(calls[0]) == ["doomed text", "step one of 0", "step one of 1", "step one of 2"]  # one write
     assert doomed.stopped == "canceled" and stops == ["canceled"]  # only that output stops
 
     fail_next.set()  # a failed write keeps the text pending: it goes out, whole, in the next one
     for i, deltas in enumerate(outputs):
         deltas.update(f"step one of {i}, two")
-    time.sleep(0.2)
+    wait_until(lambda: len(calls) >= 2 and all(d.count == 2 for d in outputs), what="the write after the failed one")
     assert sorted(calls[1]) == [", two", ", two", ", two"] and len(calls) == 2
     assert [d.published for d in outputs] == [f"step one of {i}, two" for i in range(3)]
     assert [d.count for d in outputs] == [2, 2, 2] and doomed.published == ""

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from omni_jobs.watchdog import EXIT_CODE, Deadlines, hard_time_limit
+from tests.waiting import wait_until
 
 
 def test_stuck_call_is_recorded_then_the_process_exits(tmp_path: Path) -> None:
@@ -32,22 +33,24 @@ def test_stuck_call_is_recorded_then_the_process_exits(tmp_path: Path) -> None:
 
 def test_body_that_finishes_in_time_is_untouched() -> None:
     fired: list[bool] = []
-    with hard_time_limit(5, lambda: fired.append(True), exit_process=False):
+    with hard_time_limit(0.5, lambda: fired.append(True), exit_process=False):
         time.sleep(0.01)
-    time.sleep(0.05)
+    time.sleep(1.0)  # well past the limit: a limit left armed would have fired by now
     assert fired == []
 
 
 def test_one_thread_runs_each_due_call_in_order_and_none_that_was_cancelled() -> None:
     deadlines = Deadlines()
     ran: list[str] = []
-    late = deadlines.add(0.3, lambda: ran.append("late"))
-    deadlines.add(0.2, lambda: ran.append("second"))
-    deadlines.add(0.05, lambda: ran.append("first"))  # due before what the thread already waits for
-    cancelled = [deadlines.add(0.1, lambda: ran.append("cancelled")) for _ in range(200)]
+    started = time.monotonic()  # the delays leave a busy machine hundreds of ms to add and cancel them all
+    late = deadlines.add(1.2, lambda: ran.append("late"))
+    deadlines.add(1.0, lambda: ran.append("second"))
+    deadlines.add(0.3, lambda: ran.append("first"))  # due before what the thread already waits for
+    cancelled = [deadlines.add(0.6, lambda: ran.append("cancelled")) for _ in range(200)]
     for token in cancelled:
         deadlines.cancel(token)
     deadlines.cancel(late)
-    time.sleep(0.5)
+    wait_until(lambda: len(ran) >= 2, what="the two calls left")
+    time.sleep(max(0.0, started + 1.5 - time.monotonic()))  # past the cancelled ones' time too
     assert ran == ["first", "second"]
     assert len(deadlines._heap) == 0  # the cancelled ones were swept or skipped, not kept
