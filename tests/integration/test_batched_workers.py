@@ -26,13 +26,13 @@ from omni_jobs.engines.ar import ARRequest, SamplingOptions
 from omni_jobs.engines.batching import BatchDefaults, ar_batcher, dit_batcher
 from omni_jobs.engines.dit import DiTRequest
 from omni_jobs.jobs.ledger import JobLedger
-from omni_jobs.jobs.models import EventType, Job, JobStatus, StageStatus, now
+from omni_jobs.jobs.models import EventType, Job, JobStatus, StageStatus
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
-from omni_jobs.scheduling import Scheduler
 from omni_jobs.stages import StageLimits, StageRunner
 from omni_jobs.steps import AssembleResults, RunStage, Step, StepOutcome
 from omni_jobs.submission import JobSubmitter
+from tests.outbox import due_steps
 
 PIPELINES = list(yaml.safe_load_all("""
 name: batch-text
@@ -93,11 +93,7 @@ def parts(redis_client: redis.Redis, tmp_path: Path, engine_cache: Any) -> dict[
 
 def dispatched(parts: dict[str, Any], job_id: str) -> list[Step]:
     """The job's due steps, taken from the outbox as the relay takes them."""
-    store: RedisJobStore = parts["store"]
-    Scheduler(store, None).release_all()  # first attempts wait for their turn
-    entries = store.claim_outbox(now=now(), limit=100, hold_s=60.0, job_id=job_id)
-    store.ack_outbox([e.id for e in entries])
-    return [e.step for e in entries]
+    return due_steps(parts["store"], job_id)
 
 
 def first_step(parts: dict[str, Any], job: Job, stage: str) -> RunStage:

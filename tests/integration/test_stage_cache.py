@@ -15,14 +15,14 @@ from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
 from omni_jobs.engines.batching import BatchDefaults, dit_batcher
 from omni_jobs.errors import PipelineSpecError
 from omni_jobs.jobs.ledger import JobLedger
-from omni_jobs.jobs.models import Job, now
+from omni_jobs.jobs.models import Job
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
-from omni_jobs.scheduling import Scheduler
 from omni_jobs.stage_cache import StageOutputCache, cache_key
 from omni_jobs.stages import StageLimits, StageRunner
 from omni_jobs.steps import AssembleResults, RunStage
 from omni_jobs.submission import JobSubmitter
+from tests.outbox import due_steps
 
 CACHED = yaml.safe_load("""
 name: cached-image
@@ -62,18 +62,12 @@ def parts(redis_client: redis.Redis, tmp_path: Path, engine_cache: Any) -> dict[
 
 def run_job(parts: dict[str, Any], prompt: str, params: dict[str, Any] | None = None) -> Job:
     """Submit, then run each stage as the outbox dispatches it: a cache hit advances the job like a run."""
-    store: RedisJobStore = parts["store"]
     job = parts["submit"].submit("cached-image", {"prompt": prompt}, params)
     for stage in ("ar", "dit"):
-        Scheduler(store, None).release_all()  # first attempts wait for their turn
-        entries = store.claim_outbox(now=now(), limit=10, hold_s=60.0, job_id=job.id)
-        store.ack_outbox([e.id for e in entries])
-        assert [e.step for e in entries] == [RunStage(job.id, stage, 1, stage)]
-        assert parts["runner"].run(entries[0].step, worker="test", owner="test#1").status == "succeeded"
-    Scheduler(store, None).release_all()  # first attempts wait for their turn
-    done = store.claim_outbox(now=now(), limit=10, hold_s=60.0, job_id=job.id)
-    assert [e.step for e in done] == [AssembleResults(job.id, 1)]
-    store.ack_outbox([e.id for e in done])
+        steps = due_steps(parts["store"], job.id)
+        assert steps == [RunStage(job.id, stage, 1, stage)]
+        assert parts["runner"].run(steps[0], worker="test", owner="test#1").status == "succeeded"
+    assert due_steps(parts["store"], job.id) == [AssembleResults(job.id, 1)]
     final: Job = parts["ledger"].require(job.id)
     return final
 

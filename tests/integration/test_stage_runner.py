@@ -29,10 +29,10 @@ from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.jobs.watch import job_readers, mark_looked_at
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, builtin_pipelines, parse_pipeline
 from omni_jobs.results import ResultsAssembler
-from omni_jobs.scheduling import Scheduler
 from omni_jobs.stages import StageLimits, StageRunner
 from omni_jobs.steps import AssembleResults, RunStage, Step, step_id
 from omni_jobs.submission import JobSubmitter
+from tests.outbox import due_steps
 
 SLOW_DIT = yaml.safe_load("""
 name: slow-image
@@ -71,11 +71,7 @@ def parts(redis_client: redis.Redis, tmp_path: Path, engine_cache: Any) -> dict[
 
 def dispatched(parts: dict[str, Any], job_id: str, *, at: float | None = None) -> list[Step]:
     """The job's steps due by ``at`` (now), taken from the outbox as the relay takes them."""
-    store: RedisJobStore = parts["store"]
-    Scheduler(store, None).release_all()  # first attempts wait for their turn
-    entries = store.claim_outbox(now=now() if at is None else at, limit=100, hold_s=60.0, job_id=job_id)
-    store.ack_outbox([e.id for e in entries])
-    return [e.step for e in entries]
+    return due_steps(parts["store"], job_id, at=at)
 
 
 def events_of(parts: dict[str, Any], job_id: str, kind: EventType) -> list[JobEvent]:

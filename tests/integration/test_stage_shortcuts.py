@@ -16,15 +16,15 @@ from PIL import Image
 
 from omni_jobs.artifacts import ArtifactStore, ArtifactStoreUnavailable, LocalBackend, RedisBackend
 from omni_jobs.jobs.ledger import JobLedger, Lease
-from omni_jobs.jobs.models import Job, JobStatus, StageStatus, now
+from omni_jobs.jobs.models import Job, JobStatus, StageStatus
 from omni_jobs.jobs.store import RedisJobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
 from omni_jobs.results import ResultsAssembler
-from omni_jobs.scheduling import Scheduler
 from omni_jobs.stages import StageLimits, StageRunner
 from omni_jobs.steps import RunStage
 from omni_jobs.submission import JobSubmitter
 from tests.integration.test_stage_runner import SLOW_DIT
+from tests.outbox import due_steps
 
 PIPELINE = {**SLOW_DIT, "name": "inline-image", "stages": [
     {**SLOW_DIT["stages"][0], "defaults": {"height": 32, "width": 32, "num_inference_steps": 2, "seed": 0}}]}
@@ -109,11 +109,7 @@ def parts(redis_client: redis.Redis, tmp_path: Path, engines: Any) -> dict[str, 
 
 
 def first_step(parts: dict[str, Any], job: Job) -> RunStage:
-    store: RedisJobStore = parts["store"]
-    Scheduler(store, None).release_all()
-    entries = store.claim_outbox(now=now(), limit=10, hold_s=60.0, job_id=job.id)
-    store.ack_outbox([e.id for e in entries])
-    (step,) = [e.step for e in entries]
+    (step,) = due_steps(parts["store"], job.id)
     assert isinstance(step, RunStage)
     return step
 
