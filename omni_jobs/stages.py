@@ -26,7 +26,7 @@ from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, ArtifactStoreUnavailable
 from omni_jobs.code_stream import CODES_DELTA_INTERVAL_S, CODES_FIELD, codes_text
 from omni_jobs.engines.ar import AROutput, TextSoFar
-from omni_jobs.engines.batching import BatchDefaults, BatchPolicy, ar_batcher
+from omni_jobs.engines.batching import BatchDefaults, BatchPolicy, ar_batcher, for_tenant
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.engines.stage_exec import (
     StageValues,
@@ -488,10 +488,11 @@ class StageRunner:
 
     def _execute(self, stage: StageSpec, job: Job, inputs: StageInputs, lease: Lease, tail: list[JobEvent],
                  pipeline: str = "") -> StageValues:
-        """The stage's engine call; streamed text still to publish goes into ``tail`` (its events)."""
+        """The stage's engine call; streamed text still to publish goes into ``tail`` (its events). Its engine
+        requests are the job's tenant's: batchers take tenants in turn (omni_jobs.engines.batching)."""
         if self.batching is None:
             return self._execute_now(stage, job, inputs, lease, None, tail)
-        with self._in_flight_slot(pipeline or job.pipeline, stage):
+        with self._in_flight_slot(pipeline or job.pipeline, stage), for_tenant(job.tenant):
             return self._execute_now(stage, job, inputs, lease, self.batching.policy(stage), tail)
 
     def _execute_now(self, stage: StageSpec, job: Job, inputs: StageInputs, lease: Lease,

@@ -13,6 +13,11 @@ to ``fill_wait_ms`` more for them; when nothing else is coming it starts at once
 latency does not grow. A DiT batch (no newcomers once it runs) also waits for a burst still
 arriving, while each newcomer pays for its wait (``Batcher._wait_for_burst``).
 
+Tenants take turns within a batch too (``Batcher._by_turns``): each member carries its job's tenant
+(``for_tenant``), and a batch with more waiting than it holds takes them one tenant at a time, the one
+served longest ago first. So another tenant's jobs that reach a worker behind a backlog ride its next
+batch, first in it, instead of after the backlog the worker already holds.
+
 Each caller gets its own result or its own exception: the engine call reports a result or an
 exception per member, and when the whole call fails the members are retried one by one, so one bad
 request (an over-long prompt, a shape the model refuses) fails only its own job.
@@ -20,12 +25,14 @@ request (an over-long prompt, a shape the model refuses) fails only its own job.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
@@ -48,6 +55,22 @@ K = TypeVar("K")
 
 ProgressFn = Callable[[int, int], None]
 """A member's own progress callback ``(done, total)``; it may raise to cancel that member only."""
+
+_tenant: ContextVar[str | None] = ContextVar("omni_jobs_batch_tenant", default=None)
+TURNS_KEPT = 1024
+"""Tenants whose last turn a batcher remembers (the least recently served are forgotten first)."""
+
+
+@contextmanager
+def for_tenant(tenant: str | None) -> Iterator[None]:
+    """Around a job's engine calls (StageRunner): what this thread submits to a batcher is ``tenant``'s.
+    A context, not an argument, so that every engine path (AR, DiT, code2wav, transcription) carries it
+    without each executor passing it on; an engine in a process of its own is fed from this thread too."""
+    token = _tenant.set(tenant)
+    try:
+        yield
+    finally:
+        _tenant.reset(token)
 
 
 @dataclass(frozen=True)
@@ -81,6 +104,8 @@ class Member(Generic[R, O]):
 
     request: R
     progress: ProgressFn | None = None
+    tenant: str | None = None
+    """Whose job it is (``for_tenant``; None in one process): batches take tenants in turn."""
     enqueued_at: float = field(default_factory=time.monotonic)
     result: O | None = None
     error: BaseException | None = None
@@ -251,8 +276,8 @@ class Batcher(Generic[R, O]):
         self.policy = policy or BatchPolicy()
         self.group_key = group_key or (lambda _r: None)
         self.rank = rank
-        """Which group runs next: that of the waiting request of the lowest rank, the earliest of equals (None:
-        the earliest request's)."""
+        """Which group runs next: that of the waiting request of the lowest rank, then of the tenant served
+        longest ago, the earliest of equals (None: every request ranks the same)."""
         self.name = name
         self.batches: list[int] = []
         """Sizes of the batches run so far (the last 1000), for tests and the benchmark."""
@@ -264,10 +289,12 @@ class Batcher(Generic[R, O]):
         self.filled_s: list[float] = []
         """Time each batch waited past its window to fill (the last 1000), for tests and the benchmark."""
         self._groups: dict[Hashable, _GroupRuns] = {}  # what each group's batches took (``_ran``)
+        self._served: dict[str | None, int] = {}  # tenant -> its last turn (``_by_turns``)
+        self._turns = itertools.count()
 
     def submit(self, request: R, progress: ProgressFn | None = None) -> O:
         """Block until this request has run in some batch; return its output or raise its own error."""
-        member: Member[R, O] = Member(request, progress)
+        member: Member[R, O] = Member(request, progress, _tenant.get())
         with self._cond:
             self._pending.append(member)
             self.arrivals.submitted()
@@ -300,7 +327,7 @@ class Batcher(Generic[R, O]):
             self._thread.start()
 
     def _next_batch(self) -> list[Member[R, O]]:
-        """Wait for requests, then for the window to fill; take the first request's group (in order)."""
+        """Wait for requests, then for the window to fill; take the next group (``_head``), tenants in turn."""
         with self._cond:
             release_at: float | None = None  # the last batch left this thread a team, to hand back when idle
             if self.policy.idle_release_s > 0:
@@ -328,22 +355,50 @@ class Batcher(Generic[R, O]):
             return self._take_group(self.group_key(self._head().request), self.policy.max_batch_size)
 
     def _head(self) -> Member[R, O]:
-        """The waiting request whose group runs next (the lock held, something waiting)."""
-        if self.rank is None:
-            return self._pending[0]
-        rank = self.rank
-        return min(self._pending, key=lambda m: rank(m.request))  # min keeps the earliest of equals
+        """The waiting request whose group runs next (the lock held, something waiting): of the lowest rank,
+        the earliest request of the tenant served longest ago."""
+        first = self._pending
+        if self.rank is not None:
+            rank = self.rank
+            lowest = min(rank(m.request) for m in first)
+            first = [m for m in first if rank(m.request) == lowest]
+        served = self._served
+        return min(first, key=lambda m: served.get(m.tenant, -1))  # min keeps the earliest of equals
 
     def _take_group(self, key: Hashable, limit: int) -> list[Member[R, O]]:
-        """Take up to ``limit`` waiting requests of group ``key``, in order (the lock held)."""
-        taken: list[Member[R, O]] = []
-        rest: list[Member[R, O]] = []
-        for m in self._pending:
-            if len(taken) < limit and self.group_key(m.request) == key:
-                taken.append(m)
-            else:
-                rest.append(m)
-        self._pending = rest
+        """Take up to ``limit`` waiting requests of group ``key``, tenants in turn (the lock held)."""
+        taken = self._by_turns([m for m in self._pending if self.group_key(m.request) == key], limit)
+        chosen = {id(m) for m in taken}
+        self._pending = [m for m in self._pending if id(m) not in chosen]
+        return taken
+
+    def _by_turns(self, waiting: list[Member[R, O]], limit: int) -> list[Member[R, O]]:
+        """Up to ``limit`` of ``waiting`` (in arrival order), one at a time from the tenant served longest ago,
+        each tenant's in arrival order; a tenant never served goes first. The turns last from batch to batch.
+
+        The scheduler releases tenants' work in turn, but a stage worker holds more than a batch (a batch runs
+        while the next waits, full): by arrival alone, another tenant's jobs that reach the worker then wait
+        for every one of the first tenant's it holds. With one tenant this is arrival order."""
+        queues: dict[str | None, list[Member[R, O]]] = {}
+        for m in waiting:
+            queues.setdefault(m.tenant, []).append(m)
+        served = self._served
+        if len(queues) == 1:  # one tenant: arrival order (its turn is still counted)
+            taken = waiting[:limit]
+            served[waiting[0].tenant] = next(self._turns)
+        else:
+            at = dict.fromkeys(queues, 0)
+            taken = []
+            while len(taken) < limit and queues:
+                tenant = min(queues, key=lambda t: served.get(t, -1))  # ties: the tenant whose request came first
+                taken.append(queues[tenant][at[tenant]])
+                at[tenant] += 1
+                served[tenant] = next(self._turns)
+                if at[tenant] == len(queues[tenant]):
+                    del queues[tenant]
+        if len(served) > TURNS_KEPT:
+            for tenant in sorted(served, key=served.__getitem__)[: len(served) - TURNS_KEPT // 2]:
+                del served[tenant]
         return taken
 
     def _fill(self) -> None:

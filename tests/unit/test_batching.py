@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -11,7 +12,15 @@ from typing import Any
 import pytest
 
 from omni_jobs import telemetry
-from omni_jobs.engines.batching import BatchDefaults, Batcher, BatchPolicy, Member, burst_wait_pays, fixed_cost_s
+from omni_jobs.engines.batching import (
+    BatchDefaults,
+    Batcher,
+    BatchPolicy,
+    Member,
+    burst_wait_pays,
+    fixed_cost_s,
+    for_tenant,
+)
 
 
 class Recorder:
@@ -150,6 +159,80 @@ def test_the_group_of_the_lowest_ranked_waiting_request_runs_next():
         assert first.result() == "A" and [f.result() for f in later] == [4, 9]
     busy.join()
     assert run.calls == [[1], ["a"], [2, 3]]
+
+
+class Gate(Recorder):
+    """A batch function whose first call holds its batch until ``open`` (the batch a worker is running)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened = threading.Event()
+        self.holding = threading.Event()
+
+    def __call__(self, batch: Sequence[Member[Any, Any]]) -> list[Any]:
+        if not self.holding.is_set():
+            self.holding.set()
+            self.opened.wait(10)
+        return super().__call__(batch)
+
+
+def held_then_released(batcher: Batcher[Any, Any], gate: Gate, waiting: list[tuple[str | None, Any]],
+                       held_by: str = "a") -> list[Any]:
+    """One request of ``held_by`` runs (held at the gate) while ``waiting`` (tenant, request) come in order
+    and wait behind it; then the gate opens. Returns every request's result, the held one first."""
+    def submit(tenant: str | None, request: Any) -> Any:
+        with for_tenant(tenant):
+            return batcher.submit(request)
+
+    with ThreadPoolExecutor(len(waiting) + 1) as pool:
+        held = pool.submit(submit, held_by, "h")
+        assert gate.holding.wait(10)
+        futures = []
+        for n, (tenant, request) in enumerate(waiting):
+            futures.append(pool.submit(submit, tenant, request))
+            while True:  # each in its place before the next: arrival order is the test's
+                with batcher._cond:
+                    if len(batcher._pending) == n + 1:
+                        break
+                time.sleep(0.001)
+        gate.opened.set()
+        return [held.result(), *[f.result() for f in futures]]
+
+
+def test_a_batch_takes_waiting_tenants_in_turn_the_one_served_longest_ago_first():
+    """A's backlog came while A's batch ran, B's two after it: the next batch of 4 takes B's first (never
+    served), then turns (b0 a0 b1 a1); A's rest go next, in arrival order."""
+    gate = Gate()
+    batcher: Batcher[str, str] = Batcher(gate, BatchPolicy(max_batch_size=4, wait_ms=0))
+    waiting = [("a", f"a{i}") for i in range(5)] + [("b", "b0"), ("b", "b1")]
+    assert held_then_released(batcher, gate, waiting) == ["H", "A0", "A1", "A2", "A3", "A4", "B0", "B1"]
+    assert gate.calls == [["h"], ["b0", "a0", "b1", "a1"], ["a2", "a3", "a4"]]
+
+
+def test_turns_last_from_batch_to_batch():
+    """A tenant just served waits for the others: C (never served) first, then B (served longest ago),
+    then A, whose turn was the latest."""
+    gate = Gate()
+    batcher: Batcher[str, str] = Batcher(gate, BatchPolicy(max_batch_size=8, wait_ms=0))
+    batcher._served, batcher._turns = {"b": 100, "a": 101}, itertools.count(102)  # B's turn, then A's
+    waiting = [("a", "a0"), ("a", "a1"), ("b", "b0"), ("c", "c0"), ("b", "b1")]
+    held_then_released(batcher, gate, waiting, held_by="z")
+    assert gate.calls[1] == ["c0", "b0", "a0", "b1", "a1"]
+
+
+def test_one_tenants_requests_keep_their_order_and_fill_the_batch():
+    gate = Gate()
+    batcher: Batcher[str, str] = Batcher(gate, BatchPolicy(max_batch_size=4, wait_ms=0))
+    held_then_released(batcher, gate, [("a", f"a{i}") for i in range(6)])
+    assert gate.calls == [["h"], ["a0", "a1", "a2", "a3"], ["a4", "a5"]]
+
+
+def test_the_next_group_is_that_of_the_tenant_served_longest_ago():
+    """Requests of different call settings do not share a batch: B's group runs before A's earlier one."""
+    gate = Gate()
+    batcher: Batcher[str, str] = Batcher(gate, BatchPolicy(max_batch_size=8, wait_ms=0), group_key=lambda r: r[0])
+    held_then_released(batcher, gate, [("a", "a0"), ("a", "a1"), ("b", "b0")])
+    assert gate.calls[1:] == [["b0"], ["a0", "a1"]]
 
 
 def submit_paced(batcher: Batcher[Any, Any], requests: list[Any], gap_s: float) -> list[Any]:
