@@ -372,8 +372,10 @@ def test_webhook_deliveries_are_listed_on_the_job_page(sign_in: Callable[[str], 
                                         for r in receiver.at("/ui-hook")), what="the completed webhook")
         # Deliveries are recorded after the job ends; the page keeps following them a while.
         try:
-            page.wait_for_function("""() => [...document.querySelectorAll('#webhook-deliveries tbody tr')]
-                .some(tr => tr.cells[1].textContent === 'completed' && tr.cells[4].textContent === '200')""",
+            # both deliveries: each is recorded when it is answered, so 'start' may show after 'completed'
+            page.wait_for_function("""() => ['start', 'completed'].every(event =>
+                [...document.querySelectorAll('#webhook-deliveries tbody tr')]
+                    .some(tr => tr.cells[1].textContent === event && tr.cells[4].textContent === '200'))""",
                                    timeout=30_000)
         except PlaywrightTimeout as exc:  # say what the page and the API saw: this timed out in CI, uncaught
             with api_client(ui_system, tenant_keys["alpha"]) as api:
