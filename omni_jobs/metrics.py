@@ -90,6 +90,10 @@ CACHE_REQUESTS = Counter(
 ENGINE_LOAD = Histogram(
     "omni_jobs_engine_load_seconds", "Time to load an engine (a cache miss).", ["engine"], buckets=DURATION_BUCKETS,
 )
+ENGINE_RESTARTS = Counter(
+    "omni_jobs_engine_restarts_total", "Engine processes that crashed and were started again by their worker "
+    "(the call they ran was sent again).", ["engine"],
+)
 ENGINE_MEMORY = Gauge(
     "omni_jobs_engine_memory_bytes", "Memory held by the worker that ran the stage, after it ran: resident memory "
     "(device='cpu') and, where CUDA is in use, the bytes torch has reserved on the GPU (device='cuda:N').",
@@ -236,6 +240,9 @@ class PrometheusListener(telemetry.Listener):
 
     def engine_load(self, engine: str, seconds: float) -> None:
         observe_engine_load(engine, seconds)
+
+    def engine_restart(self, engine: str) -> None:
+        ENGINE_RESTARTS.labels(engine).inc()
 
     def artifact_io(self, backend: str, op: str, size: int) -> None:
         artifact_io(backend, op, size)

@@ -36,6 +36,9 @@ class Listener:
     def engine_load(self, engine: str, seconds: float) -> None:
         """An engine of kind ``engine`` took ``seconds`` to load."""
 
+    def engine_restart(self, engine: str) -> None:
+        """An engine process of kind ``engine`` crashed and was started again."""
+
     def artifact_io(self, backend: str, op: str, size: int) -> None:
         """``size`` bytes moved to (``put``) or from (``get``) an artifact backend."""
 
@@ -81,6 +84,10 @@ def cache_lookup(cache: str, hit: bool) -> None:
 
 def engine_load(engine: str, seconds: float) -> None:
     _each("engine_load", engine, seconds)
+
+
+def engine_restart(engine: str) -> None:
+    _each("engine_restart", engine)
 
 
 def artifact_io(backend: str, op: str, size: int) -> None:

@@ -21,14 +21,17 @@ from omni_jobs.engines.ar import AREngine
 from omni_jobs.engines.code2wav import Code2Wav
 from omni_jobs.engines.dit import DiTEngine
 from omni_jobs.engines.encoder import AREncoder
+from omni_jobs.engines.engine_client import DiTEngineProcess
 from omni_jobs.engines.gpu_shaped import GpuShapedDiT
 from omni_jobs.engines.model_source import resolve_model
 from omni_jobs.engines.projection import Projection, load_projection
 from omni_jobs.json_types import JsonValue
 from omni_jobs.pipelines.spec import GpuShapedArgs, dit_engine_args
 
-Engine = AREngine | DiTEngine | GpuShapedDiT | AREncoder | Code2Wav
-E = TypeVar("E", AREngine, DiTEngine, GpuShapedDiT, AREncoder, Code2Wav)
+Engine = AREngine | DiTEngine | GpuShapedDiT | DiTEngineProcess | AREncoder | Code2Wav
+E = TypeVar("E", AREngine, DiTEngine, GpuShapedDiT, DiTEngineProcess, AREncoder, Code2Wav)
+DiTKind = DiTEngine | GpuShapedDiT | DiTEngineProcess
+"""What ``EnginePool.dit`` gives: a DiT engine in this process, or one in a process of its own."""
 V = TypeVar("V", AREngine, AREncoder)
 T = TypeVar("T")
 
@@ -36,11 +39,14 @@ T = TypeVar("T")
 class EnginePool:
     """Thread-safe pool of AR and DiT engines; a model source's ids (``tiny:NAME``) are resolved, and built, on first use."""
 
-    def __init__(self, models_dir: Path, *, kv_cache_bytes: int, max_model_len: int, device: str) -> None:
+    def __init__(self, models_dir: Path, *, kv_cache_bytes: int, max_model_len: int, device: str,
+                 engine_processes: bool = False) -> None:
         self.models_dir = Path(models_dir)
         self.kv_cache_bytes = kv_cache_bytes
         self.max_model_len = max_model_len
         self.device = device
+        self.engine_processes = engine_processes
+        """DiT engines in processes of their own (omni_jobs.engines.engine_client), not in this one."""
         self._engines: dict[tuple[str, str, str], Engine] = {}
         self._lock = threading.Lock()  # guards the dicts, never held during a load or a build
         self._loading: dict[tuple[str, str, str], threading.Lock] = {}
@@ -51,24 +57,16 @@ class EnginePool:
         """The AR engine for ``model``; ``engine_args`` go to vLLM and override the defaults."""
         return self._vllm("ar", AREngine, model, engine_args)
 
-    def dit(self, model: str, engine_args: Mapping[str, JsonValue]) -> DiTEngine | GpuShapedDiT:
-        """The DiT engine for ``model``: ``pipeline_class``, ``torch_dtype``, ``call_args`` and ``cache``
-        configure the engine (DiTEngineArgs); every other key goes to ``from_pretrained``. Where they name
-        ``kind: gpu-shaped``, the benchmark's GPU-shaped engine instead (GpuShapedArgs; ``model`` is only its name)."""
+    def dit(self, model: str, engine_args: Mapping[str, JsonValue]) -> DiTKind:
+        """The DiT engine for ``model`` (``build_dit``), in a process of its own where ``engine_processes``."""
         args = dict(engine_args)
-        ctor = dit_engine_args(args)
-        if isinstance(ctor, GpuShapedArgs):
-            shaped = ctor
-            return self._get("dit", model, args, GpuShapedDiT, lambda _resolved: GpuShapedDiT.from_args(shaped.model_dump()))
-
-        def load(resolved: str) -> DiTEngine:
-            assert not isinstance(ctor, GpuShapedArgs)
-            return DiTEngine(resolved, device=self.device, pipeline_class=ctor.pipeline_class,
-                             torch_dtype=ctor.torch_dtype, call_args=ctor.call_args,
-                             cache=ctor.cache.model_dump() if ctor.cache is not None else None,
-                             load_args=ctor.model_extra)
-
-        return self._get("dit", model, args, DiTEngine, load)
+        dit_engine_args(args)  # ValueError naming a malformed argument, before any load or process start
+        if self.engine_processes:
+            return self._get("dit", model, args, DiTEngineProcess,
+                             lambda resolved: DiTEngineProcess(resolved, args, device=self.device))
+        if isinstance(dit_engine_args(args), GpuShapedArgs):
+            return self._get("dit", model, args, GpuShapedDiT, lambda _resolved: _shaped(build_dit(model, args, device="")))
+        return self._get("dit", model, args, DiTEngine, lambda resolved: _diffusers(build_dit(resolved, args, device=self.device)))
 
     def code2wav(self, model: str, engine_args: Mapping[str, JsonValue]) -> Code2Wav:
         """Qwen2.5-Omni's token2wav of the whole checkpoint ``model`` (a ``dit`` stage's ``code2wav`` task)."""
@@ -99,6 +97,13 @@ class EnginePool:
             with self._lock:
                 self._projections[(resolved, weight)] = found
         return found
+
+    def close(self) -> None:
+        """Stop the engine processes this pool started (in-process engines go with the process)."""
+        with self._lock:
+            processes = [e for e in self._engines.values() if isinstance(e, DiTEngineProcess)]
+        for engine in processes:
+            engine.close()
 
     def loaded(self) -> list[tuple[str, str, str]]:
         """Keys of the engines loaded so far (for health and metrics)."""
@@ -140,6 +145,30 @@ class EnginePool:
                 self._engines[key] = engine
                 self._loading.pop(key, None)
             return engine
+
+
+def build_dit(model: str, engine_args: Mapping[str, JsonValue], *, device: str) -> DiTEngine | GpuShapedDiT:
+    """The DiT engine ``engine_args`` configure (DiTEngineArgs: ``pipeline_class``, ``torch_dtype``,
+    ``call_args`` and ``cache``; every other key goes to ``from_pretrained``) for the model at ``model``;
+    where they name ``kind: gpu-shaped``, the benchmark's GPU-shaped engine (GpuShapedArgs; ``model`` is
+    only its name). The worker's pool and an engine process build engines here alike."""
+    args = dict(engine_args)
+    ctor = dit_engine_args(args)
+    if isinstance(ctor, GpuShapedArgs):
+        return GpuShapedDiT.from_args(ctor.model_dump())
+    return DiTEngine(model, device=device, pipeline_class=ctor.pipeline_class, torch_dtype=ctor.torch_dtype,
+                     call_args=ctor.call_args, cache=ctor.cache.model_dump() if ctor.cache is not None else None,
+                     load_args=ctor.model_extra)
+
+
+def _shaped(engine: DiTEngine | GpuShapedDiT) -> GpuShapedDiT:
+    assert isinstance(engine, GpuShapedDiT)
+    return engine
+
+
+def _diffusers(engine: DiTEngine | GpuShapedDiT) -> DiTEngine:
+    assert isinstance(engine, DiTEngine)
+    return engine
 
 
 def _on_passing_thread(fn: Callable[[], T]) -> T:

@@ -17,10 +17,9 @@ from omni_jobs.engines import omni_speech
 from omni_jobs.engines.ar import AREngine, AROutput, ARRequest, SamplingOptions, TextSoFar
 from omni_jobs.engines.batching import BatchPolicy, ar_batcher, dit_batcher
 from omni_jobs.engines.code2wav import Code2Wav, Code2WavRequest, code2wav_batcher
-from omni_jobs.engines.dit import DiTEngine, DiTRequest, PreviewCallback
+from omni_jobs.engines.dit import DiTRequest, PreviewCallback
 from omni_jobs.engines.encoder import AREncoder, EncodeRequest
-from omni_jobs.engines.gpu_shaped import GpuShapedDiT
-from omni_jobs.engines.pool import EnginePool
+from omni_jobs.engines.pool import DiTKind, EnginePool
 from omni_jobs.engines.talker import Talker, TalkSampling, thinker_states
 from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.payloads import AudioClip, VideoClip
@@ -52,7 +51,7 @@ StageValues = dict[str, object]
 (an AudioClip, a VideoClip...); omni_jobs.payloads encodes and decodes them."""
 
 
-def load_stage_engine(engines: EnginePool, stage: StageSpec) -> AREngine | AREncoder | DiTEngine | GpuShapedDiT | Code2Wav:
+def load_stage_engine(engines: EnginePool, stage: StageSpec) -> AREngine | AREncoder | DiTKind | Code2Wav:
     """The (cached) engine this stage runs on, checked against the stage's task (a thinker stage that hands its
     talker states loads the model's pooling engine too)."""
     if stage.engine == "ar":
@@ -315,7 +314,7 @@ def code_ids(value: object, port: str) -> torch.Tensor:
     return value.reshape(-1).to(torch.long)
 
 
-def _dit_engine(engines: EnginePool, stage: StageSpec) -> DiTEngine | GpuShapedDiT:
+def _dit_engine(engines: EnginePool, stage: StageSpec) -> DiTKind:
     engine = engines.dit(stage.model, stage.engine_args)
     engine.check_task(stage.task_name, conditioned_on_embeds=stage.conditioned_on_embeds)
     return engine

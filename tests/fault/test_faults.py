@@ -9,9 +9,12 @@ webhook ids per job and event (the receiver).
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -438,3 +441,65 @@ def test_hard_time_limit_fails_the_job_and_replaces_the_worker(faults: FaultSyst
     assert again["status"] == "failed" and again["stages"][0]["attempts"] == 1
     assert Counter(faults.engine_starts(job["id"]).values()) == Counter({1: 1})
     report("Stage past its hard time limit", [job], 0, time.monotonic() - started)
+
+
+# --- a worker's engine process dies mid-batch ---
+def engine_process(worker_pid: int, model_dir: str) -> int:
+    """The pid of the engine process that worker ``worker_pid`` (or a child of it) started for ``model_dir``."""
+    def parent(pid: int) -> int:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[1])
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if b"omni_jobs.engines.engine_process" not in argv or not argv[argv.index(b"--model") + 1].decode() \
+                    .endswith(f"/{model_dir}"):
+                continue
+            pid, ancestors = int(proc.name), []
+            while pid > 1:
+                pid = parent(pid)
+                ancestors.append(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+        if worker_pid in ancestors:
+            found.append(int(proc.name))
+    assert len(found) == 1, f"engine processes of {model_dir} under {worker_pid}: {found}"
+    return found[0]
+
+
+def test_sigkill_the_dit_engine_process_mid_stage_and_its_worker_runs_the_call_again(faults: FaultSystem,
+                                                                                       api: httpx.Client) -> None:
+    worker = faults.process("worker-dit")
+    assert worker.pid is not None
+    before = engine_process(worker.pid, "tiny-pixart")
+    jobs = [submit(api, "text-to-image", f"engine kill {i}", image_params(seed=i)) for i in range(4)]
+
+    def running_dit() -> str | None:
+        for j in jobs:
+            job = api.get(f"/v1/jobs/{j['id']}").json()
+            if job["stage"] == "dit" and job["progress"] and job["progress"]["step"] >= 1:
+                return str(job["id"])
+        return None
+
+    victim = wait_until(running_dit, what="a DiT stage in progress")
+    os.kill(before, signal.SIGKILL)  # the engine alone: its worker, its leases and its messages live on
+    killed_at = time.time()
+    done = [wait_for_job(api, j["id"], timeout_s=180) for j in jobs]
+    assert [d["status"] for d in done] == ["succeeded"] * 4, [d["error"] for d in done]
+    # The worker started a fresh engine process and ran the call again: no stage attempt was lost or requeued.
+    assert [next(s for s in d["stages"] if s["id"] == "dit")["attempts"] for d in done] == [1] * 4
+    after = engine_process(worker.pid, "tiny-pixart")
+    assert after != before
+    assert not [e for e in events_of(api, victim) if e["type"] == "stage.requeued"]
+    victim_job = next(d for d in done if d["id"] == victim)
+    index = [j["id"] for j in jobs].index(victim)
+    clean = wait_for_job(api, submit(api, "text-to-image", f"engine kill {index}", image_params(seed=index))["id"])
+    assert pixels_close(image_bytes(api, clean), image_bytes(api, victim_job))
+    assert not list(Path("/dev/shm").glob(f"omni-eng-{before}-*"))  # its unread blocks went with it
+    duplicated = duplicates(faults, done, outputs_per_job=2)
+    assert duplicated == 0
+    report("SIGKILL the DiT engine process mid-stage", done, duplicated, victim_job["completed_at"] - killed_at)

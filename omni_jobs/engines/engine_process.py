@@ -1,0 +1,225 @@
+"""An engine process: one DiT engine, loaded and run apart from the worker that feeds it.
+
+A stage worker's own Python (leases, commits, artifact writes, PNG encoding, Celery's consumer) runs on
+many threads that share the interpreter's lock with the engine's thread. On a GPU host the engine
+thread needs the lock for the CPU side of every step (kernel launches, preparing tensors) and waited
+for it: on the H200 the worker's fixed cost held a 256 px DiT to 0.70 of a direct batch. In a process
+of its own the engine has an interpreter to itself, as vLLM's engine core does.
+
+Started by omni_jobs.engines.engine_client as ``python -m omni_jobs.engines.engine_process --fd N``,
+where N is its end of a socket pair. It answers the worker's messages (omni_jobs.engines.engine_wire):
+a ``Load`` first, then ``CheckTask`` and ``Generate`` calls one at a time, in order; a ``Stop`` for
+the running call is read on a thread of its own, so that a call whose members were all canceled stops
+at its next step. It exits when the worker closes the socket or dies: its reader sees the socket close.
+(Not PR_SET_PDEATHSIG: the kernel sends that when the *thread* that started the process exits, and the
+worker starts engines on threads that end after the load.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from multiprocessing.connection import Connection
+
+import numpy as np
+from PIL import Image
+
+from omni_jobs.engines import turns
+from omni_jobs.engines.allocator import tune_engine_malloc
+from omni_jobs.engines.dit import DiTLikeEngine, DiTOutput, DiTRequest
+from omni_jobs.engines.engine_wire import (
+    Answered,
+    Block,
+    CheckTask,
+    Done,
+    Failed,
+    Generate,
+    Load,
+    Loaded,
+    Preview,
+    Step,
+    Stop,
+    Stopped,
+    ToEngine,
+    WireDiTOutput,
+    encode,
+    pack,
+    to_engine,
+    unpack,
+)
+from omni_jobs.engines.library_env import apply_engine_library_defaults
+from omni_jobs.engines.pool import build_dit
+from omni_jobs.logs import configure_logging
+from omni_jobs.previews import LatentPreview
+from omni_jobs.settings import get_settings
+
+log = logging.getLogger("omni_jobs.engine_process")
+
+
+class _Stopped(Exception):
+    """The running call was stopped by the worker (every member canceled)."""
+
+
+class EngineServer:
+    """Serves one loaded engine over ``conn``: calls in order on this thread, stops read beside them."""
+
+    def __init__(self, conn: Connection, engine: DiTLikeEngine) -> None:
+        self.conn = conn
+        self.engine = engine
+        self._work: queue.SimpleQueue[ToEngine | None] = queue.SimpleQueue()
+        self._stops: set[int] = set()
+        self._lock = threading.Lock()
+
+    def serve(self) -> None:
+        threading.Thread(target=self._read, name="engine-reader", daemon=True).start()
+        while (message := self._work.get()) is not None:
+            self._handle(message)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = to_engine.decode(self.conn.recv_bytes())
+                if isinstance(message, Stop):
+                    with self._lock:
+                        self._stops.add(message.call_id)
+                else:
+                    self._work.put(message)
+        except (EOFError, OSError):
+            os._exit(0)  # the worker is gone: no one to answer; a running call is dropped with the process
+
+    def _send(self, message: Answered | Done | Failed | Preview | Step | Stopped) -> None:
+        self.conn.send_bytes(encode(message))
+
+    def _handle(self, message: ToEngine) -> None:
+        call_id = getattr(message, "call_id", -1)
+        try:
+            if isinstance(message, CheckTask):
+                self.engine.check_task(message.task, conditioned_on_embeds=message.conditioned_on_embeds)
+                self._send(Answered(call_id))
+            elif isinstance(message, Generate):
+                self._generate(message)
+            else:
+                raise TypeError(f"unexpected message {type(message).__name__}")
+        except _Stopped:
+            self._send(Stopped(call_id))
+        except Exception as exc:
+            log.debug("call %d failed", call_id, exc_info=True)
+            self._send(Failed(call_id, type(exc).__name__, str(exc)))
+        finally:
+            with self._lock:
+                self._stops.discard(call_id)
+
+    def _generate(self, call: Generate) -> None:
+        requests = _requests(call, unpack(call.inputs), self._previews(call.call_id))
+
+        def on_step(done: int, total: int) -> None:
+            self._send(Step(call.call_id, done, total))
+            with self._lock:
+                if call.call_id in self._stops:
+                    raise _Stopped()
+
+        outputs = self.engine.generate(requests, on_step=on_step)
+        wire, block = _outputs(outputs)
+        self._send(Done(call.call_id, wire, block))
+
+    def _previews(self, call_id: int) -> Callable[[int, LatentPreview], None]:
+        def send(index: int, preview: LatentPreview) -> None:
+            block = pack([preview.latents, preview.projection.weight, preview.projection.bias])
+            assert block is not None
+            self._send(Preview(call_id, index, preview.step, preview.total, preview.width, preview.height, block))
+
+        return send
+
+
+def _requests(call: Generate, arrays: Sequence[object],
+              send_preview: Callable[[int, LatentPreview], None]) -> list[DiTRequest]:
+    """The call's DiTRequests: their tensors and images from the call's block; a request that wants
+    previews hands them to ``send_preview(index, preview)``."""
+    out: list[DiTRequest] = []
+    for i, w in enumerate(call.requests):
+        image = embeds = None
+        if w.prompt_embeds is not None:
+            embeds = arrays[w.prompt_embeds]
+        if w.image is not None:
+            pixels = arrays[w.image]
+            assert isinstance(pixels, np.ndarray)
+            image = Image.fromarray(pixels)  # [h, w, 3] uint8: RGB
+        out.append(DiTRequest(
+            request_id=w.request_id, prompt=w.prompt, height=w.height, width=w.width,
+            num_inference_steps=w.num_inference_steps, guidance_scale=w.guidance_scale, seed=w.seed,
+            negative_prompt=w.negative_prompt,
+            prompt_embeds=embeds,  # type: ignore[arg-type]  # a tensor, as the worker packed it
+            image=image, strength=w.strength, duration_s=w.duration_s, want_latents=w.want_latents,
+            num_frames=w.num_frames, preview_every=w.preview_every,
+            on_preview=partial(send_preview, i) if w.preview_every else None,
+        ))
+    return out
+
+
+def _outputs(outputs: Sequence[DiTOutput]) -> tuple[tuple[WireDiTOutput, ...], Block | None]:
+    """The engine's DiTOutputs as wire outputs, their arrays in one block."""
+    arrays: list[object] = []
+
+    def put(value: object) -> int:
+        arrays.append(value)
+        return len(arrays) - 1
+
+    wire = []
+    for out in outputs:
+        image = mode = None
+        if out.image is not None:
+            picture = out.image if out.image.mode in ("RGB", "RGBA", "L") else out.image.convert("RGB")
+            image, mode = put(np.asarray(picture)), picture.mode
+        wire.append(WireDiTOutput(
+            out.request_id, image=image, image_mode=mode,
+            audio=put(out.audio) if out.audio is not None else None, sample_rate=out.sample_rate,
+            latents=put(out.latents) if out.latents is not None else None,
+            video=put(out.video) if out.video is not None else None,
+        ))
+    return tuple(wire), pack(arrays)
+
+
+def load_engine(kind: str, model: str, device: str, engine_args: dict[str, object]) -> DiTLikeEngine:
+    """The engine a Load names, built as the worker's own pool would build it in-process."""
+    if kind != "dit":
+        raise ValueError(f"an engine process runs DiT engines, not {kind!r}")
+    return build_dit(model, engine_args, device=device)  # type: ignore[arg-type]  # JSON, as it was sent
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--fd", type=int, required=True, help="this process's end of the worker's socket pair")
+    parser.add_argument("--model", default="", help="the model it serves (shown by ps; the load message names it)")
+    args = parser.parse_args(argv)
+    apply_engine_library_defaults()  # before torch loads, as in the worker (workers/app.py)
+
+    settings = get_settings()
+    configure_logging(settings.log_format, settings.log_level, service="engine")
+    tune_engine_malloc(settings.engine_malloc)
+    conn = Connection(socket.socket(fileno=args.fd).detach())
+    load = to_engine.decode(conn.recv_bytes())
+    if not isinstance(load, Load):
+        raise SystemExit(f"engine process: expected a load message first, got {type(load).__name__}")
+    turns.configure(turns.lock_file(settings.engine_turns, load.device, settings.engine_cpus))
+    started = time.perf_counter()
+    try:
+        engine = load_engine(load.kind, load.model, load.device, load.engine_args)
+    except Exception as exc:  # noqa: BLE001 - the worker raises it where it asked for the engine
+        conn.send_bytes(encode(Failed(-1, type(exc).__name__, str(exc))))
+        return
+    pipeline_class = str(getattr(engine, "pipeline_class", type(engine).__name__))
+    conn.send_bytes(encode(Loaded(os.getpid(), pipeline_class, time.perf_counter() - started)))
+    log.info("engine process %d: %s (%s) loaded in %.1f s", os.getpid(), load.model, pipeline_class,
+             time.perf_counter() - started)
+    EngineServer(conn, engine).serve()
+
+
+if __name__ == "__main__":
+    main()
