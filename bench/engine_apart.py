@@ -9,7 +9,8 @@ turns in every repetition:
 * in-process: ``--threads`` threads submit to the DiT batcher of the engine in this process, and each
   encodes its image as PNG once it has it, as a stage task does with its output (the worker's
   per-job work, holding the interpreter's lock for part of each encode);
-* apart: the same threads and work, the engine in an engine process (omni_jobs.engines.engine_client).
+* apart: the same threads and work, the engine in an engine process (omni_jobs.engines.engine_client),
+  which batches what they submit itself.
 
 It prints images/s and each arm over direct. This is the engine-side half of the benchmark's
 ``GPU-shaped DiT`` rows, without the API, Redis and Celery: what the engine loses to the worker's
@@ -24,6 +25,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from omni_jobs.engines.batching import BatchPolicy, dit_batcher
@@ -47,9 +49,10 @@ def direct(engine: GpuShapedDiT, batch: list[DiTRequest]) -> float:
     return time.perf_counter() - started
 
 
-def through_batcher(engine: DiTLikeEngine, batch: list[DiTRequest], threads: int) -> float:
+def through_batcher(engine: DiTLikeEngine, batch: list[DiTRequest], *, threads: int) -> float:
     """``threads`` workers take the requests in order; each submits one, encodes its PNG, takes the next."""
-    batcher = dit_batcher(engine, BatchPolicy(max_batch_size=BATCH, wait_ms=20))
+    policy = BatchPolicy(max_batch_size=BATCH, wait_ms=20)
+    batcher = engine.batcher(policy) if isinstance(engine, DiTEngineProcess) else dit_batcher(engine, policy)
     left = list(reversed(batch))
     lock = threading.Lock()
 
@@ -84,9 +87,9 @@ def main(argv: list[str] | None = None) -> None:
         apart = DiTEngineProcess("gpu-shaped", {"kind": "gpu-shaped", "ms_per_image": ms}, device="cpu")
         try:
             arms: dict[str, Callable[[list[DiTRequest]], float]] = {
-                "direct": lambda b: direct(local, b),
-                "in-process": lambda b: through_batcher(local, b, args.threads),
-                "apart": lambda b: through_batcher(apart, b, args.threads),
+                "direct": partial(direct, local),
+                "in-process": partial(through_batcher, local, threads=args.threads),
+                "apart": partial(through_batcher, apart, threads=args.threads),
             }
             for arm in arms.values():  # warm: the noise tile, the batchers' fits
                 arm(requests(BATCH * 2, -1))

@@ -358,7 +358,7 @@ class QueueCollector(Collector):
         from omni_jobs.redis_replies import members
 
         ready = GaugeMetricFamily("omni_jobs_queue_ready", "Stages waiting for the scheduler to release them "
-                                  "to a queue, per tenant (README \"Scheduling\"; per queue only, without the "
+                                  "to a queue, per tenant (docs/scaling.md, \"Scheduling\"; per queue only, without the "
                                   "scrape token).", labels=["queue", "tenant"] if self.tenants else ["queue"])
         released = GaugeMetricFamily("omni_jobs_queue_released", "Stages released to a queue's broker list and "
                                      "not started yet.", labels=["queue"])

@@ -3,7 +3,7 @@
 A diffusers pipeline on the CPU allocates and frees its activations at every step. glibc hands large
 freed blocks back to the kernel (munmap, or a trim of the heap's top), so the next step faults them
 back in, page by page, zeroed. Measured on a DiT batch of 32 (32 px, 20 steps, on a worker's thread;
-bench/NOTES.md, "The engines' malloc"): glibc as it comes 2.07 s, 282k page faults and 0.53 s of
+docs/decisions/engines-malloc.md): glibc as it comes 2.07 s, 282k page faults and 0.53 s of
 kernel time; glibc with its thresholds fixed 1.93 s (90k faults, 0.17 s); tcmalloc 1.79 s (1.1k
 faults, 0.01 s). In the whole system (bench --ab) the DiT 32px small row gained ~4%, within its
 noise. vLLM's AR engine reuses its buffers and is not changed by either (14k faults per 64 requests).

@@ -61,6 +61,11 @@ TURNS_KEPT = 1024
 """Tenants whose last turn a batcher remembers (the least recently served are forgotten first)."""
 
 
+def current_tenant() -> str | None:
+    """The tenant of what this thread submits (``for_tenant``): what a batcher elsewhere is told."""
+    return _tenant.get()
+
+
 @contextmanager
 def for_tenant(tenant: str | None) -> Iterator[None]:
     """Around a job's engine calls (StageRunner): what this thread submits to a batcher is ``tenant``'s.
@@ -263,8 +268,12 @@ class Batcher(Generic[R, O]):
                  group_key: Callable[[R], Hashable] | None = None, rank: Callable[[R], int] | None = None,
                  name: str = "batcher",
                  arrivals: Arrivals | None = None, release_team: Callable[[], object] = release_thread_team,
-                 turn: Callable[[], AbstractContextManager[object]] = nullcontext) -> None:
+                 turn: Callable[[], AbstractContextManager[object]] = nullcontext,
+                 on_done: Callable[[Sequence[Member[R, O]]], None] | None = None) -> None:
         self.run_batch = run_batch
+        self.on_done = on_done
+        """Hears of each batch once its members are settled, before they are told (an engine process
+        answers its worker for the whole batch at once)."""
         self.turn = turn
         """The engine to itself and its turn on shared cores (``DiTEngine.turn``, omni_jobs.engines.turns),
         for an engine whose running batch takes no newcomers: a batch takes both before its members are
@@ -294,18 +303,24 @@ class Batcher(Generic[R, O]):
 
     def submit(self, request: R, progress: ProgressFn | None = None) -> O:
         """Block until this request has run in some batch; return its output or raise its own error."""
-        member: Member[R, O] = Member(request, progress, _tenant.get())
-        with self._cond:
-            self._pending.append(member)
-            self.arrivals.submitted()
-            self._ensure_thread()
-            self._cond.notify_all()
+        member = self.put(request, progress, tenant=_tenant.get())
         member.done.wait()
         if member.error is not None:
             raise member.error
         if member.result is None:
             raise RuntimeError(f"{self.name}: the batch ended without an output for this request")
         return member.result
+
+    def put(self, request: R, progress: ProgressFn | None = None, *, tenant: str | None = None) -> Member[R, O]:
+        """Queue this request without waiting: its member is settled, then ``done``, when its batch has run
+        (``on_done`` hears of the whole batch first)."""
+        member: Member[R, O] = Member(request, progress, tenant)
+        with self._cond:
+            self._pending.append(member)
+            self.arrivals.submitted()
+            self._ensure_thread()
+            self._cond.notify_all()
+        return member
 
     def wake(self) -> None:
         with self._cond:
@@ -483,8 +498,12 @@ class Batcher(Generic[R, O]):
                         self._ran(key, len(batch), run_s)
                         telemetry.batch_ran(self.name, started - batch[0].enqueued_at, run_s)
                     finally:
-                        for m in batch:
-                            m.done.set()
+                        try:
+                            if self.on_done is not None:
+                                self.on_done(batch)
+                        finally:
+                            for m in batch:
+                                m.done.set()
 
     def _ran(self, key: Hashable, size: int, run_s: float) -> None:
         """Remember a group's recent batches (the last 16 of each of the last 64 groups), bar each size's

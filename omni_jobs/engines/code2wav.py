@@ -16,7 +16,7 @@ looks back, and BigVGAN's convolutions reach a few frames) and ``right`` codes a
 renders again inside its left context and fades into over ``crossfade`` samples (a raised cosine), so the joins
 have no step. Windows start on DiT block boundaries (multiples of 12 codes) as the whole clip's do.
 The DiT's attention reaches further with every ODE step, so a chunked clip is close to, not equal to, the whole
-clip: README "Qwen2.5-Omni speech" gives the measured difference (tiny model, default settings: max |diff|
+clip: docs/pipelines.md, "Qwen2.5-Omni speech", gives the measured difference (tiny model, default settings: max |diff|
 9.5e-4, 60.9 dB SNR).
 """
 

@@ -3,10 +3,10 @@
 torch (diffusers) and vLLM's CPU backend run every op on an OpenMP team of threads that meet at a
 barrier after each op. When another process takes one core for a moment (the API, Redis, a worker's
 own Celery threads), the whole team waits for that thread at its next barrier: the system's bookkeeping
-costs the engine about its own length again (bench/NOTES.md, "Where the rest of the gap goes"). Worker
+costs the engine about its own length again (docs/decisions/another-process-wakeups.md). Worker
 processes that each own a slice of the cores do not wait for each other: the same work is only the CPU
 it takes. On a 2-core host two single-threaded engines made the benchmark's 64 images 1.14x as fast as
-one two-threaded engine, and its 64 texts 1.13x (bench/NOTES.md, "An engine worker per core").
+one two-threaded engine, and its 64 texts 1.13x (docs/decisions/engine-worker-per-core.md).
 
 A worker's slice is its ``OMNI_ENGINE_CPUS``: it sets the engines' thread count, vLLM's binding, and
 which engines take turns with them (omni_jobs.engines.turns: those on the same CPUs). The price of a

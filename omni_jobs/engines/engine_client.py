@@ -16,23 +16,27 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import queue
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 import numpy as np
+from msgspec.structs import replace
 
 from omni_jobs import telemetry
 from omni_jobs.engines.allocator import engine_process_env
+from omni_jobs.engines.batching import BatchPolicy, ProgressFn, current_tenant
 from omni_jobs.engines.dit import DiTOutput, DiTRequest, StepCallback
 from omni_jobs.engines.engine_wire import (
-    Answered,
+    BatchStep,
+    Cancel,
     CheckTask,
     Done,
     Failed,
@@ -40,12 +44,17 @@ from omni_jobs.engines.engine_wire import (
     Generate,
     Load,
     Loaded,
+    Outcomes,
     Preview,
+    Started,
     Step,
     Stop,
     Stopped,
+    Submit,
+    ToEngine,
     WireDiTOutput,
     WireDiTRequest,
+    WirePolicy,
     discard,
     encode,
     from_engine,
@@ -118,21 +127,26 @@ class EngineProcess:
             raise EngineProcessDied(f"engine process answered its load with {type(answer).__name__}")
         return answer
 
-    def send(self, message: Load | CheckTask | Generate | Stop) -> None:
-        assert self._conn is not None
+    def send(self, message: Load | ToEngine) -> None:
+        conn = self._conn
         try:
-            self._conn.send_bytes(encode(message))
+            if conn is None:
+                raise OSError("the engine process was closed")
+            conn.send_bytes(encode(message))
         except OSError as exc:
             raise self._died(exc) from exc
 
     def receive(self) -> FromEngine:
         """The next message; EngineProcessDied once the process is gone and has nothing more to say."""
-        assert self._conn is not None and self._proc is not None
+        conn, proc = self._conn, self._proc
+        assert proc is not None
         try:
-            while not self._conn.poll(self.poll_s):
-                if self._proc.poll() is not None and not self._conn.poll(0):
+            if conn is None:
+                raise OSError("the engine process was closed")
+            while not conn.poll(self.poll_s):
+                if proc.poll() is not None and not conn.poll(0):
                     raise self._died(None)
-            return from_engine.decode(self._conn.recv_bytes())
+            return from_engine.decode(conn.recv_bytes())
         except (EOFError, OSError) as exc:
             raise self._died(exc) from exc
 
@@ -170,16 +184,54 @@ class EngineProcess:
                 self._proc.wait()
 
 
+class _Submitted:
+    """A request submitted to the engine process's batcher: what the worker waits on, and what a fresh
+    process is sent again."""
+
+    def __init__(self, request: DiTRequest, message: Submit, arrays: list[object], progress: ProgressFn | None) -> None:
+        self.request = request
+        self.message = message
+        self.arrays = arrays
+        self.progress = progress
+        self.crashes = 0
+        self.sent_to = -1  # the process generation (its restarts) it was last sent to
+        self.stopped: BaseException | None = None  # its progress raised: canceled by its worker
+        self.output: DiTOutput | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def settle(self, output: DiTOutput | None, error: BaseException | None) -> None:
+        self.output, self.error = output, self.stopped or error
+        self.done.set()
+
+
 class DiTEngineProcess:
-    """A DiT engine (DiTEngine, or the benchmark's GPU-shaped one) in its own process: DiTLikeEngine."""
+    """A DiT engine (DiTEngine, or the benchmark's GPU-shaped one) in its own process: DiTLikeEngine.
+
+    Stage workers submit requests (``batcher(policy).submit``): the process batches them, as the worker's
+    batcher would, and answers each. One reader thread here takes every answer and hands it on: steps to
+    the members' progress, previews to their callbacks, outcomes to the threads that wait for them.
+    Direct calls (``generate``, ``check_task``) wait for their own answers."""
 
     def __init__(self, model: str, engine_args: Mapping[str, JsonValue], *, device: str) -> None:
         self.model = model
         self.process = EngineProcess(Load("dit", model, device, dict(engine_args)))
         self.pipeline_class = self.process.loaded.pipeline_class
-        self._lock = threading.RLock()  # one call at a time: the process runs them in order anyway
+        self.batches: list[int] = []
+        """Sizes of the process's batches so far (the last 1000), for tests and the benchmark."""
+        self._io = threading.RLock()  # sends, and a restart: a send waits for the fresh process
+        self._lock = threading.Lock()  # the tables below
         self._ids = itertools.count(1)
+        self._submitted: dict[int, _Submitted] = {}
+        self._members: dict[int, tuple[int, ...]] = {}  # running batch -> its members' keys
+        self._waited: dict[int, float] = {}  # a running batch -> how long its first member waited for it
+        self._calls: dict[int, queue.SimpleQueue[FromEngine | EngineProcessDied]] = {}
         self._checked: dict[tuple[str, bool], Exception | None] = {}
+        self._closed = False
+        self._broken: BaseException | None = None  # the process could not be started again: why
+        self._batchers: dict[BatchPolicy, ProcessBatcher] = {}
+        self._reader = threading.Thread(target=self._read, name=f"engine-{self.process.pid}-reader", daemon=True)
+        self._reader.start()
 
     @property
     def pid(self) -> int:
@@ -187,85 +239,263 @@ class DiTEngineProcess:
 
     @contextmanager
     def turn(self) -> Iterator[None]:
-        """The engine to this thread (a batcher's batch is final once it has it). The engine process
-        takes the host's engine turn itself, at each call (omni_jobs.engines.turns)."""
+        """Nothing to wait for here: the engine process takes the engine, and the host's engine turn, itself."""
+        yield
+
+    def batcher(self, policy: BatchPolicy) -> ProcessBatcher:
+        """What a stage submits to, as ``dit_batcher(engine, policy)`` for an engine in this process."""
         with self._lock:
-            yield
+            return self._batchers.setdefault(policy, ProcessBatcher(self, policy))
+
+    def submit(self, request: DiTRequest, policy: BatchPolicy, progress: ProgressFn | None = None) -> DiTOutput:
+        """Block until the process's batcher of ``policy`` has run this request; its output or its own error.
+        A ``progress`` that raises cancels this request alone, and that error is raised."""
+        wire, arrays = _wire_requests([request])
+        key = next(self._ids)
+        message = Submit(key, wire[0], WirePolicy(policy.max_batch_size, policy.wait_ms, policy.idle_release_s,
+                                                  policy.burst_fill), current_tenant(), None)
+        submitted = _Submitted(request, message, arrays, progress)
+        with self._lock:
+            if self._broken is not None:
+                raise self._broken
+            self._submitted[key] = submitted
+        self._send_submitted(submitted)
+        submitted.done.wait()
+        if submitted.error is not None:
+            raise submitted.error
+        assert submitted.output is not None
+        return submitted.output
 
     def check_task(self, task: str, *, conditioned_on_embeds: bool = False) -> None:
         """As DiTEngine.check_task, asked of the process once per task."""
         key = (task, conditioned_on_embeds)
-        with self._lock:
-            if key not in self._checked:
-                call_id = next(self._ids)
-                self.process.send(CheckTask(call_id, task, conditioned_on_embeds))
-                answer = self.process.receive()
-                self._checked[key] = remote_error(answer) if isinstance(answer, Failed) else None
+        if key not in self._checked:
+            answers = self._call(lambda call_id: CheckTask(call_id, task, conditioned_on_embeds))
+            answer = answers.get()
+            if isinstance(answer, EngineProcessDied):
+                raise answer
+            self._checked[key] = remote_error(answer) if isinstance(answer, Failed) else None
         error = self._checked[key]
         if error is not None:
             raise type(error)(*error.args)
 
     def generate(self, requests: Sequence[DiTRequest], on_step: StepCallback | None = None) -> list[DiTOutput]:
-        """As DiTEngine.generate. A call whose process dies runs again on a fresh one, once."""
+        """As DiTEngine.generate: one direct call, unbatched. A call whose process dies runs again on a fresh one,
+        once."""
         if not requests:
             return []
-        with self._lock:
-            telemetry.batch("dit", len(requests))
-            try:
-                return self._generate(requests, on_step)
-            except EngineProcessDied as died:
-                log.warning("%s; starting a fresh one and running its call of %d again", died, len(requests))
-                self._restart()
-            try:
-                return self._generate(requests, on_step)
-            except EngineProcessDied as died:
-                self._restart()
-                raise EngineCrashed(f"{died}, twice on the same call of {len(requests)} requests") from died
-
-    def _restart(self) -> None:
-        self.process.restart()
-        telemetry.engine_restart("dit")
+        telemetry.batch("dit", len(requests))
+        try:
+            return self._generate(requests, on_step)
+        except EngineProcessDied as died:
+            log.warning("%s; running its call of %d again on a fresh one", died, len(requests))
+        try:
+            return self._generate(requests, on_step)
+        except EngineProcessDied as died:
+            raise EngineCrashed(f"{died}, twice on the same call of {len(requests)} requests") from died
 
     def close(self) -> None:
-        with self._lock:
+        """Stop the process; requests still waiting fail."""
+        self._closed = True
+        with self._io:
             self.process.close()
+        self._reader.join(timeout=10)
+        self._fail_all(RuntimeError(f"the engine process for {self.model} was closed"))
+
+    # --- sending ---
+    def _send_submitted(self, submitted: _Submitted) -> None:
+        """Its request, its arrays in a new block (the process unlinks it once read); once to each process."""
+        with self._io:
+            generation = self.process.restarts
+            if submitted.sent_to == generation:
+                return
+            block = pack(submitted.arrays)
+            try:
+                self.process.send(replace(submitted.message, inputs=block))
+                submitted.sent_to = generation
+            except EngineProcessDied:
+                discard(block)  # the reader restarts the process and sends every waiting request again
+
+    def _call(self, message: Callable[[int], CheckTask | Generate]) -> queue.SimpleQueue[FromEngine | EngineProcessDied]:
+        call_id = next(self._ids)
+        answers: queue.SimpleQueue[FromEngine | EngineProcessDied] = queue.SimpleQueue()
+        with self._lock:
+            self._calls[call_id] = answers
+        try:
+            with self._io:
+                self.process.send(message(call_id))
+        except EngineProcessDied as died:
+            answers.put(died)
+        return answers
 
     def _generate(self, requests: Sequence[DiTRequest], on_step: StepCallback | None) -> list[DiTOutput]:
-        call_id = next(self._ids)
         wire, arrays = _wire_requests(requests)
         block = pack(arrays)
-        try:
-            self.process.send(Generate(call_id, wire, block))
-        except EngineProcessDied:
-            discard(block)
-            raise
+        answers = self._call(lambda call_id: Generate(call_id, wire, block))
         stopped: BaseException | None = None
-        while True:
+        try:
+            while True:
+                message = answers.get()
+                if isinstance(message, EngineProcessDied):
+                    discard(block)  # unread if it died before taking the call
+                    raise message
+                if isinstance(message, Step):
+                    if stopped is None and on_step is not None:
+                        try:
+                            on_step(message.done, message.total)
+                        except BaseException as exc:  # noqa: BLE001 - raised once the process has stopped
+                            stopped = exc
+                            with self._io:
+                                self.process.send(Stop(message.call_id))
+                elif isinstance(message, Preview):
+                    _hand_preview(requests[message.index], message)
+                elif isinstance(message, Done):
+                    outputs = _outputs(message.outputs, unpack(message.arrays))
+                    if stopped is not None:
+                        raise stopped
+                    return outputs
+                elif isinstance(message, Stopped):
+                    raise stopped if stopped is not None else RuntimeError("engine process stopped a call unasked")
+                elif isinstance(message, Failed):
+                    raise remote_error(message)
+                else:
+                    raise TypeError(f"engine process: unexpected {type(message).__name__} during a call")
+        finally:
+            with self._lock:
+                self._calls = {k: v for k, v in self._calls.items() if v is not answers}
+
+    # --- the reader ---
+    def _read(self) -> None:
+        while not self._closed:
             try:
                 message = self.process.receive()
-            except EngineProcessDied:
-                discard(block)  # unread if it died before taking the call
-                raise
-            if isinstance(message, Step):
-                if stopped is None and on_step is not None:
-                    try:
-                        on_step(message.done, message.total)
-                    except BaseException as exc:  # noqa: BLE001 - raised once the process has stopped
-                        stopped = exc
-                        self.process.send(Stop(call_id))
-            elif isinstance(message, Preview):
-                _hand_preview(requests[message.index], message)
-            elif isinstance(message, Done):
-                outputs = _outputs(message.outputs, unpack(message.arrays))
-                if stopped is not None:
-                    raise stopped
-                return outputs
-            elif isinstance(message, Stopped):
-                raise stopped if stopped is not None else RuntimeError("engine process stopped a call unasked")
-            elif isinstance(message, Failed):
-                raise remote_error(message)
-            elif not isinstance(message, Answered):
-                raise TypeError(f"engine process: unexpected {type(message).__name__} during a call")
+            except EngineProcessDied as died:
+                if self._closed:
+                    return
+                self._recover(died)
+                continue
+            try:
+                self._route(message)
+            except Exception:
+                log.exception("engine process %d: handling its %s failed", self.pid, type(message).__name__)
+
+    def _route(self, message: FromEngine) -> None:
+        if isinstance(message, Started):
+            with self._lock:
+                self._members[message.batch_id] = message.keys
+            self.batches = [*self.batches[-999:], len(message.keys)]
+            telemetry.batch("dit", len(message.keys))
+            self._waited[message.batch_id] = message.waited_s
+        elif isinstance(message, BatchStep):
+            self._step(message)
+        elif isinstance(message, Outcomes):
+            self._settle(message)
+        elif isinstance(message, Preview) and message.call_id == 0:
+            with self._lock:
+                submitted = self._submitted.get(message.index)
+            if submitted is not None:
+                _hand_preview(submitted.request, message)
+            else:
+                discard(message.arrays)
+        else:
+            call_id = getattr(message, "call_id", None)
+            with self._lock:
+                answers = self._calls.get(call_id) if isinstance(call_id, int) else None
+            if answers is None:
+                raise TypeError(f"an answer to no call: {message!r}"[:300])
+            answers.put(message)
+
+    def _step(self, step: BatchStep) -> None:
+        """A batch's step is a step of each member still in it; a member whose progress raises is canceled."""
+        with self._lock:
+            keys = self._members.get(step.batch_id, ())
+            members = [(k, self._submitted.get(k)) for k in keys]
+        for key, submitted in members:
+            if submitted is None or submitted.stopped is not None or submitted.progress is None:
+                continue
+            try:
+                submitted.progress(step.done, step.total)
+            except BaseException as exc:  # noqa: BLE001 - this member's own error, raised to its caller
+                submitted.stopped = exc
+                with self._io:
+                    self.process.send(Cancel(key))
+
+    def _settle(self, outcomes: Outcomes) -> None:
+        arrays = unpack(outcomes.arrays)
+        if outcomes.batch_id:
+            telemetry.batch_ran("dit", self._waited.pop(outcomes.batch_id, 0.0), outcomes.run_s)
+            if len(self._waited) > 64:  # the retries of a failed batch start batches of their own, unanswered
+                self._waited = {b: w for b, w in self._waited.items() if b > outcomes.batch_id - 64}
+        settled = []
+        with self._lock:
+            for outcome in outcomes.outcomes:
+                submitted = self._submitted.pop(outcome.key, None)
+                if submitted is not None:
+                    settled.append((submitted, outcome))
+            finished = set(self._submitted)
+            self._members = {b: keys for b, keys in self._members.items() if finished.intersection(keys)}
+        for submitted, outcome in settled:
+            if outcome.output is not None:
+                submitted.settle(_outputs([outcome.output], arrays)[0], None)
+            else:
+                submitted.settle(None, remote_error(Failed(outcome.key, outcome.error or "RuntimeError",
+                                                           outcome.message or "")))
+
+    def _recover(self, died: EngineProcessDied) -> None:
+        """A fresh process; the requests that were waiting or running are sent to it again, and a request in
+        flight through two crashes fails with EngineCrashed. Direct calls hear of the death and retry."""
+        log.warning("%s; starting a fresh one", died)
+        with self._lock:
+            calls, self._calls = list(self._calls.values()), {}
+            self._members = {}
+        for answers in calls:
+            answers.put(died)
+        with self._io:
+            dead = self.process.restarts
+            try:
+                self.process.restart()
+            except Exception as exc:  # the model no longer loads: every waiting request fails with why
+                log.exception("engine process for %s could not be started again", self.model)
+                with self._lock:
+                    self._broken = exc
+                self._closed = True
+                self._fail_all(exc)
+                return
+            telemetry.engine_restart("dit")
+            with self._lock:  # taken with the new process up: a submit racing the crash is among them
+                waiting = list(self._submitted.items())
+            for key, submitted in waiting:
+                if submitted.sent_to == dead:
+                    submitted.crashes += 1
+                if submitted.crashes >= 2:
+                    with self._lock:
+                        self._submitted.pop(key, None)
+                    submitted.settle(None, EngineCrashed(f"{died}, the second engine process crash with request "
+                                                         f"{submitted.request.request_id!r} in it"))
+                else:
+                    self._send_submitted(submitted)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            waiting, self._submitted = list(self._submitted.values()), {}
+        for submitted in waiting:
+            submitted.settle(None, error)
+
+
+class ProcessBatcher:
+    """The DiT batcher of a stage policy, for an engine in a process of its own: ``submit`` as
+    ``Batcher.submit``; the batching happens in the engine process."""
+
+    def __init__(self, engine: DiTEngineProcess, policy: BatchPolicy) -> None:
+        self.engine = engine
+        self.policy = policy
+
+    @property
+    def batches(self) -> list[int]:
+        return self.engine.batches
+
+    def submit(self, request: DiTRequest, progress: ProgressFn | None = None) -> DiTOutput:
+        return self.engine.submit(request, self.policy, progress)
 
 
 def _wire_requests(requests: Sequence[DiTRequest]) -> tuple[tuple[WireDiTRequest, ...], list[object]]:

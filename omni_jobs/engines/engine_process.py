@@ -18,6 +18,7 @@ worker starts engines on threads that end after the load.)
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import queue
@@ -33,22 +34,32 @@ from PIL import Image
 
 from omni_jobs.engines import turns
 from omni_jobs.engines.allocator import tune_engine_malloc
-from omni_jobs.engines.dit import DiTLikeEngine, DiTOutput, DiTRequest
+from omni_jobs.engines.batching import Arrivals, Batcher, BatchPolicy, Member
+from omni_jobs.engines.dit import DiTLikeEngine, DiTOutput, DiTRequest, group_key
 from omni_jobs.engines.engine_wire import (
     Answered,
+    BatchStep,
     Block,
+    Cancel,
     CheckTask,
     Done,
     Failed,
+    FromEngine,
     Generate,
     Load,
     Loaded,
+    Outcome,
+    Outcomes,
     Preview,
+    Started,
     Step,
     Stop,
     Stopped,
+    Submit,
     ToEngine,
     WireDiTOutput,
+    WireDiTRequest,
+    WirePolicy,
     encode,
     pack,
     to_engine,
@@ -67,15 +78,30 @@ class _Stopped(Exception):
     """The running call was stopped by the worker (every member canceled)."""
 
 
+class Canceled(Exception):
+    """A submitted request its worker canceled (the worker raises its own error for it)."""
+
+
 class EngineServer:
-    """Serves one loaded engine over ``conn``: calls in order on this thread, stops read beside them."""
+    """Serves one loaded engine over ``conn``.
+
+    Submitted requests go to this process's batchers (one per stage policy, as a worker's), which form
+    batches and run them here: the next batch starts as soon as the engine is free, without a round
+    trip to the worker. A direct call (``Generate``, ``CheckTask``) runs in order on the serving thread.
+    Cancels and stops are read beside them, on the reader thread."""
 
     def __init__(self, conn: Connection, engine: DiTLikeEngine) -> None:
         self.conn = conn
         self.engine = engine
         self._work: queue.SimpleQueue[ToEngine | None] = queue.SimpleQueue()
         self._stops: set[int] = set()
+        self._canceled: set[int] = set()
+        self._keys: dict[int, int] = {}  # id(request) -> its submit key, while it waits or runs
+        self._started: dict[int, tuple[int, float]] = {}  # a running batch's first key -> its id, when it started
         self._lock = threading.Lock()
+        self._sending = threading.Lock()  # batcher threads and the serving thread all answer
+        self._batchers: dict[WirePolicy, Batcher[DiTRequest, DiTOutput]] = {}
+        self._batch_ids = itertools.count(1)
 
     def serve(self) -> None:
         threading.Thread(target=self._read, name="engine-reader", daemon=True).start()
@@ -86,17 +112,94 @@ class EngineServer:
         try:
             while True:
                 message = to_engine.decode(self.conn.recv_bytes())
-                if isinstance(message, Stop):
+                if isinstance(message, Submit):
+                    self._submit(message)
+                elif isinstance(message, Cancel):
+                    with self._lock:
+                        self._canceled.add(message.key)
+                elif isinstance(message, Stop):
                     with self._lock:
                         self._stops.add(message.call_id)
                 else:
                     self._work.put(message)
         except (EOFError, OSError):
-            os._exit(0)  # the worker is gone: no one to answer; a running call is dropped with the process
+            os._exit(0)  # the worker is gone: no one to answer; running calls are dropped with the process
 
-    def _send(self, message: Answered | Done | Failed | Preview | Step | Stopped) -> None:
-        self.conn.send_bytes(encode(message))
+    def _send(self, message: FromEngine) -> None:
+        data = encode(message)
+        with self._sending:
+            self.conn.send_bytes(data)
 
+    # --- submitted requests: this process's batchers ---
+    def _submit(self, message: Submit) -> None:
+        try:
+            (request,) = _requests((message.request,), unpack(message.inputs), self._previews(0),
+                                   indexes=(message.key,))
+        except Exception as exc:  # noqa: BLE001 - a malformed request fails alone, at once
+            self._send(Outcomes(0, (Outcome(message.key, error=type(exc).__name__, message=str(exc)),), None))
+            return
+        with self._lock:
+            self._keys[id(request)] = message.key
+        self._batcher(message.policy).put(request, tenant=message.tenant)
+
+    def _batcher(self, policy: WirePolicy) -> Batcher[DiTRequest, DiTOutput]:
+        with self._lock:
+            batcher = self._batchers.get(policy)
+            if batcher is None:
+                batch_policy = BatchPolicy(max_batch_size=policy.max_batch_size, wait_ms=policy.wait_ms,
+                                           idle_release_s=policy.idle_release_s, burst_fill=policy.burst_fill)
+                batcher = Batcher(self._run_batch, batch_policy, group_key=group_key, name="dit",
+                                  turn=self.engine.turn, on_done=self._settled, arrivals=Arrivals())
+                self._batchers[policy] = batcher
+            return batcher
+
+    def _run_batch(self, batch: Sequence[Member[DiTRequest, DiTOutput]]) -> list[DiTOutput | BaseException]:
+        """One batch: its members' keys first, then a step message a step (of every member), then the
+        engine's outputs; a member canceled meanwhile gets Canceled, and a batch whose members all were
+        stops at its next step."""
+        with self._lock:
+            keys = tuple(self._keys[id(m.request)] for m in batch)
+        batch_id = next(self._batch_ids)
+        now = time.monotonic()
+        with self._lock:
+            self._started[keys[0]] = (batch_id, now)
+        self._send(Started(batch_id, keys, now - batch[0].enqueued_at))
+
+        def all_canceled() -> bool:
+            with self._lock:
+                return all(k in self._canceled for k in keys)
+
+        def on_step(done: int, total: int) -> None:
+            self._send(BatchStep(batch_id, done, total))
+            if all_canceled():
+                raise _Stopped()
+
+        if all_canceled():
+            return [Canceled() for _ in batch]
+        try:
+            outputs = self.engine.generate([m.request for m in batch], on_step=on_step)
+        except _Stopped:
+            return [Canceled() for _ in batch]
+        with self._lock:
+            return [Canceled() if k in self._canceled else out for k, out in zip(keys, outputs, strict=True)]
+
+    def _settled(self, batch: Sequence[Member[DiTRequest, DiTOutput]]) -> None:
+        """Every member's outcome, in one message, its images and tensors in one block."""
+        with self._lock:
+            keys = [self._keys.pop(id(m.request)) for m in batch]
+            self._canceled.difference_update(keys)
+            started = self._started.pop(keys[0], None)  # retried one by one, the first member's run counts
+            for k in keys[1:]:
+                self._started.pop(k, None)
+        done = [(k, m.result) for k, m in zip(keys, batch, strict=True) if m.error is None and m.result is not None]
+        wire, block = _outputs([out for _, out in done])
+        outcomes = [Outcome(k, output=w) for (k, _), w in zip(done, wire, strict=True)]
+        outcomes += [Outcome(k, error=type(m.error).__name__, message=str(m.error))
+                     for k, m in zip(keys, batch, strict=True) if m.error is not None or m.result is None]
+        batch_id, at = started if started is not None else (0, time.monotonic())
+        self._send(Outcomes(batch_id, tuple(outcomes), block, time.monotonic() - at))
+
+    # --- direct calls ---
     def _handle(self, message: ToEngine) -> None:
         call_id = getattr(message, "call_id", -1)
         try:
@@ -117,7 +220,7 @@ class EngineServer:
                 self._stops.discard(call_id)
 
     def _generate(self, call: Generate) -> None:
-        requests = _requests(call, unpack(call.inputs), self._previews(call.call_id))
+        requests = _requests(call.requests, unpack(call.inputs), self._previews(call.call_id))
 
         def on_step(done: int, total: int) -> None:
             self._send(Step(call.call_id, done, total))
@@ -138,12 +241,12 @@ class EngineServer:
         return send
 
 
-def _requests(call: Generate, arrays: Sequence[object],
-              send_preview: Callable[[int, LatentPreview], None]) -> list[DiTRequest]:
-    """The call's DiTRequests: their tensors and images from the call's block; a request that wants
-    previews hands them to ``send_preview(index, preview)``."""
+def _requests(wire: Sequence[WireDiTRequest], arrays: Sequence[object], send_preview: Callable[[int, LatentPreview], None],
+              indexes: Sequence[int] | None = None) -> list[DiTRequest]:
+    """DiTRequests: their tensors and images from the message's block; a request that wants previews hands
+    them to ``send_preview(index, preview)``, its index in ``indexes`` (default: its place)."""
     out: list[DiTRequest] = []
-    for i, w in enumerate(call.requests):
+    for i, w in zip(indexes if indexes is not None else range(len(wire)), wire, strict=True):
         image = embeds = None
         if w.prompt_embeds is not None:
             embeds = arrays[w.prompt_embeds]

@@ -205,8 +205,51 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     total: int
 
 
+class WirePolicy(msgspec.Struct, frozen=True):
+    """A stage's BatchPolicy: the engine process keeps a batcher per policy, as a worker does."""
+
+    max_batch_size: int
+    wait_ms: float
+    idle_release_s: float
+    burst_fill: float
+
+
+class Submit(msgspec.Struct, tag="submit", frozen=True):
+    """One request for the engine process's batcher of ``policy``; ``key`` names it in every answer."""
+
+    key: int
+    request: WireDiTRequest
+    policy: WirePolicy
+    tenant: str | None
+    inputs: Block | None
+
+
+class Cancel(msgspec.Struct, tag="cancel", frozen=True):
+    """The submitted request ``key`` is no longer wanted: its batch drops it at its next step."""
+
+    key: int
+
+
+class Started(msgspec.Struct, tag="started", frozen=True):
+    """A batch started: its members' keys (what its steps and outcomes are about)."""
+
+    batch_id: int
+    keys: tuple[int, ...]
+    waited_s: float
+    """How long its first member waited for it (the batching window, the fill, the previous batch)."""
+
+
+class BatchStep(msgspec.Struct, tag="batch_step", frozen=True):
+    """A step of a batch: of every member still in it."""
+
+    batch_id: int
+    done: int
+    total: int
+
+
 class Preview(msgspec.Struct, tag="preview", frozen=True):
-    """One member's latents at a step; the block holds the latents, then the projection's weight and bias."""
+    """One member's latents at a step; the block holds the latents, then the projection's weight and bias.
+    ``index``: the request's place in call ``call_id``, or its key where ``call_id`` is 0 (a submitted one)."""
 
     call_id: int
     index: int
@@ -228,6 +271,26 @@ class WireDiTOutput(msgspec.Struct, frozen=True):
     sample_rate: int | None = None
     latents: int | None = None
     video: int | None = None
+
+
+class Outcome(msgspec.Struct, frozen=True):
+    """A member's output, or the error (class name and message) it alone failed with."""
+
+    key: int
+    output: WireDiTOutput | None = None
+    error: str | None = None
+    message: str | None = None
+
+
+class Outcomes(msgspec.Struct, tag="outcomes", frozen=True):
+    """A batch's members, settled (``batch_id`` 0: a request refused before any batch); their arrays in one
+    block."""
+
+    batch_id: int
+    outcomes: tuple[Outcome, ...]
+    arrays: Block | None
+    run_s: float = 0.0
+    """How long the batch ran (its members retried one by one included)."""
 
 
 class Done(msgspec.Struct, tag="done", frozen=True):
@@ -252,8 +315,8 @@ class Answered(msgspec.Struct, tag="answered", frozen=True):
     call_id: int
 
 
-ToEngine = Load | CheckTask | Generate | Stop
-FromEngine = Loaded | Step | Preview | Done | Stopped | Failed | Answered
+ToEngine = Load | CheckTask | Generate | Stop | Submit | Cancel
+FromEngine = Loaded | Step | Preview | Done | Stopped | Failed | Answered | Started | BatchStep | Outcomes
 
 to_engine = msgspec.msgpack.Decoder(ToEngine)
 from_engine = msgspec.msgpack.Decoder(FromEngine)

@@ -6,7 +6,7 @@ of its own, and each device runs a loop thread that wakes every 10 ms (gloo's ``
 whether or not anything is sent: 13 threads, ~1,300 wake-ups a second, ~1.5% of a core, in every AR
 worker, busy or idle. On CPU cores those wake-ups preempt the OpenMP threads of the engines beside them,
 which then wait at their next barrier: a DiT batch ran 2.9% slower beside two idle AR engines than with
-them stopped (bench/NOTES.md, "gloo's loop threads"). A gloo device is meant to carry many contexts, so
+them stopped (docs/decisions/one-gloo-device.md). A gloo device is meant to carry many contexts, so
 the groups made while ``one_gloo_device`` is active share one device, hence one loop thread.
 
 Only the constructor that torch's ``new_group`` and ``init_process_group`` call is changed, and only

@@ -22,7 +22,7 @@ ENGINE_LIBRARY_DEFAULTS: dict[str, str] = {
     # process's teams fit on the CPUs, which they do (engines load on a passing thread, see
     # omni_jobs.engines.pool). Alone, an engine needs ~20,000 (the same vLLM batches: 6.7 s at 20,000, 6.5
     # at 300,000, 7.1 s at 5,000, 7.5 s never spinning). More only burns CPU that an AR and a DiT worker on
-    # the same cores take from each other (bench/NOTES.md, "One OpenMP team").
+    # the same cores take from each other (docs/decisions/one-openmp-team.md).
     "GOMP_SPINCOUNT": "20000",
 }
 

@@ -6,8 +6,7 @@ only while the threads of all the process's teams fit on the CPUs; past that, ev
 op sleeps in the kernel. A worker keeps a batcher thread per engine it has served (every pipeline on
 its queues), so an idle engine's team slowed the busy one: a torch loop on one thread took 0.27 s
 beside two idle threads that had each run one op, 0.11-0.12 s alone, and 0.11 s once those two had
-released their teams; a DiT batch 3.65 s against 3.34 (bench/NOTES.md, "Idle OpenMP teams, handed
-back"). OpenMP 5's ``omp_pause_resource_all`` ends the calling thread's helper threads; its next
+released their teams; a DiT batch 3.65 s against 3.34 (docs/decisions/idle-openmp-teams.md). OpenMP 5's ``omp_pause_resource_all`` ends the calling thread's helper threads; its next
 parallel op makes a new team (thread starts: tens of microseconds).
 """
 

@@ -181,7 +181,7 @@ def _on_passing_thread(fn: Callable[[], T]) -> T:
     kernel. A worker that loaded its engines on the main thread (the preload) and ran them on a
     batcher's thread had two teams or more: on 2 cores each engine step took ~1.2x as long for the
     same CPU (the engine thread switched out ~11,700 times per bench repetition instead of ~1,100).
-    Loading here leaves one team per thread that runs an engine (bench/NOTES.md, "One OpenMP team"; the
+    Loading here leaves one team per thread that runs an engine (docs/decisions/one-openmp-team.md; the
     spin-wait that a lone team then gets is bounded in omni_jobs.engines.library_env)."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-engine-load") as one:
         return one.submit(fn).result()

@@ -19,6 +19,7 @@ from omni_jobs.engines.batching import BatchPolicy, ar_batcher, dit_batcher
 from omni_jobs.engines.code2wav import Code2Wav, Code2WavRequest, code2wav_batcher
 from omni_jobs.engines.dit import DiTRequest, PreviewCallback
 from omni_jobs.engines.encoder import AREncoder, EncodeRequest
+from omni_jobs.engines.engine_client import DiTEngineProcess
 from omni_jobs.engines.pool import DiTKind, EnginePool
 from omni_jobs.engines.talker import Talker, TalkSampling, thinker_states
 from omni_jobs.json_types import JsonObject, JsonValue
@@ -393,7 +394,8 @@ def execute_dit(engines: EnginePool, stage: StageSpec, params: StageParams, inpu
         height=height, width=width, num_frames=num_frames, duration_s=duration_s, image=image, strength=strength,
     )
     if policy is not None:
-        output = dit_batcher(engine, policy).submit(request, progress)
+        batcher = engine.batcher(policy) if isinstance(engine, DiTEngineProcess) else dit_batcher(engine, policy)
+        output = batcher.submit(request, progress)
     else:
         (output,) = engine.generate([request], on_step=progress)
     values: StageValues = {}

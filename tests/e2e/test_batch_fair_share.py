@@ -56,7 +56,7 @@ def system(tmp_path_factory: pytest.TempPathFactory, redis_service: RunningServi
         worker_queues={"dit": "threads", "results": "solo"},
         extra_env={"OMNI_PIPELINES_PATH": json.dumps([str(pipelines)]),
                    "OMNI_STAGE_MAX_IN_FLIGHT": str(BATCH),  # the DiT worker's threads (-c)
-                   "OMNI_PRELOAD_ENGINES": "false", "OMNI_ENGINE_PROCESS": "false"},  # its first task loads the one engine it needs
+                   "OMNI_PRELOAD_ENGINES": "false"},  # its first task loads the one engine it needs (in its engine process)
     )
     try:
         system.start(say=lambda _msg: None)

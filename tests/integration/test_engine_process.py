@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from omni_jobs.engines.batching import BatchPolicy, dit_batcher
+from omni_jobs.engines.batching import BatchPolicy
 from omni_jobs.engines.dit import DiTEngine, DiTOutput, DiTRequest
 from omni_jobs.engines.engine_client import DiTEngineProcess, EngineCrashed
 from omni_jobs.engines.pool import EnginePool
@@ -104,7 +104,7 @@ def test_a_call_whose_members_all_stop_stops_within_a_step_or_two(apart: DiTEngi
 
 
 def test_a_member_that_fails_fails_alone_in_its_batch(apart: DiTEngineProcess) -> None:
-    batcher = dit_batcher(apart, BatchPolicy(max_batch_size=4, wait_ms=200))
+    batcher = apart.batcher(BatchPolicy(max_batch_size=4, wait_ms=200))
     results: dict[str, object] = {}
 
     def run(rid: str, progress: Callable[[int, int], None] | None) -> None:
@@ -155,10 +155,33 @@ def test_a_call_that_crashes_a_fresh_process_too_fails_and_the_next_call_runs(ap
     restarts = apart.process.restarts
     with pytest.raises(EngineCrashed, match="twice on the same call"):
         apart.generate([request("poison", 1)], on_step=kill_at_first_step(apart, times=2))
-    assert apart.process.restarts == restarts + 2  # the retry's process, and one for the calls after
     assert len(apart.generate([request("healthy", 2, steps=1)])) == 1
+    assert apart.process.restarts == restarts + 2  # the retry's process, and one for the calls after
 
 
 def test_a_model_that_cannot_load_fails_where_it_is_asked_for(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no-such-model"):
         DiTEngineProcess(str(tmp_path / "no-such-model"), {}, device="cpu")
+
+
+def test_submitted_requests_run_again_on_a_fresh_process_when_theirs_is_killed(apart: DiTEngineProcess) -> None:
+    batcher = apart.batcher(BatchPolicy(max_batch_size=8, wait_ms=300))
+    batch = [request(f"s{i}", 20 + i, steps=3) for i in range(4)]
+    clean = apart.generate(batch)
+    first, restarts = apart.pid, apart.process.restarts
+    killer = kill_at_first_step(apart, times=1)
+    results: dict[str, object] = {}
+
+    def run(r: DiTRequest) -> None:
+        results[r.request_id] = batcher.submit(r, killer)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in batch]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert apart.pid != first and apart.process.restarts == restarts + 1
+    for want in clean:
+        got = results[want.request_id]
+        assert isinstance(got, DiTOutput) and np.array_equal(pixels(got), pixels(want))
+    assert batcher.batches[-1] == 4  # sent again together, batched again together
