@@ -38,7 +38,7 @@ import httpx
 import redis
 
 from omni_jobs.jobs.ledger import JobLedger
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.local.devservices import (
     RunningService,
     exit_on_sigterm,

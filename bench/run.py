@@ -50,7 +50,7 @@ from omni_jobs import keys
 from omni_jobs.engines.allocator import engine_process_env, loaded_tcmalloc, malloc_choice, tune_engine_malloc
 from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.jobs.models import Job, JobStatus
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.local.devservices import exit_on_sigterm
 from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.local.tiny import resolve_model

@@ -32,7 +32,7 @@ from omni_jobs.artifacts import ArtifactRef, ArtifactStore, LocalBackend, RedisB
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import EventType, Job, JobEvent, JobOutput, JobStatus, StageStatus, new_job_id, now
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.local.devservices import RunningService, exit_on_sigterm, free_port, start_redis
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.retention import cleanup

@@ -27,7 +27,7 @@ import redis
 
 from omni_jobs.jobs.ledger import Acquired, JobLedger
 from omni_jobs.jobs.models import EventType, Job, StageRecord, new_job_id, now
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.json_types import JsonObject
 from omni_jobs.local.devservices import exit_on_sigterm, start_redis
 from omni_jobs.scheduling import Scheduler

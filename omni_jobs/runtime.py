@@ -22,7 +22,7 @@ from omni_jobs.engines.pool import EnginePool
 from omni_jobs.executor import StepExecutor
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.jobs.view import JobJSON, present_job
 from omni_jobs.jobs.watch import job_readers
 from omni_jobs.leases import LeaseKeeper, Reaper, lease_owner

@@ -7,7 +7,7 @@ step the ledger dispatched from the outbox, run it, and take the next ones.
 from __future__ import annotations
 
 from omni_jobs.jobs.models import now
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.scheduling import Scheduler
 from omni_jobs.steps import Step
 

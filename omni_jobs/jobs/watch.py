@@ -23,7 +23,7 @@ from omni_jobs import keys
 from omni_jobs.followed import LOOK, LOOKED_AT_TTL_S, STREAM, Readers
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.models import FINAL_EVENTS, Job, JobEvent
-from omni_jobs.jobs.store import parse_stream
+from omni_jobs.jobs.redis_store import parse_stream
 from omni_jobs.redis_clients import async_client_from_url
 
 __all__ = ["FOLLOWED_TTL_S", "MAX_BLOCK_S", "STREAM_ID", "JobWatcher", "job_readers", "mark_looked_at"]

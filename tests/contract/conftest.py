@@ -12,7 +12,8 @@ import pytest
 
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
-from omni_jobs.jobs.store import JobStore, RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
+from omni_jobs.jobs.store import JobStore
 
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.integration)])

@@ -138,7 +138,7 @@ def test_acommit_answers_as_commit(store: JobStore) -> None:
 def test_asubmit_loads_the_commit_script_again_after_a_redis_restart(redis_client: object) -> None:
     import redis
 
-    from omni_jobs.jobs.store import RedisJobStore
+    from omni_jobs.jobs.redis_store import RedisJobStore
 
     assert isinstance(redis_client, redis.Redis)
     store = RedisJobStore(redis_client, ttl_s=3600)

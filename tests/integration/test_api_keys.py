@@ -21,7 +21,7 @@ from omni_jobs import keys
 from omni_jobs.auth import ApiKeys, InvalidApiKey, hash_key
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job, JobWebhook, StageRecord, now
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.net_guard import NetGuard
 from omni_jobs.scheduling import Scheduler
 from omni_jobs.settings import Settings

@@ -27,7 +27,7 @@ from omni_jobs.engines.batching import BatchDefaults, ar_batcher, dit_batcher
 from omni_jobs.engines.dit import DiTRequest
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import EventType, Job, JobStatus, StageStatus
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
 from omni_jobs.stages import StageLimits, StageRunner
 from omni_jobs.steps import AssembleResults, RunStage, Step, StepOutcome

@@ -19,7 +19,7 @@ from omni_jobs import keys
 from omni_jobs.jobs.change import Change, ReleasePass
 from omni_jobs.jobs.ledger import Acquired, JobLedger
 from omni_jobs.jobs.models import Job, StageRecord, new_job_id, now
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.outbox import OutboxRelay
 from omni_jobs.queueing import (
     SNAPSHOT_HEADER,

@@ -20,7 +20,7 @@ from omni_jobs.checks import check_redis
 from omni_jobs.errors import NotDurable
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job, JobStatus, StageRecord
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.local.devservices import (
     VALKEY_INSTALL_HINT,
     WAITAOF_HZ,

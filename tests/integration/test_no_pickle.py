@@ -16,7 +16,7 @@ from celery import Celery
 
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job, JobWebhook, StageRecord, now
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.local.devservices import RunningService
 from omni_jobs.queueing import celery_config
 from omni_jobs.scheduling import Scheduler

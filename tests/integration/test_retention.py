@@ -12,7 +12,7 @@ from omni_jobs import keys
 from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
 from omni_jobs.jobs.ledger import Acquired, JobLedger
 from omni_jobs.jobs.models import EventType, Job, JobStatus, StageStatus, now
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.leases import Reaper
 from omni_jobs.local.devservices import RunningService
 from omni_jobs.pipelines.catalogue import load_catalogue

@@ -16,7 +16,7 @@ from omni_jobs.engines.batching import BatchDefaults, dit_batcher
 from omni_jobs.errors import PipelineSpecError
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
 from omni_jobs.stage_cache import StageOutputCache, cache_key
 from omni_jobs.stages import StageLimits, StageRunner

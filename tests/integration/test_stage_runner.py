@@ -25,7 +25,7 @@ from omni_jobs.errors import IdempotencyConflict
 from omni_jobs.followed import Readers
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import EventType, JobEvent, JobStatus, StageStatus, now
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.jobs.watch import job_readers, mark_looked_at
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, builtin_pipelines, parse_pipeline
 from omni_jobs.results import ResultsAssembler

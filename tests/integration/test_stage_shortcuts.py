@@ -17,7 +17,7 @@ from PIL import Image
 from omni_jobs.artifacts import ArtifactStore, ArtifactStoreUnavailable, LocalBackend, RedisBackend
 from omni_jobs.jobs.ledger import JobLedger, Lease
 from omni_jobs.jobs.models import Job, JobStatus, StageStatus
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
 from omni_jobs.results import ResultsAssembler
 from omni_jobs.stages import StageLimits, StageRunner

@@ -26,7 +26,7 @@ from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
 from omni_jobs.auth import ApiKeys
 from omni_jobs.jobs.ledger import Acquired, JobLedger
 from omni_jobs.jobs.models import JobStatus
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.payloads import encode_payload
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.results import ResultsAssembler

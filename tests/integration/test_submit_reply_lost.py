@@ -23,7 +23,7 @@ from omni_jobs.auth import ApiKeys
 from omni_jobs.errors import NotDurable
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job, StageRecord, new_job_id
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.local.devservices import RunningService
 from omni_jobs.settings import Settings
 from tests.tcp_proxy import ReplyCutter

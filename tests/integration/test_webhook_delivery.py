@@ -25,7 +25,7 @@ from omni_jobs.jobs.models import (
     new_job_id,
     now,
 )
-from omni_jobs.jobs.store import RedisJobStore
+from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.scheduling import Scheduler
 from omni_jobs.steps import WEBHOOKS_QUEUE, DeliverWebhook, RunStage, step_id
 from omni_jobs.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner, generate_secret

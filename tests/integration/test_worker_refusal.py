@@ -123,7 +123,7 @@ def test_a_second_worker_with_a_live_workers_name_refuses_and_takes_none_of_its_
     is SIGKILLed, a worker of that name starts at once and takes back what the dead one held."""
     from omni_jobs.jobs.ledger import Acquired, JobLedger
     from omni_jobs.jobs.models import Job, StageRecord, StageStatus, new_job_id
-    from omni_jobs.jobs.store import RedisJobStore
+    from omni_jobs.jobs.redis_store import RedisJobStore
 
     env = worker_env(redis_service, tmp_path)
     client = redis.Redis.from_url(env["OMNI_REDIS_URL"])

@@ -159,7 +159,7 @@ def test_the_key_goes_to_the_api_only(tmp_path: Path) -> None:
 def test_the_client_imports_without_the_storage_layer() -> None:
     code = ("import sys, omni_jobs.client; "
             "print(sorted(m for m in ('boto3', 'botocore', 'redis', 'numpy', 'PIL', 'fastapi', 'celery', "
-            "'omni_jobs.artifacts.store', 'omni_jobs.jobs.store') if m in sys.modules))")
+            "'omni_jobs.artifacts.store', 'omni_jobs.jobs.store', 'omni_jobs.jobs.redis_store') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]"
 

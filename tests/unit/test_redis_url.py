@@ -112,7 +112,7 @@ def test_the_broker_may_be_another_transport() -> None:
 
 def test_a_store_on_sentinels_needs_its_async_client_from_the_url() -> None:
     """Its connections name no server: a guess would be the default 127.0.0.1:6379, another Redis."""
-    from omni_jobs.jobs.store import same_server_async
+    from omni_jobs.jobs.redis_store import same_server_async
 
     with pytest.raises(TypeError, match="use_async_client"):
         same_server_async(redis_client("sentinel://127.0.0.1:1/omni"))
