@@ -20,8 +20,8 @@ from omni_jobs import jsontext
 from omni_jobs.errors import FieldError, InvalidRequest
 from omni_jobs.limits import Limits
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
+from omni_jobs.pipelines.schema import WHAT_DECODES, input_schema
 from omni_jobs.pipelines.spec import DEFAULT_MAX_BYTES, PipelineSpec
-from omni_jobs.submission import WHAT_DECODES, input_schema
 
 JSON_FIELDS = ("input", "params", "webhook_events_filter")
 TEXT_FIELDS = ("pipeline", "webhook")

@@ -35,8 +35,8 @@ from omni_jobs.openai_compat import Plan, StageOverrides, transcription_stage
 from omni_jobs.openai_errors import OpenAIError
 from omni_jobs.openai_models import OPENAI_MODEL_NAMES, by_request
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
+from omni_jobs.pipelines.schema import input_field_schema, json_object, stage_params_schema
 from omni_jobs.pipelines.spec import INPUT_SOURCE, PipelineSpec, StageSpec
-from omni_jobs.submission import input_field_schema, json_object, stage_params_schema
 
 Task = Literal["transcribe", "translate"]
 ResponseFormat = Literal["json", "text", "srt", "vtt", "verbose_json"]

@@ -62,8 +62,8 @@ from omni_jobs.openai_models import OPENAI_MODEL_NAMES, by_request
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.modalities import EngineKind
 from omni_jobs.pipelines.params import SEED_MAX, whole_numbers
+from omni_jobs.pipelines.schema import NOT_BLANK, input_field_schema, json_object, params_schema, stage_params_schema
 from omni_jobs.pipelines.spec import InputField, PipelineSpec, StageSpec
-from omni_jobs.submission import NOT_BLANK, input_field_schema, json_object, params_schema, stage_params_schema
 
 OutputModality = Literal["text", "image", "audio"]
 StageOverrides: TypeAlias = dict[str, dict[str, JsonValue]]

@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.openai_errors import OpenAIError
+from omni_jobs.pipelines.schema import NOT_BLANK
 from omni_jobs.pipelines.spec import INPUT_SOURCE, PipelineSpec
-from omni_jobs.submission import NOT_BLANK
 
 FileKind = Literal["image", "audio", "video"]
 FILE_KINDS: tuple[FileKind, ...] = ("image", "audio", "video")

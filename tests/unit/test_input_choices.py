@@ -9,8 +9,9 @@ from pydantic import ValidationError
 from api.ui.forms import input_fields
 from omni_jobs.errors import InvalidRequest
 from omni_jobs.pipelines.catalogue import load_catalogue
+from omni_jobs.pipelines.schema import input_schema
 from omni_jobs.pipelines.spec import InputField
-from omni_jobs.submission import input_schema, validate_input
+from omni_jobs.submission import validate_input
 
 
 def test_a_voice_outside_the_choices_is_refused_naming_the_field_and_the_choices() -> None:

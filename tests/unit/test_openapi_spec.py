@@ -20,9 +20,10 @@ from omni_jobs.errors import InvalidRequest
 from omni_jobs.limits import Limits
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.pipelines.params import ARParams
+from omni_jobs.pipelines.schema import AUDIO_SCHEMA, VIDEO_SCHEMA, params_schema
 from omni_jobs.pipelines.spec import PipelineSpec
 from omni_jobs.settings import Settings
-from omni_jobs.submission import AUDIO_SCHEMA, VIDEO_SCHEMA, params_schema, resolve_params, validate_input
+from omni_jobs.submission import resolve_params, validate_input
 from tests import media_files as mf
 
 CUSTOM = {
