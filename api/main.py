@@ -21,7 +21,7 @@ from api.responses import JSONText
 from api.routes import batches, events, health, jobs, metrics, openai, pipelines, usage
 from api.schemas import JobRequest, job_request_schemas
 from api.ui import router as ui_router
-from omni_jobs import openai_audio, openai_compat
+from omni_jobs import openai_audio, openai_schema
 from omni_jobs import usage as usage_counts
 from omni_jobs.artifacts import ArtifactStoreUnavailable
 from omni_jobs.collector import set_young_threshold
@@ -130,8 +130,8 @@ def _describe_pipelines(schema: dict[str, Any], catalogue: PipelineCatalogue, se
     for parameter in paths["/v1/pipelines/{name}"]["get"].get("parameters", []):
         if parameter.get("name") == "name":
             parameter["schema"]["enum"] = catalogue.names()
-    for name in openai_compat.ENDPOINTS:  # the OpenAI bodies: one route per pipeline they can run
-        components[name] = openai_compat.request_schema(name, components[name], catalogue, limits,
+    for name in openai_schema.ENDPOINTS:  # the OpenAI bodies: one route per pipeline they can run
+        components[name] = openai_schema.request_schema(name, components[name], catalogue, limits,
                                                         settings.openai_model_aliases)
     for path in openai.TRANSCRIPTION_PATHS:  # their form: one branch per speech pipeline
         paths[path]["post"]["requestBody"] = openai_audio.form_body(catalogue, limits, settings.openai_model_aliases)

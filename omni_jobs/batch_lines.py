@@ -2,7 +2,7 @@
 
 A batch file is JSONL, one request a line: ``{"custom_id", "method": "POST", "url", "body"}``. Each
 line's body is checked by the route's own mapping (the request models and plans of
-omni_jobs.openai_compat, then the submitter's validation of the job it makes), so a line is refused
+omni_jobs.openai_requests, then the submitter's validation of the job it makes), so a line is refused
 for what its route would refuse, with the same message, and the job it becomes is the job that route
 would submit. A refused file names the lines at fault (1-based), as OpenAI's batch errors do.
 """
@@ -20,7 +20,8 @@ from pydantic import BaseModel, ValidationError
 from omni_jobs.errors import InvalidRequest
 from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.openai_audio import FILE_FIELD, Task, TranscriptionForm, plan_transcription, read_form
-from omni_jobs.openai_compat import (
+from omni_jobs.openai_errors import OpenAIError
+from omni_jobs.openai_requests import (
     ChatCompletionRequest,
     ImageGenerationRequest,
     Plan,
@@ -31,7 +32,6 @@ from omni_jobs.openai_compat import (
     plan_images,
     plan_speech,
 )
-from omni_jobs.openai_errors import OpenAIError
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 
 CHAT = "/v1/chat/completions"

@@ -1,9 +1,9 @@
 """A batch line's result: the output or error line OpenAI's Batch API writes for it, from its ended jobs.
 
 The body of an output line is what the line's route answers for the same jobs (the response shaping of
-omni_jobs.openai_compat: chat_completion, image_items, images_response; a job line's body is the job
+omni_jobs.openai_responses: chat_completion, image_items, images_response; a job line's body is the job
 object of GET /v1/jobs/{id}). A failed, canceled or vanished job gives an error line whose body is the
-route's error (openai_compat.finished raises it). Speech, which OpenAI's batches do not carry, is
+route's error (openai_responses.finished raises it). Speech, which OpenAI's batches do not carry, is
 ``{"object": "audio.speech", "model", "response_format", "media_type", "data": <base64>}``; a transcription's
 body is the route's in its ``response_format`` (a JSON object, or the text of text, srt and vtt).
 """
@@ -20,8 +20,9 @@ from omni_jobs.batch_lines import IMAGES, SPEECH, LinePlan, RequestLine
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.openai_audio import read_transcript, transcription_answer
-from omni_jobs.openai_compat import (
-    ImageGenerationRequest,
+from omni_jobs.openai_errors import OpenAIError
+from omni_jobs.openai_requests import ImageGenerationRequest
+from omni_jobs.openai_responses import (
     chat_completion,
     finished,
     first_output,
@@ -30,7 +31,6 @@ from omni_jobs.openai_compat import (
     needed_outputs,
     text_meta,
 )
-from omni_jobs.openai_errors import OpenAIError
 
 Read = Callable[[ArtifactRef], bytes]
 

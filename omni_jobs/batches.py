@@ -63,8 +63,8 @@ from omni_jobs.files import DurableRecords, FileNotFound, FileRecord, FileStore
 from omni_jobs.jobs.models import Job
 from omni_jobs.jobs.view import output_url
 from omni_jobs.json_types import JsonObject, JsonValue
-from omni_jobs.openai_compat import invalid_request
 from omni_jobs.openai_errors import OpenAIError
+from omni_jobs.openai_requests import invalid_request
 from omni_jobs.redis_replies import members, text_hash
 from omni_jobs.runtime import Runtime
 from omni_jobs.submission import JobSubmitter

@@ -1,5 +1,5 @@
 """The error of the OpenAI-compatible routes, in OpenAI's shape, apart from the mappings that raise it
-(omni_jobs.openai_compat, openai_content, openai_audio), so that each of them can raise it without
+(omni_jobs.openai_requests, openai_responses, openai_content, openai_audio), so that each of them can raise it without
 importing the others."""
 
 from __future__ import annotations

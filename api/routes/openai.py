@@ -19,7 +19,7 @@ in OpenAI's shape, the way ``vllm serve --omni`` answers:
   omni_jobs.openai_audio).
 
 Which pipeline runs and with what input and params, and the answer's body from the finished jobs,
-are omni_jobs.openai_compat (pure functions); this module translates HTTP: it parses, submits,
+are omni_jobs.openai_requests and openai_responses (pure functions); this module translates HTTP: it parses, submits,
 waits, reads the output bytes and answers. The answer's ``model`` says which pipeline ran, and the
 ``X-Omni-Job-Id`` header names the job(s).
 
@@ -77,32 +77,34 @@ from omni_jobs.openai_audio import (
     read_transcript,
     transcription_answer,
 )
-from omni_jobs.openai_compat import (
+from omni_jobs.openai_errors import OpenAIError
+from omni_jobs.openai_requests import (
     ChatCompletionRequest,
     ImageGenerationRequest,
     Plan,
     SpeechRequest,
-    audio_delta_message,
     audio_source,
+    invalid_request,
+    plan_chat,
+    plan_images,
+    plan_speech,
+    text_source,
+)
+from omni_jobs.openai_responses import (
+    audio_delta_message,
     chat_completion,
     finished,
     first_output,
     image_items,
     images_response,
-    invalid_request,
     model_card,
     needed_outputs,
-    plan_chat,
-    plan_images,
-    plan_speech,
     speech_event,
     streamed_pcm,
     text_meta,
     text_of,
-    text_source,
     unsent_pcm,
 )
-from omni_jobs.openai_errors import OpenAIError
 from omni_jobs.pipelines.spec import PipelineSpec
 from omni_jobs.text_stream import DeltaReader
 
@@ -282,7 +284,7 @@ async def _speech(ctx: ApiContext, job: Job, output: JobOutput, fmt: AudioFormat
 
 
 async def _text_meta(ctx: ApiContext, spec: PipelineSpec, job: Job) -> tuple[str, dict[str, int] | None]:
-    """openai_compat.text_meta, its artifact reads off the event loop."""
+    """openai_responses.text_meta, its artifact reads off the event loop."""
     meta: tuple[str, dict[str, int] | None] = await run_in_threadpool(text_meta, spec, job, ctx.runtime.artifacts.get)
     return meta
 

@@ -25,7 +25,7 @@ from omni_jobs.client import (
 )
 from omni_jobs.client.errors import api_error, parse_retry_after
 from omni_jobs.errors import Overloaded, QuotaExceeded
-from omni_jobs.openai_compat import OpenAIError
+from omni_jobs.openai_errors import OpenAIError
 from tests.own_loop import run_in_own_loop
 
 URL = "http://api.test/v1/jobs"

@@ -41,7 +41,7 @@ def test_choices_are_for_text_and_hold_the_default() -> None:
 
 
 def test_openai_sampling_fields_set_the_reply_not_the_talker() -> None:
-    from omni_jobs.openai_compat import CHAT_FIELDS, build_params
+    from omni_jobs.openai_requests import CHAT_FIELDS, build_params
 
     spec = load_catalogue().get("omni-chat")
     params, _ = build_params(spec, CHAT_FIELDS, {"max_tokens": 8, "temperature": 0.5, "seed": 3}, None)

@@ -22,7 +22,8 @@ from omni_jobs.openai_audio import (
     transcription_answer,
     vtt,
 )
-from omni_jobs.openai_compat import OpenAIError, invalid_request
+from omni_jobs.openai_errors import OpenAIError
+from omni_jobs.openai_requests import invalid_request
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
 from omni_jobs.submission import resolve_params, validate_input
 

@@ -11,17 +11,17 @@ import pytest
 from api.main import create_app
 from omni_jobs.limits import Limits
 from omni_jobs.openai_audio import TranscriptionForm, form_body, plan_transcription
-from omni_jobs.openai_compat import (
+from omni_jobs.openai_errors import OpenAIError
+from omni_jobs.openai_models import OPENAI_MODEL_NAMES
+from omni_jobs.openai_requests import (
     ChatCompletionRequest,
     ImageGenerationRequest,
     SpeechRequest,
     plan_chat,
     plan_images,
     plan_speech,
-    request_schema,
 )
-from omni_jobs.openai_errors import OpenAIError
-from omni_jobs.openai_models import OPENAI_MODEL_NAMES
+from omni_jobs.openai_schema import request_schema
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
 from omni_jobs.settings import Settings
 

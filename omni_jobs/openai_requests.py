@@ -1,8 +1,10 @@
-"""OpenAI-compatible requests mapped onto jobs, as pure functions (no HTTP, no I/O).
+"""OpenAI-compatible requests mapped onto jobs, as pure functions (no HTTP, no I/O): the request
+bodies, the choice of pipeline, the parameters each field sets, and the plan a request runs.
 
 api/routes/openai.py translates HTTP: it parses a request into one of the models here, asks for its
 :class:`Plan` (which pipeline runs, with what input and per-stage params), submits and waits for the
-job(s), fetches the output bytes, and hands the finished jobs back here for the answer's body. An
+job(s), fetches the output bytes, and hands the finished jobs to omni_jobs.openai_responses for the
+answer's body. An
 :class:`OpenAIError` is the error in OpenAI's shape; the route turns it into the HTTP answer.
 
 Which pipeline runs: ``model`` when it names a pipeline; for no model or one of OpenAI's names
@@ -15,35 +17,25 @@ name is OpenAI's 404 ``model_not_found`` (omni_jobs.openai_models): a typo is no
 
 Which stage parameter each OpenAI field sets is a table (CHAT_FIELDS, IMAGE_FIELDS, SPEECH_FIELDS).
 The request models carry, in their JSON schema, what the checks here accept (a pattern, the one
-allowed value); request_schema adds, from the same tables and the same pipeline choice, one
+allowed value); omni_jobs.openai_schema's request_schema adds, from the same tables and the same pipeline choice, one
 schema per pipeline a request can run with what its stages take, so that the OpenAPI spec says
 it. The checks answer 400 with their own message.
 """
 
 from __future__ import annotations
 
-import base64
-import itertools
 import re
-import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, TypeAlias
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
-from omni_jobs.artifacts.codecs import CodecError
-from omni_jobs.artifacts.refs import ArtifactRef
-from omni_jobs.audio_formats import AUDIO_FORMATS, PCM_RATE, AudioFormat, check_format, pcm16
-from omni_jobs.audio_stream import AudioChunk
+from omni_jobs.audio_formats import AUDIO_FORMATS, AudioFormat, check_format
 from omni_jobs.checks import is_builtin
 from omni_jobs.errors import InvalidRequest
-from omni_jobs.jobs.models import Job, JobOutput, JobStatus
 from omni_jobs.json_types import JsonObject, JsonScalar, JsonValue
-from omni_jobs.limits import Limits
 from omni_jobs.openai_content import (
-    FILE_KINDS,
     KIND_PARTS,
     ChatContent,
     ChatMessageIn,
@@ -53,7 +45,6 @@ from omni_jobs.openai_content import (
     content_inputs,
     first_misfit,
     media_input,
-    messages_schema,
     missing_kinds,
     read_content,
 )
@@ -62,7 +53,6 @@ from omni_jobs.openai_models import OPENAI_MODEL_NAMES, by_request
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.modalities import EngineKind
 from omni_jobs.pipelines.params import SEED_MAX, whole_numbers
-from omni_jobs.pipelines.schema import NOT_BLANK, input_field_schema, json_object, params_schema, stage_params_schema
 from omni_jobs.pipelines.spec import InputField, PipelineSpec, StageSpec
 
 OutputModality = Literal["text", "image", "audio"]
@@ -200,11 +190,11 @@ def fills(inputs: ContentInputs | None, kinds: frozenset[str]) -> bool:
             and all(kind in kinds for kind, n in inputs.required.items() if n))
 
 
-def _chat_candidates(catalogue: PipelineCatalogue, wanted: set[str], kinds: frozenset[str]) -> list[PipelineSpec]:
+def pipeline_candidates(catalogue: PipelineCatalogue, wanted: set[str], kinds: frozenset[str]) -> list[PipelineSpec]:
     return [s for s in catalogue if wanted <= output_modalities(s) and fills(content_inputs(s), kinds)]
 
 
-def _best(candidates: list[PipelineSpec], wanted: set[str], kinds: frozenset[str]) -> PipelineSpec:
+def best_candidate(candidates: list[PipelineSpec], wanted: set[str], kinds: frozenset[str]) -> PipelineSpec:
     """The preferred candidate (the module's docstring says the order)."""
     source = "text" if not kinds else (next(iter(kinds)) if len(kinds) == 1 else None)
     conventional = {f"{source}-to-{m}" for m in wanted} if source else set()  # text-to-image, image-to-text...
@@ -263,9 +253,9 @@ def choose_pipeline(catalogue: PipelineCatalogue, model: str | None, wanted: set
             raise OpenAIError(400, f"pipeline '{model}' needs inputs {sorted(spec.inputs)}; these endpoints send "
                               f"{sent} (use POST /v1/jobs)", param="model", code="unsupported_pipeline")
         return spec
-    candidates = _chat_candidates(catalogue, wanted, kinds)
+    candidates = pipeline_candidates(catalogue, wanted, kinds)
     if candidates:
-        return _best(candidates, wanted, kinds)
+        return best_candidate(candidates, wanted, kinds)
     if content is not None and kinds:
         seen: list[MediaPart] = []
         for part in content.media:  # the first part no pipeline takes with the ones before it
@@ -332,7 +322,7 @@ SPEECH_CODES_OWN = frozenset({"max_tokens", "temperature", "top_p"})
 text reply's; a talker given a chat's max_tokens=8 would speak 8 codes (0.16 s). ``seed`` reaches it."""
 
 
-def _takes(stage: StageSpec, target: Target) -> bool:
+def takes(stage: StageSpec, target: Target) -> bool:
     if stage.task_name == "talk" and target[1] in SPEECH_CODES_OWN:
         return False
     return stage.engine == target[0] and target[1] in _param_fields(stage)
@@ -353,7 +343,7 @@ def build_params(spec: PipelineSpec, fields: dict[str, tuple[Target, ...]], give
     for stage in spec.stages:
         for name, targets, values in sources:
             for target, value in zip(targets, values, strict=True):
-                if value is not None and _takes(stage, target):
+                if value is not None and takes(stage, target):
                     params.setdefault(stage.id, {})[target[1]] = value
                     origin[(stage.id, target[1])] = name
                     used.add(name)
@@ -433,17 +423,6 @@ def voice_input(spec: PipelineSpec) -> InputField | None:
     """The pipeline's voice input (a text input named ``voice``), which OpenAI's voice sets."""
     field_ = spec.inputs.get(VOICE_INPUT)
     return field_ if field_ is not None and field_.type == "text" else None
-
-
-def voice_schema(spec: PipelineSpec) -> JsonObject:
-    """A request's voice for ``spec``: one of its voices (or ``{'id': voice}``); anything for a pipeline without."""
-    field_ = voice_input(spec)
-    if field_ is None or field_.choices is None:
-        return {**VOICE_SCHEMA, "description": f"Pipeline '{spec.name}' has no voice choices: any voice is taken"
-                + (" as its voice input." if field_ is not None else " and not used.")}
-    names: JsonObject = {"enum": [*field_.choices]}
-    return {"anyOf": [names, {"type": "object", "properties": {"id": names}, "required": ["id"]}, {"type": "null"}],
-            "description": f"One of pipeline '{spec.name}''s voices (default {field_.default})."}
 
 
 def pick_voice(spec: PipelineSpec, voice: JsonValue, *, param: str) -> JsonObject:
@@ -548,7 +527,7 @@ def plan_images(catalogue: PipelineCatalogue, body: ImageGenerationRequest, *, m
         if body.n > 1:
             for stage in spec.stages:
                 base = job_params.get(stage.id, {}).get("seed", stage.defaults.get("seed", 0))
-                if _takes(stage, ("dit", "seed")) and isinstance(base, int) and not isinstance(base, bool):
+                if takes(stage, ("dit", "seed")) and isinstance(base, int) and not isinstance(base, bool):
                     job_params.setdefault(stage.id, {})["seed"] = (base + i) % (SEED_MAX + 1)  # wraps, as seeds may
         per_job.append(job_params)
     return Plan(spec, _prompt_input(spec, body.prompt), per_job, origin, prompt_param="prompt")
@@ -571,435 +550,3 @@ def plan_speech(catalogue: PipelineCatalogue, body: SpeechRequest, *,
     return Plan(spec, job_input, [params], origin, prompt_param="input", audio_format=audio_format,
                 input_origin={VOICE_INPUT: "voice"} if voice_input(spec) is not None else {},
                 sse=body.stream_format == "sse")
-
-
-# --- the request bodies as the spec says them (api.main puts them in the OpenAPI spec) ---
-@dataclass(frozen=True)
-class Endpoint:
-    """What a route maps, for its schema: its fields, whether it takes ``size``, the modality it
-    answers with (None: chat's ``modalities``), and the field its prompt comes from."""
-
-    fields: dict[str, tuple[Target, ...]]
-    size: bool
-    modality: str | None
-    prompt: str
-    voice: str | None = None
-    """Where the request's voice is (``voice``, ``audio.voice``): its schema is the pipeline's voices."""
-
-
-ENDPOINTS = {"ChatCompletionRequest": Endpoint(CHAT_FIELDS, True, None, "messages", "audio.voice"),
-             "ImageGenerationRequest": Endpoint(IMAGE_FIELDS, True, "image", "prompt"),
-             "SpeechRequest": Endpoint(SPEECH_FIELDS, False, "audio", "input", "voice")}
-"""The component name of each route's body (FastAPI's, from the model) and what it maps."""
-_MODALITIES = ("text", "image", "audio")
-_NUMBER = "[1-9][0-9]{0,8}"
-
-
-def _number(value: JsonValue, what: str) -> int | float:
-    """A schema's number (a bound, a step), narrowed: TypeError if it is not one."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise TypeError(f"{what} is not a number: {value!r}")
-    return value
-
-
-def _properties(schema: JsonObject) -> JsonObject:
-    """An object schema's ``properties``."""
-    return json_object(schema["properties"], "properties")
-
-
-def _with_required(schema: JsonObject, name: str) -> None:
-    """Add ``name`` to ``schema``'s required fields (kept sorted)."""
-    required = schema.get("required", [])
-    names = [r for r in required if isinstance(r, str)] if isinstance(required, list) else []
-    if names != required:
-        raise TypeError(f"required is not a list of names: {required!r}")
-    schema["required"] = [*sorted({*names, name})]
-
-
-def _allowed_ints(prop: JsonObject) -> set[int] | None:
-    """The integers a parameter's schema allows (None: unbounded)."""
-    branches = prop.get("anyOf", [prop])
-    if not isinstance(branches, list):
-        raise TypeError(f"anyOf is not a list: {branches!r}")
-    branch = next((b for b in map(json_object, branches) if b.get("type") == "integer"), None)
-    if branch is None or "minimum" not in branch or "maximum" not in branch:
-        return None
-    step = int(_number(branch.get("multipleOf", 1), "multipleOf"))
-    low, high = int(_number(branch["minimum"], "minimum")), int(_number(branch["maximum"], "maximum"))
-    return {v for v in range(low, high + 1) if v % step == 0 and v > 0}
-
-
-def _size_schema(stages: list[JsonObject]) -> JsonObject:
-    """``size`` for these DiT stages' params schemas: 'auto', or the widths and heights they all take."""
-    parts: list[str] = []
-    for key in ("width", "height"):
-        sets = [_allowed_ints(json_object(_properties(stage)[key], key)) for stage in stages
-                if key in _properties(stage)]
-        if not sets:
-            return {"anyOf": [{"const": "auto"}, {"type": "null"}], "description": "Only 'auto': no stage takes a size."}
-        bounded = [found for found in sets if found is not None]
-        allowed = set.intersection(*bounded) if bounded else None
-        parts.append(_NUMBER if allowed is None else "(?:" + "|".join(str(v) for v in sorted(allowed)) + ")")
-    return {"anyOf": [{"type": "string", "pattern": f"^(?:auto|{parts[0]}[xX]{parts[1]})$"}, {"type": "null"}],
-            "description": "'WIDTHxHEIGHT' (each a value every image stage takes) or 'auto' (the pipeline's default)."}
-
-
-def _field_schema(name: str, pieces: list[JsonObject], spec: PipelineSpec) -> JsonObject:
-    """An OpenAI field: what every stage it sets takes, or null when no stage takes it."""
-    if not pieces:
-        return {"type": "null", "description": f"Not taken by pipeline '{spec.name}' (400 if given)."}
-    clean: list[JsonObject] = [{k: v for k, v in piece.items() if k not in ("default", "title")} for piece in pieces]
-    taken: JsonObject = clean[0] if len(clean) == 1 else {"allOf": [*clean]}
-    return {"anyOf": [taken, {"type": "null"}], "description": pieces[0].get("description", name)}
-
-
-def _route(base: JsonObject, spec: PipelineSpec, endpoint: Endpoint, limits: Limits,
-           model: JsonObject, modalities: JsonObject | None, kinds: frozenset[str] | None = None) -> JsonObject:
-    """The body when ``spec`` runs: each field as that pipeline's stages take it, the prompt as its
-    text input takes it, a chat's media parts as its file inputs take them (``kinds``: exactly these
-    kinds, one part of each at least; None: those it takes), and ``params`` for what no field sets."""
-    schemas = {stage.id: stage_params_schema(stage, limits) for stage in spec.stages}
-    base_properties = _properties(base)
-    properties: JsonObject = {**base_properties, "model": model}
-    if modalities is not None:
-        properties["modalities"] = modalities
-    if endpoint.voice == "voice":
-        properties["voice"] = voice_schema(spec)
-    elif endpoint.voice == "audio.voice":
-        audio = json_object(base_properties["audio"], "audio")
-        properties["audio"] = {**audio, "anyOf": [
-            {"type": "object", "properties": {"format": {"enum": [*CHAT_AUDIO_FORMATS, None]}, "voice": voice_schema(spec)}},
-            {"type": "null"}]}
-    set_by_fields: set[tuple[str, str]] = set()
-    for name, targets in endpoint.fields.items():
-        pieces = [json_object(_properties(schemas[stage.id])[target[1]], target[1]) for stage in spec.stages
-                  for target in targets if _takes(stage, target)]
-        set_by_fields |= {(stage.id, t[1]) for stage in spec.stages for t in targets if _takes(stage, t)}
-        properties[name] = _field_schema(name, pieces, spec)
-    if endpoint.size:
-        properties["size"] = _size_schema([schemas[s.id] for s in spec.stages if s.engine == "dit"])
-        set_by_fields |= {(s.id, t[1]) for s in spec.stages for t in SIZE_TARGETS if _takes(s, t)}
-    overrides = params_schema(spec, limits)
-    for stage_id, value in _properties(overrides).items():
-        stage_schema = json_object(value, stage_id)
-        stage_schema["properties"] = {k: v for k, v in _properties(stage_schema).items()
-                                      if (stage_id, k) not in set_by_fields}
-    overrides["description"] = ("Per-stage overrides, as in POST /v1/jobs (applied last), of what no field of this "
-                                "request sets (a field's parameter is set with that field).")
-    properties["params"] = overrides if overrides.get("required") else {"anyOf": [overrides, {"type": "null"}]}
-    if endpoint.prompt == "messages":  # each text: the whole prompt when it is the only one; media as it fills
-        inputs = content_inputs(spec)
-        assert inputs is not None  # choose_pipeline and the named routes only take pipelines a chat fills
-        text = {**input_field_schema(spec.inputs[inputs.text], max_text_chars=limits.max_prompt_chars),
-                "pattern": NOT_BLANK}  # read_content refuses blank text, whether the input is required or not
-        properties["messages"] = messages_schema(json_object(base_properties["messages"], "messages"), text, inputs,
-                                                 inputs.kinds if kinds is None else kinds,
-                                                 inputs.required if kinds is None else
-                                                 {k: max(1, inputs.required.get(k, 0)) for k in kinds})
-    else:
-        prompt_input = text_input(spec)
-        assert prompt_input is not None  # choose_pipeline and the named routes only take pipelines with a text prompt
-        prompt = input_field_schema(spec.inputs[prompt_input], max_text_chars=limits.max_prompt_chars)
-        field = json_object(base_properties[endpoint.prompt], endpoint.prompt)
-        longest = [int(_number(n, "maxLength")) for n in (field.get("maxLength"), prompt.get("maxLength"))
-                   if n is not None]
-        properties[endpoint.prompt] = {**field, **prompt, **({"maxLength": min(longest)} if longest else {})}
-    route: JsonObject = {k: v for k, v in base.items() if k not in ("properties", "title", "description")}
-    route.update(title=f"{spec.name}", properties=properties)
-    if overrides.get("required"):  # params must lower a default above this server's cap
-        _with_required(route, "params")
-    if endpoint.fields is CHAT_FIELDS:  # one of two ways to say the same thing (400 naming it otherwise)
-        route["allOf"] = [
-            {"anyOf": [{"properties": {"max_completion_tokens": {"type": "null"}}},
-                       {"properties": {"max_tokens": {"type": "null"}}}]},
-            {"anyOf": [{"properties": {"size": {"anyOf": [{"const": "auto"}, {"type": "null"}]}}},
-                       {"properties": {"width": {"type": "null"}, "height": {"type": "null"}}}]},
-        ]
-    return route
-
-
-def _modalities_within(offered: set[str]) -> JsonObject:
-    """Chat's ``modalities`` when ``model`` names a pipeline: some of those it outputs."""
-    within: JsonObject = {"type": "array", "items": {"enum": [*sorted(offered)]}}
-    return {"anyOf": [within, {"type": "null"}]} if "text" in offered else {**within, "minItems": 1}
-
-
-def _modalities_exactly(wanted: set[str]) -> JsonObject:
-    """Chat's ``modalities`` when they are these (in any order, repeated or not; ['text'] by default)."""
-    if wanted == {"text"}:
-        return {"anyOf": [{"type": "array", "items": {"const": "text"}}, {"type": "null"}]}
-    return {"type": "array", "items": {"enum": [*sorted(wanted)]},
-            "allOf": [{"contains": {"const": m}} for m in sorted(wanted)]}
-
-
-def alias_schema(catalogue: PipelineCatalogue, aliases: Collection[str], *, nullable: bool) -> JsonObject | None:
-    """``model`` when the pipeline is chosen by what is asked: one of OpenAI's names that is no pipeline (or
-    none, where ``nullable``); None when there is no such value (any other name is 404)."""
-    names = sorted(set(aliases) - set(catalogue.names()))
-    description = ("One of OpenAI's model names (OMNI_OPENAI_MODEL_ALIASES): the pipeline is chosen by the "
-                   "modalities asked (GET /v1/models); any other name is 404 model_not_found.")
-    branches: list[JsonValue] = [{"type": "string", "enum": [*names]}] if names else []
-    if nullable:
-        branches.append({"type": "null"})
-    if not branches:
-        return None
-    return {**json_object(branches[0]), "description": description} if len(branches) == 1 else \
-        {"anyOf": branches, "description": description}
-
-
-def request_schema(name: str, base: JsonObject, catalogue: PipelineCatalogue, limits: Limits,
-                   aliases: Collection[str] = OPENAI_MODEL_NAMES) -> JsonObject:
-    """The body of an OpenAI route as the spec says it: ``base`` (the model's schema) once per pipeline
-    the request can run, with what that pipeline takes. ``model`` naming a pipeline picks it (if it
-    gives the modality and takes a text prompt); no model or one of OpenAI's names (``aliases``) picks one
-    by the modalities asked and, in a chat, the kinds of media its messages hold (choose_pipeline), so
-    there is a route per set of modalities (and media) too; any other name is in no route (404). A
-    pipeline that cannot serve the request is in no route (400)."""
-    endpoint = ENDPOINTS[name]
-    required = base.get("required", [])
-    other = alias_schema(catalogue, aliases, nullable=not isinstance(required, list) or "model" not in required)
-    chat = endpoint.prompt == "messages"
-    routes: list[JsonValue] = []
-    for spec in catalogue:
-        offered = output_modalities(spec) & set(_MODALITIES)
-        fillable = content_inputs(spec) is not None if chat else text_input(spec) is not None
-        if not fillable or not offered or (endpoint.modality and endpoint.modality not in offered):
-            continue
-        modalities = None if endpoint.modality else _modalities_within(offered)
-        route = _route(base, spec, endpoint, limits, {"const": spec.name}, modalities)
-        _with_required(route, "model")  # a body without a model is not this route (the routes of other names take it)
-        if modalities is not None and "text" not in offered:  # the default, ['text'], is not one
-            _with_required(route, "modalities")
-        routes.append(route)
-    choices = [{endpoint.modality}] if endpoint.modality else [
-        set(c) for n in range(1, len(_MODALITIES) + 1) for c in itertools.combinations(_MODALITIES, n)]
-    kind_sets = [frozenset(c) for n in range(len(FILE_KINDS) + 1) for c in itertools.combinations(FILE_KINDS, n)]
-    for wanted in choices:
-        for kinds in kind_sets if chat else [frozenset()]:
-            candidates = _chat_candidates(catalogue, wanted, kinds)
-            if not candidates or other is None:
-                continue  # no pipeline gives them: 400; no name to ask for them by: 404
-            spec = _best(candidates, wanted, kinds)
-            route = _route(base, spec, endpoint, limits, other,
-                           None if endpoint.modality else _modalities_exactly(wanted), kinds if chat else None)
-            media = f" with {'+'.join(k for k in FILE_KINDS if k in kinds)}" if kinds else ""
-            route["title"] = f"an OpenAI model name, {'+'.join(sorted(wanted))}{media}: {spec.name}"
-            if endpoint.modality is None and wanted != {"text"}:
-                _with_required(route, "modalities")
-            routes.append(route)
-    description = base.get("description", "")
-    if not isinstance(description, str):
-        raise TypeError(f"description is not text: {description!r}")
-    schema: JsonObject = {"title": base.get("title", name), "description": description + " One schema per "
-                          "pipeline the request can run (by `model`, else by the modalities asked), with what it takes; a "
-                          "`model` that is neither a pipeline nor one of OpenAI's names is 404 model_not_found."}
-    if routes:  # disjoint (by model; for OpenAI's names, by the modalities and media asked): exactly one holds
-        schema["oneOf"] = routes  # (and schemathesis models a oneOf of many routes, where an anyOf outgrows it)
-    else:
-        schema["not"] = {}
-    return schema
-
-
-# --- finished jobs -> the answer ---
-def finished(submitted: list[Job], done: list[Job | None], *, wait_s: float) -> list[Job]:
-    """The jobs as they ended (``done``: each one after waiting up to ``wait_s``, None if gone), or the
-    first one's failure, cancellation or timeout as an OpenAIError (not retried: it would start a job)."""
-    ids = [job.id for job in submitted]
-    jobs: list[Job] = []
-    for before, job in zip(submitted, done, strict=True):
-        if job is None:
-            raise OpenAIError(500, f"job {before.id} disappeared (expired?)", type_="server_error",
-                              code="job_gone", job_ids=ids, retry=False)
-        if job.status is JobStatus.failed:
-            error = job.error
-            where = f" in stage '{error.stage}'" if error and error.stage else ""
-            raise OpenAIError(500, f"job {job.id} failed{where}: {error.message if error else 'unknown error'}",
-                              type_="server_error", code="job_failed", job_ids=ids, retry=False)
-        if job.status is JobStatus.canceled:
-            raise OpenAIError(500, f"job {job.id} was canceled", type_="server_error", code="job_canceled",
-                              job_ids=ids, retry=False)
-        if not job.status.is_final:
-            raise OpenAIError(504, f"job {job.id} is still {job.status.value} after {wait_s:g}s (OMNI_OPENAI_WAIT_S); "
-                              f"follow it at GET /v1/jobs/{job.id}", type_="timeout", code="job_timeout",
-                              job_ids=ids, retry=False)
-        jobs.append(job)
-    return jobs
-
-
-def outputs_of(job: Job, modality: str) -> list[JobOutput]:
-    return [o for o in job.outputs if o.type == modality]
-
-
-def first_output(job: Job, modality: str) -> JobOutput:
-    found = outputs_of(job, modality)
-    if not found:
-        raise OpenAIError(500, f"job {job.id} succeeded without an {modality} output", type_="server_error",
-                          code="missing_output", job_ids=[job.id], retry=False)
-    return found[0]
-
-
-def text_of(job: Job) -> str | None:
-    texts = outputs_of(job, "text")
-    return texts[0].text if texts else None
-
-
-def needed_outputs(job: Job, wanted: list[str]) -> list[JobOutput]:
-    """The outputs whose bytes a chat answer carries (images, the audio), fetched by the caller."""
-    needed = list(outputs_of(job, "image")) if "image" in wanted else []
-    if "audio" in wanted:
-        needed.append(first_output(job, "audio"))
-    return needed
-
-
-def reported_text_meta(document: JsonValue) -> tuple[str | None, dict[str, int] | None]:
-    """(finish_reason, usage) as the AR engine reported them in its text document (None, None when it did not:
-    a stage output kept from before it did, in the stage-output cache); CodecError if it is no JSON object."""
-    if not isinstance(document, dict):
-        raise CodecError(f"a text payload is a JSON object, got {type(document).__name__}")
-    usage: dict[str, int] | None = None
-    reported = document.get("usage")
-    if isinstance(reported, dict):
-        prompt, completion = reported.get("prompt_tokens"), reported.get("completion_tokens")
-        if isinstance(prompt, int) and isinstance(completion, int):
-            usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-    finish = document.get("finish_reason")
-    return (finish if isinstance(finish, str) else None), usage
-
-
-def finish_by_length(tokens: int, max_tokens: object) -> str:
-    """The finish_reason of a text whose engine did not report one: 'length' when it made max_tokens tokens."""
-    return "length" if isinstance(max_tokens, int | float) and tokens >= int(max_tokens) else "stop"
-
-
-def text_meta(spec: PipelineSpec, job: Job,
-              read: Callable[[ArtifactRef], bytes]) -> tuple[str, dict[str, int] | None]:
-    """(finish_reason, usage) of the chat's text answer, as the AR engine reported them beside its text (``read``:
-    an artifact's bytes; blocking). A stage output written before the engine reported them (kept in the
-    stage-output cache) has neither: then 'length' when the stage made max_tokens tokens, else 'stop', and no
-    usage."""
-    from omni_jobs.artifacts import codecs
-    from omni_jobs.payloads import decode_payload
-
-    source = text_source(spec)
-    if source is None:
-        return "stop", None
-    stage_id, port = source
-    ref = job.stage_record(stage_id).outputs.get(port)
-    if ref is None:
-        return "stop", None
-    finish, usage = reported_text_meta(codecs.decode_json(read(ref)))
-    if finish is not None:
-        return finish, usage
-    tokens_ref = job.stage_record(stage_id).outputs.get("token_ids")
-    max_tokens = job.params.get(stage_id, {}).get("max_tokens")
-    if tokens_ref is None or max_tokens is None:
-        return "stop", usage
-    return finish_by_length(len(decode_payload("token_ids", read(tokens_ref))), max_tokens), usage
-
-
-def chat_completion(plan: Plan, job: Job, *, finish: str, usage: dict[str, int] | None,
-                    data: Mapping[str, bytes], output_ttl_s: int) -> JsonObject:
-    """The chat.completion body: one choice per asked modality. ``data``: output name -> its bytes."""
-    text = text_of(job)
-    choices: list[JsonValue] = []
-    for index, modality in enumerate(plan.wanted):
-        message: JsonObject = {"role": "assistant", "content": None}
-        if modality == "text":
-            message["content"] = text or ""
-        elif modality == "image":
-            message["content"] = [
-                {"type": "image_url",
-                 "image_url": {"url": f"data:{out.media_type};base64,{base64.b64encode(data[out.name]).decode('ascii')}"}}
-                for out in outputs_of(job, "image")]
-        else:
-            out = first_output(job, "audio")
-            message["audio"] = {
-                "id": f"audio_{job.id}",
-                "data": base64.b64encode(data[out.name]).decode("ascii"),
-                "expires_at": int(job.completed_at or time.time()) + output_ttl_s,
-                "transcript": text or "",
-            }
-        choices.append({"index": index, "message": message, "finish_reason": finish if modality == "text" else "stop",
-                        "logprobs": None})
-    return {"id": f"chatcmpl-{job.id}", "object": "chat.completion", "created": int(job.created_at),
-            "model": plan.spec.name, "choices": choices, "usage": {**usage} if usage is not None else None,
-            "system_fingerprint": None}
-
-
-def image_items(job: Job, response_format: str | None, *, data: Mapping[str, bytes] | None = None,
-                urls: Mapping[str, str] | None = None) -> list[JsonObject]:
-    """The ``data`` entries of one job's images: ``b64_json`` from ``data`` or ``url`` from ``urls``."""
-    revised = text_of(job)
-    items: list[JsonObject] = []
-    for out in outputs_of(job, "image"):
-        item: JsonObject = {}
-        if response_format == "url":
-            assert urls is not None
-            item["url"] = urls[out.name]
-        else:
-            assert data is not None
-            item["b64_json"] = base64.b64encode(data[out.name]).decode("ascii")
-        if revised is not None:
-            item["revised_prompt"] = revised
-        items.append(item)
-    return items
-
-
-def images_response(jobs: list[Job], items: list[JsonObject]) -> JsonObject:
-    first = outputs_of(jobs[0], "image")
-    size = f"{first[0].width}x{first[0].height}" if first and first[0].width else None
-    return {"created": int(jobs[0].created_at), "data": [*items], "output_format": "png", "size": size}
-
-
-def model_card(spec: PipelineSpec, created: int) -> JsonObject:
-    """A pipeline as an OpenAI model (GET /v1/models)."""
-    return {"id": spec.name, "object": "model", "created": created, "owned_by": "omni-jobs",
-            "description": spec.description.strip(), "output_modalities": [*sorted(output_modalities(spec))],
-            "stages": [*(s.id for s in spec.stages)]}
-
-
-# --- streamed speech (chat with stream=true and the audio modality) ---
-STREAM_PIECE_BYTES = PCM_RATE * 2 // 2
-"""Audio sent from the final clip (what no delta carried) goes out in pieces of 0.5 s of 24 kHz pcm16."""
-
-
-def streamed_pcm(chunk: AudioChunk) -> bytes:
-    """An audio delta's samples as OpenAI streams audio: 24 kHz pcm16 (resampled when the stage's rate differs)."""
-    if chunk.sample_rate == PCM_RATE:
-        return chunk.pcm
-    samples = np.frombuffer(chunk.pcm, "<i2").astype(np.float32)[np.newaxis, :] / 32767.0
-    return pcm16(samples, chunk.sample_rate)
-
-
-def unsent_pcm(clip_pcm: bytes, handed_out: int, sample_rate: int | None) -> list[bytes]:
-    """The part of the final clip (24 kHz pcm16) beyond the ``handed_out`` samples the deltas carried (at their
-    ``sample_rate``), in pieces: all of it when no delta came (a stage that does not stream)."""
-    offset = 2 * (handed_out * PCM_RATE // sample_rate if sample_rate else 0)
-    rest = clip_pcm[offset:]
-    return [rest[i:i + STREAM_PIECE_BYTES] for i in range(0, len(rest), STREAM_PIECE_BYTES)]
-
-
-def audio_delta_message(audio_id: str, *, transcript: str | None = None, data: bytes | None = None,
-                        expires_at: int | None = None) -> JsonObject:
-    """A chunk's ``delta`` for streamed speech, as OpenAI's clients read it: ``delta.audio`` with the id and one
-    of the transcript's new text, base64 pcm16, or (last) ``expires_at``."""
-    audio: JsonObject = {"id": audio_id}
-    if transcript is not None:
-        audio["transcript"] = transcript
-    if data is not None:
-        audio["data"] = base64.b64encode(data).decode("ascii")
-    if expires_at is not None:
-        audio["expires_at"] = expires_at
-    return {"audio": audio}
-
-
-def speech_event(kind: Literal["delta", "done"], *, audio: bytes = b"", usage: dict[str, int] | None = None
-                 ) -> JsonObject:
-    """One SSE event of ``/v1/audio/speech`` with ``stream_format: "sse"``, as OpenAI sends them:
-    ``speech.audio.delta`` {audio: base64} or ``speech.audio.done`` {usage}."""
-    if kind == "delta":
-        return {"type": "speech.audio.delta", "audio": base64.b64encode(audio).decode("ascii")}
-    tokens = usage or {}
-    return {"type": "speech.audio.done", "usage": {"input_tokens": tokens.get("prompt_tokens", 0),
-                                                   "output_tokens": tokens.get("completion_tokens", 0),
-                                                   "total_tokens": tokens.get("total_tokens", 0)}}
