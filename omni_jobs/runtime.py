@@ -114,7 +114,7 @@ class Runtime:
         s = self.settings
         turns.configure(turns.lock_file(s.engine_turns, s.device, s.engine_cpus))  # engines on shared CPU cores take turns
         return EnginePool(s.models_dir, kv_cache_bytes=s.ar_kv_cache_bytes, max_model_len=s.ar_max_model_len,
-                           device=s.device, engine_processes=s.engine_process)
+                           device=s.device, engine_process=s.engine_process)
 
     @once_property
     def keeper(self) -> LeaseKeeper:

@@ -163,7 +163,8 @@ def _group(requests: Sequence[DiTRequest]) -> dict[GroupKey, list[int]]:
     return groups
 
 
-def _resolve_device(device: str) -> str:
+def resolve_device(device: str) -> str:
+    """``auto``: CUDA where torch sees a GPU, else the CPU; any other name as given."""
     import torch
 
     if device == "auto":
@@ -244,7 +245,7 @@ class DiTEngine:
             if cls is None:
                 raise ValueError(f"diffusers has no pipeline class {pipeline_class!r}")
         self.model = model
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         load = {_dtype_kwarg(): dtype, **dict(load_args or {})}
         with _fp32_load(model, dtype):
             self.pipe = cls.from_pretrained(model, **load).to(self.device)

@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from omni_jobs import telemetry
 from omni_jobs.engines.ar import AREngine
 from omni_jobs.engines.code2wav import Code2Wav
-from omni_jobs.engines.dit import DiTEngine
+from omni_jobs.engines.dit import DiTEngine, resolve_device
 from omni_jobs.engines.encoder import AREncoder
 from omni_jobs.engines.engine_client import DiTEngineProcess
 from omni_jobs.engines.gpu_shaped import GpuShapedDiT
@@ -30,6 +30,7 @@ from omni_jobs.pipelines.spec import GpuShapedArgs, dit_engine_args
 
 Engine = AREngine | DiTEngine | GpuShapedDiT | DiTEngineProcess | AREncoder | Code2Wav
 E = TypeVar("E", AREngine, DiTEngine, GpuShapedDiT, DiTEngineProcess, AREncoder, Code2Wav)
+EngineProcessChoice = Literal["auto", "on", "off"]
 DiTKind = DiTEngine | GpuShapedDiT | DiTEngineProcess
 """What ``EnginePool.dit`` gives: a DiT engine in this process, or one in a process of its own."""
 V = TypeVar("V", AREngine, AREncoder)
@@ -40,13 +41,14 @@ class EnginePool:
     """Thread-safe pool of AR and DiT engines; a model source's ids (``tiny:NAME``) are resolved, and built, on first use."""
 
     def __init__(self, models_dir: Path, *, kv_cache_bytes: int, max_model_len: int, device: str,
-                 engine_processes: bool = False) -> None:
+                 engine_process: EngineProcessChoice = "off") -> None:
         self.models_dir = Path(models_dir)
         self.kv_cache_bytes = kv_cache_bytes
         self.max_model_len = max_model_len
         self.device = device
-        self.engine_processes = engine_processes
-        """DiT engines in processes of their own (omni_jobs.engines.engine_client), not in this one."""
+        self.engine_process = engine_process
+        """Where DiT engines run: in processes of their own (omni_jobs.engines.engine_client) or in this one
+        (``apart``)."""
         self._engines: dict[tuple[str, str, str], Engine] = {}
         self._lock = threading.Lock()  # guards the dicts, never held during a load or a build
         self._loading: dict[tuple[str, str, str], threading.Lock] = {}
@@ -58,15 +60,25 @@ class EnginePool:
         return self._vllm("ar", AREngine, model, engine_args)
 
     def dit(self, model: str, engine_args: Mapping[str, JsonValue]) -> DiTKind:
-        """The DiT engine for ``model`` (``build_dit``), in a process of its own where ``engine_processes``."""
+        """The DiT engine for ``model`` (``build_dit``), in a process of its own where ``apart`` says so."""
         args = dict(engine_args)
-        dit_engine_args(args)  # ValueError naming a malformed argument, before any load or process start
-        if self.engine_processes:
+        if self.apart(args):
             return self._get("dit", model, args, DiTEngineProcess,
                              lambda resolved: DiTEngineProcess(resolved, args, device=self.device))
         if isinstance(dit_engine_args(args), GpuShapedArgs):
             return self._get("dit", model, args, GpuShapedDiT, lambda _resolved: _shaped(build_dit(model, args, device="")))
         return self._get("dit", model, args, DiTEngine, lambda resolved: _diffusers(build_dit(resolved, args, device=self.device)))
+
+    def apart(self, engine_args: Mapping[str, JsonValue]) -> bool:
+        """Whether the DiT engine of ``engine_args`` runs in a process of its own: ``on``, ``off``, or ``auto``,
+        where it computes on a GPU (the benchmark's GPU-shaped engine stands for one). On the CPU each engine
+        process holds its own torch and diffusers (310-575 MiB resident for a tiny model) for 1.03x the 32 px
+        DiT's jobs/s; on a GPU's shape it made 1.22x (docs/batching.md).
+        ValueError names a malformed argument, before any load or process start."""
+        shaped = isinstance(dit_engine_args(dict(engine_args)), GpuShapedArgs)
+        if self.engine_process != "auto":
+            return self.engine_process == "on"
+        return shaped or resolve_device(self.device) != "cpu"
 
     def code2wav(self, model: str, engine_args: Mapping[str, JsonValue]) -> Code2Wav:
         """Qwen2.5-Omni's token2wav of the whole checkpoint ``model`` (a ``dit`` stage's ``code2wav`` task)."""

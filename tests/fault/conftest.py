@@ -51,6 +51,17 @@ LONG_PIPELINE = {
     "outputs": [{"name": "image", "from": "dit.image"}],
 }
 
+GPU_IMAGE_PIPELINE = {
+    "name": "gpu-image",
+    "description": "The benchmark's GPU-shaped DiT (a stand-in for one on a GPU: it runs in an engine process of its "
+                   "own under OMNI_ENGINE_PROCESS=auto), slow enough to be caught mid-batch.",
+    "inputs": {"prompt": {"type": "text"}},
+    "stages": [{"id": "dit", "engine": "dit", "model": "gpu-shaped", "inputs": {"prompt": "input.prompt"},
+                "engine_args": {"kind": "gpu-shaped", "ms_per_image": 400},
+                "defaults": {"height": 64, "width": 64, "num_inference_steps": 30}}],
+    "outputs": [{"name": "image", "from": "dit.image"}],
+}
+
 
 @dataclass
 class FaultSystem:
@@ -97,6 +108,7 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultSystem]:
     pipelines.mkdir()
     (pipelines / "hard-limit.yaml").write_text(yaml.safe_dump(HARD_LIMIT_PIPELINE))
     (pipelines / "long-dit.yaml").write_text(yaml.safe_dump(LONG_PIPELINE))
+    (pipelines / "gpu-image.yaml").write_text(yaml.safe_dump(GPU_IMAGE_PIPELINE))
     state = start_redis(data_dir=home / "state", appendonly=True, appendfsync="always")
     broker = start_redis(data_dir=home / "broker", appendonly=True, appendfsync="always")
     s3 = start_moto_s3()

@@ -27,7 +27,7 @@ pytest.importorskip("diffusers")
 
 @pytest.fixture(scope="module")
 def apart() -> Iterator[DiTEngineProcess]:
-    pool = EnginePool(MODELS_DIR, kv_cache_bytes=2**20, max_model_len=64, device="cpu", engine_processes=True)
+    pool = EnginePool(MODELS_DIR, kv_cache_bytes=2**20, max_model_len=64, device="cpu", engine_process="on")
     engine = pool.dit("tiny:pixart", {})
     assert isinstance(engine, DiTEngineProcess)
     yield engine
