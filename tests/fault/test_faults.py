@@ -92,18 +92,20 @@ def events_of(api: httpx.Client, job_id: str) -> list[dict[str, Any]]:
     return events
 
 
+def running_dit(api: httpx.Client, jobs: list[dict[str, Any]]) -> str | None:
+    """The id of one of ``jobs`` whose DiT stage has taken a step, if any."""
+    for j in jobs:
+        job = api.get(f"/v1/jobs/{j['id']}").json()
+        if job["stage"] == "dit" and job["progress"] and job["progress"]["step"] >= 1:
+            return str(job["id"])
+    return None
+
+
 # --- a worker dies mid-stage ---
 def test_sigkill_dit_worker_mid_stage_and_restart_it_at_once(faults: FaultSystem, api: httpx.Client) -> None:
     jobs = [submit(api, "text-to-image", f"kill test {i}", image_params(seed=i)) for i in range(4)]
 
-    def running_dit() -> str | None:
-        for j in jobs:
-            job = api.get(f"/v1/jobs/{j['id']}").json()
-            if job["stage"] == "dit" and job["progress"] and job["progress"]["step"] >= 1:
-                return str(job["id"])
-        return None
-
-    victim = wait_until(running_dit, what="a DiT stage in progress")
+    victim = wait_until(lambda: running_dit(api, jobs), what="a DiT stage in progress")
     worker = faults.process("worker-dit")
     worker.kill()  # SIGKILL: no cleanup; the messages it held are gone from the broker (no copy is kept)
     killed_at = time.time()
@@ -481,14 +483,7 @@ def test_sigkill_the_dit_engine_process_mid_stage_and_its_worker_runs_the_call_a
     before = engine_process(worker.pid, "gpu-shaped")
     jobs = [submit(api, "gpu-image", f"engine kill {i}", {"dit": {"seed": i}}) for i in range(4)]
 
-    def running_dit() -> str | None:
-        for j in jobs:
-            job = api.get(f"/v1/jobs/{j['id']}").json()
-            if job["stage"] == "dit" and job["progress"] and job["progress"]["step"] >= 1:
-                return str(job["id"])
-        return None
-
-    victim = wait_until(running_dit, what="a DiT stage in progress")
+    victim = wait_until(lambda: running_dit(api, jobs), what="a DiT stage in progress")
     os.kill(before, signal.SIGKILL)  # the engine alone: its worker, its leases and its messages live on
     killed_at = time.time()
     done = [wait_for_job(api, j["id"], timeout_s=180) for j in jobs]

@@ -35,6 +35,15 @@ def apart() -> Iterator[DiTEngineProcess]:
 
 
 @pytest.fixture(scope="module")
+def shaped() -> Iterator[DiTEngineProcess]:
+    """The GPU-shaped engine in its process: it starts again in a fraction of a second, so the crash tests
+    kill it rather than the PixArt (whose process takes ~6 s to load again)."""
+    engine = DiTEngineProcess("gpu-shaped", {"kind": "gpu-shaped", "ms_per_image": 10}, device="cpu")
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
 def inside(engine_cache: EnginePool) -> DiTEngine:
     engine = engine_cache.dit("tiny:pixart", {})
     assert isinstance(engine, DiTEngine)
@@ -138,12 +147,12 @@ def kill_at_first_step(engine: DiTEngineProcess, times: int) -> Callable[[int, i
     return on_step
 
 
-def test_a_killed_engine_process_is_replaced_and_its_call_runs_again(apart: DiTEngineProcess) -> None:
+def test_a_killed_engine_process_is_replaced_and_its_call_runs_again(shaped: DiTEngineProcess) -> None:
     batch = [request("k1", 11), request("k2", 12, want_latents=True)]
-    clean = apart.generate(batch)
-    first, restarts = apart.pid, apart.process.restarts
-    again = apart.generate(batch, on_step=kill_at_first_step(apart, times=1))
-    assert apart.pid != first and apart.process.restarts == restarts + 1
+    clean = shaped.generate(batch)
+    first, restarts = shaped.pid, shaped.process.restarts
+    again = shaped.generate(batch, on_step=kill_at_first_step(shaped, times=1))
+    assert shaped.pid != first and shaped.process.restarts == restarts + 1
     for a, b in zip(clean, again, strict=True):
         assert np.array_equal(pixels(a), pixels(b))
     assert again[1].latents is not None and clean[1].latents is not None
@@ -151,12 +160,12 @@ def test_a_killed_engine_process_is_replaced_and_its_call_runs_again(apart: DiTE
     assert not list(Path("/dev/shm").glob(f"omni-eng-{first}-*"))
 
 
-def test_a_call_that_crashes_a_fresh_process_too_fails_and_the_next_call_runs(apart: DiTEngineProcess) -> None:
-    restarts = apart.process.restarts
+def test_a_call_that_crashes_a_fresh_process_too_fails_and_the_next_call_runs(shaped: DiTEngineProcess) -> None:
+    restarts = shaped.process.restarts
     with pytest.raises(EngineCrashed, match="twice on the same call"):
-        apart.generate([request("poison", 1)], on_step=kill_at_first_step(apart, times=2))
-    assert len(apart.generate([request("healthy", 2, steps=1)])) == 1
-    assert apart.process.restarts == restarts + 2  # the retry's process, and one for the calls after
+        shaped.generate([request("poison", 1)], on_step=kill_at_first_step(shaped, times=2))
+    assert len(shaped.generate([request("healthy", 2, steps=1)])) == 1
+    assert shaped.process.restarts == restarts + 2  # the retry's process, and one for the calls after
 
 
 def test_a_model_that_cannot_load_fails_where_it_is_asked_for(tmp_path: Path) -> None:
@@ -164,12 +173,12 @@ def test_a_model_that_cannot_load_fails_where_it_is_asked_for(tmp_path: Path) ->
         DiTEngineProcess(str(tmp_path / "no-such-model"), {}, device="cpu")
 
 
-def test_submitted_requests_run_again_on_a_fresh_process_when_theirs_is_killed(apart: DiTEngineProcess) -> None:
-    batcher = apart.batcher(BatchPolicy(max_batch_size=8, wait_ms=300))
+def test_submitted_requests_run_again_on_a_fresh_process_when_theirs_is_killed(shaped: DiTEngineProcess) -> None:
+    batcher = shaped.batcher(BatchPolicy(max_batch_size=8, wait_ms=300))
     batch = [request(f"s{i}", 20 + i, steps=3) for i in range(4)]
-    clean = apart.generate(batch)
-    first, restarts = apart.pid, apart.process.restarts
-    killer = kill_at_first_step(apart, times=1)
+    clean = shaped.generate(batch)
+    first, restarts = shaped.pid, shaped.process.restarts
+    killer = kill_at_first_step(shaped, times=1)
     results: dict[str, object] = {}
 
     def run(r: DiTRequest) -> None:
@@ -180,7 +189,7 @@ def test_submitted_requests_run_again_on_a_fresh_process_when_theirs_is_killed(a
         t.start()
     for t in threads:
         t.join(120)
-    assert apart.pid != first and apart.process.restarts == restarts + 1
+    assert shaped.pid != first and shaped.process.restarts == restarts + 1
     for want in clean:
         got = results[want.request_id]
         assert isinstance(got, DiTOutput) and np.array_equal(pixels(got), pixels(want))
