@@ -28,10 +28,12 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from omni_jobs.engines.batching import BatchPolicy, dit_batcher
-from omni_jobs.engines.dit import DiTLikeEngine, DiTRequest
+from omni_jobs.engines.batching import BatchPolicy
+from omni_jobs.engines.dit import DiTRequest
 from omni_jobs.engines.engine_client import DiTEngineProcess
 from omni_jobs.engines.gpu_shaped import GpuShapedDiT
+from omni_jobs.engines.pool import DiTKind
+from omni_jobs.engines.stage_exec import dit_submitter
 
 SIZE = 256
 BATCH = 32
@@ -49,10 +51,9 @@ def direct(engine: GpuShapedDiT, batch: list[DiTRequest]) -> float:
     return time.perf_counter() - started
 
 
-def through_batcher(engine: DiTLikeEngine, batch: list[DiTRequest], *, threads: int) -> float:
+def through_batcher(engine: DiTKind, batch: list[DiTRequest], *, threads: int) -> float:
     """``threads`` workers take the requests in order; each submits one, encodes its PNG, takes the next."""
-    policy = BatchPolicy(max_batch_size=BATCH, wait_ms=20)
-    batcher = engine.batcher(policy) if isinstance(engine, DiTEngineProcess) else dit_batcher(engine, policy)
+    batcher = dit_submitter(engine, BatchPolicy(max_batch_size=BATCH, wait_ms=20))
     left = list(reversed(batch))
     lock = threading.Lock()
 

@@ -26,7 +26,7 @@ from omni_jobs.engines.gpu_shaped import GpuShapedDiT
 from omni_jobs.engines.model_source import resolve_model
 from omni_jobs.engines.projection import Projection, load_projection
 from omni_jobs.json_types import JsonValue
-from omni_jobs.pipelines.spec import GpuShapedArgs, dit_engine_args
+from omni_jobs.pipelines.spec import DiTEngineArgs, GpuShapedArgs, dit_engine_args
 
 Engine = AREngine | DiTEngine | GpuShapedDiT | DiTEngineProcess | AREncoder | Code2Wav
 E = TypeVar("E", AREngine, DiTEngine, GpuShapedDiT, DiTEngineProcess, AREncoder, Code2Wav)
@@ -48,7 +48,8 @@ class EnginePool:
         self.device = device
         self.engine_process = engine_process
         """Where DiT engines run: in processes of their own (omni_jobs.engines.engine_client) or in this one
-        (``apart``)."""
+        (``_apart``)."""
+        self._on_gpu: bool | None = None  # the device resolved, on first need
         self._engines: dict[tuple[str, str, str], Engine] = {}
         self._lock = threading.Lock()  # guards the dicts, never held during a load or a build
         self._loading: dict[tuple[str, str, str], threading.Lock] = {}
@@ -60,25 +61,31 @@ class EnginePool:
         return self._vllm("ar", AREngine, model, engine_args)
 
     def dit(self, model: str, engine_args: Mapping[str, JsonValue]) -> DiTKind:
-        """The DiT engine for ``model`` (``build_dit``), in a process of its own where ``apart`` says so."""
+        """The DiT engine for ``model`` (``build_dit``), in a process of its own where ``_apart`` says so.
+        ValueError names a malformed argument, before any load or process start."""
         args = dict(engine_args)
-        if self.apart(args):
+        ctor = dit_engine_args(args)
+        if self._apart(ctor):
             return self._get("dit", model, args, DiTEngineProcess,
                              lambda resolved: DiTEngineProcess(resolved, args, device=self.device))
-        if isinstance(dit_engine_args(args), GpuShapedArgs):
-            return self._get("dit", model, args, GpuShapedDiT, lambda _resolved: _shaped(build_dit(model, args, device="")))
-        return self._get("dit", model, args, DiTEngine, lambda resolved: _diffusers(build_dit(resolved, args, device=self.device)))
+        if isinstance(ctor, GpuShapedArgs):
+            shaped = ctor
+            return self._get("dit", model, args, GpuShapedDiT, lambda _resolved: GpuShapedDiT.from_args(shaped.model_dump()))
+        diffusers = ctor
+        return self._get("dit", model, args, DiTEngine, lambda resolved: diffusers_engine(resolved, diffusers, self.device))
 
-    def apart(self, engine_args: Mapping[str, JsonValue]) -> bool:
-        """Whether the DiT engine of ``engine_args`` runs in a process of its own: ``on``, ``off``, or ``auto``,
-        where it computes on a GPU (the benchmark's GPU-shaped engine stands for one). On the CPU each engine
-        process holds its own torch and diffusers (310-575 MiB resident for a tiny model) for 1.03x the 32 px
-        DiT's jobs/s; on a GPU's shape it made 1.22x (docs/batching.md).
-        ValueError names a malformed argument, before any load or process start."""
-        shaped = isinstance(dit_engine_args(dict(engine_args)), GpuShapedArgs)
+    def _apart(self, ctor: DiTEngineArgs | GpuShapedArgs) -> bool:
+        """Whether a DiT engine runs in a process of its own: ``on``, ``off``, or ``auto``, where it computes on a
+        GPU (the benchmark's GPU-shaped engine stands for one). On the CPU each engine process holds its own torch
+        and diffusers (310-575 MiB resident for a tiny model) for 1.03x the 32 px DiT's jobs/s; on a GPU's shape
+        it made 1.22x (docs/batching.md). The device is resolved once: ``dit`` runs for every DiT stage."""
         if self.engine_process != "auto":
             return self.engine_process == "on"
-        return shaped or resolve_device(self.device) != "cpu"
+        if isinstance(ctor, GpuShapedArgs):
+            return True
+        if self._on_gpu is None:
+            self._on_gpu = resolve_device(self.device) != "cpu"
+        return self._on_gpu
 
     def code2wav(self, model: str, engine_args: Mapping[str, JsonValue]) -> Code2Wav:
         """Qwen2.5-Omni's token2wav of the whole checkpoint ``model`` (a ``dit`` stage's ``code2wav`` task)."""
@@ -160,27 +167,21 @@ class EnginePool:
 
 
 def build_dit(model: str, engine_args: Mapping[str, JsonValue], *, device: str) -> DiTEngine | GpuShapedDiT:
-    """The DiT engine ``engine_args`` configure (DiTEngineArgs: ``pipeline_class``, ``torch_dtype``,
-    ``call_args`` and ``cache``; every other key goes to ``from_pretrained``) for the model at ``model``;
-    where they name ``kind: gpu-shaped``, the benchmark's GPU-shaped engine (GpuShapedArgs; ``model`` is
-    only its name). The worker's pool and an engine process build engines here alike."""
-    args = dict(engine_args)
-    ctor = dit_engine_args(args)
+    """The DiT engine ``engine_args`` configure for the model at ``model``: a diffusers pipeline
+    (``diffusers_engine``), or where they name ``kind: gpu-shaped``, the benchmark's GPU-shaped engine
+    (GpuShapedArgs; ``model`` is only its name). An engine process builds its engine here."""
+    ctor = dit_engine_args(dict(engine_args))
     if isinstance(ctor, GpuShapedArgs):
         return GpuShapedDiT.from_args(ctor.model_dump())
+    return diffusers_engine(model, ctor, device)
+
+
+def diffusers_engine(model: str, ctor: DiTEngineArgs, device: str) -> DiTEngine:
+    """``pipeline_class``, ``torch_dtype``, ``call_args`` and ``cache`` configure the engine; every other key
+    goes to ``from_pretrained``."""
     return DiTEngine(model, device=device, pipeline_class=ctor.pipeline_class, torch_dtype=ctor.torch_dtype,
                      call_args=ctor.call_args, cache=ctor.cache.model_dump() if ctor.cache is not None else None,
                      load_args=ctor.model_extra)
-
-
-def _shaped(engine: DiTEngine | GpuShapedDiT) -> GpuShapedDiT:
-    assert isinstance(engine, GpuShapedDiT)
-    return engine
-
-
-def _diffusers(engine: DiTEngine | GpuShapedDiT) -> DiTEngine:
-    assert isinstance(engine, DiTEngine)
-    return engine
 
 
 def _on_passing_thread(fn: Callable[[], T]) -> T:

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 from omni_jobs.engines import omni_speech
 from omni_jobs.engines.ar import AREngine, AROutput, ARRequest, SamplingOptions, TextSoFar
-from omni_jobs.engines.batching import BatchPolicy, ar_batcher, dit_batcher
+from omni_jobs.engines.batching import Batcher, BatchPolicy, ar_batcher, dit_batcher
 from omni_jobs.engines.code2wav import Code2Wav, Code2WavRequest, code2wav_batcher
-from omni_jobs.engines.dit import DiTRequest, PreviewCallback
+from omni_jobs.engines.dit import DiTOutput, DiTRequest, PreviewCallback
 from omni_jobs.engines.encoder import AREncoder, EncodeRequest
-from omni_jobs.engines.engine_client import DiTEngineProcess
+from omni_jobs.engines.engine_client import DiTEngineProcess, ProcessBatcher
 from omni_jobs.engines.pool import DiTKind, EnginePool
 from omni_jobs.engines.talker import Talker, TalkSampling, thinker_states
 from omni_jobs.json_types import JsonObject, JsonValue
@@ -359,6 +359,11 @@ def _embeds(value: object) -> torch.Tensor:
     return value
 
 
+def dit_submitter(engine: DiTKind, policy: BatchPolicy) -> Batcher[DiTRequest, DiTOutput] | ProcessBatcher:
+    """What a DiT stage submits to: an engine process's own batcher, or this process's (``dit_batcher``)."""
+    return engine.batcher(policy) if isinstance(engine, DiTEngineProcess) else dit_batcher(engine, policy)
+
+
 def execute_dit(engines: EnginePool, stage: StageSpec, params: StageParams, inputs: Mapping[str, object],
                 request_id: str, progress: ProgressFn, *, policy: BatchPolicy | None = None,
                 preview: PreviewCallback | None = None) -> StageValues:
@@ -394,8 +399,7 @@ def execute_dit(engines: EnginePool, stage: StageSpec, params: StageParams, inpu
         height=height, width=width, num_frames=num_frames, duration_s=duration_s, image=image, strength=strength,
     )
     if policy is not None:
-        batcher = engine.batcher(policy) if isinstance(engine, DiTEngineProcess) else dit_batcher(engine, policy)
-        output = batcher.submit(request, progress)
+        output = dit_submitter(engine, policy).submit(request, progress)
     else:
         (output,) = engine.generate([request], on_step=progress)
     values: StageValues = {}
