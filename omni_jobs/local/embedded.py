@@ -51,7 +51,8 @@ def _http_ok(url: str) -> Callable[[], bool]:
     def check() -> bool:
         try:
             with urllib.request.urlopen(url, timeout=1) as resp:
-                return 200 <= resp.status < 500
+                status: int = resp.status  # urlopen's answer is typed Any (an HTTPResponse here)
+                return 200 <= status < 500
         except OSError:
             return False
 

@@ -21,10 +21,16 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from omni_jobs.local import tiny_multimodal
+from omni_jobs.local.untyped import constructor
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+    from transformers import T5EncoderModel
 
 TINY_PREFIX = "tiny:"
 
@@ -98,7 +104,7 @@ def _seeded(seed: int) -> Iterator[None]:
         yield
 
 
-def _train_bpe_tokenizer() -> Any:
+def _train_bpe_tokenizer() -> Tokenizer:
     """A byte-level BPE tokenizer: any unicode text maps to byte tokens, so no prompt can fail."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -138,7 +144,7 @@ def build_tiny_llama(
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
     path = Path(path)
-    tokenizer = PreTrainedTokenizerFast(
+    tokenizer = constructor(PreTrainedTokenizerFast)(
         tokenizer_object=_train_bpe_tokenizer(),
         bos_token="<s>",
         eos_token="</s>",
@@ -160,7 +166,7 @@ def build_tiny_llama(
         tie_word_embeddings=False,
     )
     with _seeded(seed):
-        model = LlamaForCausalLM(config)
+        model = constructor(LlamaForCausalLM)(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
@@ -208,12 +214,11 @@ def build_tiny_pixart(
     ``text_dim`` is the size of the prompt embeddings the DiT takes; without a text encoder the
     pipeline can only be called with ``prompt_embeds`` (another model is its text encoder).
     """
-    from diffusers import (
-        AutoencoderKL,
-        DPMSolverMultistepScheduler,
-        PixArtSigmaPipeline,
-        PixArtTransformer2DModel,
-    )
+    # from the defining modules: mypy reads diffusers' top level as its placeholder classes (no methods)
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+    from diffusers.models.transformers.pixart_transformer_2d import PixArtTransformer2DModel
+    from diffusers.pipelines.pixart_alpha.pipeline_pixart_sigma import PixArtSigmaPipeline
+    from diffusers.schedulers.scheduling_dpmsolver_multistep import DPMSolverMultistepScheduler
     from transformers import T5Tokenizer
 
     path = Path(path)
@@ -246,7 +251,9 @@ def build_tiny_pixart(
             sample_size=32,
         )
     scheduler = DPMSolverMultistepScheduler()
-    pipe: Any = PixArtSigmaPipeline(
+    # constructor(): tokenizer and text_encoder are optional components (PixArtSigmaPipeline._optional_components),
+    # which its __init__'s annotations leave out: None is what a pipeline without them is built with
+    pipe = constructor(PixArtSigmaPipeline)(
         tokenizer=tokenizer if with_text_encoder else None,
         text_encoder=text_encoder,
         vae=vae,
@@ -266,7 +273,7 @@ def build_tiny_pixart_llm(path: Path, *, seed: int = 0) -> Path:
     return build_tiny_pixart(path, seed=seed, text_dim=LLAMA_HIDDEN_SIZE, with_text_encoder=False)
 
 
-def _tiny_t5_encoder(vocab_size: int, dim: int) -> Any:
+def _tiny_t5_encoder(vocab_size: int, dim: int) -> T5EncoderModel:
     from transformers import T5Config, T5EncoderModel
 
     return T5EncoderModel(
@@ -288,7 +295,10 @@ def _tiny_t5_encoder(vocab_size: int, dim: int) -> Any:
 def build_tiny_chroma(path: Path, *, seed: int = 0) -> Path:
     """Save a random-weight Chroma pipeline; load it as ``ChromaPipeline`` (text-to-image) or
     ``ChromaImg2ImgPipeline`` (image-to-image). Sizes must be multiples of 4 (VAE factor 2, 2x2 packing)."""
-    from diffusers import AutoencoderKL, ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKL
+    from diffusers.models.transformers.transformer_chroma import ChromaTransformer2DModel
+    from diffusers.pipelines.chroma.pipeline_chroma import ChromaPipeline
+    from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
     from transformers import T5Tokenizer
 
     path = Path(path)
@@ -323,7 +333,7 @@ def build_tiny_chroma(path: Path, *, seed: int = 0) -> Path:
             shift_factor=0.0609,  # ChromaPipeline adds vae.config.shift_factor when it decodes: it must be a number
             scaling_factor=1.5035,
         )
-    pipe: Any = ChromaPipeline(
+    pipe = ChromaPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
         transformer=transformer,
     )
@@ -334,8 +344,11 @@ def build_tiny_chroma(path: Path, *, seed: int = 0) -> Path:
 
 def build_tiny_stable_audio(path: Path, *, seed: int = 0) -> Path:
     """Save a random-weight StableAudio pipeline (text-to-audio): mono, 16 kHz, clips up to 1.024 s."""
-    from diffusers import AutoencoderOobleck, EDMDPMSolverMultistepScheduler, StableAudioDiTModel, StableAudioPipeline
+    from diffusers.models.autoencoders.autoencoder_oobleck import AutoencoderOobleck
+    from diffusers.models.transformers.stable_audio_transformer import StableAudioDiTModel
     from diffusers.pipelines.stable_audio.modeling_stable_audio import StableAudioProjectionModel
+    from diffusers.pipelines.stable_audio.pipeline_stable_audio import StableAudioPipeline
+    from diffusers.schedulers.scheduling_edm_dpmsolver_multistep import EDMDPMSolverMultistepScheduler
     from transformers import T5Tokenizer
 
     path = Path(path)
@@ -373,7 +386,7 @@ def build_tiny_stable_audio(path: Path, *, seed: int = 0) -> Path:
     scheduler = EDMDPMSolverMultistepScheduler(
         solver_order=2, prediction_type="v_prediction", sigma_data=1.0, sigma_schedule="exponential"
     )
-    pipe: Any = StableAudioPipeline(
+    pipe = StableAudioPipeline(
         vae=vae, text_encoder=text_encoder, projection_model=projection, tokenizer=tokenizer,
         transformer=transformer, scheduler=scheduler,
     )
@@ -386,13 +399,16 @@ def build_tiny_wan(path: Path, *, seed: int = 0) -> Path:
     """Save a random-weight Wan 2.1 text-to-video pipeline (UMT5 encoder, WanTransformer3DModel,
     AutoencoderKLWan). The VAE compresses 8x in space and 4x in time, the transformer patches 2x2:
     sides must be multiples of 16 and frame counts 4k+1 (9 frames at 32x32: 3 x 4 x 4 latents)."""
-    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers.models.autoencoders.autoencoder_kl_wan import AutoencoderKLWan
+    from diffusers.models.transformers.transformer_wan import WanTransformer3DModel
+    from diffusers.pipelines.wan.pipeline_wan import WanPipeline
+    from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteScheduler
     from transformers import T5Tokenizer, UMT5Config, UMT5EncoderModel
 
     path = Path(path)
     tokenizer = T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=WAN_MAX_SEQUENCE)
     with _seeded(seed):
-        text_encoder = UMT5EncoderModel(UMT5Config(
+        text_encoder = constructor(UMT5EncoderModel)(UMT5Config(
             vocab_size=len(tokenizer), d_model=WAN_TEXT_DIM, d_kv=WAN_TEXT_DIM // 4, d_ff=2 * WAN_TEXT_DIM,
             num_layers=2, num_heads=4, relative_attention_num_buckets=16, dropout_rate=0.0, pad_token_id=0,
             eos_token_id=1,
@@ -414,7 +430,8 @@ def build_tiny_wan(path: Path, *, seed: int = 0) -> Path:
         vae = AutoencoderKLWan(
             base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
         )
-    pipe: Any = WanPipeline(
+    # constructor(): WanPipeline annotates its tokenizer as AutoTokenizer, a factory no tokenizer is an instance of
+    pipe = constructor(WanPipeline)(
         tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
     )
@@ -496,7 +513,7 @@ def build_bench_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
 
     path = Path(path)
     tokenizer = tm.qwen_tokenizer(tm.QWEN_VL_SPECIALS, tm.QWEN_VL_CHAT_TEMPLATE)
-    ids = tokenizer.convert_tokens_to_ids
+    ids = partial(tm.token_id, tokenizer)
     text = {**tm._qwen_text_config(tm._padded(len(tokenizer)), tokenizer), "hidden_size": 1024,
             "intermediate_size": 2048, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 16}
     vision = {**tm._qwen_vision_config(1024), "hidden_size": 256, "intermediate_size": 512, "num_heads": 4,
@@ -507,7 +524,7 @@ def build_bench_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
         vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=False,
     )
     with _seeded(seed):
-        model = Qwen2_5_VLForConditionalGeneration(config)
+        model = constructor(Qwen2_5_VLForConditionalGeneration)(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     tm.save_processor_files(path, "Qwen2_5_VLProcessor", tokenizer, tm._qwen_image_processor(),

@@ -20,8 +20,17 @@ The processors need no torchvision: omni_jobs.engines.torchvision_free is instal
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
+
+from omni_jobs.local.untyped import constructor
+
+if TYPE_CHECKING:
+    import torch
+    from tokenizers.pre_tokenizers import PreTokenizer
+    from transformers import PreTrainedTokenizerBase, Qwen2Tokenizer, WhisperTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 QWEN_VL_CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
@@ -111,7 +120,7 @@ OMNI_REF_MEL_FRAMES = 40
 OMNI_AUDIO_CHUNK_S = 300  # the real feature extractor pads every clip to 300 s (its longest)
 
 
-def _train_bpe(pre_tokenizer: Any, vocab_size: int = 400) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def _train_bpe(pre_tokenizer: PreTokenizer, vocab_size: int = 400) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """A byte-level BPE vocabulary and merges learned from the built-in corpus, behind ``pre_tokenizer``."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -135,7 +144,7 @@ def _with_tokens(vocab: dict[str, int], tokens: tuple[str, ...] | list[str]) -> 
     return out
 
 
-def qwen_tokenizer(specials: tuple[str, ...], chat_template: str, **named: str) -> Any:
+def qwen_tokenizer(specials: tuple[str, ...], chat_template: str, **named: str) -> Qwen2Tokenizer:
     """A ``Qwen2Tokenizer`` (Qwen's pre-tokenizer regex, byte-level BPE) with ``specials`` after the BPE pieces."""
     from tokenizers import AddedToken, Regex, pre_tokenizers
     from transformers import Qwen2Tokenizer
@@ -146,6 +155,7 @@ def qwen_tokenizer(specials: tuple[str, ...], chat_template: str, **named: str) 
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ]))
     tokenizer = Qwen2Tokenizer(
+        # cast: the tokenizers backend takes merges as (left, right) pairs; transformers annotates them as strings
         vocab=_with_tokens(vocab, specials), merges=cast(Any, merges), eos_token="<|im_end|>",
         pad_token="<|endoftext|>", model_max_length=QWEN_MAX_POSITIONS, chat_template=chat_template,
         extra_special_tokens=named or None,
@@ -154,12 +164,20 @@ def qwen_tokenizer(specials: tuple[str, ...], chat_template: str, **named: str) 
     return tokenizer
 
 
+def token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+    """The id of one token of ``tokenizer``'s vocabulary (``convert_tokens_to_ids`` gives a list for a list)."""
+    found = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(found, int):
+        raise TypeError(f"{token!r}: expected one id, got {found!r}")
+    return found
+
+
 def _padded(n: int, multiple: int = 64) -> int:
     """Embedding rows as the real checkpoints size them: the vocabulary rounded up (151,665 -> 151,936)."""
     return -(-n // multiple) * multiple
 
 
-def _qwen_text_config(vocab_size: int, tokenizer: Any) -> dict[str, Any]:
+def _qwen_text_config(vocab_size: int, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     return {
         "vocab_size": vocab_size,
         "hidden_size": QWEN_TEXT_HIDDEN,
@@ -169,9 +187,9 @@ def _qwen_text_config(vocab_size: int, tokenizer: Any) -> dict[str, Any]:
         "num_key_value_heads": 1,
         "max_position_embeddings": QWEN_MAX_POSITIONS,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": QWEN_MROPE_SECTION},
-        "bos_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        "pad_token_id": tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        "bos_token_id": token_id(tokenizer, "<|endoftext|>"),
+        "eos_token_id": token_id(tokenizer, "<|im_end|>"),
+        "pad_token_id": token_id(tokenizer, "<|endoftext|>"),
         "initializer_range": QWEN_INIT_STD,
         # Untied, as the 7B checkpoints are (the 3B ties them): a random model with tied embeddings repeats
         # its last prompt token whatever it is shown, which would hide whether the media reached it.
@@ -195,7 +213,7 @@ def _qwen_vision_config(out_hidden: int) -> dict[str, Any]:
     }
 
 
-def _qwen_image_processor() -> Any:
+def _qwen_image_processor() -> Qwen2VLImageProcessorPil:
     """The Qwen2-VL family's image processor (saved as ``Qwen2VLImageProcessor``, as the real one is). Its
     preprocessor_config.json configures the video processor too: the real checkpoints have no other."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -203,7 +221,13 @@ def _qwen_image_processor() -> Any:
     return Qwen2VLImageProcessorPil(min_pixels=QWEN_MIN_PIXELS, max_pixels=QWEN_MAX_PIXELS)
 
 
-def save_processor_files(path: Path, processor_class: str, tokenizer: Any, *parts: Any,
+class ProcessorPart(Protocol):
+    """A processor's part with settings of its own: a feature extractor, an image or video processor."""
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+def save_processor_files(path: Path, processor_class: str, tokenizer: PreTrainedTokenizerBase, *parts: ProcessorPart,
                          chat_template: str | None = None) -> None:
     """Save a processor as the hub checkpoints keep theirs: the tokenizer files (its chat template in
     tokenizer_config.json), one preprocessor_config.json with every part's settings and the processor
@@ -222,7 +246,7 @@ def save_processor_files(path: Path, processor_class: str, tokenizer: Any, *part
 def _generation_config(path: Path, **fields: Any) -> None:
     from transformers import GenerationConfig
 
-    GenerationConfig(**fields).save_pretrained(path)
+    constructor(GenerationConfig)(**fields).save_pretrained(path)
 
 
 def build_tiny_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
@@ -240,7 +264,7 @@ def build_tiny_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
 
     path = Path(path)
     tokenizer = qwen_tokenizer(QWEN_VL_SPECIALS, QWEN_VL_CHAT_TEMPLATE)
-    ids = tokenizer.convert_tokens_to_ids
+    ids = partial(token_id, tokenizer)
     text = _qwen_text_config(_padded(len(tokenizer)), tokenizer)
     config = Qwen2_5_VLConfig(
         text_config=text,
@@ -252,7 +276,7 @@ def build_tiny_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
         tie_word_embeddings=False,
     )
     with _seeded(seed):
-        model = Qwen2_5_VLForConditionalGeneration(config)
+        model = constructor(Qwen2_5_VLForConditionalGeneration)(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     save_processor_files(path, "Qwen2_5_VLProcessor", tokenizer, _qwen_image_processor(),
@@ -273,7 +297,7 @@ def whisper_special_tokens() -> tuple[list[str], list[str]]:
     return specials, timestamps
 
 
-def whisper_tokenizer() -> Any:
+def whisper_tokenizer() -> WhisperTokenizer:
     """A ``WhisperTokenizer``: GPT-2-style byte-level BPE, then <|endoftext|>, <|startoftranscript|>, the 100
     language tokens, the task and control tokens, and 1,501 timestamp tokens (not special), as in large-v3."""
     from tokenizers import AddedToken, pre_tokenizers
@@ -297,7 +321,7 @@ def build_tiny_whisper(path: Path, *, seed: int = 0) -> Path:
 
     path = Path(path)
     tokenizer = whisper_tokenizer()
-    ids = tokenizer.convert_tokens_to_ids
+    ids = partial(token_id, tokenizer)
     specials, _ = whisper_special_tokens()
     eos, sot = ids("<|endoftext|>"), ids("<|startoftranscript|>")
     config = WhisperConfig(
@@ -324,7 +348,7 @@ def build_tiny_whisper(path: Path, *, seed: int = 0) -> Path:
     )
     with _seeded(seed):
         model = WhisperForConditionalGeneration(config)
-    features = WhisperFeatureExtractor(feature_size=WHISPER_MEL_BINS, sampling_rate=WHISPER_SAMPLE_RATE)
+    features = constructor(WhisperFeatureExtractor)(feature_size=WHISPER_MEL_BINS, sampling_rate=WHISPER_SAMPLE_RATE)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     save_processor_files(path, "WhisperProcessor", tokenizer, features)
@@ -341,7 +365,7 @@ def build_tiny_whisper(path: Path, *, seed: int = 0) -> Path:
     return path
 
 
-def _audible(module: Any) -> None:
+def _audible(module: torch.nn.Module) -> None:
     """Re-initialise token2wav's convolutions and linears with torch's defaults: with transformers' small
     normal init its BigVGAN output is ~4e-8, silence; with these it is audible (FACTS.md)."""
     import torch
@@ -355,7 +379,7 @@ TALKER_LOGIT_SCALE = 20.0
 """How much wider the tiny talker's code logits are spread than its init gives them (std ~0.2 -> ~3)."""
 
 
-def _talks_until_stopped(codec_head: Any, stop_codes: tuple[int, ...]) -> None:
+def _talks_until_stopped(codec_head: torch.nn.Linear, stop_codes: tuple[int, ...]) -> None:
     """A random talker's head, made to speak until its ``max_tokens``: its stop codes' rows are zero (logit 0)
     and the other codes' logits are spread wide, so a stop code is seldom sampled. With transformers' init every
     code is about as likely, and a stop code (2 of 48) ends a clip after ~24 codes, half a second: too short for
@@ -386,7 +410,7 @@ def build_tiny_qwen2_5_omni(path: Path, *, seed: int = 0) -> Path:
 
     path = Path(path)
     tokenizer = qwen_tokenizer(QWEN_OMNI_SPECIALS, QWEN_OMNI_CHAT_TEMPLATE, **QWEN_OMNI_NAMED)
-    ids = tokenizer.convert_tokens_to_ids
+    ids = partial(token_id, tokenizer)
     # The talker's text tokens and the speakers' start tokens live past the tokenizer, in the embedding
     # rows the real checkpoint pads its vocabulary with (151859 on).
     tts_pad, tts_bos, tts_eos, *speaker_bos = range(len(tokenizer), len(tokenizer) + 3 + len(OMNI_SPEAKERS))
@@ -434,7 +458,7 @@ def build_tiny_qwen2_5_omni(path: Path, *, seed: int = 0) -> Path:
         },
     )
     with _seeded(seed):
-        model = Qwen2_5OmniForConditionalGeneration(config)
+        model = constructor(Qwen2_5OmniForConditionalGeneration)(config)
         _audible(model.token2wav)
         _talks_until_stopped(model.talker.codec_head, stop_codes=(codec_pad, codec_eos))
         speakers = {
@@ -442,8 +466,8 @@ def build_tiny_qwen2_5_omni(path: Path, *, seed: int = 0) -> Path:
                    "ref_mel": torch.randn(1, OMNI_REF_MEL_FRAMES, 80)}
             for name, bos in zip(OMNI_SPEAKERS, speaker_bos)
         }
-    features = WhisperFeatureExtractor(feature_size=WHISPER_MEL_BINS, sampling_rate=WHISPER_SAMPLE_RATE,
-                                       chunk_length=OMNI_AUDIO_CHUNK_S, return_attention_mask=True)
+    features = constructor(WhisperFeatureExtractor)(feature_size=WHISPER_MEL_BINS, sampling_rate=WHISPER_SAMPLE_RATE,
+                                                    chunk_length=OMNI_AUDIO_CHUNK_S, return_attention_mask=True)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     torch.save(speakers, path / "spk_dict.pt")

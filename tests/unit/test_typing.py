@@ -1,11 +1,11 @@
-"""Typing holds: ``mypy`` (pyproject's [tool.mypy]) passes, strict on the core.
+"""Typing holds: ``mypy`` (pyproject's [tool.mypy]) passes, strict on all of omni_jobs.
 
 omni_jobs/ is checked with the flags ``mypy --strict`` turns on, set per module in pyproject.toml (a
-per-module section cannot say ``strict`` itself), its CLI and HTTP client included; only
-omni_jobs/local/ (the embedded system and the tiny-model builders, which call transformers and
-diffusers constructors that have no type hints), api/ and workers/ keep mypy's default checks. mypy
-keeps its cache in .mypy_cache: a cold run (a clean checkout) takes about a minute, a warm one a few
-seconds.
+per-module section cannot say ``strict`` itself), every module of it: its CLI, its HTTP client and
+omni_jobs/local/ (the embedded system and the tiny-model builders, which reach transformers' untyped
+constructors through omni_jobs.local.untyped) included; api/ and workers/ keep mypy's default checks.
+mypy keeps its cache in .mypy_cache: a cold run (a clean checkout) takes about a minute, a warm one a
+few seconds.
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ STRICT_FLAGS = {
 }
 """What --strict turns on (mypy --help), as config-file options; warn_unused_configs and
 warn_redundant_casts are global-only, so they are set in [tool.mypy] itself."""
-TOOLING = {"omni_jobs.local.*"}
-"""The one package let off: the CLI (omni_jobs.cli) and the client (omni_jobs.client) are strict like the core."""
 
 
 def _mypy_config() -> dict[str, object]:
@@ -44,7 +42,7 @@ def _mypy_config() -> dict[str, object]:
     return config
 
 
-def test_omni_jobs_is_configured_strict_and_only_local_is_let_off() -> None:
+def test_all_of_omni_jobs_is_configured_strict() -> None:
     config = _mypy_config()
     assert config.get("warn_unused_configs") is True and config.get("warn_redundant_casts") is True
     overrides = config["overrides"]
@@ -53,10 +51,7 @@ def test_omni_jobs_is_configured_strict_and_only_local_is_let_off() -> None:
     assert len(strict) == 1, "one override makes every module under omni_jobs/ strict"
     assert {k: v for k, v in strict[0].items() if k != "module"} == STRICT_FLAGS
     relaxed = {m for o in overrides if o is not strict[0] for m in o["module"] if m.startswith("omni_jobs")}
-    assert relaxed == TOOLING, (
-        "only omni_jobs.local may leave the strict checks (the CLI and the client may not); "
-        f"also let off: {sorted(relaxed - TOOLING)}"
-    )
+    assert relaxed == set(), f"no module of omni_jobs may leave the strict checks; let off: {sorted(relaxed)}"
 
 
 def test_mypy_passes() -> None:
