@@ -8,7 +8,9 @@ is queued in the same write that records the failed one. So every test reads the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import pytest
 import redis
@@ -32,6 +34,20 @@ from omni_jobs.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner, gen
 from tests.webhook_receiver import Answer, WebhookReceiver
 
 POLICY = RetryPolicy(base_s=0.1, max_delay_s=2, max_attempts=3)
+
+
+@dataclass(frozen=True)
+class RecordedPolicy(RetryPolicy):
+    """POLICY, remembering each delay it gave the deliverer (jitter included), so that a test checks the
+    delays themselves and where the deliverer put them, not how long the attempts took."""
+
+    given: list[float] = field(default_factory=list, compare=False)
+
+    def delay(self, attempt: int, retry_after_s: float | None = None,
+              rng: Callable[[], float] = random.random) -> float:
+        delay = super().delay(attempt, retry_after_s, rng)
+        self.given.append(delay)
+        return delay
 
 
 @pytest.fixture
@@ -127,9 +143,10 @@ def test_queue_positions_follow_the_job_events(ledger: JobLedger) -> None:
     assert ledger.require(jobs[0].id).stage is None and ledger.store.queue_counts("dit") == (1, 0)
 
 
-def _deliverer(ledger: JobLedger, secret: str, *, timeout_s: float = 5.0) -> WebhookDeliverer:
+def _deliverer(ledger: JobLedger, secret: str, *, timeout_s: float = 5.0,
+               policy: RetryPolicy = POLICY) -> WebhookDeliverer:
     return WebhookDeliverer(ledger=ledger, render=lambda j: j.model_dump(mode="json"),
-                            signer=WebhookSigner.from_setting(secret), policy=POLICY, timeout_s=timeout_s)
+                            signer=WebhookSigner.from_setting(secret), policy=policy, timeout_s=timeout_s)
 
 
 def deliveries(ledger: JobLedger, job_id: str) -> list[WebhookDelivery]:
@@ -180,44 +197,55 @@ def test_deliverer_signs_records_and_schedules_retries(ledger: JobLedger, store:
 
 
 def run_all_attempts(deliverer: WebhookDeliverer, ledger: JobLedger, store: RedisJobStore, first: DeliverWebhook,
-                     ) -> tuple[list[str], list[float]]:
-    """Run a message's attempts as they come due: (each outcome, each delay from a failed attempt,
-    as recorded, to when its next attempt is due in the outbox)."""
+                     policy: RecordedPolicy) -> tuple[list[str], list[float]]:
+    """Run a message's attempts as they come due: (each outcome, each delay the policy gave after a failed
+    attempt). Each next attempt must be due in the outbox that delay after the moment its failure was
+    recorded: after the attempt was recorded, before ``run`` returned (an order, not a time window)."""
     outcomes: list[str] = []
-    delays: list[float] = []
     step: DeliverWebhook | None = first
+    del policy.given[:]
     while step is not None:
+        given = len(policy.given)
+        before = now()
         outcome = deliverer.run(step, worker="wh", owner="wh#1")
+        after = now()
         outcomes.append(outcome.status)
         nxt = DeliverWebhook(step.job_id, step.message_id, step.event, step.attempt + 1)
         due = store.redis.zscore(keys.OUTBOX, step_id(nxt))
+        assert len(policy.given) == given + (due is not None), "a retry is scheduled by the policy's delay"
         if due is not None:
-            delays.append(float(due) - deliveries(ledger, step.job_id)[-1].at)
+            failed_at = float(due) - policy.given[-1]
+            recorded = deliveries(ledger, step.job_id)[-1]
+            ulp = 1e-6  # due - delay need not give back the float the deliverer added the delay to
+            assert recorded.attempt == step.attempt and before <= recorded.at <= failed_at + ulp, (before, recorded.at,
+                                                                                                   failed_at)
+            assert failed_at <= after + ulp, (failed_at, after)
         found = webhook_steps(store, at=now() + 60)
         assert found == ([nxt] if due is not None else []), found
         step = found[0] if found else None
-    return outcomes, delays
+    return outcomes, list(policy.given)
 
 
 def test_timeouts_and_refused_connections_are_retried_then_given_up(
         ledger: JobLedger, store: RedisJobStore, receiver: WebhookReceiver) -> None:
-    deliverer = _deliverer(ledger, generate_secret(), timeout_s=0.3)
+    policy = RecordedPolicy(base_s=0.1, max_delay_s=2, max_attempts=3)
+    deliverer = _deliverer(ledger, generate_secret(), timeout_s=0.3, policy=policy)
     slow = receiver.script("/slow", [], Answer(200, delay_s=1.0))
     job = new_job(ledger, webhook=JobWebhook(url=slow, events=["start"]))
     start(ledger, job)
     (first,) = webhook_steps(store)
-    outcomes, delays = run_all_attempts(deliverer, ledger, store, first)
+    outcomes, delays = run_all_attempts(deliverer, ledger, store, first, policy)
     assert outcomes == ["retry", "gave_up"]  # start: one retry only
-    assert len(delays) == 1 and 0.075 <= delays[0] <= 0.135  # 0.1 s +/- 25 % jitter
+    assert len(delays) == 1 and 0.075 <= delays[0] <= 0.125  # 0.1 s +/- 25 % jitter
     assert store.webhook_slots(job.id)[first.message_id].status == "gave_up"
 
     closed = receiver.url("/x").replace(str(receiver.server.server_address[1]), "9")  # discard port: refused
     other = new_job(ledger, webhook=JobWebhook(url=closed, events=["completed"]))
     ledger.cancel(other.id)
     (completed,) = webhook_steps(store)
-    outcomes, delays = run_all_attempts(deliverer, ledger, store, completed)
+    outcomes, delays = run_all_attempts(deliverer, ledger, store, completed, policy)
     assert outcomes == ["retry", "retry", "gave_up"]  # completed: POLICY.max_attempts
-    assert len(delays) == 2 and 0.075 <= delays[0] <= 0.135 and 0.15 <= delays[1] <= 0.26  # the delay doubles
+    assert len(delays) == 2 and 0.075 <= delays[0] <= 0.125 and 0.15 <= delays[1] <= 0.25  # the delay doubles
     assert store.webhook_slots(other.id)[completed.message_id].status == "gave_up"
 
     timed_out, refused = deliveries(ledger, job.id), deliveries(ledger, other.id)
