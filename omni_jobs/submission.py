@@ -8,7 +8,6 @@ its first stages (outbox): all of them, or none. A relay publishes the dispatche
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hashlib
 import json
@@ -24,6 +23,7 @@ from omni_jobs.auth import DEFAULT_TENANT
 from omni_jobs.errors import FieldError, IdempotencyConflict, InvalidRequest, Overloaded, QuotaExceeded
 from omni_jobs.input_files import InputFiles, PreparedFile, parse_file_value
 from omni_jobs.jobs.change import Guard
+from omni_jobs.jobs.flows import Blocking, Flow, Get, Idempotency, adrive, drive
 from omni_jobs.jobs.ledger import JobLedger, QueueLimit, Quota, RequirementFailed, Submitted
 from omni_jobs.jobs.models import Job, JobWebhook, Priority, StageRecord, new_job_id
 from omni_jobs.jobs.store import JobStore
@@ -295,41 +295,17 @@ class JobSubmitter:
                           cancel_after_s: float | None = None,
                           idempotency_key: str | None = None, webhook: object = None,
                           webhook_events_filter: object = None, tenant: str = DEFAULT_TENANT, priority: object = None,
-                          api_key_id: str | None = None) -> tuple[Job, bool]:
+                          api_key_id: str | None = None, requires: Sequence[Guard] = ()) -> tuple[Job, bool]:
         """(job, created): with a key seen before and the same body, the earlier job and False.
 
         ``tenant`` owns the job; Idempotency-Keys and referenced outputs are looked up within it, and
-        its quotas (or those of ``api_key_id``, the key that submits) apply.
+        its quotas (or those of ``api_key_id``, the key that submits) apply. ``submit_flow`` on this thread.
         """
-        new = self._accept(pipeline, input_, params, cancel_after_s=cancel_after_s, idempotency_key=idempotency_key,
-                           webhook=webhook, webhook_events_filter=webhook_events_filter, tenant=tenant,
-                           priority=priority)
-        files = self._prepare_files(new.spec, new.job.input, tenant)
-        if new.claim is not None and files:  # a replay stores no files; without files the write's guard finds it
-            earlier = self.ledger.store.idempotency(tenant, new.claim[0])
-            if earlier is not None:  # a replay: answer it before any check that could refuse it
-                if earlier.fingerprint != new.claim[1]:
-                    raise IdempotencyConflict(new.claim[0], earlier.job_id)
-                existing = self.ledger.get(earlier.job_id)
-                if existing is not None:
-                    return existing, False
-        stored = bool(files) and self.input_files is not None
-        if files and self.input_files is not None:
-            if self.admission is not None:  # before storing files that a full queue would leave unused
-                self.admission.check(new.spec)
-            new.job.input = {**new.job.input, **self.input_files.store(new.job.id, files)}
-        try:
-            job, created = self.ledger.submit(new.job, new.entry_stages, idempotency=new.claim,
-                                              idempotency_ttl_s=self.idempotency_ttl_s,
-                                              quota=self._quota(tenant, api_key_id),
-                                              queue_limits=self._queue_limits(new.spec))
-        except REFUSED:
-            if stored:
-                self._forget_files(new.job.id)
-            raise
-        if stored and job.id != new.job.id:  # a replay found by the write: another job's answer
-            self._forget_files(new.job.id)
-        return job, created
+        done = drive(self.ledger.store, self.submit_flow(
+            pipeline, input_, params, cancel_after_s=cancel_after_s, idempotency_key=idempotency_key,
+            webhook=webhook, webhook_events_filter=webhook_events_filter, tenant=tenant, priority=priority,
+            api_key_id=api_key_id, requires=requires))
+        return done.job, done.created
 
     def submit_all(self, pipeline: str, input_: object, params: Sequence[object], *,
                    idempotency_keys: Sequence[str | None] | None = None, tenant: str = DEFAULT_TENANT,
@@ -370,44 +346,56 @@ class JobSubmitter:
                                  webhook: object = None, webhook_events_filter: object = None, tenant: str = DEFAULT_TENANT,
                                  priority: object = None, api_key_id: str | None = None,
                                  requires: Sequence[Guard] = ()) -> Submitted:
-        """``submit_idempotent`` for an event loop (the API): the same checks and the same one write,
-        through the store's async client. A job without file inputs costs one Redis round trip, with
-        an Idempotency-Key too (the write's guard finds a replay), and no thread; file inputs are read
-        and stored in a thread. The answer also carries the job's queue position, read in the same
-        round trip. ``requires``: guards the write must find true (JobLedger.asubmit)."""
+        """``submit_idempotent`` for an event loop (the API): ``submit_flow`` through the store's async
+        client. A job without file inputs costs one Redis round trip, with an Idempotency-Key too (the
+        write's guard finds a replay), and no thread; file inputs are read and stored in a thread. The
+        answer also carries the job's queue position, read in the same round trip."""
+        return await adrive(self.ledger.store, self.submit_flow(
+            pipeline, input_, params, cancel_after_s=cancel_after_s, idempotency_key=idempotency_key,
+            webhook=webhook, webhook_events_filter=webhook_events_filter, tenant=tenant, priority=priority,
+            api_key_id=api_key_id, requires=requires, placed=True))
+
+    def submit_flow(self, pipeline: str, input_: object, params: object, *, cancel_after_s: float | None,
+                    idempotency_key: str | None, webhook: object, webhook_events_filter: object, tenant: str,
+                    priority: object, api_key_id: str | None, requires: Sequence[Guard],
+                    placed: bool = False) -> Flow[Submitted]:
+        """A submit, for either driver (omni_jobs.jobs.flows): validate, store any file inputs, then the
+        ledger's one write (JobLedger.submit_flow; ``requires``: guards the write must find true).
+        What blocks (a webhook host's DNS lookup, reading and storing files) is ``Blocking``: on the
+        event loop it runs in a thread. ``placed``: the answer carries the job's queue position."""
         accept = functools.partial(self._accept, pipeline, input_, params, cancel_after_s=cancel_after_s,
                                    idempotency_key=idempotency_key, webhook=webhook,
                                    webhook_events_filter=webhook_events_filter, tenant=tenant, priority=priority)
         # A webhook URL's host is resolved (NetGuard) by the blocking OS resolver, which can take
         # seconds: off the event loop, so one slow DNS answer does not stall every other request.
-        new = await asyncio.to_thread(accept) if webhook is not None and self.net_guard is not None else accept()
-        files = await asyncio.to_thread(self._prepare_files, new.spec, new.job.input, tenant) \
+        new = (yield from Blocking(accept)) if webhook is not None and self.net_guard is not None else accept()
+        files = (yield from Blocking(functools.partial(self._prepare_files, new.spec, new.job.input, tenant))) \
             if self._has_files(new.spec, new.job.input) else {}
         if new.claim is not None and files:  # a replay stores no files; without files the write's guard finds it
-            earlier = await self.ledger.store.aidempotency(tenant, new.claim[0])
+            earlier = yield from Idempotency(tenant, new.claim[0])
             if earlier is not None:  # a replay: answer it before any check that could refuse it
                 if earlier.fingerprint != new.claim[1]:
                     raise IdempotencyConflict(new.claim[0], earlier.job_id)
-                existing = await self.ledger.store.aget(earlier.job_id)
+                existing = yield from Get(earlier.job_id)
                 if existing is not None:
-                    return await self.ledger.replayed(existing)
+                    return (yield from self.ledger.replayed(existing, placed=placed))
         stored = bool(files) and self.input_files is not None
         if files and self.input_files is not None:
             if self.admission is not None:  # before storing files that a full queue would leave unused
-                await asyncio.to_thread(self.admission.check, new.spec)
-            records = await asyncio.to_thread(self.input_files.store, new.job.id, files)
+                yield from Blocking(functools.partial(self.admission.check, new.spec))
+            records = yield from Blocking(functools.partial(self.input_files.store, new.job.id, files))
             new.job.input = {**new.job.input, **records}
         try:
-            submitted = await self.ledger.asubmit(new.job, new.entry_stages, idempotency=new.claim,
-                                                  idempotency_ttl_s=self.idempotency_ttl_s,
-                                                  quota=self._quota(tenant, api_key_id),
-                                                  queue_limits=self._queue_limits(new.spec), requires=requires)
+            submitted = yield from self.ledger.submit_flow(
+                new.job, new.entry_stages, idempotency=new.claim, idempotency_ttl_s=self.idempotency_ttl_s,
+                quota=self._quota(tenant, api_key_id), queue_limits=self._queue_limits(new.spec),
+                requires=requires, placed=placed)
         except REFUSED:
             if stored:
-                await asyncio.to_thread(self._forget_files, new.job.id)
+                yield from Blocking(functools.partial(self._forget_files, new.job.id))
             raise
         if stored and submitted.job.id != new.job.id:  # a replay found by the write: another job's answer
-            await asyncio.to_thread(self._forget_files, new.job.id)
+            yield from Blocking(functools.partial(self._forget_files, new.job.id))
         return submitted
 
     def _accept(self, pipeline: str, input_: object, params: object, *, cancel_after_s: float | None,

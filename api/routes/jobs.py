@@ -24,6 +24,7 @@ from omni_jobs.artifacts import ArtifactCorrupted, ArtifactNotFound
 from omni_jobs.audio_formats import AUDIO_FORMATS, ENCODINGS, AudioFormat, convert, is_wav
 from omni_jobs.cancellation import cancel_job
 from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound, NotDurable
+from omni_jobs.jobs.flows import Get, QueuePosition
 from omni_jobs.jobs.ledger import RequirementFailed
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.view import JobJSON, JobView, present_job
@@ -203,7 +204,7 @@ async def _submit(ctx: ApiContext, request: Request, body: JobRequest, tenant: s
             slot.release()
         if job.status.is_final:
             code = status.HTTP_200_OK
-        position = await ctx.runtime.jobs.store.aqueue_position(job)
+        position = await ctx.runtime.jobs.store.arun(QueuePosition(job))
     # The job JSON as built, past FastAPI's response_model pass: that pass validates the dict as a
     # JobView again, about a tenth of a submit's CPU (bench.submit). JobView stays its documented
     # shape; the e2e tests check every job JSON they see against it.
@@ -227,7 +228,7 @@ async def _not_durable(ctx: ApiContext, exc: NotDurable, job_id: str) -> JSONTex
     log.warning("submit not durable in time: %s", exc)
     body: dict[str, Any] = {"detail": str(exc), "job_id": job_id}
     try:
-        job = await ctx.runtime.jobs.store.aget(job_id)
+        job = await ctx.runtime.jobs.store.arun(Get(job_id))
     except redis.RedisError:
         job = None
     if job is not None:

@@ -38,6 +38,7 @@ from omni_jobs.errors import (
 from omni_jobs.followed import LOOK, LOOKED_AT_TTL_S
 from omni_jobs.jobs import codec, state
 from omni_jobs.jobs.change import Cap, Change, Conflict, Guard
+from omni_jobs.jobs.flows import Commit, CommitPlaced, Flow, Get, Idempotency, Oldest, QueuePosition, adrive, drive
 from omni_jobs.jobs.models import (
     WEBHOOK_EVENT_OF,
     EventType,
@@ -157,8 +158,8 @@ class RequirementFailed(Exception):
 
 @dataclass(frozen=True)
 class Submitted:
-    """What an async submit answers: the job, whether this call created it (False: an
-    Idempotency-Key replay), and its queue position (None when no stage of it waits)."""
+    """What a submit answers: the job, whether this call created it (False: an Idempotency-Key
+    replay), and its queue position (None when no stage of it waits, or the submit did not ask)."""
 
     job: Job
     created: bool
@@ -387,49 +388,45 @@ class JobLedger:
     # --- submit ---
     def submit(self, job: Job, entry_stages: list[str], *, idempotency: tuple[str, str] | None = None,
                idempotency_ttl_s: int = 24 * 3600, quota: Quota | None = None,
-               queue_limits: Sequence[QueueLimit] = ()) -> tuple[Job, bool]:
-        """Store a new job, its idempotency record and its first dispatches in one write.
-
-        ``idempotency``: (key, request fingerprint). A key used before returns (that job, False), or
-        IdempotencyConflict when the body differed. The write's guards go before its caps, so a replay
-        is found (and answered) even where a new job would be refused, with no read before the write.
-        ``quota``: the tenant's limits, and ``queue_limits``: how many steps may wait on each entry
-        queue, both checked in the same write (QuotaExceeded, Overloaded: nothing is written).
-        """
-        plan = self._plan_submit(job, entry_stages, idempotency, idempotency_ttl_s, quota, queue_limits)
-        try:
-            conflict = self.store.commit(plan.change)
-        except NotDurable as exc:  # applied, but not yet on the disk or a replica: name the job it made
-            self._committed(plan.job, plan.change)
-            raise exc.of_job(plan.job.id) from None
-        if conflict is None or self._made_by_this_write(plan, conflict):
-            self._committed(plan.job, plan.change)
-            return plan.job, True
-        if conflict.cap is not None:
-            since = conflict.cap.since
-            oldest = self.store.oldest(conflict.cap.key, since=since) if since is not None else None
-            raise self._submit_refused(plan, conflict.cap, conflict.found, oldest)
-        claim = self._replay_claim(plan, conflict)
-        earlier = self.store.idempotency(job.tenant, claim[0])
-        if earlier is None:  # expired between the two reads: try again
-            return self.submit(job, entry_stages, idempotency=idempotency, idempotency_ttl_s=idempotency_ttl_s,
-                               quota=quota, queue_limits=queue_limits)
-        existing = self.store.get(self._replayed(claim, earlier))
-        if existing is None:
-            raise IdempotencyConflict(claim[0], earlier.job_id)
-        return existing, False
+               queue_limits: Sequence[QueueLimit] = (), requires: Sequence[Guard] = ()) -> tuple[Job, bool]:
+        """Store a new job, its idempotency record and its first dispatches in one write (``submit_flow``,
+        on this thread): (the job, whether this call created it)."""
+        done = drive(self.store, self.submit_flow(job, entry_stages, idempotency=idempotency,
+                                                  idempotency_ttl_s=idempotency_ttl_s, quota=quota,
+                                                  queue_limits=queue_limits, requires=requires))
+        return done.job, done.created
 
     async def asubmit(self, job: Job, entry_stages: list[str], *, idempotency: tuple[str, str] | None = None,
                       idempotency_ttl_s: int = 24 * 3600, quota: Quota | None = None,
                       queue_limits: Sequence[QueueLimit] = (), requires: Sequence[Guard] = ()) -> Submitted:
-        """``submit`` on an event loop (the API): the same decision and the same one write, committed
-        with the store's async client in one round trip that also reads the job's queue position.
-        ``requires``: fields that must hold for the write to apply (the API's: the submitting key is
-        not revoked); RequirementFailed when one does not, and nothing is written."""
+        """``submit`` on an event loop (the API): the same flow, committed with the store's async client
+        in one round trip that also reads the job's queue position."""
+        return await adrive(self.store, self.submit_flow(job, entry_stages, idempotency=idempotency,
+                                                         idempotency_ttl_s=idempotency_ttl_s, quota=quota,
+                                                         queue_limits=queue_limits, requires=requires, placed=True))
+
+    def submit_flow(self, job: Job, entry_stages: list[str], *, idempotency: tuple[str, str] | None,
+                    idempotency_ttl_s: int, quota: Quota | None, queue_limits: Sequence[QueueLimit],
+                    requires: Sequence[Guard], placed: bool = False) -> Flow[Submitted]:
+        """A submit, for either driver (omni_jobs.jobs.flows): one write of the job, its idempotency
+        record and its first dispatches.
+
+        ``idempotency``: (key, request fingerprint). A key used before answers (that job, created False),
+        or IdempotencyConflict when the body differed. The write's guards go before its caps, so a replay
+        is found (and answered) even where a new job would be refused, with no read before the write.
+        ``quota``: the tenant's limits, and ``queue_limits``: how many steps may wait on each entry
+        queue, both checked in the same write (QuotaExceeded, Overloaded: nothing is written).
+        ``requires``: fields that must hold for the write to apply (the API's: the submitting key is not
+        revoked); RequirementFailed when one does not, and nothing is written. ``placed``: the answer
+        carries the job's queue position, read in the write's own round trip (else None).
+        """
         plan = self._plan_submit(job, entry_stages, idempotency, idempotency_ttl_s, quota, queue_limits)
         plan.change.guards[:0] = requires
         try:
-            conflict, position = await self.store.acommit_placed(plan.change, plan.job)
+            if placed:
+                conflict, position = yield from CommitPlaced(plan.change, plan.job)
+            else:
+                conflict, position = (yield from Commit(plan.change)), None
         except NotDurable as exc:  # applied, but not yet on the disk or a replica: name the job it made
             self._committed(plan.job, plan.change)
             raise exc.of_job(plan.job.id) from None
@@ -438,26 +435,29 @@ class JobLedger:
             return Submitted(plan.job, True, position)
         if self._made_by_this_write(plan, conflict):
             self._committed(plan.job, plan.change)
-            return Submitted(plan.job, True, await self.store.aqueue_position(plan.job))
+            return Submitted(plan.job, True, (yield from QueuePosition(plan.job)) if placed else None)
         if conflict.cap is not None:
             since = conflict.cap.since
-            oldest = await self.store.aoldest(conflict.cap.key, since=since) if since is not None else None
+            oldest = (yield from Oldest(conflict.cap.key, since)) if since is not None else None
             raise self._submit_refused(plan, conflict.cap, conflict.found, oldest)
         if conflict.guard is not None and conflict.guard in requires:
             raise RequirementFailed(conflict.guard, conflict.found)
         claim = self._replay_claim(plan, conflict)
-        earlier = await self.store.aidempotency(job.tenant, claim[0])
-        if earlier is None:
-            return await self.asubmit(job, entry_stages, idempotency=idempotency, idempotency_ttl_s=idempotency_ttl_s,
-                                      quota=quota, queue_limits=queue_limits, requires=requires)
-        existing = await self.store.aget(self._replayed(claim, earlier))
+        earlier = yield from Idempotency(job.tenant, claim[0])
+        if earlier is None:  # expired between the write and the read: try again
+            return (yield from self.submit_flow(job, entry_stages, idempotency=idempotency,
+                                                idempotency_ttl_s=idempotency_ttl_s, quota=quota,
+                                                queue_limits=queue_limits, requires=requires, placed=placed))
+        existing = yield from Get(self._replayed(claim, earlier))
         if existing is None:
             raise IdempotencyConflict(claim[0], earlier.job_id)
-        return await self.replayed(existing)
+        return (yield from self.replayed(existing, placed=placed))
 
-    async def replayed(self, job: Job) -> Submitted:
-        """An earlier job answered again (an Idempotency-Key replay), with its queue position now."""
-        return Submitted(job, False, await self.store.aqueue_position(job))
+    @staticmethod
+    def replayed(job: Job, *, placed: bool) -> Flow[Submitted]:
+        """An earlier job answered again (an Idempotency-Key replay), with its queue position now where
+        ``placed``."""
+        return Submitted(job, False, (yield from QueuePosition(job)) if placed else None)
 
     def submit_all(self, jobs: Sequence[tuple[Job, list[str], tuple[str, str] | None]], *,
                    idempotency_ttl_s: int = 24 * 3600, quota: Quota | None = None,
@@ -512,7 +512,7 @@ class JobLedger:
 
     def _plan_submit(self, job: Job, entry_stages: list[str], idempotency: tuple[str, str] | None,
                      idempotency_ttl_s: int, quota: Quota | None, queue_limits: Sequence[QueueLimit]) -> _SubmitPlan:
-        """The one decision of a submit (for ``submit`` and ``asubmit``): the job as stored, and its Change."""
+        """The one decision of a submit (``submit_flow``, ``submit_all``): the job as stored, and its Change."""
         at = job.created_at
         # Queuing the entry stages changes only their records: copy those, share the rest (a deep
         # copy of the whole job was a few per cent of a submit's CPU).

@@ -15,11 +15,12 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import assert_never
+from typing import Any, TypeVar, assert_never, cast
 
 from omni_jobs import keys
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.change import Change, Conflict, Op, OutboxEntry, ReleasePass
+from omni_jobs.jobs.flows import Commit, CommitPlaced, Get, Idempotency, Oldest, Operation, QueuePosition
 from omni_jobs.jobs.models import Job, JobEvent, JobStatus
 from omni_jobs.jobs.store import (
     IdempotencyRecord,
@@ -31,6 +32,8 @@ from omni_jobs.jobs.store import (
     waiting_stage,
 )
 from omni_jobs.steps import from_json, stage_slot
+
+T = TypeVar("T")
 
 
 class MemoryJobStore:
@@ -85,8 +88,7 @@ class MemoryJobStore:
                             list(self._lists.get(keys.job_deliveries(job_id), [])))
 
     def get(self, job_id: str) -> Job | None:
-        with self._changed:
-            return self._read(job_id)
+        return self.run(Get(job_id))
 
     def get_many(self, job_ids: Sequence[str]) -> list[Job | None]:
         with self._changed:
@@ -135,12 +137,13 @@ class MemoryJobStore:
             return decode_webhook_slots(self._hash(keys.job_webhooks(job_id)))
 
     def idempotency(self, tenant: str, key: str) -> IdempotencyRecord | None:
-        with self._changed:
-            raw = self._hash(keys.idempotency(tenant, key))
-        return IdempotencyRecord(raw["job_id"], raw["fingerprint"]) if "job_id" in raw else None
+        return self.run(Idempotency(tenant, key))
 
     # --- the one way to write ---
     def commit(self, change: Change) -> Conflict | None:
+        return self.run(Commit(change))
+
+    def _commit(self, change: Change) -> Conflict | None:
         with self._changed:
             for guard in change.guards:
                 found = self._hash(guard.key).get(guard.field)
@@ -304,9 +307,7 @@ class MemoryJobStore:
             return sorted(self._sets.get(keys.SCHEDULED_QUEUES, set()))
 
     def oldest(self, key: str, *, since: float) -> float | None:
-        with self._changed:
-            scores = [s for s in self._zset(key).values() if s >= since]
-        return min(scores) if scores else None
+        return self.run(Oldest(key, since))
 
     def count(self, key: str) -> int:
         with self._changed:
@@ -317,21 +318,7 @@ class MemoryJobStore:
             return len(self._zset(keys.queue_waiting(queue))), len(self._zset(keys.queue_running(queue)))
 
     def queue_position(self, job: Job) -> int | None:
-        record = waiting_stage(job)
-        if record is None:
-            return None
-        slot = stage_slot(job.id, record.id)
-        entry = f"{slot}:{record.attempts + 1}"
-
-        def rank(key: str, member: str) -> int | None:
-            ordered = [m for m, _ in self._ordered(self._zset(key))]
-            return ordered.index(member) if member in ordered else None
-
-        with self._changed:
-            return estimate_position([rank(keys.queue_released(record.queue), slot),
-                                      len(self._zset(keys.queue_released(record.queue))),
-                                      rank(keys.queue_ready(record.queue, job.tenant), entry),
-                                      len(self._zset(keys.queue_tenants(record.queue)))])
+        return self.run(QueuePosition(job))
 
     def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
         with self._changed:
@@ -388,25 +375,47 @@ class MemoryJobStore:
         with self._changed:
             self._apply(("set", name, value, 0))
 
-    # --- the same, for an event loop: nothing here waits on I/O, so these only hold the lock briefly ---
-    async def acommit(self, change: Change) -> Conflict | None:
-        return self.commit(change)
+    # --- the operations of a flow (omni_jobs.jobs.flows) ---
+    def run(self, op: Operation[T]) -> T:
+        return cast(T, self._answer(op))
 
-    async def acommit_placed(self, change: Change, job: Job) -> tuple[Conflict | None, int | None]:
-        conflict = self.commit(change)
-        return conflict, (self.queue_position(job) if conflict is None else None)
+    async def arun(self, op: Operation[T]) -> T:
+        """``run``: nothing here waits on I/O, so it only holds the lock briefly."""
+        return cast(T, self._answer(op))
 
-    async def aget(self, job_id: str) -> Job | None:
-        return self.get(job_id)
+    def _answer(self, op: Operation[Any]) -> object:
+        with self._changed:  # reentrant: a placed commit and its read of the position under one hold, as in Redis
+            if isinstance(op, Commit):
+                return self._commit(op.change)
+            if isinstance(op, CommitPlaced):
+                conflict = self._commit(op.change)
+                return conflict, (self._queue_position(op.job) if conflict is None else None)
+            if isinstance(op, Get):
+                return self._read(op.job_id)
+            if isinstance(op, Idempotency):
+                return IdempotencyRecord.of(self._hash(keys.idempotency(op.tenant, op.key)))
+            if isinstance(op, QueuePosition):
+                return self._queue_position(op.job)
+            if isinstance(op, Oldest):
+                scores = [s for s in self._zset(op.key).values() if s >= op.since]
+                return min(scores) if scores else None
+        raise TypeError(f"a job store answers no {type(op).__name__}")
 
-    async def aidempotency(self, tenant: str, key: str) -> IdempotencyRecord | None:
-        return self.idempotency(tenant, key)
+    def _queue_position(self, job: Job) -> int | None:
+        record = waiting_stage(job)
+        if record is None:
+            return None
+        slot = stage_slot(job.id, record.id)
+        entry = f"{slot}:{record.attempts + 1}"
 
-    async def aqueue_position(self, job: Job) -> int | None:
-        return self.queue_position(job)
+        def rank(key: str, member: str) -> int | None:
+            ordered = [m for m, _ in self._ordered(self._zset(key))]
+            return ordered.index(member) if member in ordered else None
 
-    async def aoldest(self, key: str, *, since: float) -> float | None:
-        return self.oldest(key, since=since)
+        return estimate_position([rank(keys.queue_released(record.queue), slot),
+                                  len(self._zset(keys.queue_released(record.queue))),
+                                  rank(keys.queue_ready(record.queue, job.tenant), entry),
+                                  len(self._zset(keys.queue_tenants(record.queue)))])
 
     async def aclose(self) -> None:
         return None

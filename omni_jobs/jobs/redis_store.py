@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from typing import TypeAlias
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, TypeAlias, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
 import redis.asyncio.client
 import redis.client
 import redis.sentinel
-from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 from redis.typing import XReadResponse
 
@@ -24,6 +23,7 @@ from omni_jobs import jsontext, keys
 from omni_jobs.errors import NotDurable
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.change import Change, Conflict, Guard, OutboxEntry, ReleasePass
+from omni_jobs.jobs.flows import Commit, CommitPlaced, Get, Idempotency, Oldest, Operation, QueuePosition
 from omni_jobs.jobs.group_commit import GroupCommit
 from omni_jobs.jobs.models import Job, JobEvent, JobStatus, StageRecord, now
 from omni_jobs.jobs.scripts import CLAIM, COMMIT, COMMIT_PLACED, NO_TEMPLATES, RELEASE, RELEASE_AND_CLAIM, lua_templates
@@ -45,6 +45,22 @@ ScriptReply: TypeAlias = list[int | bytes | None]
 """What the commit script answers: integers, strings, and nil for the rank of an absent member
 (redis-py types a script's reply as Any)."""
 Pipeline: TypeAlias = redis.client.Pipeline | redis.asyncio.client.Pipeline
+Command: TypeAlias = tuple[str | int, ...]
+ScriptCommands: TypeAlias = Generator[Command, object, tuple[ScriptReply, list[object] | None]]
+"""A script's call as the commands it sends, in turn (``RedisJobStore._script_commands``): each one's reply
+is sent back in, a server's error thrown in; it returns the script's reply and what its waits answered."""
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """A read operation's commands and how its reply reads, for either client: ``send`` queues them on
+    a pipeline (several commands, one round trip) where ``pipelined``, else makes the one command on the
+    client itself; ``send`` None: the answer is known without a round trip (``parse(None)``)."""
+
+    send: Callable[[Any], Any] | None
+    parse: Callable[[Any], object]
+    pipelined: bool = False
 
 
 class RedisJobStore:
@@ -59,7 +75,7 @@ class RedisJobStore:
         ``wait_aof``: a durable change is acknowledged only once the primary's AOF has it on disk
         (WAITAOF, Redis >= 7.2 or Valkey), so the server can run ``appendfsync everysec``: only a submit
         waits for the disk, and every other write (a stage starting, progress, a result) answers at once.
-        ``async_client``: makes the redis.asyncio client of the ``a*`` methods, one per event loop
+        ``async_client``: makes the redis.asyncio client of ``arun``, one per event loop
         (its connections belong to the loop that made them); default: the same server as ``client``.
         ``broker_templates``: this Redis (this database) is also the Celery broker, and these are the
         task messages of each step kind (omni_jobs.queueing.broker_message_templates): the scripts
@@ -71,14 +87,14 @@ class RedisJobStore:
         self._commit_source = COMMIT.replace(NO_TEMPLATES, prelude, 1)
         self._commit_placed_source = COMMIT_PLACED.replace(NO_TEMPLATES, prelude, 1)
         self._make_async = async_client or (lambda: same_server_async(client))
-        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[aioredis.Redis, AsyncScript]] = \
-            weakref.WeakKeyDictionary()
+        self._async: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, aioredis.Redis] = weakref.WeakKeyDictionary()
         self.ttl_s = ttl_s
         self.events_maxlen = events_maxlen
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
         self.wait_aof = wait_aof
         self._commit = client.register_script(self._commit_source)
+        self._commit_placed = client.register_script(self._commit_placed_source)
         self.commits: GroupCommit[list[str], ScriptReply] = GroupCommit(
             lambda args: self._commit(args=args), self._commit_many)
         """Commits of this process's threads, sent together when they come together (omni_jobs.jobs.group_commit)."""
@@ -93,7 +109,7 @@ class RedisJobStore:
         pipe.lrange(keys.job_deliveries(job_id), 0, -1)
 
     def get(self, job_id: str) -> Job | None:
-        return self.get_many([job_id])[0]
+        return self.run(Get(job_id))
 
     def get_many(self, job_ids: Sequence[str]) -> list[Job | None]:
         if not job_ids:
@@ -102,7 +118,7 @@ class RedisJobStore:
             for job_id in job_ids:
                 self._read(pipe, job_id)
             replies = pipe.execute()
-        return [codec.decode(replies[i], replies[i + 1], replies[i + 2]) for i in range(0, len(replies), 3)]
+        return [_decode_job(replies[i:i + 3]) for i in range(0, len(replies), 3)]
 
     def page(self, *, limit: int, cursor: str | None = None, status: JobStatus | None = None,
              tenant: str | None = None) -> JobPage:
@@ -140,8 +156,7 @@ class RedisJobStore:
         return decode_webhook_slots(text_hash(raw))
 
     def idempotency(self, tenant: str, key: str) -> IdempotencyRecord | None:
-        raw = text_hash(self.redis.hgetall(keys.idempotency(tenant, key)))
-        return IdempotencyRecord(raw["job_id"], raw["fingerprint"]) if "job_id" in raw else None
+        return self.run(Idempotency(tenant, key))
 
     # --- writing ---
     def publish_in_commit(self, windows: Callable[[Change], Mapping[str, int] | None]) -> None:
@@ -213,39 +228,79 @@ class RedisJobStore:
                                  disk=f"its AOF was not fsynced within {self.wait_timeout_ms} ms")
 
     def commit(self, change: Change) -> Conflict | None:
+        return self.run(Commit(change))
+
+    def _commit_here(self, change: Change) -> Conflict | None:
+        """``Commit`` on this thread: with this process's other commits (group commit), or, where it
+        waits for replicas or the disk, on a connection of its own."""
         spec = self._pass_spec(change)
         args = [change.wire(), spec[0]]
         if self._waits(change):
-            reply: ScriptReply = self._commit_durably(args)
+            reply = self._checked(self._on_connection(self._script_commands(self._commit.sha, self._commit_source, args,
+                                                                             waits=True)))
         else:
             reply = self.commits.call(args)
         self._passed(change, spec, reply)
         return self._conflict(change, reply)
 
-    def _commit_durably(self, args: Sequence[str]) -> ScriptReply:
-        """The commit script, then its waits, each in its own round trip on one connection: WAITAOF
-        waits for its own connection's writes, and sent in the same packet as the write, Valkey 8.0
-        left it blocked until its next timer tick (100 ms per submit; 0.3 ms once the write was
-        answered: docs/decisions/waitaof.md)."""
+    def _placed_args(self, change: Change, job: Job | None) -> tuple[tuple[str, list[str], frozenset[str]], list[str]]:
+        """The commit-placed script's pass spec and arguments: the change, its pass, and the keys it reads
+        ``job``'s queue position from after the write ('[]': none)."""
+        record = waiting_stage(job) if job is not None else None
+        place = jsontext.dumps(position_keys(job, record) if job is not None and record is not None else [])
+        spec = self._pass_spec(change)
+        return spec, [change.wire(), spec[0], place]
+
+    def _placed_answer(self, change: Change, spec: tuple[str, list[str], frozenset[str]],
+                       reply: ScriptReply) -> tuple[Conflict | None, int | None]:
+        self._passed(change, spec, reply)
+        conflict = self._conflict(change, reply)
+        if conflict is not None or len(reply) != 8:
+            return conflict, None
+        return None, estimate_position(reply[4:])
+
+    def _script_commands(self, sha: str, source: str, args: Sequence[str], *, waits: bool) -> ScriptCommands:
+        """A commit script's call as its commands: EVALSHA (a restarted server that lacks the script
+        answers NOSCRIPT, nothing ran: SCRIPT LOAD, and once more), then, where ``waits``, WAIT and
+        WAITAOF (an error of theirs, e.g. no WAITAOF, is kept for ``_check_durability`` to name).
+        The script is not registered with a pipeline, which would cost a SCRIPT EXISTS round trip."""
+        try:
+            reply = yield ("EVALSHA", sha, 0, *args)
+        except NoScriptError:
+            yield ("SCRIPT LOAD", source)
+            reply = yield ("EVALSHA", sha, 0, *args)
+        assert isinstance(reply, list)
+        if not waits:
+            return reply, None
+        waited: list[object] = []
+        for command in self._wait_commands():
+            try:
+                waited.append((yield command))
+            except redis.ResponseError as exc:
+                waited.append(exc)
+        return reply, waited
+
+    def _checked(self, answer: tuple[ScriptReply, list[object] | None]) -> ScriptReply:
+        """The script's reply, once its waits say the change is durable (NotDurable if not)."""
+        reply, waited = answer
+        if waited is not None:
+            self._check_durability(reply, waited)
+        return reply
+
+    def _on_connection(self, commands: ScriptCommands) -> tuple[ScriptReply, list[object] | None]:
+        """``commands`` on one connection, each in its own round trip: WAITAOF waits for its own
+        connection's writes, and sent in the same packet as the write, Valkey 8.0 left it blocked until
+        its next timer tick (100 ms per submit; 0.3 ms once the write was answered:
+        docs/decisions/waitaof.md)."""
         pool = self.redis.connection_pool
         conn = pool.get_connection()
 
-        def send(*command: str | int) -> object:
+        def send(command: Command) -> object:
             conn.send_command(*command)  # type: ignore[no-untyped-call]  # redis-py
             return self.redis.parse_response(conn, str(command[0]))  # type: ignore[no-untyped-call]
 
         try:
-            try:
-                reply = send("EVALSHA", self._commit.sha, 0, *args)
-            except NoScriptError:  # a restarted server: nothing ran; once more with the script
-                send("SCRIPT", "LOAD", self._commit_source)
-                reply = send("EVALSHA", self._commit.sha, 0, *args)
-            waited: list[object] = []
-            for command in self._wait_commands():
-                try:
-                    waited.append(send(*command))
-                except redis.ResponseError as exc:  # e.g. no WAITAOF: _check_durability says so
-                    waited.append(exc)
+            return _send_all(commands, send)
         except redis.ResponseError:
             raise
         except BaseException:
@@ -254,28 +309,19 @@ class RedisJobStore:
             raise
         finally:
             pool.release(conn)
-        assert isinstance(reply, list)
-        self._check_durability(reply, waited)
-        return reply
 
-    async def _acommit_durably(self, client: aioredis.Redis, sha: str, args: Sequence[str]) -> ScriptReply:
-        """``_commit_durably`` on an asyncio client (NoScriptError goes to the caller, which loads the
-        script and calls again)."""
+    async def _aon_connection(self, client: aioredis.Redis,
+                              commands: ScriptCommands) -> tuple[ScriptReply, list[object] | None]:
+        """``_on_connection`` on an asyncio client."""
         pool = client.connection_pool
         conn = await pool.get_connection()  # type: ignore[no-untyped-call]  # redis-py
 
-        async def send(*command: str | int) -> object:
+        async def send(command: Command) -> object:
             await conn.send_command(*command)
             return await client.parse_response(conn, str(command[0]))
 
         try:
-            reply = await send("EVALSHA", sha, 0, *args)
-            waited: list[object] = []
-            for command in self._wait_commands():
-                try:
-                    waited.append(await send(*command))
-                except redis.ResponseError as exc:
-                    waited.append(exc)
+            return await _asend_all(commands, send)
         except redis.ResponseError:
             raise
         except BaseException:
@@ -283,9 +329,6 @@ class RedisJobStore:
             raise
         finally:
             await pool.release(conn)
-        assert isinstance(reply, list)
-        self._check_durability(reply, waited)
-        return reply
 
     def commit_each(self, changes: Sequence[Change]) -> list[Conflict | None]:
         if any(self._waits(c) for c in changes):
@@ -329,83 +372,91 @@ class RedisJobStore:
 
     # --- async (the API's event loop) ---
     def use_async_client(self, make: Callable[[], aioredis.Redis]) -> None:
-        """How the ``a*`` methods make their client (once per event loop), e.g. from the same URL as
+        """How ``arun`` makes its client (once per event loop), e.g. from the same URL as
         the sync client, TLS and Sentinels and all: ``lambda: async_client_from_url(url)``
         (omni_jobs.redis_clients; the Runtime does so)."""
         self._make_async = make
 
-    def _aclient(self) -> tuple[aioredis.Redis, AsyncScript]:
-        """This event loop's client and its commit script (EVALSHA, loaded once per server)."""
+    def _aclient(self) -> aioredis.Redis:
+        """This event loop's client."""
         loop = asyncio.get_running_loop()
         found = self._async.get(loop)
         if found is None:
-            client = self._make_async()
-            found = self._async[loop] = (client, client.register_script(self._commit_placed_source))
+            found = self._async[loop] = self._make_async()
         return found
 
-    async def acommit(self, change: Change) -> Conflict | None:
-        """``commit`` on the event loop: the same script and the same answer, in one round trip."""
-        return (await self.acommit_placed(change, None))[0]
+    # --- the operations of a flow (omni_jobs.jobs.flows): each built and read once, sent by run or arun ---
+    def run(self, op: Operation[T]) -> T:
+        """Answer ``op`` with the sync client. A commit goes with this process's other commits."""
+        if isinstance(op, Commit):
+            return cast(T, self._commit_here(op.change))
+        if isinstance(op, CommitPlaced):
+            spec, args = self._placed_args(op.change, op.job)
+            waits = self._waits(op.change)
+            commands = self._script_commands(self._commit_placed.sha, self._commit_placed_source, args, waits=waits)
+            sent = self._on_connection(commands) if waits else _send_all(commands, self._call)
+            return cast(T, self._placed_answer(op.change, spec, self._checked(sent)))
+        read = self._read_of(op)
+        if read.send is None:
+            return cast(T, read.parse(None))
+        if not read.pipelined:
+            return cast(T, read.parse(read.send(self.redis)))
+        with self.redis.pipeline(transaction=False) as pipe:
+            read.send(pipe)
+            return cast(T, read.parse(pipe.execute()))
 
-    async def acommit_placed(self, change: Change, job: Job | None) -> tuple[Conflict | None, int | None]:
-        """One EVALSHA of the commit script that also reads the job's queue position after the write:
-        one round trip, one command (then WAIT / WAITAOF on the same connection when the change must
-        reach replicas or the disk: ``_acommit_durably``). The script is not registered with a
-        pipeline, which would cost a SCRIPT EXISTS round trip per call: a server that lacks it
-        (restarted) answers NOSCRIPT, nothing ran, and the call goes again after loading it."""
-        client, script = self._aclient()
-        record = waiting_stage(job) if job is not None else None
-        place = jsontext.dumps(position_keys(job, record) if job is not None and record is not None else [])
-        wait = self._waits(change)
-        wire, spec = change.wire(), self._pass_spec(change)
-        reply: ScriptReply = []
-        for attempt in range(2):
-            try:
-                if wait:
-                    reply = await self._acommit_durably(client, script.sha, [wire, spec[0], place])
-                else:
-                    reply = await client.evalsha(script.sha, 0, wire, spec[0], place)
-                break
-            except NoScriptError:
-                if attempt:
-                    raise
-                await client.script_load(self._commit_placed_source)
-        self._passed(change, spec, reply)
-        conflict = self._conflict(change, reply)
-        if conflict is not None or len(reply) != 8:
-            return conflict, None
-        return None, estimate_position(reply[4:])
-
-    async def aget(self, job_id: str) -> Job | None:
-        client, _ = self._aclient()
+    async def arun(self, op: Operation[T]) -> T:
+        """Answer ``op`` with this event loop's client. A commit is one EVALSHA of the commit script
+        that also reads the job's queue position after the write (``CommitPlaced``; a ``Commit`` reads
+        none): one round trip, one command, then WAIT / WAITAOF on the same connection where the change
+        must reach replicas or the disk."""
+        client = self._aclient()
+        if isinstance(op, Commit | CommitPlaced):
+            spec, args = self._placed_args(op.change, op.job if isinstance(op, CommitPlaced) else None)
+            waits = self._waits(op.change)
+            commands = self._script_commands(self._commit_placed.sha, self._commit_placed_source, args, waits=waits)
+            sent = await (self._aon_connection(client, commands) if waits
+                          else _asend_all(commands, lambda command: client.execute_command(*command)))  # type: ignore[no-untyped-call]
+            answer = self._placed_answer(op.change, spec, self._checked(sent))
+            return cast(T, answer if isinstance(op, CommitPlaced) else answer[0])
+        read = self._read_of(op)
+        if read.send is None:
+            return cast(T, read.parse(None))
+        if not read.pipelined:
+            return cast(T, read.parse(await read.send(client)))
         async with client.pipeline(transaction=False) as pipe:
-            self._read(pipe, job_id)
-            fields, progress, deliveries = await pipe.execute()
-        return codec.decode(fields, progress, deliveries)
+            read.send(pipe)
+            return cast(T, read.parse(await pipe.execute()))
 
-    async def aidempotency(self, tenant: str, key: str) -> IdempotencyRecord | None:
-        client, _ = self._aclient()
-        raw = text_hash(await client.hgetall(keys.idempotency(tenant, key)))
-        return IdempotencyRecord(raw["job_id"], raw["fingerprint"]) if "job_id" in raw else None
+    def _call(self, command: Command) -> object:
+        return self.redis.execute_command(*command)  # type: ignore[no-untyped-call]  # redis-py
 
-    async def aqueue_position(self, job: Job) -> int | None:
-        record = waiting_stage(job)
-        if record is None:
-            return None
-        client, _ = self._aclient()
-        async with client.pipeline(transaction=False) as pipe:
-            _read_position(pipe, job, record)
-            return estimate_position(await pipe.execute())
-
-    async def aoldest(self, key: str, *, since: float) -> float | None:
-        client, _ = self._aclient()
-        first = await client.zrangebyscore(key, since, "+inf", start=0, num=1, withscores=True)
-        return float(first[0][1]) if first else None
+    def _read_of(self, op: Operation[Any]) -> _Read:
+        """What a read operation sends and how its reply reads (for ``run`` and ``arun`` alike)."""
+        if isinstance(op, Get):
+            job_id = op.job_id
+            return _Read(lambda pipe: self._read(pipe, job_id), _decode_job, pipelined=True)
+        if isinstance(op, Idempotency):
+            key = keys.idempotency(op.tenant, op.key)
+            return _Read(lambda client: client.hgetall(key), lambda raw: IdempotencyRecord.of(text_hash(raw)))
+        if isinstance(op, QueuePosition):
+            # 1-based place of the job's waiting stage on its queue (1 = next to start). Released steps go
+            # in release order; a ready one comes after all released ones, at its rank in its tenant's order
+            # times the tenants taking turns (an estimate: tenants come and go).
+            job, record = op.job, waiting_stage(op.job)
+            if record is None:
+                return _Read(None, lambda _: None)
+            return _Read(lambda pipe: _read_position(pipe, job, record), estimate_position, pipelined=True)
+        if isinstance(op, Oldest):
+            key, since = op.key, op.since
+            return _Read(lambda client: client.zrangebyscore(key, since, "+inf", start=0, num=1, withscores=True),
+                         lambda first: float(first[0][1]) if first else None)
+        raise TypeError(f"a job store answers no {type(op).__name__}")
 
     async def aclose(self) -> None:
         found = self._async.pop(asyncio.get_running_loop(), None)
         if found is not None:
-            await found[0].aclose()
+            await found.aclose()
 
     # --- outbox ---
     def claim_outbox(self, *, now: float, limit: int, hold_s: float, job_id: str | None = None) -> list[OutboxEntry]:
@@ -463,8 +514,7 @@ class RedisJobStore:
         return sorted(members(self.redis.smembers(keys.SCHEDULED_QUEUES)))
 
     def oldest(self, key: str, *, since: float) -> float | None:
-        first = self.redis.zrangebyscore(key, since, "+inf", start=0, num=1, withscores=True)
-        return float(first[0][1]) if first else None
+        return self.run(Oldest(key, since))
 
     def count(self, key: str) -> int:
         return int(self.redis.zcard(key))
@@ -498,16 +548,8 @@ class RedisJobStore:
         return int(waiting), int(running)
 
     def queue_position(self, job: Job) -> int | None:
-        """1-based place of the job's waiting stage on its queue (1 = next to start); None when none waits.
-
-        Released steps go in release order; a ready one comes after all released ones, at its rank
-        in its tenant's order times the tenants taking turns (an estimate: tenants come and go)."""
-        record = waiting_stage(job)
-        if record is None:
-            return None
-        with self.redis.pipeline(transaction=False) as pipe:
-            _read_position(pipe, job, record)
-            return estimate_position(pipe.execute())
+        """1-based place of the job's waiting stage on its queue (1 = next to start); None when none waits."""
+        return self.run(QueuePosition(job))
 
     def try_lock(self, name: str, owner: str, ttl_s: float) -> bool:
         return bool(self.redis.set(name, owner, nx=True, px=max(1, int(ttl_s * 1000))))
@@ -579,6 +621,44 @@ def _read_position(pipe: Pipeline, job: Job, record: StageRecord) -> None:
     pipe.zcard(released_key)
     pipe.zrank(ready_key, entry)
     pipe.zcard(tenants_key)
+
+
+def _decode_job(replies: Sequence[Any]) -> Job | None:
+    """A job from the replies of ``_read``'s three reads."""
+    return codec.decode(replies[0], replies[1], replies[2])
+
+
+def _send_all(commands: ScriptCommands, send: Callable[[Command], object]) -> tuple[ScriptReply, list[object] | None]:
+    """Run ``commands`` with ``send``: each reply sent back in, a server's error thrown in where it was sent."""
+    try:
+        command = next(commands)
+        while True:
+            try:
+                reply = send(command)
+            except redis.ResponseError as exc:
+                command = commands.throw(exc)
+            else:
+                command = commands.send(reply)
+    except StopIteration as done:
+        answer: tuple[ScriptReply, list[object] | None] = done.value
+        return answer
+
+
+async def _asend_all(commands: ScriptCommands,
+                     send: Callable[[Command], Awaitable[object]]) -> tuple[ScriptReply, list[object] | None]:
+    """``_send_all`` with a coroutine ``send``."""
+    try:
+        command = next(commands)
+        while True:
+            try:
+                reply = await send(command)
+            except redis.ResponseError as exc:
+                command = commands.throw(exc)
+            else:
+                command = commands.send(reply)
+    except StopIteration as done:
+        answer: tuple[ScriptReply, list[object] | None] = done.value
+        return answer
 
 
 def same_server_async(client: redis.Redis) -> aioredis.Redis:

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from omni_jobs import jsontext
 from omni_jobs.jobs.change import Change, Conflict, OutboxEntry, ReleasePass
 from omni_jobs.jobs.models import Job, JobEvent, JobStatus, StageRecord, StageStatus
 from omni_jobs.steps import RESULTS_QUEUE, WEBHOOKS_QUEUE, results_slot, stage_slot, webhook_slot
+
+if TYPE_CHECKING:
+    from omni_jobs.jobs.flows import Operation
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,11 @@ def decode_webhook_slots(raw: dict[str, str]) -> dict[str, WebhookSlot]:
 class IdempotencyRecord:
     job_id: str
     fingerprint: str
+
+    @classmethod
+    def of(cls, raw: Mapping[str, str]) -> IdempotencyRecord | None:
+        """The record from its hash's fields (None when it has none: never made, or expired)."""
+        return cls(raw["job_id"], raw["fingerprint"]) if "job_id" in raw else None
 
 
 class JobStore(Protocol):
@@ -136,18 +146,18 @@ class JobStore(Protocol):
     def get_mark(self, name: str) -> str | None: ...
     def set_mark(self, name: str, value: str) -> None: ...
 
-    # --- the same, for an event loop (the API's submit path: no thread, one round trip each) ---
-    async def acommit(self, change: Change) -> Conflict | None:
-        """``commit`` without blocking the event loop."""
+    # --- the operations of a flow (omni_jobs.jobs.flows): one sync and one async entry ---
+    def run(self, op: Operation[T]) -> T:
+        """Answer one operation on this thread (``flows.drive``); ``get``, ``commit``, ``idempotency``,
+        ``queue_position`` and ``oldest`` are ``run`` of theirs."""
         ...
-    async def acommit_placed(self, change: Change, job: Job) -> tuple[Conflict | None, int | None]:
-        """``acommit``, then ``job``'s queue position read in the same round trip (a submit's answer
-        shows it); None when the change did not apply or no stage of the job waits."""
+
+    async def arun(self, op: Operation[T]) -> T:
+        """Answer one operation on the event loop, through this loop's async client, with the same
+        commands and the same reading of the reply as ``run`` (``flows.adrive``: the API's submit path,
+        one round trip each, no thread)."""
         ...
-    async def aget(self, job_id: str) -> Job | None: ...
-    async def aidempotency(self, tenant: str, key: str) -> IdempotencyRecord | None: ...
-    async def aqueue_position(self, job: Job) -> int | None: ...
-    async def aoldest(self, key: str, *, since: float) -> float | None: ...
+
     async def aclose(self) -> None:
         """Close this event loop's async client (the API's shutdown)."""
         ...

@@ -12,6 +12,7 @@ import pytest
 from omni_jobs import keys
 from omni_jobs.errors import IdempotencyConflict, Overloaded, QuotaExceeded
 from omni_jobs.jobs.change import Change
+from omni_jobs.jobs.flows import Commit, CommitPlaced, Get, Idempotency, QueuePosition
 from omni_jobs.jobs.ledger import JobLedger, QueueLimit, Quota
 from omni_jobs.jobs.store import JobStore
 from omni_jobs.steps import RunStage
@@ -43,9 +44,9 @@ def test_asubmit_stores_what_submit_stores_and_answers_the_queue_position(ledger
     second = run(store, lambda: ledger.asubmit(two_stage_job(), ["ar"]))
     assert second.queue_position == store.queue_position(second.job) == 2
     # The async reads answer as the sync ones.
-    assert run(store, lambda: store.aget(done.job.id)) == store.get(done.job.id)
-    assert run(store, lambda: store.aqueue_position(second.job)) == 2
-    assert run(store, lambda: store.aget("job_missing")) is None
+    assert run(store, lambda: store.arun(Get(done.job.id))) == store.get(done.job.id)
+    assert run(store, lambda: store.arun(QueuePosition(second.job))) == 2
+    assert run(store, lambda: store.arun(Get("job_missing"))) is None
 
 
 def test_asubmit_replays_an_idempotency_key_and_refuses_another_body(ledger: JobLedger, store: JobStore) -> None:
@@ -55,9 +56,9 @@ def test_asubmit_replays_an_idempotency_key_and_refuses_another_body(ledger: Job
     assert again.queue_position == first.queue_position == 1
     with pytest.raises(IdempotencyConflict, match=first.job.id):
         run(store, lambda: ledger.asubmit(two_stage_job(), ["ar"], idempotency=("k", "fp-b")))
-    record = run(store, lambda: store.aidempotency("t1", "k"))
+    record = run(store, lambda: store.arun(Idempotency("t1", "k")))
     assert record == store.idempotency("t1", "k") and record is not None and record.job_id == first.job.id
-    assert run(store, lambda: store.aidempotency("t1", "other")) is None
+    assert run(store, lambda: store.arun(Idempotency("t1", "other"))) is None
     assert len(ledger.page(limit=10).jobs) == 1 and len(claim(store)) == 1  # the refused ones wrote nothing
 
 
@@ -120,17 +121,17 @@ def test_a_replay_is_answered_where_a_new_job_would_be_refused(ledger: JobLedger
     assert store.queue_counts("ar") == (1, 0) and len(ledger.page(limit=10).jobs) == 1
 
 
-def test_acommit_answers_as_commit(store: JobStore) -> None:
+def test_arun_commit_answers_as_commit(store: JobStore) -> None:
     key = f"{keys.PREFIX}:test:acommit"
-    assert run(store, lambda: store.acommit(Change().expect(key, "v", None).hset(key, {"v": "1"}))) is None
-    conflict = run(store, lambda: store.acommit(Change().expect(key, "v", None).hset(key, {"v": "2"})))
+    assert run(store, lambda: store.arun(Commit(Change().expect(key, "v", None).hset(key, {"v": "1"})))) is None
+    conflict = run(store, lambda: store.arun(Commit(Change().expect(key, "v", None).hset(key, {"v": "2"}))))
     assert conflict is not None and conflict.guard is not None and conflict.found == "1"
     assert store.commit(Change().expect(key, "v", None)) == conflict
-    capped = run(store, lambda: store.acommit(Change().zadd(f"{key}:z", "m", 1.0)))
+    capped = run(store, lambda: store.arun(Commit(Change().zadd(f"{key}:z", "m", 1.0))))
     assert capped is None
-    over = run(store, lambda: store.acommit(Change().cap(f"{key}:z", 1, name="n").zadd(f"{key}:z", "x", 2.0)))
+    over = run(store, lambda: store.arun(Commit(Change().cap(f"{key}:z", 1, name="n").zadd(f"{key}:z", "x", 2.0))))
     assert over is not None and over.cap is not None and over.found == "1"
-    placed = run(store, lambda: store.acommit_placed(Change().cap(f"{key}:z", 1), two_stage_job()))
+    placed = run(store, lambda: store.arun(CommitPlaced(Change().cap(f"{key}:z", 1), two_stage_job())))
     assert placed[0] is not None and placed[1] is None
 
 
@@ -147,7 +148,7 @@ def test_asubmit_loads_the_commit_script_again_after_a_redis_restart(redis_clien
     async def twice() -> tuple[bool, bool]:
         try:
             first = await ledger.asubmit(two_stage_job(), ["ar"])
-            await store._aclient()[0].script_flush()  # what a restarted server without the script looks like
+            await store._aclient().script_flush()  # what a restarted server without the script looks like
             second = await ledger.asubmit(two_stage_job(), ["ar"])
             return first.created, second.created
         finally:

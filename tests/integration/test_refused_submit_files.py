@@ -17,6 +17,7 @@ from PIL import Image
 
 from api.main import create_app
 from omni_jobs.auth import ApiKeys
+from omni_jobs.jobs.flows import Idempotency
 from omni_jobs.settings import Settings
 
 pytestmark = pytest.mark.integration
@@ -86,13 +87,16 @@ def test_an_idempotent_replay_that_races_its_first_request_leaves_no_input_file(
     ctx = api.app.state.ctx  # type: ignore[attr-defined]
 
     store = ctx.runtime.store
-    real, reads = store.aidempotency, []
+    real, reads = store.arun, []
 
-    async def not_yet(tenant: str, key: str) -> object:  # its read before the write came before the first's write
-        reads.append(key)
-        return None if len(reads) == 1 else await real(tenant, key)
+    async def not_yet(op: object) -> object:  # its read before the write came before the first's write
+        if isinstance(op, Idempotency):
+            reads.append(op.key)
+            if len(reads) == 1:
+                return None
+        return await real(op)
 
-    monkeypatch.setattr(store, "aidempotency", not_yet)
+    monkeypatch.setattr(store, "arun", not_yet)
     replay = api.post("/v1/jobs", json=image_body(1), headers=key)
     assert replay.status_code == 202 and replay.json()["id"] == first.json()["id"]
     assert replay.headers["idempotent-replayed"] == "true"
