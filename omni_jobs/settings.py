@@ -140,12 +140,13 @@ class Settings(BaseSettings):
         "(required: `omni-jobs up` refuses to start without it; Debian: apt-get install libtcmalloc-minimal4), "
         "glibc (tuned), system (as the process has it).")
     engine_process: Literal["auto", "on", "off"] = Field(
-        "auto", description="Where a stage worker runs its DiT engines: in processes of their own, fed over a socket "
+        "auto", description="Where a stage worker runs its engines: DiT engines in processes of their own, fed over a socket "
         "with arrays in shared memory, which batch its requests themselves (omni_jobs.engines.engine_client), so "
         "that the worker's own Python never holds an engine's interpreter lock; or in the worker's process. auto: "
         "apart where the engine computes on a GPU (and for the benchmark's GPU-shaped engine), in the worker's "
         "process on the CPU, where an engine process costs its own copy of torch and diffusers (~300 MiB a model) "
-        "for a few percent. on, off: always, never. AR engines run in the worker's process either way.")
+        "for a few percent. on, off: always, never. AR engines likewise run vLLM's core in its engine-core process "
+        "(omni_jobs.engines.ar_core), except the Qwen2.5-Omni talker and the pooling encoder.")
     preload_engines: bool = Field(True, description="Workers load their stages' engines at start, not on first task.")
     api_gc_young_threshold: int = Field(
         20_000, ge=0, description="The API collects Python's youngest garbage generation once this many more container "

@@ -7,17 +7,19 @@ that is where the throughput comes from. vLLM is imported lazily so that importi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
-import os
+import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omni_jobs import telemetry
-from omni_jobs.engines import ar_prompts, omni_speech, torchvision_free
+from omni_jobs.engines import ar_core, ar_prompts, omni_speech, torchvision_free
 from omni_jobs.engines.ar_prompts import Media
 from omni_jobs.engines.gloo_device import one_gloo_device
 from omni_jobs.engines.turns import engine_turn
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from vllm import LLM, SamplingParams
     from vllm.inputs import PromptType
     from vllm.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,14 +126,13 @@ def _check_model_exists(model: str) -> None:
 
 
 def build_llm(model: str, engine_args: Mapping[str, JsonValue] | None, *, kv_cache_bytes: int, max_model_len: int,
-              **forced: object) -> LLM:
-    """A vLLM ``LLM`` in single-process mode with our defaults, overridden by ``engine_args``, then ``forced``.
+              apart: bool = False, **forced: object) -> LLM:
+    """A vLLM ``LLM`` with our defaults, overridden by ``engine_args``, then ``forced``; its engine core in
+    this process, or with ``apart`` in vLLM's engine-core process (omni_jobs.engines.ar_core).
 
     Shared by the generating engine and the pooling encoder so both start vLLM the same way.
     """
     _check_model_exists(model)
-    # Multiprocess mode cannot start inside a daemonic (prefork) process; must be set before LLM().
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     torchvision_free.install()  # before vLLM imports a model file that imports an image processor
     from vllm import LLM
 
@@ -143,14 +146,20 @@ def build_llm(model: str, engine_args: Mapping[str, JsonValue] | None, *, kv_cac
     }
     args.update(omni_speech.talker_engine_args(model, engine_args or {}))
     args.update(forced)
-    with one_gloo_device():  # its ~13 process groups on one gloo loop thread, not one each
+    with ar_core.core_layout(apart), one_gloo_device():  # its ~13 process groups on one gloo thread, not one each
         llm = LLM(model=model, **args)
+    ar_core.watch_core(llm)
     omni_speech.bind_runners(llm)
     return llm
 
 
+class EngineCoreCrashed(RuntimeError):
+    """A request's engine-core process died under it, and a fresh one's too: it is not run a third time."""
+
+
 class AREngine:
-    """One vLLM engine in single-process mode (it must run inside Celery prefork children)."""
+    """One vLLM engine: its core in this process, or with ``apart`` in vLLM's engine-core process, which this
+    engine starts again when it dies, running its unfinished requests again (omni_jobs.engines.ar_core)."""
 
     def __init__(
         self,
@@ -159,9 +168,13 @@ class AREngine:
         engine_args: Mapping[str, JsonValue] | None = None,
         kv_cache_bytes: int = 256 * 2**20,
         max_model_len: int = 512,
+        apart: bool = False,
     ) -> None:
         self.model = model
-        self._llm = build_llm(model, engine_args, kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len)
+        self.apart = apart
+        self._build = functools.partial(build_llm, model, engine_args, kv_cache_bytes=kv_cache_bytes,
+                                        max_model_len=max_model_len, apart=apart)
+        self._llm = self._build()
         self._tokenizer = self._llm.get_tokenizer()
         self.max_model_len: int = int(self._llm.llm_engine.model_config.max_model_len)
         self.architectures: tuple[str, ...] = tuple(self._llm.llm_engine.model_config.architectures or ())
@@ -169,6 +182,29 @@ class AREngine:
         self.prompt_facts = ar_prompts.model_prompt_facts(self._llm)
         self._lock = threading.Lock()  # LLM is not thread-safe; one batch at a time
         self._counter = itertools.count()
+        self.restarts = 0
+        """How many times its engine-core process was started again after it died."""
+
+    def core_pid(self) -> int | None:
+        """The pid of the engine-core process (``apart``); None when the core runs in this process."""
+        return ar_core.core_pid(self._llm)
+
+    def close(self) -> None:
+        """Stop its engine-core process (``apart``); an in-process core goes with the process."""
+        if self.apart:
+            ar_core.shut_down(self._llm)
+
+    def _restart(self, cause: BaseException) -> None:
+        """A fresh engine-core process in place of a dead one (the caller holds ``_lock``)."""
+        dead = self.core_pid()
+        ar_core.shut_down(self._llm)
+        self.restarts += 1
+        telemetry.engine_restart("ar")
+        started = time.perf_counter()
+        self._llm = self._build()
+        log.warning("vLLM engine core of %s (pid %s) died (%s); restarted (%d so far) as pid %s in %.1f s",
+                    self.model, dead, type(cause).__name__, self.restarts, self.core_pid(),
+                    time.perf_counter() - started)
 
     @functools.cached_property
     def transcriber(self) -> ar_prompts.Transcriber:
@@ -235,6 +271,12 @@ class AREngine:
         """
         if not requests:
             return []
+        if self.apart:  # one path that survives its core process's death; the first failure raises
+            outcomes = self.generate_each(requests, on_progress)
+            for outcome in outcomes:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            return [o for o in outcomes if isinstance(o, AROutput)]
         prompts = [self._engine_prompt(r) for r in requests]
         params = [self._sampling_params(r) for r in requests]
         from vllm.exceptions import VLLMClientError
@@ -264,6 +306,10 @@ class AREngine:
         they join the running batch (continuous batching) and get slots after the first ones.
         ``on_result(slot, result)`` is called as soon as a request is done, so its caller need not
         wait for the whole batch.
+
+        When the engine-core process dies (``apart``), a fresh one is started and the unfinished requests run
+        again from their prompts; what they had already streamed is not streamed twice (``_Reported``). A
+        request whose core dies twice gets EngineCoreCrashed.
         """
         from vllm.exceptions import VLLMClientError
         from vllm.outputs import RequestOutput
@@ -271,64 +317,95 @@ class AREngine:
 
         all_requests: list[ARRequest] = []
         results: list[AROutput | BaseException | None] = []
+        reported: list[_Reported] = []
         ids: dict[str, int] = {}
         engine = self._llm.llm_engine
+        turn = contextlib.nullcontext if self.apart else engine_turn  # a core apart has its own CPU time
 
         def settle(i: int, result: AROutput | BaseException) -> None:
             results[i] = result
             if on_result is not None:
                 on_result(i, result)
 
+        def add(i: int) -> None:
+            r = all_requests[i]
+            param = self._sampling_params(r)
+            param.output_kind = RequestOutputKind.CUMULATIVE
+            engine_id = f"omni-{next(self._counter)}"
+            try:  # a prompt this model refuses (too long, media it does not take) fails its request alone
+                engine.add_request(engine_id, self._engine_prompt(r), param)
+            except (ValueError, TypeError, VLLMClientError) as exc:
+                settle(i, exc if not isinstance(exc, VLLMClientError) else ValueError(str(exc)))
+                return
+            ids[engine_id] = i
+
         def admit(batch: Sequence[ARRequest]) -> None:
             for r in batch:
-                i = len(all_requests)
                 all_requests.append(r)
                 results.append(None)
-                param = self._sampling_params(r)
-                param.output_kind = RequestOutputKind.CUMULATIVE
-                engine_id = f"omni-{next(self._counter)}"
-                try:  # a prompt this model refuses (too long, media it does not take) fails its request alone
-                    engine.add_request(engine_id, self._engine_prompt(r), param)
-                except (ValueError, TypeError, VLLMClientError) as exc:
-                    settle(i, exc if not isinstance(exc, VLLMClientError) else ValueError(str(exc)))
+                reported.append(_Reported())
+                add(len(all_requests) - 1)
+
+        def unsettled() -> list[int]:
+            return [i for i in ids.values() if results[i] is None]
+
+        def step() -> None:
+            if more is not None:
+                joining = more(len(unsettled()))
+                if joining:
+                    admit(joining)
+                    telemetry.batch("ar", len(joining))
+            with turn():  # on shared CPU cores, one engine step at a time (engines.turns)
+                outputs = engine.step()
+            for out in outputs:
+                if not isinstance(out, RequestOutput):
+                    raise TypeError(f"a generating vLLM engine answered {type(out).__name__}")
+                i = ids.get(out.request_id, -1)
+                if i < 0 or results[i] is not None:
                     continue
-                ids[engine_id] = i
+                r = all_requests[i]
+                try:
+                    reported[i].report(r, out, on_progress)
+                except Exception as exc:  # noqa: BLE001 - this request alone stops
+                    if not out.finished:
+                        engine.abort_request([out.request_id])
+                    settle(i, exc)
+                    continue
+                if out.finished:
+                    settle(i, _to_output(r, out))
 
         with self._lock:
+            crashed = 0
             try:
                 admit(requests)
                 telemetry.batch("ar", len(ids))
                 while engine.has_unfinished_requests():
-                    if more is not None:
-                        live = sum(1 for i in ids.values() if results[i] is None)
-                        joining = more(live)
-                        if joining:
-                            admit(joining)
-                            telemetry.batch("ar", len(joining))
-                    with engine_turn():  # on shared CPU cores, one engine step at a time (engines.turns)
-                        step = engine.step()
-                    for out in step:
-                        if not isinstance(out, RequestOutput):
-                            raise TypeError(f"a generating vLLM engine answered {type(out).__name__}")
-                        i = ids.get(out.request_id, -1)
-                        if i < 0 or results[i] is not None:
-                            continue
-                        r = all_requests[i]
-                        try:
-                            _report(r, out, on_progress)
-                        except Exception as exc:  # noqa: BLE001 - this request alone stops
-                            if not out.finished:
-                                engine.abort_request([out.request_id])
-                            settle(i, exc)
-                            continue
-                        if out.finished:
-                            settle(i, _to_output(r, out))
+                    try:
+                        step()
+                    except Exception as exc:
+                        if not (self.apart and ar_core.is_core_death(exc)):
+                            raise
+                        crashed += 1
+                        again = unsettled()
+                        ids.clear()
+                        if crashed > 1:
+                            for i in again:
+                                settle(i, EngineCoreCrashed(f"request {all_requests[i].request_id!r}: the engine core "
+                                                            f"of {self.model} died twice under it"))
+                            self._restart(exc)  # the engine stays usable for the next call
+                            break
+                        self._restart(exc)
+                        engine = self._llm.llm_engine
+                        for i in again:
+                            reported[i].rerun()
+                            add(i)
             except BaseException:
                 unfinished = [e for e, i in ids.items() if results[i] is None]
-                if unfinished:
-                    engine.abort_request(unfinished)
-                while engine.has_unfinished_requests():
-                    engine.step()
+                with contextlib.suppress(Exception) if self.apart else contextlib.nullcontext():
+                    if unfinished:
+                        engine.abort_request(unfinished)
+                    while engine.has_unfinished_requests():
+                        engine.step()
                 raise
         missing = [all_requests[i].request_id for i, r in enumerate(results) if r is None]
         if missing:
@@ -388,6 +465,34 @@ class AREngine:
             while engine.has_unfinished_requests():  # drain what the abort left in flight
                 engine.step()
             raise
+
+
+class _Reported:
+    """What a request has streamed so far, so that a run again after its core died streams only what is new.
+
+    A run again from the prompt repeats what was streamed (greedy, or sampled with a seed) and is held back
+    until it passes it; one that differs (sampled without a seed) fails its request rather than take text back."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.tokens = 0
+        self.again = False
+
+    def rerun(self) -> None:
+        self.again = True
+
+    def report(self, request: ARRequest, out: RequestOutput, on_progress: TokenProgress | None) -> None:
+        completion = out.outputs[0]
+        if self.again:
+            text, tokens = completion.text, len(completion.token_ids)
+            if not (text.startswith(self.text) or self.text.startswith(text)):
+                raise RuntimeError(f"request {request.request_id!r}: its engine core died and the run again "
+                                   "differs from what it had streamed; give the request a seed to make runs repeat")
+            if tokens <= self.tokens and not out.finished:
+                return  # still behind what was streamed
+            self.again = False
+        _report(request, out, on_progress)
+        self.text, self.tokens = out.outputs[0].text, len(out.outputs[0].token_ids)
 
 
 def _report(request: ARRequest, out: RequestOutput, on_progress: TokenProgress | None) -> None:

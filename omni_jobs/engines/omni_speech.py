@@ -225,15 +225,20 @@ def talker_config_dir(model_dir: str | Path) -> Path:
     return root
 
 
+def is_talker(engine_args: Mapping[str, Any]) -> bool:
+    """Whether a stage's ``engine_args`` run the talker (its ``hf_overrides.architectures`` names it)."""
+    overrides = engine_args.get("hf_overrides")
+    archs = overrides.get("architectures") if isinstance(overrides, Mapping) else None
+    return isinstance(archs, list | tuple) and TALKER_ARCH in archs
+
+
 def talker_engine_args(model_dir: str, engine_args: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM arguments for a stage whose ``hf_overrides.architectures`` names the talker: its own config
     (``hf_config_path``), no generation defaults from the thinker's generation_config.json, and no prefix caching:
     every talker prompt of one length has the same token ids (codec masks), while its KV cache holds the thinker's
     rows of that request, so a cached prefix would be another request's (vLLM-Omni turns it off too)."""
     args = dict(engine_args)
-    overrides = args.get("hf_overrides")
-    archs = overrides.get("architectures") if isinstance(overrides, Mapping) else None
-    if not isinstance(archs, list | tuple) or TALKER_ARCH not in archs:
+    if not is_talker(args):
         return args
     if args.get("enable_prefix_caching"):
         raise ValueError("the talker cannot use prefix caching (its prompts' token ids do not say what its KV cache "

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 from omni_jobs import telemetry
+from omni_jobs.engines import omni_speech
 from omni_jobs.engines.ar import AREngine
 from omni_jobs.engines.code2wav import Code2Wav
 from omni_jobs.engines.dit import DiTEngine, resolve_device
@@ -47,8 +48,8 @@ class EnginePool:
         self.max_model_len = max_model_len
         self.device = device
         self.engine_process = engine_process
-        """Where DiT engines run: in processes of their own (omni_jobs.engines.engine_client) or in this one
-        (``_apart``)."""
+        """Where engines run: DiT engines in processes of their own (omni_jobs.engines.engine_client) or in this
+        one (``_apart``); AR engines' cores in vLLM's engine-core process or in this one (``_ar_apart``)."""
         self._on_gpu: bool | None = None  # the device resolved, on first need
         self._engines: dict[tuple[str, str, str], Engine] = {}
         self._lock = threading.Lock()  # guards the dicts, never held during a load or a build
@@ -57,8 +58,27 @@ class EnginePool:
         self._projections: dict[tuple[str, str], Projection] = {}
 
     def ar(self, model: str, engine_args: Mapping[str, JsonValue]) -> AREngine:
-        """The AR engine for ``model``; ``engine_args`` go to vLLM and override the defaults."""
-        return self._vllm("ar", AREngine, model, engine_args)
+        """The AR engine for ``model``; ``engine_args`` go to vLLM and override the defaults. Its core runs in
+        vLLM's engine-core process where ``_ar_apart`` says so."""
+        args = dict(engine_args)
+        apart = self._ar_apart(args)
+
+        def load(resolved: str) -> AREngine:
+            return AREngine(resolved, engine_args=args, kv_cache_bytes=self.kv_cache_bytes,
+                            max_model_len=self.max_model_len, apart=apart)
+
+        return self._get("ar", model, args, AREngine, load)
+
+    def _ar_apart(self, engine_args: Mapping[str, JsonValue]) -> bool:
+        """Whether an AR engine's core runs in vLLM's engine-core process: as ``_apart`` decides for DiT, except
+        for the Qwen2.5-Omni talker, whose model class reads its requests' thinker rows from this process's
+        model runner (omni_jobs.engines.talker_vllm), so it stays here. On 2 shared CPU cores the core apart made
+        0.61 of direct against 0.85 in-process (docs/decisions/vllm-engine-core-in-process.md)."""
+        if omni_speech.is_talker(engine_args):
+            return False
+        if self.engine_process != "auto":
+            return self.engine_process == "on"
+        return self._gpu()
 
     def dit(self, model: str, engine_args: Mapping[str, JsonValue]) -> DiTKind:
         """The DiT engine for ``model`` (``build_dit``), in a process of its own where ``_apart`` says so.
@@ -83,6 +103,10 @@ class EnginePool:
             return self.engine_process == "on"
         if isinstance(ctor, GpuShapedArgs):
             return True
+        return self._gpu()
+
+    def _gpu(self) -> bool:
+        """Whether this pool's engines compute on a GPU, resolved once."""
         if self._on_gpu is None:
             self._on_gpu = resolve_device(self.device) != "cpu"
         return self._on_gpu
@@ -120,9 +144,10 @@ class EnginePool:
     def close(self) -> None:
         """Stop the engine processes this pool started (in-process engines go with the process)."""
         with self._lock:
-            processes = [e for e in self._engines.values() if isinstance(e, DiTEngineProcess)]
-        for engine in processes:
-            engine.close()
+            engines = list(self._engines.values())
+        for engine in engines:
+            if isinstance(engine, DiTEngineProcess | AREngine):
+                engine.close()
 
     def loaded(self) -> list[tuple[str, str, str]]:
         """Keys of the engines loaded so far (for health and metrics)."""

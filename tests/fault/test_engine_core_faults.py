@@ -1,0 +1,81 @@
+"""SIGKILL vLLM's engine-core process under running AR stages: the worker starts a fresh core and runs the
+stages' requests again, within the same stage attempts (heavy: a worker whose vLLM core runs apart, started
+twice; ``-m chaos``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.helpers import submit, wait_for_job
+from tests.fault.conftest import AR_APART_QUEUE, FaultSystem
+from tests.fault.test_faults import duplicates, events_of, report, wait_until
+
+pytestmark = pytest.mark.chaos
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(proc.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    return found
+
+
+def engine_core(worker_pid: int) -> int:
+    """The pid of the vLLM engine-core process its worker started (vLLM titles it ``VLLM::EngineCore``)."""
+    cores = [p for p in _children(worker_pid)
+             if b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(cores) == 1, f"engine-core processes under {worker_pid}: {cores}"
+    return cores[0]
+
+
+@pytest.fixture(scope="module")
+def apart_worker(faults: FaultSystem) -> Iterator[int]:
+    worker = faults.system.start_worker(AR_APART_QUEUE, env={"OMNI_ENGINE_PROCESS": "on"}, pool="threads")
+    try:
+        faults.system.wait_for_workers({AR_APART_QUEUE})
+        assert worker.pid is not None
+        wait_until(lambda: [p for p in _children(worker.pid or 0)
+                            if b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes()],
+                   timeout_s=240, what="the worker's vLLM engine core")
+        yield worker.pid
+    finally:
+        worker.stop()
+
+
+def _tokens(api: httpx.Client, job_id: str) -> int:
+    job = api.get(f"/v1/jobs/{job_id}").json()
+    return int(job["progress"]["step"]) if job["stage"] == "ar" and job["progress"] else 0
+
+
+def test_sigkill_the_vllm_engine_core_mid_stage_and_its_worker_runs_the_requests_again(
+        faults: FaultSystem, api: httpx.Client, apart_worker: int) -> None:
+    before = engine_core(apart_worker)
+    jobs = [submit(api, "text-apart", "core kill", {}) for i in range(3)]
+    victim = wait_until(lambda: next((j["id"] for j in jobs if _tokens(api, j["id"]) >= 5), None),
+                        timeout_s=120, what="an AR stage 5 tokens in")
+    os.kill(before, signal.SIGKILL)  # the core alone: its worker, leases and messages live on
+    killed_at = time.time()
+    done = [wait_for_job(api, j["id"], timeout_s=300) for j in jobs]
+    assert [d["status"] for d in done] == ["succeeded"] * 3, [d["error"] for d in done]
+    assert [d["stages"][0]["attempts"] for d in done] == [1] * 3  # run again inside the same attempts
+    after = engine_core(apart_worker)
+    assert after != before
+    assert not [e for e in events_of(api, victim) if e["type"] == "stage.requeued"]
+    texts = {next(o["text"] for o in d["outputs"] if o["type"] == "text") for d in done}
+    clean = wait_for_job(api, submit(api, "text-apart", "core kill", {})["id"])
+    assert texts == {next(o["text"] for o in clean["outputs"] if o["type"] == "text")}  # seeded: the same text
+    duplicated = duplicates(faults, done, outputs_per_job=1)
+    assert duplicated == 0
+    report("SIGKILL the vLLM engine core mid-stage", done, duplicated, max(d["completed_at"] for d in done) - killed_at)

@@ -1,0 +1,108 @@
+"""Where an AR engine's core runs, and what a request run again after its core died streams (no vLLM started;
+the engine-core process itself: tests/integration/test_ar_engine_core.py, -m chaos)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omni_jobs.engines import ar_core
+from omni_jobs.engines.ar import ARRequest, SamplingOptions, _Reported
+from omni_jobs.engines.omni_speech import TALKER_ARCH
+from omni_jobs.engines.pool import EnginePool
+
+
+@dataclass
+class _Completion:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class _Output:  # the fields of vLLM's RequestOutput that a report reads
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    outputs: list[_Completion] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.outputs = [_Completion(self.text, self.token_ids)]
+
+
+def _stream() -> tuple[ARRequest, list[str], list[int]]:
+    texts: list[str] = []
+    counts: list[int] = []
+    request = ARRequest("r", "p", SamplingOptions(max_tokens=8), on_text=texts.append)
+    return request, texts, counts
+
+
+def _steps(words: list[str]) -> list[_Output]:
+    return [_Output(" ".join(words[:n]), list(range(n)), finished=n == len(words)) for n in range(1, len(words) + 1)]
+
+
+def test_a_run_again_streams_only_what_passes_what_was_streamed() -> None:
+    request, texts, counts = _stream()
+    reported = _Reported()
+    first = _steps(["a", "b", "c", "d", "e"])
+    for out in first[:3]:
+        reported.report(request, out, lambda _r, n, _m: counts.append(n))  # type: ignore[arg-type]
+    reported.rerun()  # the core died after 3 tokens
+    for out in first:
+        reported.report(request, out, lambda _r, n, _m: counts.append(n))  # type: ignore[arg-type]
+    assert texts == ["a", "a b", "a b c", "a b c d", "a b c d e"]
+    assert counts == [1, 2, 3, 4, 5]
+
+
+def test_a_run_again_that_differs_fails_its_request_and_names_the_fix() -> None:
+    request, texts, _ = _stream()
+    reported = _Reported()
+    for out in _steps(["a", "b", "c"]):
+        reported.report(request, out, None)  # type: ignore[arg-type]
+    reported.rerun()
+    with pytest.raises(RuntimeError, match="seed"):
+        reported.report(request, _Output("x", [9]), None)  # type: ignore[arg-type]
+    assert texts == ["a", "a b", "a b c"]
+
+
+def test_a_finished_run_again_reports_even_when_no_longer_than_before() -> None:
+    request, texts, _ = _stream()
+    reported = _Reported()
+    for out in _steps(["a", "b"]):
+        reported.report(request, out, None)  # type: ignore[arg-type]
+    reported.rerun()
+    reported.report(request, _Output("a b", [0, 1], finished=True), None)  # type: ignore[arg-type]
+    assert texts == ["a", "a b", "a b"]  # the end is reported so that the stream closes on the whole text
+
+
+@pytest.mark.parametrize(("choice", "on_gpu", "args", "apart"), [
+    ("auto", False, {}, False),
+    ("auto", True, {}, True),
+    ("on", False, {}, True),
+    ("off", True, {}, False),
+    ("on", True, {"hf_overrides": {"architectures": [TALKER_ARCH]}}, False),
+])
+def test_where_an_ar_engines_core_runs(tmp_path: Path, choice: Any, on_gpu: bool, args: dict[str, Any],
+                                       apart: bool) -> None:
+    pool = EnginePool(tmp_path, kv_cache_bytes=1, max_model_len=16, device="cpu", engine_process=choice)
+    pool._on_gpu = on_gpu
+    assert pool._ar_apart(args) is apart
+
+
+def test_a_core_apart_is_spawned_and_not_pinned_to_one_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    with ar_core.core_layout(apart=True):
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"  # a threaded worker is never forked
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")  # a worker's OMNI_ENGINE_CPUS slice is kept
+    with ar_core.core_layout(apart=True):
+        assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    with ar_core.core_layout(apart=False):
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
