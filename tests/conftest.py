@@ -23,7 +23,8 @@ MARKERS = {
     "e2e": "end-to-end: API + workers + services together",
     "slow": "takes more than a few seconds",
     "fault": "stops or kills a service or worker on purpose",
-    "chaos": "the chaos run: 200 jobs while every process is SIGKILLed (minutes; deselected by default)",
+    "chaos": "heavy fault runs: 200 jobs while every process is SIGKILLed, the Redis failover, vLLM engine-core kills "
+             "(minutes; deselected by default)",
     "docker": "builds images and runs the compose stack in Docker (opt-in: OMNI_DOCKER_TESTS=1)",
     "ui": "the web console (tests/ui): HTTP rules, and pages in a real browser (Playwright + chromium)",
 }
