@@ -43,6 +43,7 @@ from omni_jobs.pipelines.spec import PipelineSpec
 from omni_jobs.results import ResultsAssembler
 from omni_jobs.scheduling import Scheduler
 from omni_jobs.settings import Settings
+from omni_jobs.stage_attempt import Retries
 from omni_jobs.stages import StageRunner
 from omni_jobs.submission import JobSubmitter
 
@@ -170,7 +171,7 @@ class Omni:
         self.worker = worker or f"omni@{socket.gethostname()}:{os.getpid()}"
         self.owner = f"{self.worker}#{os.getpid()}"
         self.runner = StageRunner(ledger=self.ledger, catalogue=self.catalogue, artifacts=self.artifacts,
-                                  engines=self.engines, retry_backoff_s=s.stage_retry_backoff_s)
+                                  engines=self.engines, retries=Retries(backoff_s=s.stage_retry_backoff_s))
         self.results = ResultsAssembler(ledger=self.ledger, catalogue=self.catalogue, artifacts=self.artifacts,
                                         retry_backoff_s=s.stage_retry_backoff_s)
         self.executor = StepExecutor(self.runner, self.results)

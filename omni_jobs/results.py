@@ -37,7 +37,8 @@ from omni_jobs.payloads import FORMATS, SAFETENSORS, PayloadFormat, decode_paylo
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.modalities import OUTPUT_TYPES, TENSOR_MODALITIES, Modality
 from omni_jobs.pipelines.spec import OutputSpec, PipelineSpec
-from omni_jobs.stages import TRANSIENT_ERRORS, EarlyOutputs, job_error
+from omni_jobs.stage_attempt import TRANSIENT_ERRORS, job_error
+from omni_jobs.stage_outputs import EarlyOutputs
 from omni_jobs.steps import AssembleResults, StepOutcome
 
 log = logging.getLogger(__name__)

@@ -39,7 +39,10 @@ from omni_jobs.results import ResultsAssembler
 from omni_jobs.run_journal import RunJournal
 from omni_jobs.scheduling import QuotaDefaults, Quotas, Scheduler
 from omni_jobs.settings import Settings
-from omni_jobs.stages import StageLimits, StageRunner
+from omni_jobs.stage_attempt import Retries, StageLimits
+from omni_jobs.stage_outputs import StageCaches
+from omni_jobs.stage_reports import Reporting
+from omni_jobs.stages import StageRunner
 from omni_jobs.steps import RESULTS_QUEUE, WEBHOOKS_QUEUE
 from omni_jobs.submission import Admission, JobSubmitter
 from omni_jobs.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner
@@ -124,19 +127,22 @@ class Runtime:
     def stage_runner(self) -> StageRunner:
         s = self.settings
         limits = StageLimits(soft_time_limit_s=s.stage_soft_time_limit_s, time_limit_s=s.stage_time_limit_s,
-                             progress_interval_s=s.progress_interval_s,
-                             progress_unfollowed_interval_s=s.progress_unfollowed_interval_s)
+                             watchdog=self.hard_time_limits)
+        reporting = Reporting(progress_interval_s=s.progress_interval_s,
+                              progress_unfollowed_interval_s=s.progress_unfollowed_interval_s,
+                              text_delta_interval_s=s.text_delta_interval_ms / 1000, text_deltas=s.text_deltas,
+                              followed=partial(job_readers, self.redis))
         batching = BatchDefaults(max_batch_size=s.batch_max_size, wait_ms=s.batch_wait_ms,
                                  max_in_flight=s.stage_max_in_flight, idle_release_s=s.batch_idle_release_s,
                                  burst_fill=s.batch_burst_fill)
         return StageRunner(ledger=self.ledger, catalogue=self.catalogue, artifacts=self.artifacts,
-                           engines=self.engines, limits=limits, batching=batching, cache_redis=self.redis,
-                           cache_defaults=(s.stage_cache_max_entries, s.stage_cache_eviction), keeper=self.keeper,
-                           retry_backoff_s=s.stage_retry_backoff_s, store_wait_s=s.store_wait_s,
+                           engines=self.engines, limits=limits, reporting=reporting,
+                           retries=Retries(backoff_s=s.stage_retry_backoff_s, store_wait_s=s.store_wait_s),
+                           batching=batching, keeper=self.keeper,
+                           caches=StageCaches(self.redis, max_entries=s.stage_cache_max_entries,
+                                              eviction=s.stage_cache_eviction),
                            run_journal=RunJournal(s.run_journal) if s.run_journal else None,
-                           assemble_results=self.results if s.results_inline else None,
-                           hard_limits=self.hard_time_limits, text_delta_interval_s=s.text_delta_interval_ms / 1000,
-                           followed=partial(job_readers, self.redis), text_deltas=s.text_deltas)
+                           assemble_results=self.results if s.results_inline else None)
 
     @once_property
     def results(self) -> ResultsAssembler:

@@ -1,7 +1,7 @@
 """From a stage of a pipeline to an engine call: which engine a stage needs, and how its inputs and
 parameters become that engine's request and its outputs the stage's ports.
 
-The table is (engine kind, task) -> executor; the AR generate executor lives in omni_jobs.stages (it
+The table is (engine kind, task) -> executor; the AR generate executor lives in omni_jobs.stage_calls (it
 streams text), and builds its request here (``ar_request``).
 Worker preloading and the stage runner both go through ``load_stage_engine``, so an engine that
 cannot run its stage's task (an image pipeline on a text-to-audio stage, a DiT without a text

@@ -29,7 +29,8 @@ from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import EventType, Job, JobStatus, StageStatus
 from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
-from omni_jobs.stages import StageLimits, StageRunner
+from omni_jobs.stage_reports import Reporting
+from omni_jobs.stages import StageRunner
 from omni_jobs.steps import AssembleResults, RunStage, Step, StepOutcome
 from omni_jobs.submission import JobSubmitter
 from tests.outbox import due_steps
@@ -81,7 +82,7 @@ def parts(redis_client: redis.Redis, tmp_path: Path, engine_cache: Any) -> dict[
     ledger = JobLedger(store, lease_s=30.0)
     artifacts = ArtifactStore(LocalBackend(tmp_path), RedisBackend(redis_client))
     runner = StageRunner(ledger=ledger, catalogue=catalogue, artifacts=artifacts, engines=engine_cache,
-                         limits=StageLimits(progress_interval_s=0), batching=BatchDefaults())
+                         reporting=Reporting(progress_interval_s=0), batching=BatchDefaults())
     ar_stage, dit_stage = catalogue.get("batch-text").stage("ar"), catalogue.get("batch-image").stage("dit")
     ar = engine_cache.ar(ar_stage.model, ar_stage.engine_args)
     dit = engine_cache.dit(dit_stage.model, dit_stage.engine_args)

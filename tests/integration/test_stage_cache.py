@@ -19,7 +19,9 @@ from omni_jobs.jobs.models import Job
 from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
 from omni_jobs.stage_cache import StageOutputCache, cache_key
-from omni_jobs.stages import StageLimits, StageRunner
+from omni_jobs.stage_outputs import StageCaches
+from omni_jobs.stage_reports import Reporting
+from omni_jobs.stages import StageRunner
 from omni_jobs.steps import AssembleResults, RunStage
 from omni_jobs.submission import JobSubmitter
 from tests.outbox import due_steps
@@ -52,8 +54,8 @@ def parts(redis_client: redis.Redis, tmp_path: Path, engine_cache: Any) -> dict[
     ledger = JobLedger(store)
     artifacts = ArtifactStore(LocalBackend(tmp_path), RedisBackend(redis_client))
     runner = StageRunner(ledger=ledger, catalogue=catalogue, artifacts=artifacts, engines=engine_cache,
-                         limits=StageLimits(progress_interval_s=0), batching=BatchDefaults(wait_ms=0),
-                         cache_redis=redis_client)
+                         reporting=Reporting(progress_interval_s=0), batching=BatchDefaults(wait_ms=0),
+                         caches=StageCaches(redis_client))
     stage = catalogue.get("cached-image").stage("dit")
     batcher = dit_batcher(engine_cache.dit(stage.model, stage.engine_args), BatchDefaults(wait_ms=0).policy(stage))
     return {"store": store, "ledger": ledger, "runner": runner, "artifacts": artifacts, "batcher": batcher,

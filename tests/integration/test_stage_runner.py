@@ -29,7 +29,9 @@ from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.jobs.watch import job_readers, mark_looked_at
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, builtin_pipelines, parse_pipeline
 from omni_jobs.results import ResultsAssembler
-from omni_jobs.stages import StageLimits, StageRunner
+from omni_jobs.stage_attempt import Retries
+from omni_jobs.stage_reports import Reporting
+from omni_jobs.stages import StageRunner
 from omni_jobs.steps import AssembleResults, RunStage, Step, step_id
 from omni_jobs.submission import JobSubmitter
 from tests.outbox import due_steps
@@ -63,7 +65,7 @@ def parts(redis_client: redis.Redis, tmp_path: Path, engine_cache: Any) -> dict[
     ledger = JobLedger(store, lease_s=30.0, max_attempts=MAX_ATTEMPTS)
     artifacts = ArtifactStore(LocalBackend(tmp_path), RedisBackend(redis_client))
     runner = StageRunner(ledger=ledger, catalogue=catalogue, artifacts=artifacts, engines=engine_cache,
-                         limits=StageLimits(progress_interval_s=0), retry_backoff_s=BACKOFF_S)
+                         reporting=Reporting(progress_interval_s=0), retries=Retries(backoff_s=BACKOFF_S))
     return {"redis": redis_client, "dir": tmp_path, "store": store, "ledger": ledger, "runner": runner, "artifacts": artifacts,
             "submit": JobSubmitter(ledger, catalogue, artifacts=artifacts),
             "results": ResultsAssembler(ledger=ledger, catalogue=catalogue, artifacts=artifacts)}
@@ -147,8 +149,9 @@ def watching_runner(parts: dict[str, Any]) -> StageRunner:
     reader looks (or before the first ask answered), else every hour from the first step (so none)."""
     base: StageRunner = parts["runner"]
     return StageRunner(ledger=base.ledger, catalogue=base.catalogue, artifacts=base.artifacts, engines=base.engines,
-                       limits=StageLimits(progress_interval_s=0, progress_unfollowed_interval_s=3600),
-                       retry_backoff_s=BACKOFF_S, followed=partial(job_readers, parts["redis"]))
+                       reporting=Reporting(progress_interval_s=0, progress_unfollowed_interval_s=3600,
+                                           followed=partial(job_readers, parts["redis"])),
+                       retries=Retries(backoff_s=BACKOFF_S))
 
 
 def test_a_poll_marks_a_job_looked_at_and_leaves_a_streams_mark_as_it_is(parts: dict[str, Any]) -> None:

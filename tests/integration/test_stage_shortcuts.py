@@ -1,6 +1,6 @@
 """The stage runner's two shortcuts. It starts from the job its task message carried (no read first;
 a stale copy changes nothing). With results inline, the worker whose stage ends a job begins its
-final files while that stage's completion commits (omni_jobs.stages.EarlyOutputs). Real DiT engine,
+final files while that stage's completion commits (omni_jobs.stage_outputs.EarlyOutputs). Real DiT engine,
 real Redis, files on disk."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from omni_jobs.jobs.models import Job, JobStatus, StageStatus
 from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
 from omni_jobs.results import ResultsAssembler
-from omni_jobs.stages import StageLimits, StageRunner
+from omni_jobs.stage_reports import Reporting
+from omni_jobs.stages import StageRunner
 from omni_jobs.steps import RunStage
 from omni_jobs.submission import JobSubmitter
 from tests.integration.test_stage_runner import SLOW_DIT
@@ -103,7 +104,7 @@ def parts(redis_client: redis.Redis, tmp_path: Path, engines: Any) -> dict[str, 
     artifacts = ArtifactStore(disk, small)
     results = ResultsAssembler(ledger=ledger, catalogue=catalogue, artifacts=artifacts)
     runner = StageRunner(ledger=ledger, catalogue=catalogue, artifacts=artifacts, engines=engines,
-                         limits=StageLimits(progress_interval_s=0), assemble_results=results)
+                         reporting=Reporting(progress_interval_s=0), assemble_results=results)
     return {"store": store, "ledger": ledger, "disk": disk, "small": small, "runner": runner,
             "submit": JobSubmitter(ledger, catalogue), "artifacts": artifacts}
 

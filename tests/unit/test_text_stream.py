@@ -246,7 +246,7 @@ def test_a_workers_deltas_are_spaced_by_its_setting(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setenv("OMNI_TEXT_DELTA_INTERVAL_MS", "250")
     settings = Settings(redis_url="redis://unused:1/0", artifacts_dir=tmp_path, engine_turns="off")
-    streams = Runtime(settings).stage_runner.text_streams
+    streams = Runtime(settings).stage_runner.reports.text_streams
     assert streams.interval_s == 0.25
     deltas = streams.open("ar", "text", lambda data: "ok")
     assert deltas.interval_s == 0.25
