@@ -163,16 +163,31 @@ def test_a_poll_marks_a_job_looked_at_and_leaves_a_streams_mark_as_it_is(parts: 
     assert client.ttl(keys.job_followed("job_streamed")) > 10 and 0 < client.ttl(keys.job_followed("job_polled")) <= 10
 
 
+def _poll_until(client: Any, job_id: str, done: threading.Event) -> None:
+    """A client polling the job every 2 s, as GET /v1/jobs/{id} marks a job not yet ended looked at (for 10 s):
+    the stage is looked at however slowly its steps run."""
+    while not done.wait(2):
+        mark_looked_at(client, job_id)
+
+
 def test_progress_is_written_often_only_while_somebody_looks_at_the_job(parts: dict[str, Any]) -> None:
     runner = watching_runner(parts)
     steps_of = {}
     for looked_at in (False, True):
         job = parts["submit"].submit("slow-image", {"prompt": f"looked at: {looked_at}"},
                                      {"dit": {"num_inference_steps": 40}})
-        if looked_at:
-            mark_looked_at(parts["redis"], job.id)  # as GET /v1/jobs/{id} does for a job not yet ended
+        done = threading.Event()
+        poller = threading.Thread(target=_poll_until, args=(parts["redis"], job.id, done)) if looked_at else None
+        if poller is not None:
+            mark_looked_at(parts["redis"], job.id)
+            poller.start()
         (step,) = dispatched(parts, job.id)
-        assert runner.run(step, worker="test", owner="test#1").status == "succeeded"
+        try:
+            assert runner.run(step, worker="test", owner="test#1").status == "succeeded"
+        finally:
+            done.set()
+            if poller is not None:
+                poller.join(5)
         steps_of[looked_at] = [e.data["step"] for e in events_of(parts, job.id, EventType.stage_progress)]
     # nobody looked: no progress once the worker's first ask answered (within GATHER_S of the start,
     # a few steps in at most; until then a job counts as watched), not even the last step
