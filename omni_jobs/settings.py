@@ -145,8 +145,10 @@ class Settings(BaseSettings):
         "that the worker's own Python never holds an engine's interpreter lock; or in the worker's process. auto: "
         "apart where the engine computes on a GPU (and for the benchmark's GPU-shaped engine), in the worker's "
         "process on the CPU, where an engine process costs its own copy of torch and diffusers (~300 MiB a model) "
-        "for a few percent. on, off: always, never. AR engines likewise run vLLM's core in its engine-core process "
-        "(omni_jobs.engines.ar_core), except the Qwen2.5-Omni talker and the pooling encoder.")
+        "for a few percent. on, off: always, never. Qwen2.5-Omni's code2wav (token2wav) runs apart by the same rule, "
+        "its stream's windowing kept in the worker. AR engines likewise run vLLM's core in its engine-core process "
+        "(omni_jobs.engines.ar_core), except the Qwen2.5-Omni talker and the pooling encoder, which stay in the "
+        "worker's process.")
     preload_engines: bool = Field(True, description="Workers load their stages' engines at start, not on first task.")
     api_gc_young_threshold: int = Field(
         20_000, ge=0, description="The API collects Python's youngest garbage generation once this many more container "

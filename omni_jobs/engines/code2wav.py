@@ -28,13 +28,13 @@ import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from omni_jobs import telemetry
 from omni_jobs.engines import omni_speech
-from omni_jobs.engines.batching import Batcher, BatchPolicy, Member, batcher_for
+from omni_jobs.engines.batching import Batcher, BatchPolicy, Member, ProgressFn, batcher_for
 from omni_jobs.engines.turns import engine_turn, pass_turn
 from omni_jobs.payloads import AudioClip
 
@@ -68,7 +68,64 @@ class _Window:
     samples: np.ndarray
 
 
-class Code2Wav:
+class Code2WavSubmitter(Protocol):
+    """A code2wav batcher, in this process (``Batcher``) or an engine process's (engine_client.Submitter)."""
+
+    def submit(self, request: Code2WavRequest, progress: ProgressFn | None = None) -> AudioClip: ...
+
+
+class Code2WavFront:
+    """What streams and stages use of a code2wav engine, wherever it runs: here (``Code2Wav``) or in an engine
+    process (engine_client.Code2WavProcess), which knows the model's numbers from its load."""
+
+    model_dir: str
+    block_codes: int
+    """Codes per DiT attention block (24 mel frames / 2 = 12): windows start on these."""
+    num_codes: int
+    """Codes 0..num_codes-1 are rendered (the talker's control codes above are not speech)."""
+    samples_per_code: int
+    sample_rate: int
+    max_codes: int
+    """The most codes one DiT window takes (its positions); ``full`` renders longer clips in chunks."""
+
+    def render(self, requests: Sequence[Code2WavRequest]) -> list[AudioClip]:
+        """Each request's audio; requests of the same length, voice and settings share one DiT batch."""
+        raise NotImplementedError
+
+    def batcher(self, policy: BatchPolicy) -> Code2WavSubmitter:
+        """The engine's batcher of ``policy``: concurrent requests of one length and voice share a DiT batch."""
+        raise NotImplementedError
+
+    def speaker(self, name: str) -> omni_speech.Speaker:
+        return omni_speech.speaker(self.model_dir, name)
+
+    def check_codes(self, codes: Sequence[int]) -> None:
+        bad = sorted({int(c) for c in codes if not 0 <= int(c) < self.num_codes})
+        if bad:
+            raise ValueError(f"codes {bad[:8]} are outside token2wav's codebook (0..{self.num_codes - 1}); "
+                             "control codes (the talker's stop codes) are not speech")
+
+    def full(self, codes: Sequence[int], speaker: str, *, seed: int = 0, num_steps: int = 10,
+             guidance_scale: float = 0.5) -> AudioClip:
+        """The whole clip: ``len(codes) * samples_per_code`` samples at 24 kHz (one DiT window; past the DiT's
+        longest, in chunks as a stream renders them)."""
+        if len(codes) > self.max_codes:
+            stream = self.stream(speaker, seed=seed, chunk=self.max_codes // 2 // self.block_codes * self.block_codes,
+                                 left=self.block_codes, num_steps=num_steps, guidance_scale=guidance_scale)
+            head = stream.push(codes)
+            rest = stream.finish()
+            return AudioClip(np.concatenate([*([head.samples] if head is not None else []), rest.samples], axis=1),
+                             self.sample_rate)
+        (clip,) = self.render([Code2WavRequest("full", tuple(int(c) for c in codes), speaker, seed=seed,
+                                               num_steps=num_steps, guidance_scale=guidance_scale)])
+        return clip
+
+    def stream(self, speaker: str, **settings: Any) -> Code2WavStream:
+        """A ``Code2WavStream`` of this engine (its settings: ``Code2WavStream``'s keywords)."""
+        return Code2WavStream(self, speaker, **settings)
+
+
+class Code2Wav(Code2WavFront):
     """One checkpoint's token2wav (DiT + BigVGAN, float32), rendering batches of equally long requests at once."""
 
     def __init__(self, model: str, *, device: str = "cpu") -> None:
@@ -91,49 +148,21 @@ class Code2Wav:
         """Mel frames per code (2)."""
         self.mel_dim = int(dit.mel_dim)
         self.block_codes = max(1, int(dit.block_size) // self.repeats)
-        """Codes per DiT attention block (24 mel frames / 2 = 12): windows start on these."""
         self.num_codes = int(dit.text_embed.codec_embed.num_embeddings)
-        """Codes 0..num_codes-1 are rendered (the talker's control codes above are not speech)."""
         hop = 1
         for rate in self.model.code2wav_bigvgan_model.config.upsample_rates:
             hop *= int(rate)
         self.samples_per_code = hop * self.repeats
         self.sample_rate = omni_speech.SAMPLE_RATE
         self.max_codes = int(dit.config.max_position_embeddings) // self.repeats
-        """The most codes one DiT window takes (its positions); ``full`` renders longer clips in chunks."""
         self._lock = threading.Lock()
-
-    def speaker(self, name: str) -> omni_speech.Speaker:
-        return omni_speech.speaker(self.model_dir, name)
-
-    def check_codes(self, codes: Sequence[int]) -> None:
-        bad = sorted({int(c) for c in codes if not 0 <= int(c) < self.num_codes})
-        if bad:
-            raise ValueError(f"codes {bad[:8]} are outside token2wav's codebook (0..{self.num_codes - 1}); "
-                             "control codes (the talker's stop codes) are not speech")
 
     def noise(self, seed: int, start_frame: int, frames: int) -> torch.Tensor:
         """[1, frames, mel_dim] initial noise of mel frames ``start_frame`` on: block ``k`` of NOISE_BLOCK frames is
         drawn from its own generator (``seed``, ``k``), so a frame's noise is the same in every window."""
         return _noise(seed, start_frame, frames, self.mel_dim)
 
-    def full(self, codes: Sequence[int], speaker: str, *, seed: int = 0, num_steps: int = 10,
-             guidance_scale: float = 0.5) -> AudioClip:
-        """The whole clip: ``len(codes) * samples_per_code`` samples at 24 kHz (one DiT window; past the DiT's
-        longest, in chunks as a stream renders them)."""
-        if len(codes) > self.max_codes:
-            stream = self.stream(speaker, seed=seed, chunk=self.max_codes // 2 // self.block_codes * self.block_codes,
-                                 left=self.block_codes, num_steps=num_steps, guidance_scale=guidance_scale)
-            head = stream.push(codes)
-            rest = stream.finish()
-            return AudioClip(np.concatenate([*([head.samples] if head is not None else []), rest.samples], axis=1),
-                             self.sample_rate)
-        (clip,) = self.render([Code2WavRequest("full", tuple(int(c) for c in codes), speaker, seed=seed,
-                                               num_steps=num_steps, guidance_scale=guidance_scale)])
-        return clip
-
     def render(self, requests: Sequence[Code2WavRequest]) -> list[AudioClip]:
-        """Each request's audio; requests of the same length, voice and settings share one DiT batch."""
         groups: dict[Hashable, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(group_key(r), []).append(i)
@@ -209,9 +238,12 @@ class Code2Wav:
         mel: torch.Tensor = trajectory[-1].permute(0, 2, 1)
         return mel
 
-    def stream(self, speaker: str, **settings: Any) -> Code2WavStream:
-        """A ``Code2WavStream`` of this engine (its settings: ``Code2WavStream``'s keywords)."""
-        return Code2WavStream(self, speaker, **settings)
+    def batcher(self, policy: BatchPolicy) -> Batcher[Code2WavRequest, AudioClip]:
+        def run(batch: Sequence[Member[Code2WavRequest, AudioClip]]) -> list[AudioClip | BaseException]:
+            return list(self.render([m.request for m in batch]))
+
+        return batcher_for(_batchers, self, policy,
+                           lambda p: Batcher(run, p, group_key=group_key, rank=first_chunks_first, name="code2wav"))
 
 
 def _keep_turn() -> None:
@@ -279,7 +311,7 @@ class Code2WavStream:
     its first ``crossfade`` samples (a raised cosine).
     """
 
-    engine: Code2Wav
+    engine: Code2WavFront
     speaker: str
     seed: int = 0
     chunk: int = 24
@@ -383,14 +415,10 @@ _batchers: weakref.WeakKeyDictionary[Code2Wav, dict[BatchPolicy, Batcher[Code2Wa
     weakref.WeakKeyDictionary()
 
 
-def code2wav_batcher(engine: Code2Wav, policy: BatchPolicy) -> Batcher[Code2WavRequest, AudioClip]:
-    """Batcher of a Code2Wav engine: concurrent requests of one length, voice and settings share a DiT batch."""
-
-    def run(batch: Sequence[Member[Code2WavRequest, AudioClip]]) -> list[AudioClip | BaseException]:
-        return list(engine.render([m.request for m in batch]))
-
-    return batcher_for(_batchers, engine, policy,
-                       lambda p: Batcher(run, p, group_key=group_key, rank=first_chunks_first, name="code2wav"))
+def code2wav_batcher(engine: Code2WavFront, policy: BatchPolicy) -> Code2WavSubmitter:
+    """Batcher of a code2wav engine, here or in its process: concurrent requests of one length, voice and settings
+    share a DiT batch, streams' first windows first."""
+    return engine.batcher(policy)
 
 
 def first_chunks_first(r: Code2WavRequest) -> int:

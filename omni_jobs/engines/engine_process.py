@@ -1,4 +1,4 @@
-"""An engine process: one DiT engine, loaded and run apart from the worker that feeds it.
+"""An engine process: one DiT or code2wav engine, loaded and run apart from the worker that feeds it.
 
 A stage worker's own Python (leases, commits, artifact writes, PNG encoding, Celery's consumer) runs on
 many threads that share the interpreter's lock with the engine's thread. On a GPU host the engine
@@ -8,7 +8,8 @@ of its own the engine has an interpreter to itself, as vLLM's engine core does.
 
 Started by omni_jobs.engines.engine_client as ``python -m omni_jobs.engines.engine_process --fd N``,
 where N is its end of a socket pair. It answers the worker's messages (omni_jobs.engines.engine_wire):
-a ``Load`` first, then ``CheckTask`` and ``Generate`` calls one at a time, in order; a ``Stop`` for
+a ``Load`` first (which engine kind, ``Served``), then submitted requests for its batchers, and (DiT only)
+``CheckTask`` and ``Generate`` calls one at a time, in order; a ``Stop`` for
 the running call is read on a thread of its own, so that a call whose members were all canceled stops
 at its next step. It exits when the worker closes the socket or dies: its reader sees the socket close.
 (Not PR_SET_PDEATHSIG: the kernel sends that when the *thread* that started the process exits, and the
@@ -25,16 +26,21 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from multiprocessing.connection import Connection
+from typing import Generic, TypeVar
 
 import numpy as np
 from PIL import Image
 
-from omni_jobs.engines import turns
+from omni_jobs.engines import torchvision_free, turns
 from omni_jobs.engines.allocator import tune_engine_malloc
 from omni_jobs.engines.batching import Arrivals, Batcher, BatchPolicy, Member
+from omni_jobs.engines.code2wav import Code2Wav, Code2WavRequest, first_chunks_first
+from omni_jobs.engines.code2wav import group_key as code2wav_group
 from omni_jobs.engines.dit import DiTLikeEngine, DiTOutput, DiTRequest, group_key
 from omni_jobs.engines.engine_wire import (
     Answered,
@@ -57,6 +63,7 @@ from omni_jobs.engines.engine_wire import (
     Stopped,
     Submit,
     ToEngine,
+    WireCode2WavRequest,
     WireDiTOutput,
     WireDiTRequest,
     WirePolicy,
@@ -68,10 +75,14 @@ from omni_jobs.engines.engine_wire import (
 from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.engines.pool import build_dit
 from omni_jobs.logs import configure_logging
+from omni_jobs.payloads import AudioClip
 from omni_jobs.previews import LatentPreview
 from omni_jobs.settings import get_settings
 
 log = logging.getLogger("omni_jobs.engine_process")
+R = TypeVar("R")
+O = TypeVar("O")
+SendPreview = Callable[[int, LatentPreview], None]
 
 
 class _Stopped(Exception):
@@ -82,7 +93,52 @@ class Canceled(Exception):
     """A submitted request its worker canceled (the worker raises its own error for it)."""
 
 
-class EngineServer:
+@dataclass(frozen=True)
+class Served(Generic[R, O]):
+    """What the server needs of one engine kind to batch and answer its submitted requests: the one server, the
+    one client (omni_jobs.engines.engine_client) and the one wire serve every kind."""
+
+    name: str
+    request: Callable[[Submit, SendPreview], R]
+    """The submitted request, its arrays unpacked (previews, DiT's only, go to the callback)."""
+    run: Callable[[list[R], Callable[[int, int], None]], list[O]]
+    """A batch's outputs; the callback hears of each step (and raises to stop the batch)."""
+    answer: Callable[[Sequence[tuple[R, O]]], tuple[tuple[WireDiTOutput, ...], Block | None]]
+    group_key: Callable[[R], Hashable]
+    rank: Callable[[R], int] | None = None
+    turn: Callable[[], AbstractContextManager[object]] = nullcontext
+
+
+def dit_served(engine: DiTLikeEngine) -> Served[DiTRequest, DiTOutput]:
+    def request(message: Submit, send_preview: SendPreview) -> DiTRequest:
+        assert isinstance(message.request, WireDiTRequest), "a DiT engine takes DiT requests"
+        (one,) = _requests((message.request,), unpack(message.inputs), send_preview, indexes=(message.key,))
+        return one
+
+    return Served("dit", request, lambda batch, on_step: engine.generate(batch, on_step=on_step),
+                  lambda done: _outputs([out for _, out in done]), group_key, turn=engine.turn)
+
+
+def code2wav_served(engine: Code2Wav) -> Served[Code2WavRequest, AudioClip]:
+    """Code2wav's batcher as the worker's own (``code2wav_batcher``): one length and voice a batch, streams' first
+    windows first. A render has no steps to report: a canceled request is dropped before its batch runs."""
+    def request(message: Submit, _previews: SendPreview) -> Code2WavRequest:
+        w = message.request
+        if not isinstance(w, WireCode2WavRequest):
+            raise TypeError("a code2wav engine takes code2wav requests")
+        unpack(message.inputs)  # none are sent; a block would be unlinked here
+        return Code2WavRequest(w.request_id, w.codes, w.speaker, seed=w.seed, offset=w.offset, num_steps=w.num_steps,
+                               guidance_scale=w.guidance_scale)
+
+    def answer(done: Sequence[tuple[Code2WavRequest, AudioClip]]) -> tuple[tuple[WireDiTOutput, ...], Block | None]:
+        return (tuple(WireDiTOutput(r.request_id, audio=i, sample_rate=clip.sample_rate)
+                      for i, (r, clip) in enumerate(done)), pack([clip.samples for _, clip in done]))
+
+    return Served("code2wav", request, lambda batch, _on_step: engine.render(batch), answer, code2wav_group,
+                  rank=first_chunks_first)
+
+
+class EngineServer(Generic[R, O]):
     """Serves one loaded engine over ``conn``.
 
     Submitted requests go to this process's batchers (one per stage policy, as a worker's), which form
@@ -90,9 +146,11 @@ class EngineServer:
     trip to the worker. A direct call (``Generate``, ``CheckTask``) runs in order on the serving thread.
     Cancels and stops are read beside them, on the reader thread."""
 
-    def __init__(self, conn: Connection, engine: DiTLikeEngine) -> None:
+    def __init__(self, conn: Connection, served: Served[R, O], direct: DiTLikeEngine | None = None) -> None:
         self.conn = conn
-        self.engine = engine
+        self.served = served
+        self.engine = direct
+        """The engine of direct calls (DiT's), if any."""
         self._work: queue.SimpleQueue[ToEngine | None] = queue.SimpleQueue()
         self._stops: set[int] = set()
         self._canceled: set[int] = set()
@@ -100,7 +158,7 @@ class EngineServer:
         self._started: dict[int, tuple[int, float]] = {}  # a running batch's first key -> its id, when it started
         self._lock = threading.Lock()
         self._sending = threading.Lock()  # batcher threads and the serving thread all answer
-        self._batchers: dict[WirePolicy, Batcher[DiTRequest, DiTOutput]] = {}
+        self._batchers: dict[WirePolicy, Batcher[R, O]] = {}
         self._batch_ids = itertools.count(1)
 
     def serve(self) -> None:
@@ -133,8 +191,7 @@ class EngineServer:
     # --- submitted requests: this process's batchers ---
     def _submit(self, message: Submit) -> None:
         try:
-            (request,) = _requests((message.request,), unpack(message.inputs), self._previews(0),
-                                   indexes=(message.key,))
+            request = self.served.request(message, self._previews(0))
         except Exception as exc:  # noqa: BLE001 - a malformed request fails alone, at once
             self._send(Outcomes(0, (Outcome(message.key, error=type(exc).__name__, message=str(exc)),), None))
             return
@@ -142,18 +199,19 @@ class EngineServer:
             self._keys[id(request)] = message.key
         self._batcher(message.policy).put(request, tenant=message.tenant)
 
-    def _batcher(self, policy: WirePolicy) -> Batcher[DiTRequest, DiTOutput]:
+    def _batcher(self, policy: WirePolicy) -> Batcher[R, O]:
         with self._lock:
             batcher = self._batchers.get(policy)
             if batcher is None:
                 batch_policy = BatchPolicy(max_batch_size=policy.max_batch_size, wait_ms=policy.wait_ms,
                                            idle_release_s=policy.idle_release_s, burst_fill=policy.burst_fill)
-                batcher = Batcher(self._run_batch, batch_policy, group_key=group_key, name="dit",
-                                  turn=self.engine.turn, on_done=self._settled, arrivals=Arrivals())
+                served = self.served
+                batcher = Batcher(self._run_batch, batch_policy, group_key=served.group_key, rank=served.rank,
+                                  name=served.name, turn=served.turn, on_done=self._settled, arrivals=Arrivals())
                 self._batchers[policy] = batcher
             return batcher
 
-    def _run_batch(self, batch: Sequence[Member[DiTRequest, DiTOutput]]) -> list[DiTOutput | BaseException]:
+    def _run_batch(self, batch: Sequence[Member[R, O]]) -> list[O | BaseException]:
         """One batch: its members' keys first, then a step message a step (of every member), then the
         engine's outputs; a member canceled meanwhile gets Canceled, and a batch whose members all were
         stops at its next step."""
@@ -177,13 +235,13 @@ class EngineServer:
         if all_canceled():
             return [Canceled() for _ in batch]
         try:
-            outputs = self.engine.generate([m.request for m in batch], on_step=on_step)
+            outputs = self.served.run([m.request for m in batch], on_step)
         except _Stopped:
             return [Canceled() for _ in batch]
         with self._lock:
             return [Canceled() if k in self._canceled else out for k, out in zip(keys, outputs, strict=True)]
 
-    def _settled(self, batch: Sequence[Member[DiTRequest, DiTOutput]]) -> None:
+    def _settled(self, batch: Sequence[Member[R, O]]) -> None:
         """Every member's outcome, in one message, its images and tensors in one block."""
         with self._lock:
             keys = [self._keys.pop(id(m.request)) for m in batch]
@@ -191,9 +249,10 @@ class EngineServer:
             started = self._started.pop(keys[0], None)  # retried one by one, the first member's run counts
             for k in keys[1:]:
                 self._started.pop(k, None)
-        done = [(k, m.result) for k, m in zip(keys, batch, strict=True) if m.error is None and m.result is not None]
-        wire, block = _outputs([out for _, out in done])
-        outcomes = [Outcome(k, output=w) for (k, _), w in zip(done, wire, strict=True)]
+        done = [(k, m.request, m.result) for k, m in zip(keys, batch, strict=True)
+                if m.error is None and m.result is not None]
+        wire, block = self.served.answer([(r, out) for _, r, out in done])
+        outcomes = [Outcome(k, output=w) for (k, _, _), w in zip(done, wire, strict=True)]
         outcomes += [Outcome(k, error=type(m.error).__name__, message=str(m.error))
                      for k, m in zip(keys, batch, strict=True) if m.error is not None or m.result is None]
         batch_id, at = started if started is not None else (0, time.monotonic())
@@ -203,6 +262,8 @@ class EngineServer:
     def _handle(self, message: ToEngine) -> None:
         call_id = getattr(message, "call_id", -1)
         try:
+            if self.engine is None:
+                raise TypeError(f"a {self.served.name} engine takes submitted requests only")
             if isinstance(message, CheckTask):
                 self.engine.check_task(message.task, conditioned_on_embeds=message.conditioned_on_embeds)
                 self._send(Answered(call_id))
@@ -220,6 +281,7 @@ class EngineServer:
                 self._stops.discard(call_id)
 
     def _generate(self, call: Generate) -> None:
+        assert self.engine is not None
         requests = _requests(call.requests, unpack(call.inputs), self._previews(call.call_id))
 
         def on_step(done: int, total: int) -> None:
@@ -289,11 +351,20 @@ def _outputs(outputs: Sequence[DiTOutput]) -> tuple[tuple[WireDiTOutput, ...], B
     return tuple(wire), pack(arrays)
 
 
-def load_engine(kind: str, model: str, device: str, engine_args: dict[str, object]) -> DiTLikeEngine:
+def load_engine(kind: str, model: str, device: str, engine_args: dict[str, object]) -> DiTLikeEngine | Code2Wav:
     """The engine a Load names, built as the worker's own pool would build it in-process."""
+    if kind == "code2wav":
+        torchvision_free.install()  # as a worker's engines have it: transformers' Qwen2.5-Omni module loads without it
+        return Code2Wav(model, device=device)
     if kind != "dit":
-        raise ValueError(f"an engine process runs DiT engines, not {kind!r}")
+        raise ValueError(f"an engine process runs DiT and code2wav engines, not {kind!r}")
     return build_dit(model, engine_args, device=device)  # type: ignore[arg-type]  # JSON, as it was sent
+
+
+def code2wav_facts(engine: Code2Wav) -> dict[str, int]:
+    """What a worker's Code2WavStream needs of the model, sent with ``Loaded``."""
+    return {"block_codes": engine.block_codes, "samples_per_code": engine.samples_per_code,
+            "sample_rate": engine.sample_rate, "max_codes": engine.max_codes, "num_codes": engine.num_codes}
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -318,10 +389,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         conn.send_bytes(encode(Failed(-1, type(exc).__name__, str(exc))))
         return
     pipeline_class = str(getattr(engine, "pipeline_class", type(engine).__name__))
-    conn.send_bytes(encode(Loaded(os.getpid(), pipeline_class, time.perf_counter() - started)))
+    facts = code2wav_facts(engine) if isinstance(engine, Code2Wav) else {}
+    conn.send_bytes(encode(Loaded(os.getpid(), pipeline_class, time.perf_counter() - started, facts)))
     log.info("engine process %d: %s (%s) loaded in %.1f s", os.getpid(), load.model, pipeline_class,
              time.perf_counter() - started)
-    EngineServer(conn, engine).serve()
+    if isinstance(engine, Code2Wav):
+        EngineServer(conn, code2wav_served(engine)).serve()
+    else:
+        EngineServer(conn, dit_served(engine), engine).serve()
 
 
 if __name__ == "__main__":

@@ -147,7 +147,8 @@ def _torch_name(dtype: torch.dtype) -> str:
 # --- the messages ---
 
 class Load(msgspec.Struct, tag="load", frozen=True):
-    """The first message: which engine to load (``kind``: dit, gpu-shaped), from what, on which device."""
+    """The first message: which engine to load (``kind``: ``dit``, the GPU-shaped one included, or ``code2wav``),
+    from what, on which device."""
 
     kind: str
     model: str
@@ -159,6 +160,8 @@ class Loaded(msgspec.Struct, tag="loaded", frozen=True):
     pid: int
     pipeline_class: str
     load_s: float
+    facts: dict[str, int] = msgspec.field(default_factory=dict)
+    """What the worker needs to know of the model without loading it (code2wav: its codes, windows, samples)."""
 
 
 class CheckTask(msgspec.Struct, tag="check_task", frozen=True):
@@ -167,7 +170,7 @@ class CheckTask(msgspec.Struct, tag="check_task", frozen=True):
     conditioned_on_embeds: bool
 
 
-class WireDiTRequest(msgspec.Struct, frozen=True):
+class WireDiTRequest(msgspec.Struct, tag="dit", frozen=True):
     """A DiTRequest without its callback: ``prompt_embeds`` and ``image`` are indexes into the call's block."""
 
     request_id: str
@@ -185,6 +188,18 @@ class WireDiTRequest(msgspec.Struct, frozen=True):
     want_latents: bool
     num_frames: int | None
     preview_every: int
+
+
+class WireCode2WavRequest(msgspec.Struct, tag="code2wav", frozen=True):
+    """A Code2WavRequest: a few hundred codes at most, so they go in the message itself."""
+
+    request_id: str
+    codes: tuple[int, ...]
+    speaker: str
+    seed: int
+    offset: int
+    num_steps: int
+    guidance_scale: float
 
 
 class Generate(msgspec.Struct, tag="generate", frozen=True):
@@ -218,7 +233,7 @@ class Submit(msgspec.Struct, tag="submit", frozen=True):
     """One request for the engine process's batcher of ``policy``; ``key`` names it in every answer."""
 
     key: int
-    request: WireDiTRequest
+    request: WireDiTRequest | WireCode2WavRequest
     policy: WirePolicy
     tenant: str | None
     inputs: Block | None
@@ -261,8 +276,8 @@ class Preview(msgspec.Struct, tag="preview", frozen=True):
 
 
 class WireDiTOutput(msgspec.Struct, frozen=True):
-    """A DiTOutput: ``image`` (uint8 [h, w, c] of PIL mode ``image_mode``), ``audio``, ``latents``, ``video``
-    are indexes into the answer's block."""
+    """A DiTOutput, or a code2wav clip (its ``audio`` and ``sample_rate``): ``image`` (uint8 [h, w, c] of PIL
+    mode ``image_mode``), ``audio``, ``latents``, ``video`` are indexes into the answer's block."""
 
     request_id: str
     image: int | None = None

@@ -22,18 +22,20 @@ from omni_jobs.engines.ar import AREngine
 from omni_jobs.engines.code2wav import Code2Wav
 from omni_jobs.engines.dit import DiTEngine, resolve_device
 from omni_jobs.engines.encoder import AREncoder
-from omni_jobs.engines.engine_client import DiTEngineProcess
+from omni_jobs.engines.engine_client import Code2WavProcess, DiTEngineProcess, ProcessEngine
 from omni_jobs.engines.gpu_shaped import GpuShapedDiT
 from omni_jobs.engines.model_source import resolve_model
 from omni_jobs.engines.projection import Projection, load_projection
 from omni_jobs.json_types import JsonValue
 from omni_jobs.pipelines.spec import DiTEngineArgs, GpuShapedArgs, dit_engine_args
 
-Engine = AREngine | DiTEngine | GpuShapedDiT | DiTEngineProcess | AREncoder | Code2Wav
-E = TypeVar("E", AREngine, DiTEngine, GpuShapedDiT, DiTEngineProcess, AREncoder, Code2Wav)
+Engine = AREngine | DiTEngine | GpuShapedDiT | DiTEngineProcess | AREncoder | Code2Wav | Code2WavProcess
+E = TypeVar("E", AREngine, DiTEngine, GpuShapedDiT, DiTEngineProcess, AREncoder, Code2Wav, Code2WavProcess)
 EngineProcessChoice = Literal["auto", "on", "off"]
 DiTKind = DiTEngine | GpuShapedDiT | DiTEngineProcess
 """What ``EnginePool.dit`` gives: a DiT engine in this process, or one in a process of its own."""
+Code2WavKind = Code2Wav | Code2WavProcess
+"""What ``EnginePool.code2wav`` gives: token2wav in this process, or in a process of its own."""
 V = TypeVar("V", AREngine, AREncoder)
 T = TypeVar("T")
 
@@ -48,8 +50,8 @@ class EnginePool:
         self.max_model_len = max_model_len
         self.device = device
         self.engine_process = engine_process
-        """Where engines run: DiT engines in processes of their own (omni_jobs.engines.engine_client) or in this
-        one (``_apart``); AR engines' cores in vLLM's engine-core process or in this one (``_ar_apart``)."""
+        """Where engines run: DiT and code2wav engines in processes of their own (omni_jobs.engines.engine_client)
+        or in this one (``_apart``); AR engines' cores in vLLM's engine-core process or in this one (``_ar_apart``)."""
         self._on_gpu: bool | None = None  # the device resolved, on first need
         self._engines: dict[tuple[str, str, str], Engine] = {}
         self._lock = threading.Lock()  # guards the dicts, never held during a load or a build
@@ -99,10 +101,14 @@ class EnginePool:
         GPU (the benchmark's GPU-shaped engine stands for one). On the CPU each engine process holds its own torch
         and diffusers (310-575 MiB resident for a tiny model) for 1.03x the 32 px DiT's jobs/s; on a GPU's shape
         it made 1.22x (docs/batching.md). The device is resolved once: ``dit`` runs for every DiT stage."""
+        if self.engine_process == "auto" and isinstance(ctor, GpuShapedArgs):
+            return True
+        return self._apart_here()
+
+    def _apart_here(self) -> bool:
+        """The setting's rule for an engine that can run apart: ``on``, ``off``, or ``auto``: on a GPU."""
         if self.engine_process != "auto":
             return self.engine_process == "on"
-        if isinstance(ctor, GpuShapedArgs):
-            return True
         return self._gpu()
 
     def _gpu(self) -> bool:
@@ -111,10 +117,15 @@ class EnginePool:
             self._on_gpu = resolve_device(self.device) != "cpu"
         return self._on_gpu
 
-    def code2wav(self, model: str, engine_args: Mapping[str, JsonValue]) -> Code2Wav:
-        """Qwen2.5-Omni's token2wav of the whole checkpoint ``model`` (a ``dit`` stage's ``code2wav`` task)."""
+    def code2wav(self, model: str, engine_args: Mapping[str, JsonValue]) -> Code2WavKind:
+        """Qwen2.5-Omni's token2wav of the whole checkpoint ``model`` (a ``dit`` stage's ``code2wav`` task), in a
+        process of its own where the DiT rule says so (``_apart_here``): its render is a DiT's loop and a
+        vocoder, which the worker's threads would hold up on the interpreter's lock as they would a DiT's."""
         if engine_args:
             raise ValueError(f"a code2wav stage takes no engine_args, got {sorted(engine_args)}")
+        if self._apart_here():
+            return self._get("code2wav", model, {}, Code2WavProcess,
+                             lambda resolved: Code2WavProcess(resolved, device=self.device))
         return self._get("code2wav", model, {}, Code2Wav, lambda resolved: Code2Wav(resolved, device=self.device))
 
     def encoder(self, model: str, engine_args: Mapping[str, JsonValue]) -> AREncoder:
@@ -146,7 +157,7 @@ class EnginePool:
         with self._lock:
             engines = list(self._engines.values())
         for engine in engines:
-            if isinstance(engine, DiTEngineProcess | AREngine):
+            if isinstance(engine, ProcessEngine | AREngine):
                 engine.close()
 
     def loaded(self) -> list[tuple[str, str, str]]:

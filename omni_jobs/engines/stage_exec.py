@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 from omni_jobs.engines import omni_speech
 from omni_jobs.engines.ar import AREngine, AROutput, ARRequest, SamplingOptions, TextSoFar
 from omni_jobs.engines.batching import Batcher, BatchPolicy, ar_batcher, dit_batcher
-from omni_jobs.engines.code2wav import Code2Wav, Code2WavRequest, code2wav_batcher
+from omni_jobs.engines.code2wav import Code2WavRequest, code2wav_batcher
 from omni_jobs.engines.dit import DiTOutput, DiTRequest, PreviewCallback
 from omni_jobs.engines.encoder import AREncoder, EncodeRequest
 from omni_jobs.engines.engine_client import DiTEngineProcess, ProcessBatcher
-from omni_jobs.engines.pool import DiTKind, EnginePool
+from omni_jobs.engines.pool import Code2WavKind, DiTKind, EnginePool
 from omni_jobs.engines.talker import Talker, TalkSampling, thinker_states
 from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.payloads import AudioClip, VideoClip
@@ -52,7 +52,7 @@ StageValues = dict[str, object]
 (an AudioClip, a VideoClip...); omni_jobs.payloads encodes and decodes them."""
 
 
-def load_stage_engine(engines: EnginePool, stage: StageSpec) -> AREngine | AREncoder | DiTKind | Code2Wav:
+def load_stage_engine(engines: EnginePool, stage: StageSpec) -> AREngine | AREncoder | DiTKind | Code2WavKind:
     """The (cached) engine this stage runs on, checked against the stage's task (a thinker stage that hands its
     talker states loads the model's pooling engine too)."""
     if stage.engine == "ar":
