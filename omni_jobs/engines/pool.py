@@ -76,11 +76,7 @@ class EnginePool:
         for the Qwen2.5-Omni talker, whose model class reads its requests' thinker rows from this process's
         model runner (omni_jobs.engines.talker_vllm), so it stays here. On 2 shared CPU cores the core apart made
         0.61 of direct against 0.85 in-process (docs/decisions/vllm-engine-core-in-process.md)."""
-        if omni_speech.is_talker(engine_args):
-            return False
-        if self.engine_process != "auto":
-            return self.engine_process == "on"
-        return self._gpu()
+        return not omni_speech.is_talker(engine_args) and self._apart_here()
 
     def dit(self, model: str, engine_args: Mapping[str, JsonValue]) -> DiTKind:
         """The DiT engine for ``model`` (``build_dit``), in a process of its own where ``_apart`` says so.
