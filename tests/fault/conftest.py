@@ -61,19 +61,6 @@ GPU_IMAGE_PIPELINE = {
                 "defaults": {"height": 64, "width": 64, "num_inference_steps": 30}}],
     "outputs": [{"name": "image", "from": "dit.image"}],
 }
-AR_APART_QUEUE = "ar-apart"
-AR_APART_PIPELINE = {
-    "name": "text-apart",
-    "description": "An AR stage on a queue whose worker runs vLLM's core in its engine-core process "
-                   "(OMNI_ENGINE_PROCESS=on; tests/fault/test_engine_core_faults.py starts that worker).",
-    "inputs": {"prompt": {"type": "text"}},
-    "stages": [{"id": "ar", "engine": "ar", "model": "tiny:llama", "queue": AR_APART_QUEUE,
-                "inputs": {"prompt": "input.prompt"}, "engine_args": {},
-                "defaults": {"max_tokens": 200, "temperature": 1.0, "seed": 5}}],
-    "outputs": [{"name": "text", "from": "ar.text"}],
-}
-
-
 @dataclass
 class FaultSystem:
     system: EmbeddedSystem
@@ -120,7 +107,6 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultSystem]:
     (pipelines / "hard-limit.yaml").write_text(yaml.safe_dump(HARD_LIMIT_PIPELINE))
     (pipelines / "long-dit.yaml").write_text(yaml.safe_dump(LONG_PIPELINE))
     (pipelines / "gpu-image.yaml").write_text(yaml.safe_dump(GPU_IMAGE_PIPELINE))
-    (pipelines / "text-apart.yaml").write_text(yaml.safe_dump(AR_APART_PIPELINE))
     state = start_redis(data_dir=home / "state", appendonly=True, appendfsync="always")
     broker = start_redis(data_dir=home / "broker", appendonly=True, appendfsync="always")
     s3 = start_moto_s3()

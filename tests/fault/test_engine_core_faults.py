@@ -14,10 +14,11 @@ import httpx
 import pytest
 
 from tests.e2e.helpers import submit, wait_for_job
-from tests.fault.conftest import AR_APART_QUEUE, FaultSystem
+from tests.fault.conftest import FaultSystem
 from tests.fault.test_faults import duplicates, events_of, report, wait_until
 
 pytestmark = pytest.mark.chaos
+PARAMS = {"ar": {"max_tokens": 200, "temperature": 1.0, "seed": 5}}  # seeded: a run again repeats the text
 
 
 def _children(pid: int) -> list[int]:
@@ -32,26 +33,43 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _cores(worker_pid: int) -> list[int]:
+    """The vLLM engine-core processes its worker started (vLLM titles them ``VLLM::EngineCore``)."""
+    found = []
+    for pid in _children(worker_pid):
+        try:
+            if b"EngineCore" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
 def engine_core(worker_pid: int) -> int:
-    """The pid of the vLLM engine-core process its worker started (vLLM titles it ``VLLM::EngineCore``)."""
-    cores = [p for p in _children(worker_pid)
-             if b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes()]
-    assert len(cores) == 1, f"engine-core processes under {worker_pid}: {cores}"
+    cores = _cores(worker_pid)
+    assert len(cores) == 1, f"engine-core processes under {worker_pid}: {cores}, children {_children(worker_pid)}"
     return cores[0]
 
 
 @pytest.fixture(scope="module")
 def apart_worker(faults: FaultSystem) -> Iterator[int]:
-    worker = faults.system.start_worker(AR_APART_QUEUE, env={"OMNI_ENGINE_PROCESS": "on"}, pool="threads")
+    """The system's ar worker swapped for one whose vLLM core runs apart (OMNI_ENGINE_PROCESS=on); the usual one
+    is back afterwards. (A queue of its own in the session's pipelines would keep /readyz unready for every other test.)"""
+    usual = faults.process("worker-ar")
+    usual.stop()
+    faults.system.processes.remove(usual)  # stopped on purpose: not a process that died
+    worker = faults.system.start_worker("ar", name="ar-apart", env={"OMNI_ENGINE_PROCESS": "on"}, pool="threads")
     try:
-        faults.system.wait_for_workers({AR_APART_QUEUE})
         assert worker.pid is not None
-        wait_until(lambda: [p for p in _children(worker.pid or 0)
-                            if b"EngineCore" in Path(f"/proc/{p}/cmdline").read_bytes()],
-                   timeout_s=240, what="the worker's vLLM engine core")
+        wait_until(lambda: _cores(worker.pid or 0), timeout_s=240, what="the worker's vLLM engine core")
+        faults.system.wait_for_workers({"ar"})
         yield worker.pid
     finally:
         worker.stop()
+        faults.system.processes.remove(worker)
+        usual.start()
+        faults.system.processes.append(usual)
+        faults.system.wait_for_workers({"ar"})
 
 
 def _tokens(api: httpx.Client, job_id: str) -> int:
@@ -62,7 +80,7 @@ def _tokens(api: httpx.Client, job_id: str) -> int:
 def test_sigkill_the_vllm_engine_core_mid_stage_and_its_worker_runs_the_requests_again(
         faults: FaultSystem, api: httpx.Client, apart_worker: int) -> None:
     before = engine_core(apart_worker)
-    jobs = [submit(api, "text-apart", "core kill", {}) for i in range(3)]
+    jobs = [submit(api, "text-to-text", "core kill", PARAMS) for i in range(3)]
     victim = wait_until(lambda: next((j["id"] for j in jobs if _tokens(api, j["id"]) >= 5), None),
                         timeout_s=120, what="an AR stage 5 tokens in")
     os.kill(before, signal.SIGKILL)  # the core alone: its worker, leases and messages live on
@@ -70,11 +88,11 @@ def test_sigkill_the_vllm_engine_core_mid_stage_and_its_worker_runs_the_requests
     done = [wait_for_job(api, j["id"], timeout_s=300) for j in jobs]
     assert [d["status"] for d in done] == ["succeeded"] * 3, [d["error"] for d in done]
     assert [d["stages"][0]["attempts"] for d in done] == [1] * 3  # run again inside the same attempts
-    after = engine_core(apart_worker)
+    after = wait_until(lambda: _cores(apart_worker), timeout_s=120, what="the fresh engine core")[0]
     assert after != before
     assert not [e for e in events_of(api, victim) if e["type"] == "stage.requeued"]
     texts = {next(o["text"] for o in d["outputs"] if o["type"] == "text") for d in done}
-    clean = wait_for_job(api, submit(api, "text-apart", "core kill", {})["id"])
+    clean = wait_for_job(api, submit(api, "text-to-text", "core kill", PARAMS)["id"])
     assert texts == {next(o["text"] for o in clean["outputs"] if o["type"] == "text")}  # seeded: the same text
     duplicated = duplicates(faults, done, outputs_per_job=1)
     assert duplicated == 0
