@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from omni_jobs import telemetry
 from omni_jobs.engines import ar_core, ar_prompts, omni_speech, torchvision_free
 from omni_jobs.engines.ar_prompts import Media
+from omni_jobs.engines.engine_client import EngineCrashed
 from omni_jobs.engines.gloo_device import one_gloo_device
 from omni_jobs.engines.turns import engine_turn
 from omni_jobs.json_types import JsonValue
@@ -151,10 +152,6 @@ def build_llm(model: str, engine_args: Mapping[str, JsonValue] | None, *, kv_cac
     ar_core.watch_core(llm)
     omni_speech.bind_runners(llm)
     return llm
-
-
-class EngineCoreCrashed(RuntimeError):
-    """A request's engine-core process died under it, and a fresh one's too: it is not run a third time."""
 
 
 class AREngine:
@@ -309,7 +306,7 @@ class AREngine:
 
         When the engine-core process dies (``apart``), a fresh one is started and the unfinished requests run
         again from their prompts; what they had already streamed is not streamed twice (``_Reported``). A
-        request whose core dies twice gets EngineCoreCrashed.
+        request whose core dies twice gets EngineCrashed, as a DiT engine process's does.
         """
         from vllm.exceptions import VLLMClientError
         from vllm.outputs import RequestOutput
@@ -390,7 +387,7 @@ class AREngine:
                         ids.clear()
                         if crashed > 1:
                             for i in again:
-                                settle(i, EngineCoreCrashed(f"request {all_requests[i].request_id!r}: the engine core "
+                                settle(i, EngineCrashed(f"request {all_requests[i].request_id!r}: the engine core "
                                                             f"of {self.model} died twice under it"))
                             self._restart(exc)  # the engine stays usable for the next call
                             break
