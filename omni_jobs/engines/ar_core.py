@@ -33,9 +33,9 @@ def core_layout(apart: bool) -> Iterator[None]:
     Apart, the core process is spawned (a fork of a threaded worker can inherit a held lock) and keeps
     ``VLLM_CPU_OMP_THREADS_BIND`` as the worker's CPU layout set it; without one vLLM would pin its threads
     to one core and reserve the rest, so it is told not to bind."""
-    saved = {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD",
-                                             "VLLM_CPU_OMP_THREADS_BIND")}
+    saved = {k: os.environ.get(k) for k in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_CPU_OMP_THREADS_BIND")}
     with _BUILD:
+        # left as this build had it afterwards: vLLM reads it again later (its engine's own checks)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if apart else "0"
         if apart:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
@@ -44,8 +44,6 @@ def core_layout(apart: bool) -> Iterator[None]:
             yield
         finally:
             for key, value in saved.items():
-                if key == "VLLM_ENABLE_V1_MULTIPROCESSING":
-                    continue  # vLLM reads it again later (its engine's own checks): leave it as this build had it
                 if value is None:
                     os.environ.pop(key, None)
                 else:
