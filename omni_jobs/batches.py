@@ -66,7 +66,6 @@ from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.openai_errors import OpenAIError
 from omni_jobs.openai_requests import invalid_request
 from omni_jobs.redis_replies import members, text_hash
-from omni_jobs.runtime import Runtime
 from omni_jobs.submission import JobSubmitter
 from omni_jobs.webhooks import EVENT_HEADER, REFUSED, AttemptResult, RetryPolicy, WebhookSigner
 
@@ -632,33 +631,3 @@ class BatchDriver:
                 log.warning("batch driver: pass failed", exc_info=True)
             self._stop.wait(self.poll_s)
 
-
-_wired: dict[int, tuple[Batches, BatchDriver]] = {}
-_wiring = threading.Lock()
-
-
-def from_runtime(rt: Runtime) -> tuple[Batches, BatchDriver]:
-    """The process's Batches and its driver (not started), wired from its Runtime (built once per runtime)."""
-    with _wiring:
-        made = _wired.get(id(rt))
-        if made is None:
-            s = rt.settings
-            signer = rt.webhook_signer
-            webhook = (BatchWebhook(signer, rt.webhooks.post, RetryPolicy.from_settings(s))
-                       if signer is not None else None)
-            planner = LinePlanner(rt.catalogue, rt.submitter, s.openai_model_aliases, s.max_outputs)
-            shaping = Shaping(read=rt.artifacts.get, present=rt.present,
-                              url_of=lambda job, name: output_url(job, name, public_url=s.public_url,
-                                                                  artifacts=rt.artifacts,
-                                                                  presign=s.output_urls == "presigned"),
-                              output_ttl_s=s.output_ttl_s)
-            records = DurableRecords(rt.redis, wait_replicas=s.redis_wait_replicas, wait_aof=s.redis_wait_aof,
-                                     timeout_ms=s.redis_wait_timeout_ms)
-            batches = Batches(rt.redis, files=FileStore(rt.redis, rt.artifacts, ttl_s=s.batch_file_ttl_s,
-                                                        records=records),
-                              planner=planner, submitter=rt.submitter, get_jobs=rt.store.get_many,
-                              cancel_job=rt.ledger.cancel, shaping=shaping, max_in_flight=s.batch_max_in_flight,
-                              max_lines=s.batch_file_max_lines, webhook=webhook,
-                              job_statuses=redis_job_statuses(rt.redis))
-            made = _wired[id(rt)] = (batches, BatchDriver(batches, poll_s=s.batch_poll_s))
-        return made

@@ -9,7 +9,7 @@ counted twice.
 The core reports what it does to ``omni_jobs.telemetry`` and imports nothing from here; the API
 and the workers call ``install()`` at start, which makes this module a telemetry listener. Job and
 stage metrics come from the job ledger's commit listener (``record_job_events``, through
-telemetry): every status change of every job passes through it in whichever process made the
+``omni_jobs.jobs.commit_listeners``): every status change of every job passes through it in whichever process made the
 change, so no shell has to remember to count. Prefork workers (several processes behind one port) need
 ``PROMETHEUS_MULTIPROC_DIR`` set to an empty directory before start; then each child writes its
 values there and the port serves their sum (prometheus-client's multiprocess mode).
@@ -36,6 +36,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from omni_jobs import telemetry, usage
+from omni_jobs.jobs import commit_listeners
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -258,6 +259,7 @@ LISTENER = PrometheusListener()
 def install() -> None:
     """Count this process's telemetry in Prometheus (idempotent); the API and the workers call it at start."""
     telemetry.add_listener(LISTENER)
+    commit_listeners.add(LISTENER.job_events)
 
 
 def process_memory() -> dict[str, int]:

@@ -32,7 +32,8 @@ from omni_jobs.checks import is_builtin
 from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.limits import Limits
 from omni_jobs.openai_errors import OpenAIError
-from omni_jobs.openai_models import OPENAI_MODEL_NAMES, by_request
+from omni_jobs.openai_models import by_request
+from omni_jobs.settings import OPENAI_MODEL_NAMES
 from omni_jobs.openai_requests import Plan, StageOverrides, transcription_stage
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.schema import input_field_schema, json_object, stage_params_schema

@@ -1,5 +1,5 @@
-"""Which ``model`` names the OpenAI-compatible routes take, apart from the mappings that use them (no
-imports beyond the error), so that the settings can default to OpenAI's names.
+"""Which ``model`` names the OpenAI-compatible routes take, apart from the mappings that use them
+(OpenAI's own names, the default of OMNI_OPENAI_MODEL_ALIASES, are ``settings.OPENAI_MODEL_NAMES``).
 
 A name is one of three things: a pipeline (it runs); one of OpenAI's own model names (``gpt-4o``,
 ``dall-e-3``, ``whisper-1``...: OMNI_OPENAI_MODEL_ALIASES), which OpenAI's clients and existing code
@@ -14,13 +14,6 @@ from collections.abc import Collection
 
 from omni_jobs.openai_errors import OpenAIError
 
-OPENAI_MODEL_NAMES: tuple[str, ...] = (
-    "gpt-4o", "gpt-4o-mini", "gpt-4o-audio-preview", "gpt-4o-mini-audio-preview", "gpt-4o-transcribe",
-    "gpt-4o-mini-transcribe", "gpt-4o-mini-tts", "gpt-4.1", "gpt-4.1-mini", "gpt-4.1-nano", "gpt-4-turbo", "gpt-4",
-    "gpt-3.5-turbo", "gpt-5", "gpt-5-mini", "gpt-5-nano", "gpt-audio", "gpt-audio-mini", "chatgpt-4o-latest",
-    "o1", "o3", "o3-mini", "o4-mini", "dall-e-2", "dall-e-3", "gpt-image-1", "tts-1", "tts-1-hd", "whisper-1",
-)
-"""OpenAI's model names taken as "choose by what is asked" (the default of OMNI_OPENAI_MODEL_ALIASES)."""
 
 
 def model_not_found(model: str, pipelines: Collection[str], aliases: Collection[str]) -> OpenAIError:

@@ -49,7 +49,8 @@ from omni_jobs.openai_content import (
     read_content,
 )
 from omni_jobs.openai_errors import OpenAIError
-from omni_jobs.openai_models import OPENAI_MODEL_NAMES, by_request
+from omni_jobs.openai_models import by_request
+from omni_jobs.settings import OPENAI_MODEL_NAMES
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.modalities import EngineKind
 from omni_jobs.pipelines.params import SEED_MAX, whole_numbers

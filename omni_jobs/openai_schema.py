@@ -15,7 +15,7 @@ from omni_jobs.openai_content import (
     content_inputs,
     messages_schema,
 )
-from omni_jobs.openai_models import OPENAI_MODEL_NAMES
+from omni_jobs.settings import OPENAI_MODEL_NAMES
 from omni_jobs.openai_requests import (
     CHAT_AUDIO_FORMATS,
     CHAT_FIELDS,

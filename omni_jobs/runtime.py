@@ -14,16 +14,20 @@ from functools import partial
 
 from redis import Redis
 
-from omni_jobs import telemetry
+from omni_jobs.jobs import commit_listeners
+from omni_jobs.batch_lines import LinePlanner
+from omni_jobs.batch_results import Shaping
+from omni_jobs.batches import BatchDriver, Batches, BatchWebhook, redis_job_statuses
 from omni_jobs.artifacts import ArtifactStore, artifact_store_from_settings
 from omni_jobs.engines import turns
 from omni_jobs.engines.batching import BatchDefaults
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.executor import StepExecutor
+from omni_jobs.files import DurableRecords, FileStore
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job
 from omni_jobs.jobs.redis_store import RedisJobStore
-from omni_jobs.jobs.view import JobJSON, present_job
+from omni_jobs.jobs.view import JobJSON, output_url, present_job
 from omni_jobs.jobs.watch import job_readers
 from omni_jobs.leases import LeaseKeeper, Reaper, lease_owner
 from omni_jobs.limits import Limits
@@ -96,7 +100,7 @@ class Runtime:
                            webhook_progress_interval_s=s.webhook_progress_interval_s,
                            webhook_attempts=policy.attempts_for, deliveries_kept=s.webhook_deliveries_kept,
                            priority_aging_s=s.priority_aging_s)
-        ledger.listeners.append(telemetry.job_events)  # job and stage metrics, where a shell installed them
+        ledger.listeners.append(commit_listeners.committed)  # job and stage metrics, where a shell installed them
         return ledger
 
     @property
@@ -243,3 +247,28 @@ class Runtime:
     def net_guard(self) -> NetGuard:
         """SSRF guard of webhook URLs (submit and delivery), with OMNI_WEBHOOK_ALLOW_HOSTS."""
         return NetGuard(allow_hosts=tuple(self.settings.webhook_allow_hosts))
+
+    @once_property
+    def batches(self) -> Batches:
+        """The OpenAI Batch API's files, batches and their lines' jobs (API routes, the console, the driver)."""
+        s = self.settings
+        signer = self.webhook_signer
+        webhook = BatchWebhook(signer, self.webhooks.post, RetryPolicy.from_settings(s)) if signer is not None else None
+        planner = LinePlanner(self.catalogue, self.submitter, s.openai_model_aliases, s.max_outputs)
+        shaping = Shaping(read=self.artifacts.get, present=self.present,
+                          url_of=lambda job, name: output_url(job, name, public_url=s.public_url,
+                                                              artifacts=self.artifacts,
+                                                              presign=s.output_urls == "presigned"),
+                          output_ttl_s=s.output_ttl_s)
+        records = DurableRecords(self.redis, wait_replicas=s.redis_wait_replicas, wait_aof=s.redis_wait_aof,
+                                 timeout_ms=s.redis_wait_timeout_ms)
+        files = FileStore(self.redis, self.artifacts, ttl_s=s.batch_file_ttl_s, records=records)
+        return Batches(self.redis, files=files, planner=planner, submitter=self.submitter,
+                       get_jobs=self.store.get_many, cancel_job=self.ledger.cancel, shaping=shaping,
+                       max_in_flight=s.batch_max_in_flight, max_lines=s.batch_file_max_lines, webhook=webhook,
+                       job_statuses=redis_job_statuses(self.redis))
+
+    @once_property
+    def batch_driver(self) -> BatchDriver:
+        """Moves this runtime's batches along (not started: the worker that drives batches starts it)."""
+        return BatchDriver(self.batches, poll_s=self.settings.batch_poll_s)

@@ -14,12 +14,21 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from omni_jobs.engines.allocator import MallocChoice
-from omni_jobs.engines.cpu_layout import parse_cpus
-from omni_jobs.openai_models import OPENAI_MODEL_NAMES
+from omni_jobs.cpu_lists import parse_cpus
 from omni_jobs.redis_url import check_redis_url, is_sentinel_url, redact_url
 
 MiB = 1024 * 1024
+
+MallocChoice = Literal["auto", "tcmalloc", "glibc", "system"]
+"""The malloc of engine processes (OMNI_ENGINE_MALLOC; omni_jobs.engines.allocator)."""
+
+OPENAI_MODEL_NAMES: tuple[str, ...] = (
+    "gpt-4o", "gpt-4o-mini", "gpt-4o-audio-preview", "gpt-4o-mini-audio-preview", "gpt-4o-transcribe",
+    "gpt-4o-mini-transcribe", "gpt-4o-mini-tts", "gpt-4.1", "gpt-4.1-mini", "gpt-4.1-nano", "gpt-4-turbo", "gpt-4",
+    "gpt-3.5-turbo", "gpt-5", "gpt-5-mini", "gpt-5-nano", "gpt-audio", "gpt-audio-mini", "chatgpt-4o-latest",
+    "o1", "o3", "o3-mini", "o4-mini", "dall-e-2", "dall-e-3", "gpt-image-1", "tts-1", "tts-1-hd", "whisper-1",
+)
+"""OpenAI's model names taken as "choose by what is asked" (the default of OMNI_OPENAI_MODEL_ALIASES)."""
 
 LIST_FORMAT = 'a comma-separated list (a,b) or a JSON list (["a", "b"])'
 OBJECT_FORMAT = 'a JSON object (e.g. {"vllm": ">=0.11"})'

@@ -1,8 +1,9 @@
 """What the core reports about its own work, for whoever listens.
 
 Engines, the engine pool, the stage-output cache and the artifact store report here (a batch of
-``size`` requests, a cache hit or miss, an engine load, bytes put or got, the events a job
-commit made); they import nothing about how it is counted. The process shells install the
+``size`` requests, a cache hit or miss, an engine load, bytes put or got); they import nothing about
+how it is counted. A job commit's events have their own hook in the job layer
+(``omni_jobs.jobs.commit_listeners``). The process shells install the
 listeners: the API and the workers install Prometheus (``omni_jobs.metrics.install``), and an
 in-process ``Omni`` counts nothing unless its caller installs it too. A listener never fails the
 caller: what it raises is logged and dropped.
@@ -12,11 +13,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from omni_jobs.jobs.models import Job, JobEvent
-
 log = logging.getLogger(__name__)
 
 
@@ -41,9 +37,6 @@ class Listener:
 
     def artifact_io(self, backend: str, op: str, size: int) -> None:
         """``size`` bytes moved to (``put``) or from (``get``) an artifact backend."""
-
-    def job_events(self, job: Job, events: list[JobEvent]) -> None:
-        """A job commit made ``events`` (the job ledger's listener)."""
 
 
 _listeners: list[Listener] = []
@@ -93,7 +86,3 @@ def engine_restart(engine: str) -> None:
 def artifact_io(backend: str, op: str, size: int) -> None:
     _each("artifact_io", backend, op, size)
 
-
-def job_events(job: Job, events: list[JobEvent]) -> None:
-    """The ledger listener that the runtime installs: hands each commit's events to the listeners."""
-    _each("job_events", job, events)

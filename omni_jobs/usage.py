@@ -21,7 +21,8 @@ from datetime import UTC, datetime
 
 import redis
 
-from omni_jobs import keys, telemetry
+from omni_jobs import keys
+from omni_jobs.jobs import commit_listeners
 from omni_jobs.jobs.models import EventType, Job, JobEvent, StageRecord
 from omni_jobs.json_types import JsonObject, JsonValue
 from omni_jobs.redis_replies import members, text_hash
@@ -89,7 +90,7 @@ def _record(job: Job, stage: object) -> StageRecord | None:
         return None
 
 
-class UsageRecorder(telemetry.Listener):
+class UsageRecorder:
     """Counts usage in Redis (``keys.usage``). A commit only adds its increments to this process's tally (a dict
     under a lock: no I/O on the committing thread, which for a submit is the API's event loop); a daemon thread
     writes the tally every ``flush_s`` in one pipeline. A process killed meanwhile loses its last ``flush_s`` of
@@ -164,10 +165,10 @@ def install(client: redis.Redis) -> UsageRecorder:
     for earlier in _installed:
         if earlier.client is client:
             return earlier
-        telemetry.remove_listener(earlier)
+        commit_listeners.remove(earlier.job_events)
     recorder = UsageRecorder(client)
     _installed[:] = [recorder]
-    telemetry.add_listener(recorder)
+    commit_listeners.add(recorder.job_events)
     return recorder
 
 

@@ -24,7 +24,6 @@ from celery.exceptions import Reject
 
 from omni_jobs import metrics, usage
 from omni_jobs.batches import BatchDriver
-from omni_jobs.batches import from_runtime as batches_from_runtime
 from omni_jobs.collector import freeze_loaded_objects
 from omni_jobs.engines.batching import arrivals
 from omni_jobs.engines.gloo_device import destroy_process_groups
@@ -182,7 +181,7 @@ _heartbeat: dict[str, object] = {}
 
 def batch_driver(rt: Runtime) -> BatchDriver:
     """This process's batch driver (a daemon thread once started)."""
-    return batches_from_runtime(rt)[1]
+    return rt.batch_driver
 
 
 def worker_concurrency(consumer: Any) -> int:

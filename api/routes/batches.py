@@ -20,7 +20,7 @@ from api.deps import get_context
 from api.routes.openai import OpenAIErrorBody
 from api.schemas import errors
 from omni_jobs.batch_lines import ENDPOINTS, BatchFileInvalid
-from omni_jobs.batches import WINDOWS, Batches, from_runtime
+from omni_jobs.batches import WINDOWS, Batches
 from omni_jobs.files import JSONL, FileNotFound, FileRecord
 from omni_jobs.json_types import JsonObject
 from omni_jobs.openai_errors import OpenAIError
@@ -60,7 +60,7 @@ def install(app: FastAPI) -> None:
 
 
 def _batches(request: Request) -> Batches:
-    return from_runtime(get_context(request).runtime)[0]
+    return get_context(request).runtime.batches
 
 
 def _file(batches: Batches, tenant: str, file_id: str) -> FileRecord:

@@ -27,7 +27,6 @@ from fastapi.routing import APIRoute
 from api.deps import ApiContext, get_context
 from api.ui import forms, graph, session, templating, views
 from omni_jobs.artifacts import ArtifactCorrupted, ArtifactNotFound, ArtifactStoreUnavailable
-from omni_jobs.batches import from_runtime as batches_of
 from omni_jobs.cancellation import cancel_job
 from omni_jobs.errors import (
     IdempotencyConflict,
@@ -530,7 +529,7 @@ def _day(at: object) -> str:
 
 @router.get("/batches")
 def batches_page(request: Request, ctx: Ctx, who: Viewer) -> Response:
-    page = batches_of(ctx.runtime)[0].page(who.tenant, limit=100)
+    page = ctx.runtime.batches.page(who.tenant, limit=100)
     return templating.render(request, "batches.html", viewer=who, batches=page["data"], when=_when)
 
 

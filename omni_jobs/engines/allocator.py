@@ -27,11 +27,12 @@ import logging
 import os
 from collections.abc import MutableMapping
 from pathlib import Path
-from typing import Literal, get_args
+from typing import get_args
+
+from omni_jobs.settings import MallocChoice
 
 log = logging.getLogger(__name__)
 
-MallocChoice = Literal["auto", "tcmalloc", "glibc", "system"]
 CHOICES: tuple[MallocChoice, ...] = get_args(MallocChoice)
 ENV_VAR = "OMNI_ENGINE_MALLOC"
 

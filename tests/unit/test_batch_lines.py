@@ -26,7 +26,7 @@ from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import Job, JobError, JobOutput, JobStatus
 from omni_jobs.limits import Limits
-from omni_jobs.openai_models import OPENAI_MODEL_NAMES
+from omni_jobs.settings import OPENAI_MODEL_NAMES
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.settings import Settings
 from omni_jobs.submission import JobSubmitter, build_job

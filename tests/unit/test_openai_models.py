@@ -12,7 +12,7 @@ from api.main import create_app
 from omni_jobs.limits import Limits
 from omni_jobs.openai_audio import TranscriptionForm, form_body, plan_transcription
 from omni_jobs.openai_errors import OpenAIError
-from omni_jobs.openai_models import OPENAI_MODEL_NAMES
+from omni_jobs.settings import OPENAI_MODEL_NAMES
 from omni_jobs.openai_requests import (
     ChatCompletionRequest,
     ImageGenerationRequest,
