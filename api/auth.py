@@ -16,8 +16,8 @@ from fastapi import Depends, HTTPException, Request, status
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from api.deps import get_context
-from omni_jobs import keys
-from omni_jobs.auth import DEFAULT_TENANT, ID_HEX, KEY_PREFIX, ApiKeyInfo, ApiKeys, InvalidApiKey, hash_key
+from omni_jobs.accept.auth import DEFAULT_TENANT, ID_HEX, KEY_PREFIX, ApiKeyInfo, ApiKeys, InvalidApiKey, hash_key
+from omni_jobs.core import keys
 from omni_jobs.jobs.change import Guard
 
 bearer = HTTPBearer(auto_error=False, description="An API key: `omni-jobs keys create --tenant T` prints one.")

@@ -9,14 +9,14 @@ from celery import Celery
 from fastapi import Request
 
 from api.streams import StreamSlots
-from omni_jobs.auth import ApiKeyInfo
+from omni_jobs.accept.auth import ApiKeyInfo
+from omni_jobs.accept.submission import JobSubmitter
+from omni_jobs.core.redis_clients import async_client_from_url
+from omni_jobs.dispatch.outbox import OutboxRelay
+from omni_jobs.dispatch.queueing import celery_config, publish_steps
+from omni_jobs.jobs.steps import Step
 from omni_jobs.jobs.watch import JobWatcher
-from omni_jobs.outbox import OutboxRelay
-from omni_jobs.queueing import celery_config, publish_steps
-from omni_jobs.redis_clients import async_client_from_url
 from omni_jobs.runtime import Runtime
-from omni_jobs.steps import Step
-from omni_jobs.submission import JobSubmitter
 
 _heap_frozen = False
 STREAM_READS = 16

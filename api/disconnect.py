@@ -4,7 +4,7 @@ canceled, unless the request carried an Idempotency-Key.
 Without a key nobody can find those jobs again: the answer was theirs only, and OpenAI's SDKs retry a
 dropped request by submitting it again, so the first jobs would run (and be charged) for nobody. With a
 key a retry answers the same jobs, so they keep running. The cancel is the ledger's, as POST
-/v1/jobs/{id}/cancel does it (omni_jobs.cancellation): the workers stop at their next step.
+/v1/jobs/{id}/cancel does it (omni_jobs.dispatch.cancellation): the workers stop at their next step.
 
 A plain answer learns of the leaving by polling ``request.is_disconnected()`` while it waits (the body
 was read, so the next ASGI message is the disconnect); a streamed one when Starlette cancels its body
@@ -21,8 +21,8 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from omni_jobs.cancellation import cancel_job
-from omni_jobs.errors import JobAlreadyFinished, JobNotFound
+from omni_jobs.core.errors import JobAlreadyFinished, JobNotFound
+from omni_jobs.dispatch.cancellation import cancel_job
 from omni_jobs.jobs.ledger import JobLedger
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from fastapi import HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from omni_jobs import jsontext
+from omni_jobs.core import jsontext
 
 M = TypeVar("M", bound=BaseModel)
 

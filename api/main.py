@@ -21,12 +21,10 @@ from api.responses import JSONText
 from api.routes import batches, events, health, jobs, metrics, openai, pipelines, usage
 from api.schemas import JobRequest, job_request_schemas
 from api.ui import router as ui_router
-from omni_jobs import openai_audio, openai_schema
-from omni_jobs import usage as usage_counts
+from omni_jobs.accept import openai_audio, openai_schema
 from omni_jobs.artifacts import ArtifactStoreUnavailable
-from omni_jobs.collector import set_young_threshold
-from omni_jobs.engines.model_source import load_model_sources
-from omni_jobs.errors import (
+from omni_jobs.core.collector import set_young_threshold
+from omni_jobs.core.errors import (
     IdempotencyConflict,
     InvalidRequest,
     JobAlreadyFinished,
@@ -36,13 +34,15 @@ from omni_jobs.errors import (
     QuotaExceeded,
     UnknownPipeline,
 )
-from omni_jobs.limits import Limits
-from omni_jobs.logs import configure_logging
-from omni_jobs.metrics import QUOTA_REFUSALS
-from omni_jobs.metrics import install as install_metrics
+from omni_jobs.core.logs import configure_logging
+from omni_jobs.core.settings import Settings, get_settings
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
+from omni_jobs.pipelines.limits import Limits
+from omni_jobs.pipelines.model_source import load_model_sources
+from omni_jobs.report import usage as usage_counts
+from omni_jobs.report.metrics import QUOTA_REFUSALS
+from omni_jobs.report.metrics import install as install_metrics
 from omni_jobs.runtime import Runtime
-from omni_jobs.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         configure_logging(settings.log_format, settings.log_level, service="api")  # JSON lines with job ids
-        set_young_threshold(settings.api_gc_young_threshold)  # the collector took ~6% of a submit (omni_jobs.collector)
+        set_young_threshold(settings.api_gc_young_threshold)  # the collector took ~6% of a submit (omni_jobs.core.collector)
         load_model_sources(settings.model_sources)  # tiny:NAME ids (validation knows their sizes)
         ctx = ApiContext(Runtime(settings, worker="api"))
         usage_counts.install(ctx.runtime.redis)  # usage per tenant: the jobs this process makes and cancels

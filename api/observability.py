@@ -14,8 +14,8 @@ import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from omni_jobs import metrics
-from omni_jobs.logs import bind, job_id_var
+from omni_jobs.core.logs import bind, job_id_var
+from omni_jobs.report import metrics
 
 log = logging.getLogger("omni_jobs.api.access")
 

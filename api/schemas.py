@@ -7,13 +7,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from omni_jobs.jobs.view import JobView
-from omni_jobs.limits import Limits
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
+from omni_jobs.pipelines.limits import Limits
 from omni_jobs.pipelines.schema import input_schema, params_schema
 from omni_jobs.pipelines.spec import PipelineSpec
 
 WEBHOOK_URL = r"^[Hh][Tt][Tt][Pp][Ss]?://([^/?#@\s]*@)?[^/?#@:\[\]\s]+(:[0-9]*)?([/?#]\S*)?$"
-"""What omni_jobs.webhooks.validate_webhook takes: an http(s) URL with a host (checked there, not by
+"""What omni_jobs.report.webhooks.validate_webhook takes: an http(s) URL with a host (checked there, not by
 pydantic). A bracketed IPv6 literal is not in the pattern (it is accepted where it parses)."""
 
 

@@ -16,10 +16,10 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
 from api.schemas import JobRequest
-from omni_jobs import jsontext
-from omni_jobs.errors import FieldError, InvalidRequest
-from omni_jobs.limits import Limits
+from omni_jobs.core import jsontext
+from omni_jobs.core.errors import FieldError, InvalidRequest
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
+from omni_jobs.pipelines.limits import Limits
 from omni_jobs.pipelines.schema import WHAT_DECODES, input_schema
 from omni_jobs.pipelines.spec import DEFAULT_MAX_BYTES, PipelineSpec
 

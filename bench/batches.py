@@ -37,10 +37,10 @@ import httpx
 import redis
 
 from bench.procfs import memory_mib
-from omni_jobs import keys
+from omni_jobs.core import keys
+from omni_jobs.core.settings import Settings
 from omni_jobs.local.devservices import free_port
 from omni_jobs.local.embedded import EmbeddedSystem
-from omni_jobs.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 import redis
 
+from omni_jobs.accept.submission import build_job, resolve_params
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.local.devservices import (
@@ -47,7 +48,6 @@ from omni_jobs.local.devservices import (
     start_redis,
 )
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.submission import build_job, resolve_params
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -46,16 +46,16 @@ from bench.lean_http import JobPoster
 from bench.procfs import cpu_s, memory_mib, wakeups
 from bench.redis_calls import RedisCalls
 from bench.redis_calls import snapshot as redis_snapshot
-from omni_jobs import keys
+from omni_jobs.core import keys
+from omni_jobs.core.settings import Settings
 from omni_jobs.engines.allocator import engine_process_env, loaded_tcmalloc, malloc_choice, tune_engine_malloc
 from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.redis_store import RedisJobStore
+from omni_jobs.jobs.steps import WORKER_QUEUES
 from omni_jobs.local.devservices import exit_on_sigterm
 from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.local.tiny import resolve_model
-from omni_jobs.settings import Settings
-from omni_jobs.steps import WORKER_QUEUES
 
 ROOT = Path("var/bench")
 AR_MODEL, DIT_SMALL, DIT_LARGE = "tiny:bench-llama-1024", "tiny:bench-pixart-128", "tiny:bench-pixart"

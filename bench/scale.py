@@ -27,16 +27,16 @@ from typing import Any, cast
 import httpx
 import redis
 
-from omni_jobs import keys
+from omni_jobs.accept.submission import build_job, resolve_params
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, LocalBackend, RedisBackend
+from omni_jobs.core import keys
+from omni_jobs.dispatch.retention import cleanup
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import EventType, Job, JobEvent, JobOutput, JobStatus, StageStatus, new_job_id, now
 from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.local.devservices import RunningService, exit_on_sigterm, free_port, start_redis
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.retention import cleanup
-from omni_jobs.submission import build_job, resolve_params
 
 REPO = Path(__file__).resolve().parents[1]
 DAY = 24 * 3600

@@ -27,9 +27,9 @@ from typing import Any
 import httpx
 
 from bench.procfs import memory_mib
+from omni_jobs.core.settings import Settings
 from omni_jobs.local.devservices import exit_on_sigterm
 from omni_jobs.local.embedded import EmbeddedSystem
-from omni_jobs.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 GROWTH_LIMIT = 1.10

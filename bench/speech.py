@@ -98,12 +98,12 @@ class DirectSpeech:
     for all requests), code2wav (torch, one Code2WavStream per request on a thread of its own)."""
 
     def __init__(self, models_dir: Path) -> None:
+        from omni_jobs.core.settings import Settings
         from omni_jobs.engines import turns
         from omni_jobs.engines.pool import EnginePool
         from omni_jobs.engines.stage_exec import ar_engine_args, load_stage_engine
         from omni_jobs.engines.talker import Talker
         from omni_jobs.pipelines.catalogue import load_catalogue
-        from omni_jobs.settings import Settings
 
         settings = Settings(models_dir=models_dir)
         spec = load_catalogue([]).get(PIPELINE)
@@ -323,8 +323,8 @@ class SpeechSystem:
     """A private EmbeddedSystem with the workers text-to-speech needs; N jobs at once, each with its SSE reader."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        from omni_jobs.core.settings import Settings
         from omni_jobs.local.embedded import EmbeddedSystem
-        from omni_jobs.settings import Settings
 
         self.args = args
         home = (ROOT / "speech-system").resolve()
@@ -350,8 +350,8 @@ class SpeechSystem:
     def run(self, said: list[str], codes: int) -> dict[str, Any]:
         """N jobs POSTed at once (N = len(said)), each followed by its own SSE reader: each one's seconds from just
         before its POST to its first audio delta received and to its job.succeeded event."""
-        from omni_jobs.audio_stream import AudioDeltaReader
         from omni_jobs.client import Client
+        from omni_jobs.run.audio_stream import AudioDeltaReader
 
         n = len(said)
         clients = [Client(self.system.api_url, api_key=self.system.api_key, timeout=600) for _ in range(n)]

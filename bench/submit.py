@@ -51,8 +51,8 @@ import httpx
 import redis
 
 from bench.procfs import cpu_s
-from omni_jobs import keys
-from omni_jobs.auth import ApiKeys
+from omni_jobs.accept.auth import ApiKeys
+from omni_jobs.core import keys
 from omni_jobs.local.devservices import (
     RunningService,
     exit_on_sigterm,

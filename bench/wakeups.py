@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()
     as_engine_process()  # the engines' library settings and malloc, as a worker's
     from omni_jobs.engines.dit import DiTEngine
-    from omni_jobs.engines.model_source import resolve_model
+    from omni_jobs.pipelines.model_source import resolve_model
 
     engine = DiTEngine(resolve_model(DIT_SMALL, (ROOT / "models").resolve()), pipeline_class="PixArtSigmaPipeline")
     generate_images(engine, prompts(32, 999), 32, 20, 32)  # warm: the first call at a batch size allocates

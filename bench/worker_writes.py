@@ -25,12 +25,12 @@ from pathlib import Path
 
 import redis
 
+from omni_jobs.core.json_types import JsonObject
+from omni_jobs.dispatch.scheduling import Scheduler
 from omni_jobs.jobs.ledger import Acquired, JobLedger
 from omni_jobs.jobs.models import EventType, Job, StageRecord, new_job_id, now
 from omni_jobs.jobs.redis_store import RedisJobStore
-from omni_jobs.json_types import JsonObject
 from omni_jobs.local.devservices import exit_on_sigterm, start_redis
-from omni_jobs.scheduling import Scheduler
 
 
 def running_stages(ledger: JobLedger, n: int) -> list[Acquired]:

@@ -15,7 +15,6 @@ def __getattr__(name: str) -> object:
     """``omni_jobs.Omni`` without importing the runner (and its dependencies) for every submodule."""
     if name in _LAZY:
         from omni_jobs import omni
-
         return getattr(omni, name)
     raise AttributeError(f"module 'omni_jobs' has no attribute {name!r}")
 

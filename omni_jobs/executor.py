@@ -11,10 +11,10 @@ import secrets
 from dataclasses import dataclass
 
 from omni_jobs.jobs.models import Job
-from omni_jobs.results import ResultsAssembler
-from omni_jobs.stages import StageRunner
-from omni_jobs.steps import AssembleResults, DeliverWebhook, RunStage, Step, StepOutcome
-from omni_jobs.webhooks import WebhookDeliverer
+from omni_jobs.jobs.steps import AssembleResults, DeliverWebhook, RunStage, Step, StepOutcome
+from omni_jobs.report.results import ResultsAssembler
+from omni_jobs.report.webhooks import WebhookDeliverer
+from omni_jobs.run.stages import StageRunner
 
 
 @dataclass

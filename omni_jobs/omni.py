@@ -26,26 +26,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from omni_jobs.accept.submission import JobSubmitter
 from omni_jobs.artifacts import ArtifactStore, artifact_store_from_settings, codecs
-from omni_jobs.engines.model_source import load_model_sources
+from omni_jobs.core.errors import OmniError
+from omni_jobs.core.json_types import JsonValue
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.scheduling import Scheduler
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.engines.stage_exec import load_stage_engine
-from omni_jobs.errors import OmniError
 from omni_jobs.executor import StepExecutor
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import Job, JobError, JobEvent, JobOutput, JobStatus, now
 from omni_jobs.jobs.store import JobStore
-from omni_jobs.json_types import JsonValue
-from omni_jobs.payloads import AudioClip, VideoClip, decode_payload, encode_payload
+from omni_jobs.media.payloads import AudioClip, VideoClip, decode_payload, encode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue, load_pipeline_file
+from omni_jobs.pipelines.model_source import load_model_sources
 from omni_jobs.pipelines.spec import PipelineSpec
-from omni_jobs.results import ResultsAssembler
-from omni_jobs.scheduling import Scheduler
-from omni_jobs.settings import Settings
-from omni_jobs.stage_attempt import Retries
-from omni_jobs.stages import StageRunner
-from omni_jobs.submission import JobSubmitter
+from omni_jobs.report.results import ResultsAssembler
+from omni_jobs.run.stage_attempt import Retries
+from omni_jobs.run.stages import StageRunner
 
 if TYPE_CHECKING:
     import PIL.Image

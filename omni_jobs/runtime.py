@@ -14,43 +14,43 @@ from functools import partial
 
 from redis import Redis
 
-from omni_jobs.jobs import commit_listeners
-from omni_jobs.batch_lines import LinePlanner
-from omni_jobs.batch_results import Shaping
-from omni_jobs.batches import BatchDriver, Batches, BatchWebhook, redis_job_statuses
+from omni_jobs.accept.batch_lines import LinePlanner
+from omni_jobs.accept.batch_results import Shaping
+from omni_jobs.accept.batches import BatchDriver, Batches, BatchWebhook, redis_job_statuses
+from omni_jobs.accept.files import DurableRecords, FileStore
+from omni_jobs.accept.submission import Admission, JobSubmitter
 from omni_jobs.artifacts import ArtifactStore, artifact_store_from_settings
+from omni_jobs.core.net_guard import NetGuard
+from omni_jobs.core.once import once_property
+from omni_jobs.core.redis_clients import async_client_from_url, redis_client
+from omni_jobs.core.redis_replies import text_hash
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.leases import LeaseKeeper, Reaper, lease_owner
+from omni_jobs.dispatch.outbox import OutboxRelay, Publish
+from omni_jobs.dispatch.queue_depth import queue_depth
+from omni_jobs.dispatch.queueing import broker_message_templates
+from omni_jobs.dispatch.scheduling import QuotaDefaults, Quotas, Scheduler
+from omni_jobs.dispatch.worker_registry import queue_capacity
 from omni_jobs.engines import turns
 from omni_jobs.engines.batching import BatchDefaults
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.executor import StepExecutor
-from omni_jobs.files import DurableRecords, FileStore
+from omni_jobs.jobs import commit_listeners
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job
 from omni_jobs.jobs.redis_store import RedisJobStore
+from omni_jobs.jobs.steps import RESULTS_QUEUE, WEBHOOKS_QUEUE
 from omni_jobs.jobs.view import JobJSON, output_url, present_job
 from omni_jobs.jobs.watch import job_readers
-from omni_jobs.leases import LeaseKeeper, Reaper, lease_owner
-from omni_jobs.limits import Limits
-from omni_jobs.net_guard import NetGuard
-from omni_jobs.once import once_property
-from omni_jobs.outbox import OutboxRelay, Publish
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
-from omni_jobs.queue_depth import queue_depth
-from omni_jobs.queueing import broker_message_templates
-from omni_jobs.redis_clients import async_client_from_url, redis_client
-from omni_jobs.redis_replies import text_hash
-from omni_jobs.results import ResultsAssembler
-from omni_jobs.run_journal import RunJournal
-from omni_jobs.scheduling import QuotaDefaults, Quotas, Scheduler
-from omni_jobs.settings import Settings
-from omni_jobs.stage_attempt import Retries, StageLimits
-from omni_jobs.stage_outputs import StageCaches
-from omni_jobs.stage_reports import Reporting
-from omni_jobs.stages import StageRunner
-from omni_jobs.steps import RESULTS_QUEUE, WEBHOOKS_QUEUE
-from omni_jobs.submission import Admission, JobSubmitter
-from omni_jobs.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner
-from omni_jobs.worker_registry import queue_capacity
+from omni_jobs.pipelines.limits import Limits
+from omni_jobs.report.results import ResultsAssembler
+from omni_jobs.report.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner
+from omni_jobs.run.run_journal import RunJournal
+from omni_jobs.run.stage_attempt import Retries, StageLimits
+from omni_jobs.run.stage_outputs import StageCaches
+from omni_jobs.run.stage_reports import Reporting
+from omni_jobs.run.stages import StageRunner
 
 
 class Runtime:

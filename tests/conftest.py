@@ -15,8 +15,8 @@ import pytest
 import redis
 
 from omni_jobs.artifacts import s3_client_from_settings
+from omni_jobs.core.settings import Settings
 from omni_jobs.local.devservices import RunningService, start_moto_s3, start_redis
-from omni_jobs.settings import Settings
 
 MARKERS = {
     "integration": "needs real local services (redis-server, moto S3, Celery workers)",

@@ -6,10 +6,10 @@ step the ledger dispatched from the outbox, run it, and take the next ones.
 
 from __future__ import annotations
 
+from omni_jobs.dispatch.scheduling import Scheduler
 from omni_jobs.jobs.models import now
 from omni_jobs.jobs.redis_store import RedisJobStore
-from omni_jobs.scheduling import Scheduler
-from omni_jobs.steps import Step
+from omni_jobs.jobs.steps import Step
 
 
 def due_steps(store: RedisJobStore, job_id: str, *, at: float | None = None) -> list[Step]:

@@ -1,7 +1,7 @@
 """The Celery application every omni-jobs worker and Flower runs.
 
-Thin shell: configuration comes from omni_jobs.queueing, the work from omni_jobs.stages and
-omni_jobs.results. Start a worker per queue, e.g.
+Thin shell: configuration comes from omni_jobs.dispatch.queueing, the work from omni_jobs.run.stages and
+omni_jobs.report.results. Start a worker per queue, e.g.
 ``celery -A workers.app:app worker -Q dit -P threads -c 16 -n dit@%h``.
 """
 
@@ -16,8 +16,8 @@ apply_engine_library_defaults()  # before torch loads: oneDNN's cache and OpenMP
 
 from celery import Celery
 
-from omni_jobs.queueing import celery_config
-from omni_jobs.settings import get_settings
+from omni_jobs.core.settings import get_settings
+from omni_jobs.dispatch.queueing import celery_config
 from workers import celery_patches, quiet_cluster
 
 # The only changes to Celery's and kombu's own code (each with its upstream issue: workers/celery_patches.py):

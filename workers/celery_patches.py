@@ -42,7 +42,7 @@ def closed_channel_raises_connection_error() -> None:
     closed channel for its connection parameters: ``AttributeError`` on None, which Celery treats as
     unrecoverable, so the worker exits and its jobs wait for another worker. The broker's own
     connection error instead lets Celery do what it does for any lost connection: reconnect; the steps
-    of the messages it held are sent again by the reaper (omni_jobs.leases).
+    of the messages it held are sent again by the reaper (omni_jobs.dispatch.leases).
 
     Pinned by tests/integration/test_celery_patches.py
     (test_a_task_thread_acking_on_a_closed_channel_gets_a_connection_error).

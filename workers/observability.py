@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 from celery import signals
 
-from omni_jobs import metrics
-from omni_jobs.logs import bind, configure_logging
-from omni_jobs.settings import get_settings
-from omni_jobs.steps import task_subject
+from omni_jobs.core.logs import bind, configure_logging
+from omni_jobs.core.settings import get_settings
+from omni_jobs.jobs.steps import task_subject
+from omni_jobs.report import metrics
 
 if TYPE_CHECKING:
     from omni_jobs.jobs.models import Job

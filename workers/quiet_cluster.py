@@ -3,7 +3,7 @@
 Celery's Gossip step subscribes every worker to every other worker's events (a heartbeat every 2
 s each) and folds them into an in-memory cluster state; Mingle asks the other workers for their
 revoked tasks and clocks at start. omni-jobs uses neither: liveness is its own registry
-(omni_jobs.worker_registry), a cancel is a ledger write, not a Celery revoke, and Flower reads the
+(omni_jobs.dispatch.worker_registry), a cancel is a ledger write, not a Celery revoke, and Flower reads the
 events itself. With W workers, gossip has each one handle W/2 events a second in Python, in the
 process whose engine thread needs the interpreter (with ~10 workers it was about as much CPU as
 the outbox relay's passes).

@@ -1,6 +1,6 @@
 """A worker that cannot do its job refuses to start, saying what to install or fix.
 
-Two checks (omni_jobs.checks): before connecting to the broker, the engine libraries the worker's
+Two checks (omni_jobs.dispatch.checks): before connecting to the broker, the engine libraries the worker's
 queues need must be inside their supported ranges (OMNI_VERSION_CHECK); while preloading, the
 models of its stages must load (OMNI_REFUSE_BROKEN_MODELS: 'builtin' by default, so a user's
 pipeline with a bad model path fails its own jobs instead of taking a shared worker down).
@@ -14,10 +14,10 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from omni_jobs.checks import StartupRefused, engine_kinds, model_problem, refuses_for, version_problems
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.checks import StartupRefused, engine_kinds, model_problem, refuses_for, version_problems
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.spec import PipelineSpec, StageSpec
-from omni_jobs.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ broker instead of dropping it.
 
 Every worker process also runs the outbox relay (publishing what its commits dispatch), the lease
 keeper (renewing its running steps' leases) and the reaper (taking back dead workers' steps); a
-results worker also runs the batch driver (omni_jobs.batches).
+results worker also runs the batch driver (omni_jobs.accept.batches).
 """
 
 from __future__ import annotations
@@ -22,20 +22,18 @@ from typing import Any
 from celery import Task, signals
 from celery.exceptions import Reject
 
-from omni_jobs import metrics, usage
-from omni_jobs.batches import BatchDriver
-from omni_jobs.collector import freeze_loaded_objects
+from omni_jobs.accept.batches import BatchDriver
+from omni_jobs.core.collector import freeze_loaded_objects
+from omni_jobs.core.errors import StoreUnavailable
+from omni_jobs.core.settings import get_settings
+from omni_jobs.dispatch.queue_depth import queue_depth
+from omni_jobs.dispatch.queueing import SNAPSHOT_HEADER, job_snapshot, publish_steps
+from omni_jobs.dispatch.retention import cleanup
+from omni_jobs.dispatch.worker_registry import NodeClaim, claim_node, release_node, start_heartbeat, unregister_worker
 from omni_jobs.engines.batching import arrivals
 from omni_jobs.engines.gloo_device import destroy_process_groups
-from omni_jobs.engines.model_source import load_model_sources
 from omni_jobs.engines.stage_exec import load_stage_engine
-from omni_jobs.errors import StoreUnavailable
-from omni_jobs.queue_depth import queue_depth
-from omni_jobs.queueing import SNAPSHOT_HEADER, job_snapshot, publish_steps
-from omni_jobs.retention import cleanup
-from omni_jobs.runtime import Runtime
-from omni_jobs.settings import get_settings
-from omni_jobs.steps import (
+from omni_jobs.jobs.steps import (
     ASSEMBLE_RESULTS_TASK,
     CLEANUP_TASK,
     DELIVER_WEBHOOK_TASK,
@@ -46,7 +44,9 @@ from omni_jobs.steps import (
     display_name,
     from_task,
 )
-from omni_jobs.worker_registry import NodeClaim, claim_node, release_node, start_heartbeat, unregister_worker
+from omni_jobs.pipelines.model_source import load_model_sources
+from omni_jobs.report import metrics, usage
+from omni_jobs.runtime import Runtime
 from workers import observability, startup
 from workers.app import ENGINE_MALLOC, app
 
@@ -113,7 +113,7 @@ def deliver_webhook(self: Task, job_id: str, message_id: str, event: str, attemp
 
 @app.task(name=CLEANUP_TASK)
 def run_cleanup() -> dict[str, int]:
-    """Periodic retention and a reaper pass (scheduled by ``celery beat``; see omni_jobs.queueing)."""
+    """Periodic retention and a reaper pass (scheduled by ``celery beat``; see omni_jobs.dispatch.queueing)."""
     rt = runtime()
     s = rt.settings
     report = cleanup(rt.ledger, rt.artifacts, output_ttl_s=s.output_ttl_s, intermediate_ttl_s=s.intermediate_ttl_s,
@@ -156,7 +156,7 @@ def on_worker_ready(sender: Any = None, **_: Any) -> None:
             freeze_loaded_objects()  # before the first task: the collector's full passes skip the engines
     rt.relay(partial(publish_steps, app)).start()
     rt.reaper.start()
-    if RESULTS_QUEUE in queues:  # the results workers advance the batches (omni_jobs.batches)
+    if RESULTS_QUEUE in queues:  # the results workers advance the batches (omni_jobs.accept.batches)
         batch_driver(rt).start()
     concurrency = worker_concurrency(sender)  # the scheduler's window counts it
     configure_batch_filling(rt, queues, concurrency)

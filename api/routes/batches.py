@@ -1,7 +1,7 @@
 """OpenAI's Files and Batch APIs (``/v1/files``, ``/v1/batches``): HTTP only.
 
-What a file or a batch is, how its lines are checked and run, is omni_jobs.files, omni_jobs.batch_lines
-and omni_jobs.batches; this module parses, calls them (in a thread where they do I/O or CPU work) and
+What a file or a batch is, how its lines are checked and run, is omni_jobs.accept.files, omni_jobs.accept.batch_lines
+and omni_jobs.accept.batches; this module parses, calls them (in a thread where they do I/O or CPU work) and
 answers in OpenAI's shapes, errors included (``{"error": {message, type, param, code}}``). Every route
 is the caller's tenant's: another tenant's file or batch is a 404, as a missing one.
 """
@@ -19,11 +19,11 @@ from api.auth import api_key_id, authenticate
 from api.deps import get_context
 from api.routes.openai import OpenAIErrorBody
 from api.schemas import errors
-from omni_jobs.batch_lines import ENDPOINTS, BatchFileInvalid
-from omni_jobs.batches import WINDOWS, Batches
-from omni_jobs.files import JSONL, FileNotFound, FileRecord
-from omni_jobs.json_types import JsonObject
-from omni_jobs.openai_errors import OpenAIError
+from omni_jobs.accept.batch_lines import ENDPOINTS, BatchFileInvalid
+from omni_jobs.accept.batches import WINDOWS, Batches
+from omni_jobs.accept.files import JSONL, FileNotFound, FileRecord
+from omni_jobs.accept.openai_errors import OpenAIError
+from omni_jobs.core.json_types import JsonObject
 
 router = APIRouter(prefix="/v1", tags=["batches"], responses=errors(401, 503))
 _TEXT = {400: "A field is invalid; `param` names it (a refused file also lists its faulty lines in `errors`).",

@@ -22,7 +22,7 @@ from fastapi.responses import StreamingResponse
 from api.auth import Tenant, authenticate
 from api.deps import ApiContext, get_context
 from api.schemas import errors
-from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound
+from omni_jobs.core.errors import FieldError, InvalidRequest, JobNotFound
 from omni_jobs.jobs.models import FINAL_EVENTS
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(authenticate)], responses=errors(401, 503))

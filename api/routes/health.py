@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response, status
 from api.deps import ApiContext, get_context
 from api.routes.metrics import scrape_token_given
 from omni_jobs.artifacts.backends import ArtifactBackend
-from omni_jobs.checks import (
+from omni_jobs.dispatch.checks import (
     Check,
     check_artifact_store,
     check_redis,

@@ -21,14 +21,14 @@ from api.prefer import prefer_wait
 from api.responses import JSONText
 from api.schemas import JobList, JobRequest, errors
 from omni_jobs.artifacts import ArtifactCorrupted, ArtifactNotFound
-from omni_jobs.audio_formats import AUDIO_FORMATS, ENCODINGS, AudioFormat, convert, is_wav
-from omni_jobs.cancellation import cancel_job
-from omni_jobs.errors import FieldError, InvalidRequest, JobNotFound, NotDurable
+from omni_jobs.core.errors import FieldError, InvalidRequest, JobNotFound, NotDurable
+from omni_jobs.dispatch.cancellation import cancel_job
 from omni_jobs.jobs.flows import Get, QueuePosition
 from omni_jobs.jobs.ledger import RequirementFailed
 from omni_jobs.jobs.models import Job, JobStatus
 from omni_jobs.jobs.view import JobJSON, JobView, present_job
 from omni_jobs.jobs.watch import mark_looked_at
+from omni_jobs.media.audio_formats import AUDIO_FORMATS, ENCODINGS, AudioFormat, convert, is_wav
 
 log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"],  # every route takes the caller's tenant: authenticated
@@ -214,7 +214,7 @@ async def _submit(ctx: ApiContext, request: Request, body: JobRequest, tenant: s
 def corrupted(exc: ArtifactCorrupted, what: str) -> JSONText:
     """A stored file whose bytes are not the ones the job recorded (its size or sha256): 502, the
     artifact store having answered with other bytes. No system write replaces a recorded file (each
-    attempt writes under keys of its own: omni_jobs.results), so something else changed it."""
+    attempt writes under keys of its own: omni_jobs.report.results), so something else changed it."""
     log.error("%s: %s", what, exc)
     return JSONText({"detail": f"the stored file of {what} does not match the job's record of it (it was "
                                "changed outside this system); ask the operator to restore it, or run the job again"},
@@ -282,7 +282,7 @@ def cancel(job_id: str, ctx: Ctx, tenant: Tenant) -> Any:
     return _present(ctx, cancel_job(ctx.runtime.jobs, job_id))
 
 
-AUDIO_FORMAT_DOC = (f"Audio outputs only: the audio re-encoded as {', '.join(AUDIO_FORMATS)} (omni_jobs.audio_formats; "
+AUDIO_FORMAT_DOC = (f"Audio outputs only: the audio re-encoded as {', '.join(AUDIO_FORMATS)} (omni_jobs.media.audio_formats; "
                     "pcm: raw 16-bit LE mono at 24 kHz, as OpenAI's). Absent: the stored file as it is.")
 
 

@@ -18,9 +18,9 @@ from fastapi import APIRouter, Depends, HTTPException, Request, Response, status
 from fastapi.concurrency import run_in_threadpool
 
 from api.deps import ApiContext, get_context
-from omni_jobs import metrics
-from omni_jobs.checks import required_queues
-from omni_jobs.settings import Settings
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.checks import required_queues
+from omni_jobs.report import metrics
 
 router = APIRouter(tags=["health"])
 

@@ -10,16 +10,16 @@ in OpenAI's shape, the way ``vllm serve --omni`` answers:
   ``message.audio`` ``{id, data (base64, in audio.format: wav by default), expires_at, transcript}``;
   ``audio.voice`` sets the pipeline's voice input.
   User messages may carry media parts (``image_url``, ``input_audio``, ``audio_url``, ``video_url``)
-  for a pipeline whose inputs take them (omni_jobs.openai_content).
+  for a pipeline whose inputs take them (omni_jobs.accept.openai_content).
 - ``POST /v1/images/generations`` (DALL-E shape; ``n`` jobs, ``b64_json`` by default as vLLM-Omni
   does, or ``url``); ``POST /v1/audio/speech`` (the speech in
   ``response_format``: mp3 by default, opus, aac, flac, wav, pcm; ``voice`` as the pipeline's voice input); ``GET /v1/models`` (the pipelines).
 - ``POST /v1/audio/transcriptions`` and ``/v1/audio/translations`` (multipart ``file``; Whisper's
   answer in json, verbose_json, text, srt or vtt, made from the speech stage's document by
-  omni_jobs.openai_audio).
+  omni_jobs.accept.openai_audio).
 
 Which pipeline runs and with what input and params, and the answer's body from the finished jobs,
-are omni_jobs.openai_requests and openai_responses (pure functions); this module translates HTTP: it parses, submits,
+are omni_jobs.accept.openai_requests and openai_responses (pure functions); this module translates HTTP: it parses, submits,
 waits, reads the output bytes and answers. The answer's ``model`` says which pipeline ran, and the
 ``X-Omni-Job-Id`` header names the job(s).
 
@@ -31,12 +31,12 @@ its answer (waiting, or mid-stream) has the call's jobs canceled unless it sent 
 (api.disconnect): a retry without one would run them twice.
 
 Chat with ``stream: true`` answers in OpenAI's chunk format while the job runs: the AR stage's
-``output.delta`` events become content chunks (omni_jobs.text_stream cuts them); the job's end
+``output.delta`` events become content chunks (omni_jobs.run.text_stream cuts them); the job's end
 gives the chunk with ``finish_reason`` (and, with ``stream_options.include_usage``, the usage
 chunk), then ``data: [DONE]``. A job that fails sends an ``{"error": ...}`` chunk, as OpenAI does.
 With the audio modality the chunks carry ``delta.audio`` instead: transcript pieces, base64 pcm16
 from the audio output's deltas and then the final clip, and last its ``expires_at``. The chunk framing stays here: it is interleaved with reading the job's event stream and its
-stored text (I/O at every step), and its pure part (cutting deltas) is omni_jobs.text_stream.
+stored text (I/O at every step), and its pure part (cutting deltas) is omni_jobs.run.text_stream.
 """
 
 from __future__ import annotations
@@ -62,14 +62,7 @@ from api.deps import ApiContext, get_context
 from api.disconnect import until_closed, while_connected
 from api.schemas import errors
 from api.streams import RETRY_AFTER_S, Slot
-from omni_jobs.artifacts import ArtifactError, codecs
-from omni_jobs.audio_formats import AudioFormat, convert, media_type
-from omni_jobs.audio_stream import AudioDeltaReader
-from omni_jobs.errors import InvalidRequest, QuotaExceeded
-from omni_jobs.jobs.models import FINAL_EVENTS, EventType, Job, JobEvent, JobOutput, JobStatus
-from omni_jobs.jobs.view import output_url
-from omni_jobs.logs import bind
-from omni_jobs.openai_audio import (
+from omni_jobs.accept.openai_audio import (
     FILE_FIELD,
     Task,
     plan_transcription,
@@ -77,8 +70,8 @@ from omni_jobs.openai_audio import (
     read_transcript,
     transcription_answer,
 )
-from omni_jobs.openai_errors import OpenAIError
-from omni_jobs.openai_requests import (
+from omni_jobs.accept.openai_errors import OpenAIError
+from omni_jobs.accept.openai_requests import (
     ChatCompletionRequest,
     ImageGenerationRequest,
     Plan,
@@ -90,7 +83,7 @@ from omni_jobs.openai_requests import (
     plan_speech,
     text_source,
 )
-from omni_jobs.openai_responses import (
+from omni_jobs.accept.openai_responses import (
     audio_delta_message,
     chat_completion,
     finished,
@@ -105,8 +98,15 @@ from omni_jobs.openai_responses import (
     text_of,
     unsent_pcm,
 )
+from omni_jobs.artifacts import ArtifactError, codecs
+from omni_jobs.core.errors import InvalidRequest, QuotaExceeded
+from omni_jobs.core.logs import bind
+from omni_jobs.jobs.models import FINAL_EVENTS, EventType, Job, JobEvent, JobOutput, JobStatus
+from omni_jobs.jobs.view import output_url
+from omni_jobs.media.audio_formats import AudioFormat, convert, media_type
 from omni_jobs.pipelines.spec import PipelineSpec
-from omni_jobs.text_stream import DeltaReader
+from omni_jobs.run.audio_stream import AudioDeltaReader
+from omni_jobs.run.text_stream import DeltaReader
 
 
 class OpenAIErrorDetail(BaseModel):
@@ -140,7 +140,7 @@ JOB_ERRORS = {**_openai_errors(400, 404, 429, 500, 504), **errors(413)}
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/images/generations", "/v1/audio/speech", "/v1/audio/transcriptions",
                 "/v1/audio/translations", "/v1/models")
 TRANSCRIPTION_PATHS = ("/v1/audio/transcriptions", "/v1/audio/translations")
-"""Their form is api.main's to describe (omni_jobs.openai_audio.form_body, with the running catalogue)."""
+"""Their form is api.main's to describe (omni_jobs.accept.openai_audio.form_body, with the running catalogue)."""
 STARTED = int(time.time())
 
 
@@ -272,7 +272,7 @@ async def _bytes(ctx: ApiContext, output: JobOutput) -> bytes:
 
 
 async def _speech(ctx: ApiContext, job: Job, output: JobOutput, fmt: AudioFormat) -> bytes:
-    """An audio output in ``fmt`` (omni_jobs.audio_formats, in a thread: encoding takes CPU); a stored file
+    """An audio output in ``fmt`` (omni_jobs.media.audio_formats, in a thread: encoding takes CPU); a stored file
     that is no WAV it can read answers 500 naming the job, never a traceback."""
     data = await _bytes(ctx, output)
     try:
@@ -378,7 +378,7 @@ async def _chat_chunks(ctx: ApiContext, plan: Plan, job: Job, *, include_usage: 
 
     With the audio modality the chunks are OpenAI's streamed speech: ``delta.audio`` with the text as
     ``transcript`` pieces and the speech as ``data`` (base64 24 kHz pcm16) from the audio output's deltas
-    (omni_jobs.audio_stream: each sample once across a stage's reruns); the audio no delta carried (a stage
+    (omni_jobs.run.audio_stream: each sample once across a stage's reruns); the audio no delta carried (a stage
     that does not stream) comes from the final clip once the job succeeded; the last ``delta.audio`` holds
     ``expires_at``."""
     spec = plan.spec

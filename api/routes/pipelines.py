@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, HTTPException, status
 from api.auth import authenticate
 from api.deps import ApiContext, get_context
 from api.schemas import PipelineInfo, errors
-from omni_jobs.errors import UnknownPipeline
+from omni_jobs.core.errors import UnknownPipeline
 from omni_jobs.pipelines.spec import PipelineSpec
 
 router = APIRouter(prefix="/v1/pipelines", tags=["pipelines"], dependencies=[Depends(authenticate)],

@@ -1,4 +1,4 @@
-"""GET /v1/usage: what each tenant used, by UTC day (omni_jobs.usage); HTTP only.
+"""GET /v1/usage: what each tenant used, by UTC day (omni_jobs.report.usage); HTTP only.
 
 A key sees its own tenant's usage; a key of one of OMNI_ADMIN_TENANTS sees every tenant's, or one
 (``tenant=``). Errors in OpenAI's shape, as the other OpenAI-style routes.
@@ -16,9 +16,9 @@ from api.auth import authenticate
 from api.deps import get_context
 from api.routes.openai import OpenAIErrorBody
 from api.schemas import errors
-from omni_jobs.json_types import JsonObject
-from omni_jobs.openai_errors import OpenAIError
-from omni_jobs.usage import DAY_S, flush_pending, read_usage
+from omni_jobs.accept.openai_errors import OpenAIError
+from omni_jobs.core.json_types import JsonObject
+from omni_jobs.report.usage import DAY_S, flush_pending, read_usage
 
 MAX_TIME = 10**11
 """Unix seconds far beyond any date a job has (the year 5138)."""

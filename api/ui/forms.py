@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from starlette.datastructures import FormData, UploadFile
 
-from omni_jobs.errors import FieldError
+from omni_jobs.core.errors import FieldError
 from omni_jobs.pipelines.params import bounds_in_words, number_in_words
 from omni_jobs.pipelines.spec import PipelineSpec, StageSpec
 
@@ -33,7 +33,7 @@ LONG_TEXT = 200
 ENGINE_NAMES = {"ar": "AR · vLLM", "dit": "DiT · diffusers"}
 
 FILE_FORMATS = {"image": "PNG, JPEG, WebP…", "audio": "WAV, MP3, FLAC, OGG, M4A…", "video": "MP4, WebM, MOV…"}
-"""What a file input's upload may be, in the field's hint (omni_jobs.media reads audio and video)."""
+"""What a file input's upload may be, in the field's hint (omni_jobs.media.decode reads audio and video)."""
 
 OPTION_WEBHOOK = "webhook"
 OPTION_CANCEL_AFTER = "cancel_after"

@@ -27,8 +27,7 @@ from fastapi.routing import APIRoute
 from api.deps import ApiContext, get_context
 from api.ui import forms, graph, session, templating, views
 from omni_jobs.artifacts import ArtifactCorrupted, ArtifactNotFound, ArtifactStoreUnavailable
-from omni_jobs.cancellation import cancel_job
-from omni_jobs.errors import (
+from omni_jobs.core.errors import (
     IdempotencyConflict,
     InvalidRequest,
     JobAlreadyFinished,
@@ -37,10 +36,11 @@ from omni_jobs.errors import (
     QuotaExceeded,
     UnknownPipeline,
 )
+from omni_jobs.dispatch.cancellation import cancel_job
 from omni_jobs.jobs.models import FINAL_EVENTS, JobStatus
 from omni_jobs.jobs.watch import STREAM_ID
-from omni_jobs.metrics import QUOTA_REFUSALS
-from omni_jobs.usage import DAY_S, flush_pending, read_usage
+from omni_jobs.report.metrics import QUOTA_REFUSALS
+from omni_jobs.report.usage import DAY_S, flush_pending, read_usage
 
 log = logging.getLogger(__name__)
 
@@ -518,7 +518,7 @@ def _file_response(request: Request, data: bytes, media_type: str, filename: str
     return Response(data, media_type=media_type, headers=headers)
 
 
-# --- batches and usage (omni_jobs.batches, omni_jobs.usage) ---
+# --- batches and usage (omni_jobs.accept.batches, omni_jobs.report.usage) ---
 def _when(at: object) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(at))) if isinstance(at, int | float) else ""
 

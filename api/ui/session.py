@@ -3,7 +3,7 @@ every form.
 
 - The session cookie (HttpOnly, SameSite=Strict, Path=/ui, Secure over https, also behind a TLS
   proxy that uvicorn trusts: --forwarded-allow-ips) holds a random token naming a session kept in
-  Redis (omni_jobs.auth.ConsoleSessions), which records the API key it signed in with. Every request
+  Redis (omni_jobs.accept.auth.ConsoleSessions), which records the API key it signed in with. Every request
   checks that key again, so a revoked key signs its sessions out at once; signing out deletes the
   session, so a copied cookie is worth nothing after it. The key itself never goes into a cookie, a
   URL, a page or a log: it was the cookie's value, usable on every /v1 route by whoever copied it.
@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 from fastapi import Request, Response
 
 from api.deps import ApiContext
-from omni_jobs.auth import DEFAULT_TENANT, ApiKeyInfo, ApiKeys, ConsoleSessions, InvalidApiKey
+from omni_jobs.accept.auth import DEFAULT_TENANT, ApiKeyInfo, ApiKeys, ConsoleSessions, InvalidApiKey
 
 SESSION_COOKIE = "omni_ui_session"
 CSRF_COOKIE = "omni_ui_csrf"

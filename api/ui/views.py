@@ -39,7 +39,7 @@ def output_kind(out: dict[str, Any]) -> str:
 
 def streamed_audio(spec: PipelineSpec | None) -> dict[str, str] | None:
     """The stage and port whose audio the job page can play while it streams (a stage that reads its input while
-    it is written publishes its audio as it is made: omni_jobs.speech_stage), else None."""
+    it is written publishes its audio as it is made: omni_jobs.run.speech_stage), else None."""
     if spec is None:
         return None
     for stage in spec.stages:

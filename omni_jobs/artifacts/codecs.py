@@ -20,7 +20,7 @@ from PIL import Image
 if TYPE_CHECKING:
     import torch
 
-    from omni_jobs.json_types import JsonValue
+    from omni_jobs.core.json_types import JsonValue
 
 MEDIA_SAFETENSORS = "application/vnd.safetensors"
 MEDIA_PNG = "image/png"

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from omni_jobs import keys, telemetry
 from omni_jobs.artifacts.backends import (
     ArtifactBackend,
     ArtifactCorrupted,
@@ -22,11 +21,12 @@ from omni_jobs.artifacts.backends import (
     validate_key,
 )
 from omni_jobs.artifacts.refs import ArtifactRef, BackendName, sha256_hex
+from omni_jobs.core import keys, telemetry
 
 if TYPE_CHECKING:
     import redis
 
-    from omni_jobs.settings import Settings
+    from omni_jobs.core.settings import Settings
 
 MiB = 1024 * 1024
 

@@ -18,10 +18,10 @@ import httpx
 from omni_jobs.cli.jobs import add_job_commands
 from omni_jobs.cli.keys import add_key_commands
 from omni_jobs.cli.run import add_run_command
-from omni_jobs.errors import PipelineSpecError
+from omni_jobs.core.errors import PipelineSpecError
+from omni_jobs.core.settings import load_settings
 from omni_jobs.local import tiny
 from omni_jobs.pipelines.catalogue import load_catalogue, load_pipeline_file
-from omni_jobs.settings import load_settings
 
 DEMO_PROMPT = "a lighthouse on a cliff at sunset, oil painting"
 
@@ -138,7 +138,7 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_cleanup(args: argparse.Namespace) -> int:
-    from omni_jobs.retention import cleanup
+    from omni_jobs.dispatch.retention import cleanup
     from omni_jobs.runtime import Runtime
 
     rt = Runtime(load_settings())

@@ -1,11 +1,12 @@
-"""``omni-jobs doctor``: every check of omni_jobs.checks in one report, printed or as JSON."""
+"""``omni-jobs doctor``: every check of omni_jobs.dispatch.checks in one report, printed or as JSON."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_jobs.checks import (
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.checks import (
     Check,
     check_artifact_store,
     check_devices,
@@ -16,7 +17,6 @@ from omni_jobs.checks import (
     probe_backend,
     required_queues,
 )
-from omni_jobs.settings import Settings
 
 
 @dataclass
@@ -36,7 +36,7 @@ class DoctorReport:
 
 def run_doctor(settings: Settings, *, services: bool = True, devices: bool = True) -> DoctorReport:
     """Versions, devices, Redis, broker, artifact store and workers, as `omni-jobs doctor` prints them."""
-    from omni_jobs.redis_clients import redis_client
+    from omni_jobs.core.redis_clients import redis_client
 
     report = DoctorReport()
     report.checks += check_versions(overrides=settings.supported_versions)

@@ -22,7 +22,7 @@ import httpx
 from omni_jobs.cli.progress import ProgressDisplay
 from omni_jobs.client import DEFAULT_API_URL, ApiError, Client, ConflictError, JobView, NotFoundError
 from omni_jobs.client.protocol import AUDIO_EXTENSIONS, TRANSCRIBE_TIMEOUT_S
-from omni_jobs.webhooks import generate_secret
+from omni_jobs.report.webhooks import generate_secret
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE, EXIT_API = 0, 1, 2, 3
 

@@ -12,10 +12,10 @@ import sys
 import time
 from typing import Any
 
-from omni_jobs import keys
-from omni_jobs.auth import ApiKeys, check_tenant
-from omni_jobs.redis_clients import redis_client
-from omni_jobs.settings import load_settings
+from omni_jobs.accept.auth import ApiKeys, check_tenant
+from omni_jobs.core import keys
+from omni_jobs.core.redis_clients import redis_client
+from omni_jobs.core.settings import load_settings
 
 
 def _keys() -> ApiKeys:

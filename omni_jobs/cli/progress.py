@@ -11,7 +11,7 @@ import sys
 from typing import TextIO
 
 from omni_jobs.client import JobEventView, JobView
-from omni_jobs.json_types import JsonValue
+from omni_jobs.core.json_types import JsonValue
 
 
 def _count(value: JsonValue) -> int:

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from omni_jobs.cli.jobs import stage_params
-from omni_jobs.errors import InvalidRequest, PipelineSpecError, UnknownPipeline
-from omni_jobs.settings import load_settings
+from omni_jobs.core.errors import InvalidRequest, PipelineSpecError, UnknownPipeline
+from omni_jobs.core.settings import load_settings
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE = 0, 1, 2
 

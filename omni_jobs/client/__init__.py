@@ -22,7 +22,6 @@ requests, the answers, the SSE parser and the loops); the old names of the model
 ``OutputInfo``, ...) stay as aliases of the views.
 """
 
-from omni_jobs.audio_stream import AudioChunk
 from omni_jobs.client.errors import (
     ApiError,
     ConflictError,
@@ -56,6 +55,7 @@ from omni_jobs.jobs.view import (
     WebhookDeliveryView,
     WebhookView,
 )
+from omni_jobs.run.audio_stream import AudioChunk
 
 # The names of the client's own models before it parsed the API's views (kept for user code).
 JobInfo = JobView

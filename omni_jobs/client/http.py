@@ -12,7 +12,6 @@ from typing import Any, Self, Unpack, overload
 
 import httpx
 
-from omni_jobs.audio_stream import AudioChunk
 from omni_jobs.client.protocol import (
     DEFAULT_API_URL,
     AudioFormat,
@@ -47,6 +46,7 @@ from omni_jobs.client.protocol import (
     transcription_call,
 )
 from omni_jobs.jobs.view import JobEventView, JobListView, JobView, OutputView
+from omni_jobs.run.audio_stream import AudioChunk
 
 
 class Client:

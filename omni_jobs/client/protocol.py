@@ -23,11 +23,11 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ConfigDict
 
-from omni_jobs.audio_stream import AudioChunk, AudioDeltaReader
 from omni_jobs.client.errors import api_error
 from omni_jobs.client.sse import SseParser
 from omni_jobs.jobs.view import JobEventView, JobListView, JobView, OutputView
-from omni_jobs.text_stream import DeltaReader
+from omni_jobs.run.audio_stream import AudioChunk, AudioDeltaReader
+from omni_jobs.run.text_stream import DeltaReader
 
 DEFAULT_API_URL = "http://127.0.0.1:8000"
 FINAL_STATUSES = frozenset({"succeeded", "failed", "canceled"})
@@ -48,7 +48,7 @@ _EXTENSIONS = {"image/png": ".png", "application/json": ".json", "audio/wav": ".
 AudioFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 AUDIO_EXTENSIONS: dict[str, str] = {"mp3": ".mp3", "opus": ".opus", "aac": ".aac", "flac": ".flac", "wav": ".wav",
                                     "pcm": ".pcm"}
-"""The formats the API converts an audio output to (``?format=``, omni_jobs.audio_formats, not imported here: it
+"""The formats the API converts an audio output to (``?format=``, omni_jobs.media.audio_formats, not imported here: it
 needs numpy) and the extension of each one's file."""
 
 

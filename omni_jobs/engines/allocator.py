@@ -29,7 +29,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import get_args
 
-from omni_jobs.settings import MallocChoice
+from omni_jobs.core.settings import MallocChoice
 
 log = logging.getLogger(__name__)
 

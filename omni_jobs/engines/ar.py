@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omni_jobs import telemetry
+from omni_jobs.core import telemetry
+from omni_jobs.core.json_types import JsonValue
 from omni_jobs.engines import ar_core, ar_prompts, omni_speech, torchvision_free
 from omni_jobs.engines.ar_prompts import Media
 from omni_jobs.engines.engine_client import EngineCrashed
 from omni_jobs.engines.gloo_device import one_gloo_device
 from omni_jobs.engines.turns import engine_turn
-from omni_jobs.json_types import JsonValue
 
 if TYPE_CHECKING:
     import torch
@@ -116,7 +116,7 @@ def _check_model_exists(model: str) -> None:
     Strings that look like hub ids (``org/name``) pass through: vLLM resolves those itself.
     """
     if model.startswith("tiny:"):
-        raise ValueError(f"{model!r} must be resolved to a path first (omni_jobs.engines.model_source.resolve_model)")
+        raise ValueError(f"{model!r} must be resolved to a path first (omni_jobs.pipelines.model_source.resolve_model)")
     path = Path(model).expanduser()
     looks_local = path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1
     if path.exists():

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from omni_jobs.payloads import AudioClip, VideoClip
+from omni_jobs.media.payloads import AudioClip, VideoClip
 
 if TYPE_CHECKING:
     import torch

@@ -36,7 +36,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
-from omni_jobs import telemetry
+from omni_jobs.core import telemetry
 from omni_jobs.engines.openmp import release_thread_team
 
 if TYPE_CHECKING:

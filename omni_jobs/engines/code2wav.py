@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from omni_jobs import telemetry
+from omni_jobs.core import telemetry
 from omni_jobs.engines import omni_speech
 from omni_jobs.engines.batching import Batcher, BatchPolicy, Member, ProgressFn, batcher_for
 from omni_jobs.engines.turns import engine_turn, pass_turn
-from omni_jobs.payloads import AudioClip
+from omni_jobs.media.payloads import AudioClip
 
 if TYPE_CHECKING:
     import torch

@@ -17,13 +17,9 @@ is a choice (``omni-jobs up --engine-workers N``), not the default.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 
-from omni_jobs.cpu_lists import parse_cpus
-
-
-
+from omni_jobs.core.cpu_lists import parse_cpus
 
 
 def cpus_env(spec: str) -> dict[str, str]:

@@ -9,7 +9,7 @@ its call signature and components, so a stage asking for something it cannot do 
 Requests that share every call-level setting go into one pipeline call with one
 ``torch.Generator`` per request, so each output depends only on its own seed (within float noise
 of the single call). A request may ask for previews of its latents every ``preview_every`` steps
-(omni_jobs.previews): the engine hands a CPU copy of that member's latents to the request's
+(omni_jobs.media.previews): the engine hands a CPU copy of that member's latents to the request's
 ``on_preview``; projecting and encoding them is the receiver's business, off this thread. torch and
 diffusers are imported lazily in the constructor.
 """
@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from omni_jobs import telemetry
+from omni_jobs.core import telemetry
+from omni_jobs.core.json_types import JsonValue
 from omni_jobs.engines.turns import engine_turn, pass_turn, taking_turns
-from omni_jobs.json_types import JsonValue
+from omni_jobs.media.previews import LatentPreview, LatentProjection, fit_projection, one_frame, spatial_latents
 from omni_jobs.pipelines.model_info import DIT_EMBED_KEYS
-from omni_jobs.previews import LatentPreview, LatentProjection, fit_projection, one_frame, spatial_latents
 
 if TYPE_CHECKING:
     import PIL.Image
@@ -452,7 +452,7 @@ class DiTEngine:
         return [outputs[i] for i in range(len(requests))]
 
     def _fit_projection(self) -> None:
-        """The latent -> RGB projection of this pipeline's VAE, fitted once (omni_jobs.previews)."""
+        """The latent -> RGB projection of this pipeline's VAE, fitted once (omni_jobs.media.previews)."""
         if self._projection_tried:
             return
         self._projection_tried = True

@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from omni_jobs import telemetry
+from omni_jobs.core import telemetry
+from omni_jobs.core.json_types import JsonValue
 from omni_jobs.engines.ar import build_llm
 from omni_jobs.engines.turns import engine_turn
-from omni_jobs.json_types import JsonValue
 
 if TYPE_CHECKING:
     import torch

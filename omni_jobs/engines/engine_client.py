@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Generic, TypeVar
 import numpy as np
 from msgspec.structs import replace
 
-from omni_jobs import telemetry
+from omni_jobs.core import telemetry
+from omni_jobs.core.json_types import JsonValue
 from omni_jobs.engines.allocator import engine_process_env
 from omni_jobs.engines.batching import BatchPolicy, ProgressFn, current_tenant
 from omni_jobs.engines.code2wav import Code2WavFront, Code2WavRequest
@@ -65,9 +66,8 @@ from omni_jobs.engines.engine_wire import (
     remove_blocks,
     unpack,
 )
-from omni_jobs.json_types import JsonValue
-from omni_jobs.payloads import AudioClip
-from omni_jobs.previews import LatentPreview, LatentProjection
+from omni_jobs.media.payloads import AudioClip
+from omni_jobs.media.previews import LatentPreview, LatentProjection
 
 if TYPE_CHECKING:
     import PIL.Image

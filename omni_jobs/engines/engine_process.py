@@ -36,6 +36,8 @@ from typing import Generic, TypeVar
 import numpy as np
 from PIL import Image
 
+from omni_jobs.core.logs import configure_logging
+from omni_jobs.core.settings import get_settings
 from omni_jobs.engines import torchvision_free, turns
 from omni_jobs.engines.allocator import tune_engine_malloc
 from omni_jobs.engines.batching import Arrivals, Batcher, BatchPolicy, Member
@@ -74,10 +76,8 @@ from omni_jobs.engines.engine_wire import (
 )
 from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.engines.pool import build_dit
-from omni_jobs.logs import configure_logging
-from omni_jobs.payloads import AudioClip
-from omni_jobs.previews import LatentPreview
-from omni_jobs.settings import get_settings
+from omni_jobs.media.payloads import AudioClip
+from omni_jobs.media.previews import LatentPreview
 
 log = logging.getLogger("omni_jobs.engine_process")
 R = TypeVar("R")

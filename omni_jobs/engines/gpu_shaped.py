@@ -44,11 +44,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from omni_jobs import telemetry
+from omni_jobs.core import telemetry
+from omni_jobs.core.json_types import JsonValue
 from omni_jobs.engines.dit import DiTOutput, DiTRequest, StepCallback, group_key
-from omni_jobs.json_types import JsonValue
+from omni_jobs.media.previews import LatentPreview, LatentProjection
 from omni_jobs.pipelines.spec import GpuShapedArgs, dit_engine_args
-from omni_jobs.previews import LatentPreview, LatentProjection
 
 if TYPE_CHECKING:
     import PIL.Image

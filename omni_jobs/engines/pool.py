@@ -2,7 +2,7 @@
 
 Loading an engine costs seconds (vLLM) and memory; a worker keeps each one it has loaded, keyed
 by kind, resolved model and engine args, so two stages naming the same model share one engine.
-(Not to be confused with the stage-output cache, omni_jobs.stage_cache, or a DiT stage's denoising
+(Not to be confused with the stage-output cache, omni_jobs.run.stage_cache, or a DiT stage's denoising
 cache, ``engine_args.cache``.)
 """
 
@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from omni_jobs import telemetry
+from omni_jobs.core import telemetry
+from omni_jobs.core.json_types import JsonValue
 from omni_jobs.engines import omni_speech
 from omni_jobs.engines.ar import AREngine
 from omni_jobs.engines.code2wav import Code2Wav
@@ -24,9 +25,8 @@ from omni_jobs.engines.dit import DiTEngine, resolve_device
 from omni_jobs.engines.encoder import AREncoder
 from omni_jobs.engines.engine_client import Code2WavProcess, DiTEngineProcess, ProcessEngine
 from omni_jobs.engines.gpu_shaped import GpuShapedDiT
-from omni_jobs.engines.model_source import resolve_model
 from omni_jobs.engines.projection import Projection, load_projection
-from omni_jobs.json_types import JsonValue
+from omni_jobs.pipelines.model_source import resolve_model
 from omni_jobs.pipelines.spec import DiTEngineArgs, GpuShapedArgs, dit_engine_args
 
 Engine = AREngine | DiTEngine | GpuShapedDiT | DiTEngineProcess | AREncoder | Code2Wav | Code2WavProcess

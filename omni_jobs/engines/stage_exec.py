@@ -1,7 +1,7 @@
 """From a stage of a pipeline to an engine call: which engine a stage needs, and how its inputs and
 parameters become that engine's request and its outputs the stage's ports.
 
-The table is (engine kind, task) -> executor; the AR generate executor lives in omni_jobs.stage_calls (it
+The table is (engine kind, task) -> executor; the AR generate executor lives in omni_jobs.run.stage_calls (it
 streams text), and builds its request here (``ar_request``).
 Worker preloading and the stage runner both go through ``load_stage_engine``, so an engine that
 cannot run its stage's task (an image pipeline on a text-to-audio stage, a DiT without a text
@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from omni_jobs.core.json_types import JsonObject, JsonValue
 from omni_jobs.engines import omni_speech
 from omni_jobs.engines.ar import AREngine, AROutput, ARRequest, SamplingOptions, TextSoFar
 from omni_jobs.engines.batching import Batcher, BatchPolicy, ar_batcher, dit_batcher
@@ -22,8 +23,7 @@ from omni_jobs.engines.encoder import AREncoder, EncodeRequest
 from omni_jobs.engines.engine_client import DiTEngineProcess, ProcessBatcher
 from omni_jobs.engines.pool import Code2WavKind, DiTKind, EnginePool
 from omni_jobs.engines.talker import Talker, TalkSampling, thinker_states
-from omni_jobs.json_types import JsonObject, JsonValue
-from omni_jobs.payloads import AudioClip, VideoClip
+from omni_jobs.media.payloads import AudioClip, VideoClip
 from omni_jobs.pipelines.modalities import MEDIA_PORTS, THINKER_OUTPUTS
 from omni_jobs.pipelines.params import (
     AREncodeParams,
@@ -49,7 +49,7 @@ CodesSoFar = Callable[[list[int]], None]
 """A talker's codes so far (its stop code left out), at each engine step: what streamed speech is made from."""
 StageValues = dict[str, object]
 """A stage's values by port: what its engine is handed (text, a tensor, a PIL image...) or made
-(an AudioClip, a VideoClip...); omni_jobs.payloads encodes and decodes them."""
+(an AudioClip, a VideoClip...); omni_jobs.media.payloads encodes and decodes them."""
 
 
 def load_stage_engine(engines: EnginePool, stage: StageSpec) -> AREngine | AREncoder | DiTKind | Code2WavKind:

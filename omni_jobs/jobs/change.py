@@ -16,9 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
-from omni_jobs import jsontext, keys
+from omni_jobs.core import jsontext, keys
 from omni_jobs.jobs.models import JobEvent
-from omni_jobs.steps import Step, step_id, to_json
+from omni_jobs.jobs.steps import Step, step_id, to_json
 
 
 @dataclass(frozen=True)
@@ -194,7 +194,7 @@ class Change:
         return self
 
     def schedule(self, step: Step, *, tenant: str, order: float) -> Change:
-        """Hand ``step`` to the scheduler of its queue (omni_jobs.scheduling): it goes to the outbox
+        """Hand ``step`` to the scheduler of its queue (omni_jobs.dispatch.scheduling): it goes to the outbox
         when the scheduler releases it, in ``order`` among the tenant's steps, tenants in turn."""
         entry_id = step_id(step)
         self.scheduled.append(step)

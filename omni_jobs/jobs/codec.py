@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from omni_jobs import jsontext
+from omni_jobs.core import jsontext
 from omni_jobs.jobs.models import (
     Job,
     JobError,

@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from omni_jobs import keys
 from omni_jobs.artifacts.refs import ArtifactRef
-from omni_jobs.errors import (
+from omni_jobs.core import keys
+from omni_jobs.core.errors import (
     IdempotencyConflict,
     JobAlreadyFinished,
     JobNotFound,
@@ -35,10 +35,11 @@ from omni_jobs.errors import (
     Overloaded,
     QuotaExceeded,
 )
-from omni_jobs.followed import LOOK, LOOKED_AT_TTL_S
+from omni_jobs.core.json_types import JsonObject
 from omni_jobs.jobs import codec, state
 from omni_jobs.jobs.change import Cap, Change, Conflict, Guard
 from omni_jobs.jobs.flows import Commit, CommitPlaced, Flow, Get, Idempotency, Oldest, QueuePosition, adrive, drive
+from omni_jobs.jobs.followed import LOOK, LOOKED_AT_TTL_S
 from omni_jobs.jobs.models import (
     WEBHOOK_EVENT_OF,
     EventType,
@@ -55,9 +56,7 @@ from omni_jobs.jobs.models import (
     new_message_id,
     now,
 )
-from omni_jobs.jobs.store import IdempotencyRecord, JobPage, JobStore, webhook_field
-from omni_jobs.json_types import JsonObject
-from omni_jobs.steps import (
+from omni_jobs.jobs.steps import (
     RESULTS_QUEUE,
     WEBHOOKS_QUEUE,
     AssembleResults,
@@ -71,6 +70,7 @@ from omni_jobs.steps import (
     step_id,
     webhook_slot,
 )
+from omni_jobs.jobs.store import IdempotencyRecord, JobPage, JobStore, webhook_field
 
 log = logging.getLogger(__name__)
 
@@ -300,7 +300,7 @@ class JobLedger:
         """Dispatch, queue index and lease index entries implied by one slot's before/after.
 
         A stage's first attempt (``job`` given) goes to its queue's scheduler, which releases it to
-        the broker in turn (omni_jobs.scheduling); a retry, a requeue and the other steps keep their
+        the broker in turn (omni_jobs.dispatch.scheduling); a retry, a requeue and the other steps keep their
         place and are dispatched directly. What is dispatched counts as released until it starts.
         """
         queued, running = StageStatus.queued, StageStatus.running
@@ -824,7 +824,7 @@ class JobLedger:
 
     def cancel(self, job_id: str, reason: str = "canceled by request") -> Job:
         """End the job canceled. The same write marks it looked at, so that a worker running it
-        writes its progress at once, finds it canceled and stops (omni_jobs.followed)."""
+        writes its progress at once, finds it canceled and stops (omni_jobs.jobs.followed)."""
 
         def decide(job: Job) -> _Decision[Job]:
             if job.status.is_final:

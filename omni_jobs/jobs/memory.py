@@ -17,11 +17,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar, assert_never, cast
 
-from omni_jobs import keys
+from omni_jobs.core import keys
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.change import Change, Conflict, Op, OutboxEntry, ReleasePass
 from omni_jobs.jobs.flows import Commit, CommitPlaced, Get, Idempotency, Oldest, Operation, QueuePosition
 from omni_jobs.jobs.models import Job, JobEvent, JobStatus
+from omni_jobs.jobs.steps import from_json, stage_slot
 from omni_jobs.jobs.store import (
     IdempotencyRecord,
     JobPage,
@@ -31,7 +32,6 @@ from omni_jobs.jobs.store import (
     job_pending_steps,
     waiting_stage,
 )
-from omni_jobs.steps import from_json, stage_slot
 
 T = TypeVar("T")
 

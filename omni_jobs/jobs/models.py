@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SkipValidation
 
 from omni_jobs.artifacts.refs import ArtifactRef
-from omni_jobs.json_types import JsonObject, JsonScalar, JsonValue
+from omni_jobs.core.json_types import JsonObject, JsonScalar, JsonValue
 
 
 def now() -> float:
@@ -198,7 +198,7 @@ class Job(Model):
     status: JobStatus = JobStatus.queued
     input: dict[str, SkipValidation[JsonValue]]
     """JSON once stored (an image input is then its artifact record). Its values are not validated:
-    a submission holds an image input's raw bytes here until it has stored them (omni_jobs.submission)."""
+    a submission holds an image input's raw bytes here until it has stored them (omni_jobs.accept.submission)."""
     params: dict[str, dict[str, JsonScalar]] = Field(default_factory=dict, description="Per-stage parameters in force.")
     stage: str | None = Field(None, description="The stage running now.")
     progress: Progress | None = None

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import redis
 
-from omni_jobs.errors import StoreUnavailable
+from omni_jobs.core.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -19,14 +19,17 @@ import redis.sentinel
 from redis.exceptions import NoScriptError
 from redis.typing import XReadResponse
 
-from omni_jobs import jsontext, keys
-from omni_jobs.errors import NotDurable
+from omni_jobs.core import jsontext, keys
+from omni_jobs.core.errors import NotDurable
+from omni_jobs.core.redis_clients import async_retry_options
+from omni_jobs.core.redis_replies import members, text, text_hash
 from omni_jobs.jobs import codec
 from omni_jobs.jobs.change import Change, Conflict, Guard, OutboxEntry, ReleasePass
 from omni_jobs.jobs.flows import Commit, CommitPlaced, Get, Idempotency, Oldest, Operation, QueuePosition
 from omni_jobs.jobs.group_commit import GroupCommit
 from omni_jobs.jobs.models import Job, JobEvent, JobStatus, StageRecord, now
 from omni_jobs.jobs.scripts import CLAIM, COMMIT, COMMIT_PLACED, NO_TEMPLATES, RELEASE, RELEASE_AND_CLAIM, lua_templates
+from omni_jobs.jobs.steps import from_json, stage_slot
 from omni_jobs.jobs.store import (
     IdempotencyRecord,
     JobPage,
@@ -37,9 +40,6 @@ from omni_jobs.jobs.store import (
     job_pending_steps,
     waiting_stage,
 )
-from omni_jobs.redis_clients import async_retry_options
-from omni_jobs.redis_replies import members, text, text_hash
-from omni_jobs.steps import from_json, stage_slot
 
 ScriptReply: TypeAlias = list[int | bytes | None]
 """What the commit script answers: integers, strings, and nil for the rank of an absent member
@@ -78,7 +78,7 @@ class RedisJobStore:
         ``async_client``: makes the redis.asyncio client of ``arun``, one per event loop
         (its connections belong to the loop that made them); default: the same server as ``client``.
         ``broker_templates``: this Redis (this database) is also the Celery broker, and these are the
-        task messages of each step kind (omni_jobs.queueing.broker_message_templates): the scripts
+        task messages of each step kind (omni_jobs.dispatch.queueing.broker_message_templates): the scripts
         that make an entry due push its message onto its queue themselves (see ``publish_in_commit``)."""
         self.redis = client
         self.broker_templates = dict(broker_templates) if broker_templates else None
@@ -374,7 +374,7 @@ class RedisJobStore:
     def use_async_client(self, make: Callable[[], aioredis.Redis]) -> None:
         """How ``arun`` makes its client (once per event loop), e.g. from the same URL as
         the sync client, TLS and Sentinels and all: ``lambda: async_client_from_url(url)``
-        (omni_jobs.redis_clients; the Runtime does so)."""
+        (omni_jobs.core.redis_clients; the Runtime does so)."""
         self._make_async = make
 
     def _aclient(self) -> aioredis.Redis:
@@ -667,7 +667,7 @@ def same_server_async(client: redis.Redis) -> aioredis.Redis:
     if isinstance(client.connection_pool, redis.sentinel.SentinelConnectionPool):
         # its connections name no server (the Sentinels do): guessing one would be the default 127.0.0.1:6379
         raise TypeError("a job store on Sentinels makes its asyncio client from their URL: "
-                        "store.use_async_client(lambda: async_client_from_url(url)) (omni_jobs.redis_clients)")
+                        "store.use_async_client(lambda: async_client_from_url(url)) (omni_jobs.core.redis_clients)")
     kwargs = client.connection_pool.connection_kwargs
     wanted = ("host", "port", "db", "username", "password", "path", "socket_timeout", "socket_connect_timeout")
     if "path" in kwargs:

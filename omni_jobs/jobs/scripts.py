@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from omni_jobs import keys
+from omni_jobs.core import keys
 
 LUA = Path(__file__).parent / "lua"
 NO_TEMPLATES = "local TEMPLATES = {}\n"

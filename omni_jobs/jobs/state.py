@@ -9,7 +9,8 @@ from the before/after difference by the ledger, in the same atomic write.
 from __future__ import annotations
 
 from omni_jobs.artifacts.refs import ArtifactRef
-from omni_jobs.errors import InvalidTransition
+from omni_jobs.core.errors import InvalidTransition
+from omni_jobs.core.json_types import JsonValue
 from omni_jobs.jobs.models import (
     EventType,
     Job,
@@ -21,7 +22,6 @@ from omni_jobs.jobs.models import (
     StageStatus,
     StepSlot,
 )
-from omni_jobs.json_types import JsonValue
 
 JOB_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
     JobStatus.queued: frozenset({JobStatus.running, JobStatus.failed, JobStatus.canceled}),

@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
-from omni_jobs import jsontext
+from omni_jobs.core import jsontext
 from omni_jobs.jobs.change import Change, Conflict, OutboxEntry, ReleasePass
 from omni_jobs.jobs.models import Job, JobEvent, JobStatus, StageRecord, StageStatus
-from omni_jobs.steps import RESULTS_QUEUE, WEBHOOKS_QUEUE, results_slot, stage_slot, webhook_slot
+from omni_jobs.jobs.steps import RESULTS_QUEUE, WEBHOOKS_QUEUE, results_slot, stage_slot, webhook_slot
 
 if TYPE_CHECKING:
     from omni_jobs.jobs.flows import Operation

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field
 
 from omni_jobs.artifacts.refs import ArtifactRef
+from omni_jobs.core.json_types import JsonObject
 from omni_jobs.jobs.models import (
     FINAL_EVENTS,
     Job,
@@ -30,7 +31,6 @@ from omni_jobs.jobs.models import (
     StageStatus,
     WebhookDelivery,
 )
-from omni_jobs.json_types import JsonObject
 
 if TYPE_CHECKING:
     from omni_jobs.artifacts.store import ArtifactStore

@@ -7,7 +7,7 @@ Thousands of such waits cost the API an open socket each, not a thread each.
 A follower also marks the job as followed (``keys.job_followed``, with a TTL it renews); a GET of a
 job not yet ended marks it looked at (``mark_looked_at``), unless a stream's mark is there. Workers
 publish a running stage's text deltas only for followed jobs, and write its progress often only for
-followed or looked-at ones (``job_readers``, omni_jobs.followed).
+followed or looked-at ones (``job_readers``, omni_jobs.jobs.followed).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from collections.abc import AsyncIterator, Sequence
 import redis
 import redis.asyncio as aioredis
 
-from omni_jobs import keys
-from omni_jobs.followed import LOOK, LOOKED_AT_TTL_S, STREAM, Readers
+from omni_jobs.core import keys
+from omni_jobs.core.redis_clients import async_client_from_url
 from omni_jobs.jobs import codec
+from omni_jobs.jobs.followed import LOOK, LOOKED_AT_TTL_S, STREAM, Readers
 from omni_jobs.jobs.models import FINAL_EVENTS, Job, JobEvent
 from omni_jobs.jobs.redis_store import parse_stream
-from omni_jobs.redis_clients import async_client_from_url
 
 __all__ = ["FOLLOWED_TTL_S", "MAX_BLOCK_S", "STREAM_ID", "JobWatcher", "job_readers", "mark_looked_at"]
 

@@ -19,8 +19,12 @@ from pathlib import Path
 
 import redis
 
+from omni_jobs.core.redis_clients import redis_client
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.worker_registry import live_workers
 from omni_jobs.engines.allocator import engine_process_env
 from omni_jobs.engines.cpu_layout import engine_slice, host_cpus
+from omni_jobs.jobs.steps import STAGE_QUEUES, WORKER_QUEUES
 from omni_jobs.local.devservices import (
     RunningService,
     find_waitaof_server,
@@ -30,11 +34,7 @@ from omni_jobs.local.devservices import (
 )
 from omni_jobs.local.ha import RedisHA, start_redis_ha
 from omni_jobs.local.tiny import TINY_MODELS, ensure_tiny_model
-from omni_jobs.redis_clients import redis_client
-from omni_jobs.settings import Settings
-from omni_jobs.steps import STAGE_QUEUES, WORKER_QUEUES
-from omni_jobs.webhooks import generate_secret
-from omni_jobs.worker_registry import live_workers
+from omni_jobs.report.webhooks import generate_secret
 
 WORKER_CONCURRENCY: dict[str, int] = {"webhooks": 8}
 """Queue -> tasks at once (default 1; stage queues: the stage_max_in_flight setting)."""
@@ -175,7 +175,7 @@ class EmbeddedSystem:
 
     def create_api_key(self, tenant: str, name: str = "") -> str:
         """A new API key for ``tenant`` in this system's Redis (tests make one per tenant)."""
-        from omni_jobs.auth import ApiKeys
+        from omni_jobs.accept.auth import ApiKeys
 
         assert self.redis_url, "start() first"
         client = redis_client(self.redis_url)

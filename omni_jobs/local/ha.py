@@ -25,7 +25,7 @@ from omni_jobs.local.devservices import RunningService, ServiceError, _find_bina
 MASTER_NAME = "omni"
 DOWN_AFTER_MS = 2000
 """How long the Sentinels wait on a silent primary before they agree it is down and promote a replica
-(Sentinel's default is 30 s; omni_jobs.redis_clients retries for FAILOVER_RETRY_S)."""
+(Sentinel's default is 30 s; omni_jobs.core.redis_clients retries for FAILOVER_RETRY_S)."""
 FAILOVER_TIMEOUT_MS = 10000
 SENTINEL_INSTALL_HINT = ("no Sentinel binary found: install valkey-server (it runs as a Sentinel with "
                          "--sentinel; scripts/bootstrap installs it) or redis-server")

@@ -14,18 +14,18 @@ Qwen2.5-Omni. The same seed gives byte-identical weight files.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omni_jobs.local import tiny_multimodal
+from omni_jobs.local.tiny_common import CORPUS, seeded
 from omni_jobs.local.untyped import constructor
 
 if TYPE_CHECKING:
@@ -36,38 +36,6 @@ TINY_PREFIX = "tiny:"
 
 # A small built-in English corpus: enough text for the BPE trainer and the T5 vocabulary to learn
 # real-looking pieces. Its content only shapes the tokenizers; the model weights are random.
-CORPUS: tuple[str, ...] = (
-    "The quick brown fox jumps over the lazy dog.",
-    "A watercolor painting of a lighthouse on a rocky coast at sunset.",
-    "A photo of a red cat sleeping on a blue sofa next to a window.",
-    "Once upon a time there was a small robot who wanted to learn how to paint.",
-    "The city was quiet in the early morning, and the streets were wet with rain.",
-    "She opened the old book and found a map drawn in faded green ink.",
-    "An astronaut riding a horse on the moon, digital art, high detail.",
-    "A bowl of fresh fruit with apples, oranges and grapes on a wooden table.",
-    "The mountains were covered with snow and the sky was clear and bright.",
-    "He wrote a short poem about the sea, the wind and the stars at night.",
-    "Generate an image of a futuristic city with flying cars and tall glass towers.",
-    "Describe the picture in one sentence, then write a caption for it.",
-    "What is the capital of France? The capital of France is Paris.",
-    "Please summarize the following text in three short sentences.",
-    "A cozy cabin in the forest with smoke rising from the chimney in winter.",
-    "Two children playing with a yellow kite on a green hill in the summer.",
-    "A close-up portrait of an old man with a white beard and kind eyes.",
-    "The train left the station at nine o'clock and arrived before noon.",
-    "A plate of pasta with tomato sauce, basil and parmesan cheese.",
-    "An abstract pattern of circles, squares and triangles in bright colors.",
-    "The music was soft and slow, and everyone in the room stopped to listen.",
-    "A small boat sailing across a calm lake under a purple evening sky.",
-    "Write a story about a dragon who is afraid of the dark.",
-    "The garden was full of roses, tulips and sunflowers after the spring rain.",
-    "A black and white photograph of a busy market street in the morning.",
-    "The scientist looked through the microscope and saw something new.",
-    "A friendly dog with a red collar running on the beach near the waves.",
-    "Numbers like 1, 2, 3, 10, 42, 100 and 2024 appear in many texts.",
-    "Questions, answers, lists: first, second, third; and so on!",
-    "Hello, world! How are you today? I am fine, thank you.",
-)
 
 LLAMA_SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
 LLAMA_CHAT_TEMPLATE = (
@@ -94,14 +62,6 @@ WAN_TEXT_DIM = 32
 WAN_MAX_SEQUENCE = 64  # Wan pads prompts to max_sequence_length tokens (512 by default: slow here)
 
 
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    """Seed torch for a build without disturbing the caller's RNG state."""
-    import torch
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
 
 
 def _train_bpe_tokenizer() -> Tokenizer:
@@ -165,7 +125,7 @@ def build_tiny_llama(
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
     )
-    with _seeded(seed):
+    with seeded(seed):
         model = constructor(LlamaForCausalLM)(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
@@ -224,7 +184,7 @@ def build_tiny_pixart(
     path = Path(path)
     tokenizer = T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=T5_MAX_LENGTH)
     vae_factor = 2 ** (len(PIXART_VAE_BLOCKS) - 1)
-    with _seeded(seed):
+    with seeded(seed):
         text_encoder = _tiny_t5_encoder(len(tokenizer), text_dim) if with_text_encoder else None
         transformer = PixArtTransformer2DModel(
             num_attention_heads=num_heads,
@@ -303,7 +263,7 @@ def build_tiny_chroma(path: Path, *, seed: int = 0) -> Path:
 
     path = Path(path)
     tokenizer = T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=CHROMA_MAX_SEQUENCE)
-    with _seeded(seed):
+    with seeded(seed):
         text_encoder = _tiny_t5_encoder(len(tokenizer), CHROMA_TEXT_DIM)
         transformer = ChromaTransformer2DModel(
             patch_size=1,
@@ -355,7 +315,7 @@ def build_tiny_stable_audio(path: Path, *, seed: int = 0) -> Path:
     conditioning_dim = 16
     # StableAudio pads prompts to max_length=tokenizer.model_max_length, so it must be a real length.
     tokenizer = T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=64)
-    with _seeded(seed):
+    with seeded(seed):
         text_encoder = _tiny_t5_encoder(len(tokenizer), 32)
         transformer = StableAudioDiTModel(
             sample_size=AUDIO_LATENT_LENGTH,
@@ -407,7 +367,7 @@ def build_tiny_wan(path: Path, *, seed: int = 0) -> Path:
 
     path = Path(path)
     tokenizer = T5Tokenizer(vocab=_t5_vocab(), extra_ids=0, model_max_length=WAN_MAX_SEQUENCE)
-    with _seeded(seed):
+    with seeded(seed):
         text_encoder = constructor(UMT5EncoderModel)(UMT5Config(
             vocab_size=len(tokenizer), d_model=WAN_TEXT_DIM, d_kv=WAN_TEXT_DIM // 4, d_ff=2 * WAN_TEXT_DIM,
             num_layers=2, num_heads=4, relative_attention_num_buckets=16, dropout_rate=0.0, pad_token_id=0,
@@ -523,7 +483,7 @@ def build_bench_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
         video_token_id=ids("<|video_pad|>"), vision_start_token_id=ids("<|vision_start|>"),
         vision_end_token_id=ids("<|vision_end|>"), tie_word_embeddings=False,
     )
-    with _seeded(seed):
+    with seeded(seed):
         model = constructor(Qwen2_5_VLForConditionalGeneration)(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
@@ -598,8 +558,8 @@ def resolve_model(model: str, models_dir: Path) -> str:
 
 
 def register_model_sources() -> None:
-    """Make ``tiny:NAME`` model ids resolve in the core (omni_jobs.engines.model_source): built on first use."""
-    from omni_jobs.engines.model_source import ModelSource, register_model_source
+    """Make ``tiny:NAME`` model ids resolve in the core (omni_jobs.pipelines.model_source): built on first use."""
+    from omni_jobs.pipelines.model_source import ModelSource, register_model_source
 
     register_model_source(ModelSource(
         prefix=TINY_PREFIX,

@@ -124,7 +124,7 @@ def _train_bpe(pre_tokenizer: PreTokenizer, vocab_size: int = 400) -> tuple[dict
     """A byte-level BPE vocabulary and merges learned from the built-in corpus, behind ``pre_tokenizer``."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-    from omni_jobs.local.tiny import CORPUS
+    from omni_jobs.local.tiny_common import CORPUS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizer
@@ -260,7 +260,7 @@ def build_tiny_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
     install()
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from omni_jobs.local.tiny import _seeded
+    from omni_jobs.local.tiny_common import seeded
 
     path = Path(path)
     tokenizer = qwen_tokenizer(QWEN_VL_SPECIALS, QWEN_VL_CHAT_TEMPLATE)
@@ -275,7 +275,7 @@ def build_tiny_qwen2_5_vl(path: Path, *, seed: int = 0) -> Path:
         vision_end_token_id=ids("<|vision_end|>"),
         tie_word_embeddings=False,
     )
-    with _seeded(seed):
+    with seeded(seed):
         model = constructor(Qwen2_5_VLForConditionalGeneration)(config)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
@@ -317,7 +317,7 @@ def build_tiny_whisper(path: Path, *, seed: int = 0) -> Path:
     1,500 encoder positions; ~1M parameters) to ``path``. vLLM serves it as an encoder-decoder model."""
     from transformers import WhisperConfig, WhisperFeatureExtractor, WhisperForConditionalGeneration
 
-    from omni_jobs.local.tiny import _seeded
+    from omni_jobs.local.tiny_common import seeded
 
     path = Path(path)
     tokenizer = whisper_tokenizer()
@@ -346,7 +346,7 @@ def build_tiny_whisper(path: Path, *, seed: int = 0) -> Path:
         # repeats its last token whatever it hears. At 0.3 its transcript depends on the audio.
         init_std=WHISPER_INIT_STD,
     )
-    with _seeded(seed):
+    with seeded(seed):
         model = WhisperForConditionalGeneration(config)
     features = constructor(WhisperFeatureExtractor)(feature_size=WHISPER_MEL_BINS, sampling_rate=WHISPER_SAMPLE_RATE)
     path.mkdir(parents=True, exist_ok=True)
@@ -406,7 +406,7 @@ def build_tiny_qwen2_5_omni(path: Path, *, seed: int = 0) -> Path:
     import torch
     from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration, WhisperFeatureExtractor
 
-    from omni_jobs.local.tiny import _seeded
+    from omni_jobs.local.tiny_common import seeded
 
     path = Path(path)
     tokenizer = qwen_tokenizer(QWEN_OMNI_SPECIALS, QWEN_OMNI_CHAT_TEMPLATE, **QWEN_OMNI_NAMED)
@@ -457,7 +457,7 @@ def build_tiny_qwen2_5_omni(path: Path, *, seed: int = 0) -> Path:
             "bigvgan_config": {"mel_dim": 80, "upsample_initial_channel": 64},
         },
     )
-    with _seeded(seed):
+    with seeded(seed):
         model = constructor(Qwen2_5OmniForConditionalGeneration)(config)
         _audible(model.token2wav)
         _talks_until_stopped(model.talker.codec_head, stop_codes=(codec_pad, codec_eos))

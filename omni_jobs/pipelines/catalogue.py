@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from omni_jobs.errors import PipelineSpecError, UnknownPipeline
+from omni_jobs.core.errors import PipelineSpecError, UnknownPipeline
 from omni_jobs.pipelines.spec import PipelineSpec
 
 BUILTIN_PACKAGE = "omni_jobs.pipelines"

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from omni_jobs.engines.model_source import source_facts
-from omni_jobs.json_types import JsonObject
+from omni_jobs.core.json_types import JsonObject
 from omni_jobs.pipelines.modalities import EngineKind
+from omni_jobs.pipelines.model_source import source_facts
 
 DIT_EMBED_KEYS = ("caption_channels", "joint_attention_dim", "cross_attention_dim")
 """Transformer config keys that give the prompt-embedding size (PixArt/Sana; SD3/Flux/Chroma/Qwen-Image; UNets)."""

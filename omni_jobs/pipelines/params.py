@@ -12,7 +12,7 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from omni_jobs.json_types import JsonObject
+from omni_jobs.core.json_types import JsonObject
 from omni_jobs.pipelines.modalities import DEFAULT_TASK, EngineKind
 
 SEED_MAX = 2**63 - 1

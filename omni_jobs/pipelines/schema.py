@@ -1,15 +1,18 @@
 """Pipelines as JSON schemas, for the OpenAPI spec (api.main builds it from the catalogue): a job's
-``input`` and ``params`` for each pipeline, with the same rules that omni_jobs.submission checks
-(validate_input, resolve_params) and this server's caps (omni_jobs.limits)."""
+``input`` and ``params`` for each pipeline, with the same rules that omni_jobs.accept.submission checks
+(validate_input, resolve_params) and this server's caps (omni_jobs.pipelines.limits)."""
 
 from __future__ import annotations
 
 from typing import Literal, TypedDict
 
-from omni_jobs.input_files import FORMS
-from omni_jobs.json_types import JsonObject, JsonValue
-from omni_jobs.limits import PARAM_CAPS, Limits
+from omni_jobs.core.json_types import JsonObject, JsonValue
+from omni_jobs.pipelines.limits import PARAM_CAPS, Limits
 from omni_jobs.pipelines.spec import InputField, PipelineSpec, StageSpec
+
+FORMS = ("a data: URI, base64 data, a URL of a stored output (.../v1/jobs/{id}/outputs/{name}), or an object "
+         "{data} | {url} | {job_id, output} | {artifact}")
+"""The forms a file input takes (the schema's description, and omni_jobs.media.input_files' errors)."""
 
 
 def json_object(value: JsonValue, what: str = "value") -> JsonObject:
@@ -61,7 +64,7 @@ FILE_SCHEMAS: dict[str, JsonObject] = {"image": IMAGE_SCHEMA, "audio": AUDIO_SCH
 
 
 def input_field_schema(field: InputField, *, max_text_chars: int | None = None) -> JsonObject:
-    """The JSON schema of the values validate_input (omni_jobs.submission) accepts for ``field`` (``max_text_chars``:
+    """The JSON schema of the values validate_input (omni_jobs.accept.submission) accepts for ``field`` (``max_text_chars``:
     this server's cap on text, Limits.check_input)."""
     if field.is_file:
         return {**FILE_SCHEMAS[field.type]}

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from omni_jobs.json_types import JsonObject, JsonScalar, JsonValue
+from omni_jobs.core.json_types import JsonObject, JsonScalar, JsonValue
 from omni_jobs.pipelines.modalities import (
     DEFAULT_TASK,
     ENGINE_TASKS,
@@ -52,7 +52,7 @@ INPUT_TYPE_MODALITY: dict[InputType, Modality | None] = {
 FileInputType = Literal["image", "audio", "video"]
 FILE_INPUT_TYPES: tuple[FileInputType, ...] = ("image", "audio", "video")
 """Inputs that are files: sent as base64, a multipart part or a stored output's reference, and stored
-as input artifacts (omni_jobs.input_files)."""
+as input artifacts (omni_jobs.media.input_files)."""
 DEFAULT_MAX_IMAGE_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_BYTES: Mapping[str, int] = {"image": DEFAULT_MAX_IMAGE_BYTES, "audio": 25 * 1024 * 1024,
                                          "video": 64 * 1024 * 1024}

@@ -9,13 +9,13 @@ from typing import TypeVar
 
 import pytest
 
-from omni_jobs import keys
-from omni_jobs.errors import IdempotencyConflict, Overloaded, QuotaExceeded
+from omni_jobs.core import keys
+from omni_jobs.core.errors import IdempotencyConflict, Overloaded, QuotaExceeded
 from omni_jobs.jobs.change import Change
 from omni_jobs.jobs.flows import Commit, CommitPlaced, Get, Idempotency, QueuePosition
 from omni_jobs.jobs.ledger import JobLedger, QueueLimit, Quota
+from omni_jobs.jobs.steps import RunStage
 from omni_jobs.jobs.store import JobStore
-from omni_jobs.steps import RunStage
 from tests.contract.test_job_state_contract import claim, two_stage_job
 
 T = TypeVar("T")

@@ -8,9 +8,11 @@ import time
 
 import pytest
 
-from omni_jobs import keys
 from omni_jobs.artifacts.refs import ArtifactRef
-from omni_jobs.errors import IdempotencyConflict, JobAlreadyFinished, JobNotFound
+from omni_jobs.core import keys
+from omni_jobs.core.errors import IdempotencyConflict, JobAlreadyFinished, JobNotFound
+from omni_jobs.core.json_types import JsonObject
+from omni_jobs.dispatch.scheduling import Scheduler
 from omni_jobs.jobs.change import Change
 from omni_jobs.jobs.ledger import Acquired, JobLedger, Lease, Refused, WrittenOutputs
 from omni_jobs.jobs.models import (
@@ -27,10 +29,8 @@ from omni_jobs.jobs.models import (
     new_job_id,
     now,
 )
+from omni_jobs.jobs.steps import AssembleResults, DeliverWebhook, RunStage, Step, step_id
 from omni_jobs.jobs.store import JobStore
-from omni_jobs.json_types import JsonObject
-from omni_jobs.scheduling import Scheduler
-from omni_jobs.steps import AssembleResults, DeliverWebhook, RunStage, Step, step_id
 
 
 def two_stage_job(*, tenant: str = "t1", webhook: JobWebhook | None = None) -> Job:

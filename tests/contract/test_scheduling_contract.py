@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from omni_jobs import keys
-from omni_jobs.errors import QuotaExceeded
+from omni_jobs.core import keys
+from omni_jobs.core.errors import QuotaExceeded
 from omni_jobs.jobs.change import Change, ReleasePass
 from omni_jobs.jobs.ledger import Acquired, JobLedger, Quota
 from omni_jobs.jobs.models import Job, Priority, StageRecord, new_job_id, now
+from omni_jobs.jobs.steps import RunStage
 from omni_jobs.jobs.store import JobStore
-from omni_jobs.steps import RunStage
 
 
 def dit_job(tenant: str, priority: Priority = Priority.normal) -> Job:

@@ -16,10 +16,10 @@ import httpx
 import pytest
 import yaml
 
+from omni_jobs.core.settings import Settings
 from omni_jobs.local.devservices import RunningService, free_port
 from omni_jobs.local.embedded import EmbeddedSystem
-from omni_jobs.settings import Settings
-from omni_jobs.webhooks import generate_secret
+from omni_jobs.report.webhooks import generate_secret
 from tests.e2e.job_contract import check_job_responses
 from tests.media_files import MEDIA_PIPELINE
 

@@ -19,9 +19,9 @@ import pytest
 import redis
 import yaml
 
+from omni_jobs.core.settings import Settings
 from omni_jobs.local.devservices import RunningService, free_port
 from omni_jobs.local.embedded import EmbeddedSystem
-from omni_jobs.settings import Settings
 from tests.e2e.conftest import auth_headers, models_dir
 from tests.e2e.helpers import wait_for_job
 

@@ -16,12 +16,12 @@ import pytest
 import redis
 import yaml
 
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.worker_registry import workers as registered_workers
 from omni_jobs.engines import turns
 from omni_jobs.engines.cpu_layout import engine_slice, host_cpus
 from omni_jobs.local.devservices import RunningService, free_port
 from omni_jobs.local.embedded import EmbeddedSystem
-from omni_jobs.settings import Settings
-from omni_jobs.worker_registry import workers as registered_workers
 from tests.e2e.conftest import DIT_ONLY_PIPELINE, auth_headers, models_dir
 from tests.e2e.helpers import submit, wait_for_job
 

@@ -25,9 +25,9 @@ from schemathesis import GenerationMode
 from schemathesis.checks import CHECKS, load_all_checks
 
 from api.main import create_app
-from omni_jobs.auth import ApiKeys
+from omni_jobs.accept.auth import ApiKeys
+from omni_jobs.core.settings import Settings
 from omni_jobs.local.devservices import RunningService
-from omni_jobs.settings import Settings
 from tests.e2e import fuzz_hooks  # noqa: F401 - registers the filter_failure hook
 from tests.media_files import MEDIA_PIPELINE
 

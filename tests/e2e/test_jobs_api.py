@@ -10,7 +10,7 @@ import pytest
 import redis
 from PIL import Image
 
-from omni_jobs import keys
+from omni_jobs.core import keys
 from tests.e2e.helpers import submit, wait_for_job
 
 

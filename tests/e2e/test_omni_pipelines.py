@@ -24,13 +24,13 @@ from PIL import Image
 
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, artifact_store_from_settings, codecs, sha256_hex
 from omni_jobs.artifacts.mp4 import decode_mp4
+from omni_jobs.core.settings import Settings
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.local.tiny import LLAMA_HIDDEN_SIZE
 from omni_jobs.omni import Omni, OmniResult
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.settings import Settings
 from tests import media_files
 from tests.e2e.conftest import models_dir
 from tests.e2e.helpers import wait_for_job

@@ -4,7 +4,7 @@
 (``delta.audio``), and a job's audio output downloaded in another format.
 
 Each clip is decoded back (wave, PyAV): 24 kHz, as long as the job's output says, in the voice asked (the job's
-input). Format conversions are omni_jobs.audio_formats (unit-tested per format); here they are shown on the
+input). Format conversions are omni_jobs.media.audio_formats (unit-tested per format); here they are shown on the
 wire: media types, the ``format`` query, the 400s and 422s that name the field and the choices.
 """
 

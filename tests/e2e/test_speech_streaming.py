@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 
-from omni_jobs.audio_stream import AudioDeltaReader
 from omni_jobs.client import Client, JobEventInfo
 from omni_jobs.local.embedded import EmbeddedSystem
+from omni_jobs.run.audio_stream import AudioDeltaReader
 from tests.e2e.helpers import wait_for_job
 
 CODES = 300

@@ -42,10 +42,10 @@ from typing import Any
 
 import httpx
 
+from omni_jobs.core.settings import Settings
 from omni_jobs.local.devservices import free_port
 from omni_jobs.local.embedded import EmbeddedSystem
-from omni_jobs.run_journal import read_journal
-from omni_jobs.settings import Settings
+from omni_jobs.run.run_journal import read_journal
 from tests.webhook_receiver import WebhookReceiver
 
 REPO = Path(__file__).resolve().parents[2]
@@ -311,7 +311,7 @@ def _count_effects(result: ChaosResult, journal: Path, receiver: WebhookReceiver
                 result.findings.append(f"{job_id}: {n} webhook ids for its '{event}' event")
     for job_id in result.accepted:
         outputs = artifacts / "jobs" / job_id / "outputs"
-        # files, at any depth: an attempt after the first writes under a directory of its own (omni_jobs.results)
+        # files, at any depth: an attempt after the first writes under a directory of its own (omni_jobs.report.results)
         names = sorted(p.relative_to(outputs).as_posix() for p in outputs.rglob("*") if p.is_file()) \
             if outputs.exists() else []
         expected = OUTPUTS[result.kinds[job_id]]

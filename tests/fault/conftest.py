@@ -19,11 +19,11 @@ import httpx
 import pytest
 import yaml
 
+from omni_jobs.core.settings import Settings
 from omni_jobs.local.devservices import RunningService, free_port, start_moto_s3, start_redis
 from omni_jobs.local.embedded import EmbeddedSystem
-from omni_jobs.run_journal import read_journal
-from omni_jobs.settings import Settings
-from omni_jobs.webhooks import generate_secret
+from omni_jobs.report.webhooks import generate_secret
+from omni_jobs.run.run_journal import read_journal
 from tests.fault.gate_proxy import GateProxy
 from tests.webhook_receiver import WebhookReceiver
 

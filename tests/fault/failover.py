@@ -35,10 +35,10 @@ from typing import Any
 import httpx
 import redis
 
+from omni_jobs.core.settings import Settings
 from omni_jobs.local.devservices import free_port
 from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.local.ha import RedisHA
-from omni_jobs.settings import Settings
 from tests.fault.chaos import (
     DONE_WITHIN_S,
     WEBHOOK_EVENTS,

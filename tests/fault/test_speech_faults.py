@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import redis
 
-from omni_jobs import keys
-from omni_jobs.audio_stream import AudioDeltaReader
+from omni_jobs.core import keys
+from omni_jobs.run.audio_stream import AudioDeltaReader
 from tests.e2e.helpers import wait_for_job
 from tests.fault.conftest import FaultSystem
 from tests.fault.test_faults import RECOVERY_BOUND_S, duplicates, events_of, report, wait_until

@@ -17,16 +17,16 @@ from PIL import Image
 from standardwebhooks.webhooks import Webhook
 
 from api.main import create_app
-from omni_jobs import keys
-from omni_jobs.auth import ApiKeys, InvalidApiKey, hash_key
+from omni_jobs.accept.auth import ApiKeys, InvalidApiKey, hash_key
+from omni_jobs.core import keys
+from omni_jobs.core.net_guard import NetGuard
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.scheduling import Scheduler
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job, JobWebhook, StageRecord, now
 from omni_jobs.jobs.redis_store import RedisJobStore
-from omni_jobs.net_guard import NetGuard
-from omni_jobs.scheduling import Scheduler
-from omni_jobs.settings import Settings
-from omni_jobs.steps import DeliverWebhook
-from omni_jobs.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner, generate_secret
+from omni_jobs.jobs.steps import DeliverWebhook
+from omni_jobs.report.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner, generate_secret
 from tests.webhook_receiver import WebhookReceiver
 
 
@@ -158,7 +158,7 @@ def test_webhooks_to_internal_addresses_are_refused_at_submit(
 def test_keys_cli_creates_lists_and_revokes(redis_url: str, redis_client: redis.Redis,
                                             monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     from omni_jobs.cli import main
-    from omni_jobs.settings import get_settings
+    from omni_jobs.core.settings import get_settings
 
     monkeypatch.setenv("OMNI_REDIS_URL", redis_url)
     get_settings.cache_clear()

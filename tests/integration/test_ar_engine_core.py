@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from omni_jobs.engines.ar import AREngine, AROutput, ARRequest, SamplingOptions
-from omni_jobs.engines.model_source import resolve_model
+from omni_jobs.pipelines.model_source import resolve_model
 
 # Heavy (a vLLM core process started twice, 1.5-3.5 min): with the other heavy runs, ``-m chaos``.
 pytestmark = [pytest.mark.chaos, pytest.mark.filterwarnings("ignore::UserWarning")]  # the resource tracker at exit

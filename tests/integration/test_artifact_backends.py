@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import redis
 
-from omni_jobs import keys
 from omni_jobs.artifacts import (
     MEDIA_PNG,
     ArtifactBackend,
@@ -29,8 +28,9 @@ from omni_jobs.artifacts import (
     artifact_store_from_settings,
     s3_client_from_settings,
 )
+from omni_jobs.core import keys
+from omni_jobs.core.settings import Settings
 from omni_jobs.local.devservices import start_moto_s3, start_redis
-from omni_jobs.settings import Settings
 
 MiB = 1024 * 1024
 

@@ -13,20 +13,19 @@ from pathlib import Path
 import pytest
 import redis
 
-from omni_jobs import keys
+from omni_jobs.accept.batch_lines import LinePlanner
+from omni_jobs.accept.batch_results import Shaping
+from omni_jobs.accept.batches import Batches
+from omni_jobs.accept.files import FileStore
+from omni_jobs.accept.submission import JobSubmitter
 from omni_jobs.artifacts.store import artifact_store_from_settings
-from omni_jobs.batch_lines import LinePlanner
-from omni_jobs.batch_results import Shaping
-from omni_jobs.batches import Batches
-from omni_jobs.files import FileStore
+from omni_jobs.core import keys
+from omni_jobs.core.settings import OPENAI_MODEL_NAMES, Settings
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import JobStatus
 from omni_jobs.local.devservices import RunningService
-from omni_jobs.settings import OPENAI_MODEL_NAMES
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.settings import Settings
-from omni_jobs.submission import JobSubmitter
 
 pytestmark = pytest.mark.integration
 TENANT = "acme"

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from omni_jobs.errors import NotDurable
-from omni_jobs.files import DurableRecords
+from omni_jobs.accept.files import DurableRecords
+from omni_jobs.core.errors import NotDurable
 from omni_jobs.local.devservices import RunningService, find_waitaof_server, start_redis
 
 pytestmark = pytest.mark.integration

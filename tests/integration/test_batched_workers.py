@@ -20,19 +20,19 @@ import redis
 import yaml
 from PIL import Image
 
+from omni_jobs.accept.submission import JobSubmitter
 from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
-from omni_jobs.cancellation import cancel_job
+from omni_jobs.dispatch.cancellation import cancel_job
 from omni_jobs.engines.ar import ARRequest, SamplingOptions
 from omni_jobs.engines.batching import BatchDefaults, ar_batcher, dit_batcher
 from omni_jobs.engines.dit import DiTRequest
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import EventType, Job, JobStatus, StageStatus
 from omni_jobs.jobs.redis_store import RedisJobStore
+from omni_jobs.jobs.steps import AssembleResults, RunStage, Step, StepOutcome
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
-from omni_jobs.stage_reports import Reporting
-from omni_jobs.stages import StageRunner
-from omni_jobs.steps import AssembleResults, RunStage, Step, StepOutcome
-from omni_jobs.submission import JobSubmitter
+from omni_jobs.run.stage_reports import Reporting
+from omni_jobs.run.stages import StageRunner
 from tests.outbox import due_steps
 
 PIPELINES = list(yaml.safe_load_all("""

@@ -18,8 +18,8 @@ import redis
 from celery import Celery
 from kombu import Connection, Queue
 
-from omni_jobs.queueing import celery_config
-from omni_jobs.settings import Settings
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.queueing import celery_config
 from workers import celery_patches
 
 

@@ -19,7 +19,7 @@ from omni_jobs.engines.code2wav import Code2Wav, Code2WavFront, Code2WavRequest,
 from omni_jobs.engines.engine_client import Code2WavProcess
 from omni_jobs.engines.pool import Code2WavKind, EnginePool, EngineProcessChoice
 from omni_jobs.engines.torchvision_free import install
-from omni_jobs.payloads import AudioClip
+from omni_jobs.media.payloads import AudioClip
 from tests.conftest import MODELS_DIR
 
 pytest.importorskip("transformers")

@@ -15,13 +15,10 @@ from celery import Celery
 from celery.app.task import Context
 from kombu import Connection
 
-from omni_jobs import keys
-from omni_jobs.jobs.change import Change, ReleasePass
-from omni_jobs.jobs.ledger import Acquired, JobLedger
-from omni_jobs.jobs.models import Job, StageRecord, new_job_id, now
-from omni_jobs.jobs.redis_store import RedisJobStore
-from omni_jobs.outbox import OutboxRelay
-from omni_jobs.queueing import (
+from omni_jobs.core import keys
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.outbox import OutboxRelay
+from omni_jobs.dispatch.queueing import (
     SNAPSHOT_HEADER,
     broker_message,
     broker_message_templates,
@@ -29,9 +26,12 @@ from omni_jobs.queueing import (
     job_snapshot,
     publish_steps,
 )
-from omni_jobs.scheduling import Scheduler
-from omni_jobs.settings import Settings
-from omni_jobs.steps import RUN_STAGE_TASK, AssembleResults, DeliverWebhook, RunStage, Step, step_id
+from omni_jobs.dispatch.scheduling import Scheduler
+from omni_jobs.jobs.change import Change, ReleasePass
+from omni_jobs.jobs.ledger import Acquired, JobLedger
+from omni_jobs.jobs.models import Job, StageRecord, new_job_id, now
+from omni_jobs.jobs.redis_store import RedisJobStore
+from omni_jobs.jobs.steps import RUN_STAGE_TASK, AssembleResults, DeliverWebhook, RunStage, Step, step_id
 
 pytestmark = pytest.mark.integration
 

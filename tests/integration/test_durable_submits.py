@@ -15,9 +15,10 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from omni_jobs import keys
-from omni_jobs.checks import check_redis
-from omni_jobs.errors import NotDurable
+from omni_jobs.core import keys
+from omni_jobs.core.errors import NotDurable
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.checks import check_redis
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job, JobStatus, StageRecord
 from omni_jobs.jobs.redis_store import RedisJobStore
@@ -30,7 +31,6 @@ from omni_jobs.local.devservices import (
     start_redis,
 )
 from omni_jobs.local.embedded import start_job_redis
-from omni_jobs.settings import Settings
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ from omni_jobs.engines.batching import BatchPolicy
 from omni_jobs.engines.dit import DiTEngine, DiTOutput, DiTRequest
 from omni_jobs.engines.engine_client import DiTEngineProcess, EngineCrashed
 from omni_jobs.engines.pool import EnginePool
-from omni_jobs.previews import LatentPreview
+from omni_jobs.media.previews import LatentPreview
 from tests.conftest import MODELS_DIR
 
 pytest.importorskip("diffusers")

@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
-from omni_jobs.engines import model_source, pool
+from omni_jobs.engines import pool
 from omni_jobs.engines.ar import AREngine, ARRequest, SamplingOptions
 from omni_jobs.engines.dit import DiTEngine, DiTRequest
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.local.tiny import build_tiny_llama, build_tiny_pixart
+from omni_jobs.pipelines import model_source
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [
@@ -395,7 +396,7 @@ def _held_out_r2(engine: DiTEngine) -> float:
 
 
 def test_dit_previews_come_at_the_asked_steps_and_change_nothing(dit: DiTEngine) -> None:
-    from omni_jobs.previews import LatentPreview
+    from omni_jobs.media.previews import LatentPreview
 
     got: list[LatentPreview] = []
     plain = dit.generate([_req("p", 11, steps=7)])[0]
@@ -408,7 +409,7 @@ def test_dit_previews_come_at_the_asked_steps_and_change_nothing(dit: DiTEngine)
 
 
 def test_dit_batch_members_preview_on_their_own_schedule(dit: DiTEngine) -> None:
-    from omni_jobs.previews import LatentPreview
+    from omni_jobs.media.previews import LatentPreview
 
     a: list[LatentPreview] = []
     b: list[LatentPreview] = []
@@ -425,7 +426,7 @@ def np_equal(x: Any, y: Any) -> bool:
 
 
 def test_wan_makes_video_frames_and_previews_a_middle_frame(wan: DiTEngine) -> None:
-    from omni_jobs.previews import LatentPreview
+    from omni_jobs.media.previews import LatentPreview
 
     got: list[LatentPreview] = []
     request = DiTRequest("v", prompt="a cat walking", height=32, width=48, num_frames=9, num_inference_steps=4,

@@ -2,7 +2,7 @@
 item 3): empty, random, another format, cut short, overwritten at random, or lying in their headers
 (tests.media_files.malformed_corpus, made here, nothing binary committed).
 
-First the core that decodes them (omni_jobs.input_files, omni_jobs.media): each file is refused with an
+First the core that decodes them (omni_jobs.media.input_files, omni_jobs.media.decode): each file is refused with an
 InvalidRequest naming the field, or taken (a damaged file can still decode), never another error. Then
 each upload path of the real app, on real Redis with no workers (an accepted job just waits): JSON with
 base64, the multipart form, the console's playground, and the OpenAI routes that take files.
@@ -23,14 +23,14 @@ import yaml
 from fastapi.testclient import TestClient
 
 from api.main import create_app
+from omni_jobs.accept.auth import ApiKeys
 from omni_jobs.artifacts import ArtifactStore, LocalBackend
-from omni_jobs.auth import ApiKeys
-from omni_jobs.errors import InvalidRequest
-from omni_jobs.input_files import InputFiles
+from omni_jobs.core.errors import InvalidRequest
+from omni_jobs.core.settings import Settings
 from omni_jobs.jobs.memory import MemoryJobStore
-from omni_jobs.limits import Limits
+from omni_jobs.media.input_files import InputFiles
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
-from omni_jobs.settings import Settings
+from omni_jobs.pipelines.limits import Limits
 from tests.media_files import MEDIA_PIPELINE, malformed_corpus
 
 pytestmark = pytest.mark.integration

@@ -12,13 +12,13 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from omni_jobs.auth import ApiKeys
+from omni_jobs.accept.auth import ApiKeys
+from omni_jobs.core.settings import Settings
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job, JobWebhook, StageRecord, new_job_id
 from omni_jobs.jobs.redis_store import RedisJobStore
-from omni_jobs.settings import Settings
-from omni_jobs.steps import DeliverWebhook
-from omni_jobs.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner, generate_secret, parse_retry_after
+from omni_jobs.jobs.steps import DeliverWebhook
+from omni_jobs.report.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner, generate_secret, parse_retry_after
 from tests.webhook_receiver import Answer, WebhookReceiver
 
 DEEP = 2000

@@ -14,14 +14,14 @@ from pathlib import Path
 import redis
 from celery import Celery
 
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.queueing import celery_config
+from omni_jobs.dispatch.scheduling import Scheduler
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job, JobWebhook, StageRecord, now
 from omni_jobs.jobs.redis_store import RedisJobStore
+from omni_jobs.jobs.steps import DELIVER_WEBHOOK_TASK, DeliverWebhook, task_args
 from omni_jobs.local.devservices import RunningService
-from omni_jobs.queueing import celery_config
-from omni_jobs.scheduling import Scheduler
-from omni_jobs.settings import Settings
-from omni_jobs.steps import DELIVER_WEBHOOK_TASK, DeliverWebhook, task_args
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_PICKLE_DB = 8  # apart from DB 0 (flushed by other tests), 3 (e2e), 6 (refusal), 7 (readiness)

@@ -14,15 +14,15 @@ from PIL import Image
 
 import omni_jobs
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, ArtifactStoreUnavailable, LocalBackend
+from omni_jobs.core.errors import InvalidRequest
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.scheduling import Scheduler
 from omni_jobs.engines.pool import EnginePool
-from omni_jobs.errors import InvalidRequest
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import EventType, JobEvent, StageStatus, now
 from omni_jobs.local.tiny import ensure_tiny_model
 from omni_jobs.omni import AsyncOmni, Omni, OmniJobFailed, OmniResult
 from omni_jobs.pipelines.catalogue import parse_pipeline
-from omni_jobs.scheduling import Scheduler
-from omni_jobs.settings import Settings
 
 MODELS = Path(__file__).resolve().parents[2] / "var" / "models"
 

@@ -20,8 +20,6 @@ import numpy as np
 import pytest
 import torch
 
-from omni_jobs.audio_stream import AudioDeltaReader, pcm16
-from omni_jobs.code_stream import SpeechStreamer
 from omni_jobs.engines import omni_speech
 from omni_jobs.engines.ar import AREngine, AROutput, ARRequest
 from omni_jobs.engines.code2wav import Code2Wav, Code2WavRequest
@@ -35,9 +33,11 @@ from omni_jobs.engines.stage_exec import (
 )
 from omni_jobs.engines.talker import Talker, TalkSampling
 from omni_jobs.engines.torchvision_free import install
-from omni_jobs.payloads import AudioClip
+from omni_jobs.media.payloads import AudioClip
 from omni_jobs.pipelines.params import ARParams, ARTalkParams, DiTCode2WavParams
 from omni_jobs.pipelines.spec import StageSpec
+from omni_jobs.run.audio_stream import AudioDeltaReader, pcm16
+from omni_jobs.run.code_stream import SpeechStreamer
 
 pytest.importorskip("vllm")
 

@@ -26,10 +26,10 @@ import httpx
 import redis
 from celery import Celery
 
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.queueing import celery_config
+from omni_jobs.jobs.steps import CLEANUP_TASK
 from omni_jobs.local.devservices import RunningService, free_port
-from omni_jobs.queueing import celery_config
-from omni_jobs.settings import Settings
-from omni_jobs.steps import CLEANUP_TASK
 
 ROOT = Path(__file__).resolve().parents[2]
 QUIET_DB = 10  # apart from 0 (flushed by other tests), 3 (e2e), 5 (ui), 6 (refusal), 7 (readiness), 8, 9

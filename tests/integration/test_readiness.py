@@ -16,11 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
 from api.main import create_app
-from omni_jobs import keys
-from omni_jobs.auth import ApiKeys
+from omni_jobs.accept.auth import ApiKeys
+from omni_jobs.core import keys
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.worker_registry import register_worker, unregister_worker
 from omni_jobs.local.devservices import RunningService, free_port
-from omni_jobs.settings import Settings
-from omni_jobs.worker_registry import register_worker, unregister_worker
 
 READINESS_DB = 7
 TOKEN = "readiness-scrape-token"
@@ -147,7 +147,7 @@ def test_a_job_waiting_for_a_worker_shows_in_queue_depth(settings: Settings) -> 
 
 def test_doctor_names_each_workers_cpus_where_it_has_its_own(settings: Settings) -> None:
     """`omni-jobs up --engine-workers 2`'s workers heartbeat their OMNI_ENGINE_CPUS; doctor shows them."""
-    from omni_jobs.checks import check_workers
+    from omni_jobs.dispatch.checks import check_workers
 
     client = redis.Redis.from_url(settings.redis_url)
     register_worker(client, "dit@h", ["dit"], 32, cpus="0")

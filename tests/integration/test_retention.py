@@ -8,18 +8,18 @@ from pathlib import Path
 
 import redis
 
-from omni_jobs import keys
+from omni_jobs.accept.submission import build_job, resolve_params
 from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
+from omni_jobs.core import keys
+from omni_jobs.dispatch.leases import Reaper
+from omni_jobs.dispatch.retention import cleanup
+from omni_jobs.dispatch.scheduling import Scheduler
 from omni_jobs.jobs.ledger import Acquired, JobLedger
 from omni_jobs.jobs.models import EventType, Job, JobStatus, StageStatus, now
 from omni_jobs.jobs.redis_store import RedisJobStore
-from omni_jobs.leases import Reaper
+from omni_jobs.jobs.steps import AssembleResults, RunStage, Step
 from omni_jobs.local.devservices import RunningService
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.retention import cleanup
-from omni_jobs.scheduling import Scheduler
-from omni_jobs.steps import AssembleResults, RunStage, Step
-from omni_jobs.submission import build_job, resolve_params
 
 T2T = load_catalogue().get("text-to-text")
 DAY = 24 * 3600.0

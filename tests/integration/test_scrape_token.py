@@ -14,10 +14,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
 from api.main import create_app
-from omni_jobs.auth import ApiKeys
+from omni_jobs.accept.auth import ApiKeys
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.worker_registry import register_worker
 from omni_jobs.local.devservices import RunningService, free_port
-from omni_jobs.settings import Settings
-from omni_jobs.worker_registry import register_worker
 
 pytestmark = pytest.mark.integration
 

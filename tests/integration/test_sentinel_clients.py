@@ -1,7 +1,7 @@
 """Sentinel URLs against real servers: a primary, a replica and 3 Sentinels, all over TLS
 (``sentinels://...?ssl_ca_certs=``), as a managed Redis with TLS serves them.
 
-The clients of omni_jobs.redis_clients (sync, asyncio, the bounded pool of the event streams) and
+The clients of omni_jobs.core.redis_clients (sync, asyncio, the bounded pool of the event streams) and
 kombu's Sentinel transport (the broker, as celery_config spells it) each find the primary, and
 follow it through a Sentinel failover, where the old primary turns replica and answers READONLY.
 """
@@ -19,11 +19,11 @@ import pytest
 import redis
 from kombu import Connection
 
+from omni_jobs.core.redis_clients import async_client_from_url, redis_client
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.queueing import celery_config
 from omni_jobs.local.devservices import RunningService, find_waitaof_server, free_port
 from omni_jobs.local.ha import find_sentinel_binary
-from omni_jobs.queueing import celery_config
-from omni_jobs.redis_clients import async_client_from_url, redis_client
-from omni_jobs.settings import Settings
 
 pytestmark = pytest.mark.integration
 MASTER = "omni"

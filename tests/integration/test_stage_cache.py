@@ -10,20 +10,20 @@ import pytest
 import redis
 import yaml
 
-from omni_jobs import keys
+from omni_jobs.accept.submission import JobSubmitter
 from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
+from omni_jobs.core import keys
+from omni_jobs.core.errors import PipelineSpecError
 from omni_jobs.engines.batching import BatchDefaults, dit_batcher
-from omni_jobs.errors import PipelineSpecError
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job
 from omni_jobs.jobs.redis_store import RedisJobStore
+from omni_jobs.jobs.steps import AssembleResults, RunStage
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
-from omni_jobs.stage_cache import StageOutputCache, cache_key
-from omni_jobs.stage_outputs import StageCaches
-from omni_jobs.stage_reports import Reporting
-from omni_jobs.stages import StageRunner
-from omni_jobs.steps import AssembleResults, RunStage
-from omni_jobs.submission import JobSubmitter
+from omni_jobs.run.stage_cache import StageOutputCache, cache_key
+from omni_jobs.run.stage_outputs import StageCaches
+from omni_jobs.run.stage_reports import Reporting
+from omni_jobs.run.stages import StageRunner
 from tests.outbox import due_steps
 
 CACHED = yaml.safe_load("""

@@ -18,22 +18,22 @@ import pytest
 import redis
 import yaml
 
-from omni_jobs import keys
+from omni_jobs.accept.submission import JobSubmitter
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, ArtifactStoreUnavailable, LocalBackend, RedisBackend
-from omni_jobs.cancellation import cancel_job
-from omni_jobs.errors import IdempotencyConflict
-from omni_jobs.followed import Readers
+from omni_jobs.core import keys
+from omni_jobs.core.errors import IdempotencyConflict
+from omni_jobs.dispatch.cancellation import cancel_job
+from omni_jobs.jobs.followed import Readers
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import EventType, JobEvent, JobStatus, StageStatus, now
 from omni_jobs.jobs.redis_store import RedisJobStore
+from omni_jobs.jobs.steps import AssembleResults, RunStage, Step, step_id
 from omni_jobs.jobs.watch import job_readers, mark_looked_at
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, builtin_pipelines, parse_pipeline
-from omni_jobs.results import ResultsAssembler
-from omni_jobs.stage_attempt import Retries
-from omni_jobs.stage_reports import Reporting
-from omni_jobs.stages import StageRunner
-from omni_jobs.steps import AssembleResults, RunStage, Step, step_id
-from omni_jobs.submission import JobSubmitter
+from omni_jobs.report.results import ResultsAssembler
+from omni_jobs.run.stage_attempt import Retries
+from omni_jobs.run.stage_reports import Reporting
+from omni_jobs.run.stages import StageRunner
 from tests.outbox import due_steps
 
 SLOW_DIT = yaml.safe_load("""

@@ -1,6 +1,6 @@
 """The stage runner's two shortcuts. It starts from the job its task message carried (no read first;
 a stale copy changes nothing). With results inline, the worker whose stage ends a job begins its
-final files while that stage's completion commits (omni_jobs.stage_outputs.EarlyOutputs). Real DiT engine,
+final files while that stage's completion commits (omni_jobs.run.stage_outputs.EarlyOutputs). Real DiT engine,
 real Redis, files on disk."""
 
 from __future__ import annotations
@@ -14,16 +14,16 @@ import pytest
 import redis
 from PIL import Image
 
+from omni_jobs.accept.submission import JobSubmitter
 from omni_jobs.artifacts import ArtifactStore, ArtifactStoreUnavailable, LocalBackend, RedisBackend
 from omni_jobs.jobs.ledger import JobLedger, Lease
 from omni_jobs.jobs.models import Job, JobStatus, StageStatus
 from omni_jobs.jobs.redis_store import RedisJobStore
+from omni_jobs.jobs.steps import RunStage
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, parse_pipeline
-from omni_jobs.results import ResultsAssembler
-from omni_jobs.stage_reports import Reporting
-from omni_jobs.stages import StageRunner
-from omni_jobs.steps import RunStage
-from omni_jobs.submission import JobSubmitter
+from omni_jobs.report.results import ResultsAssembler
+from omni_jobs.run.stage_reports import Reporting
+from omni_jobs.run.stages import StageRunner
 from tests.integration.test_stage_runner import SLOW_DIT
 from tests.outbox import due_steps
 
@@ -153,7 +153,7 @@ def test_a_final_file_that_fails_leaves_the_results_step_to_write_it_from_the_st
     assert stored != image.artifact and stored.backend == "redis"  # the stage's own copy, read back for the file
     assert parts["small"].read == [stored.key]
     assert parts["artifacts"].get(image.artifact) == parts["artifacts"].get(stored)
-    # the results step writes under keys of its own (omni_jobs.results.writer_of); the failed write left nothing
+    # the results step writes under keys of its own (omni_jobs.report.results.writer_of); the failed write left nothing
     assert parts["disk"].started == [f"jobs/{job.id}/outputs/image.png", f"jobs/{job.id}/outputs/results-1/image.png"]
     assert image.artifact.key == f"jobs/{job.id}/outputs/results-1/image.png"
 

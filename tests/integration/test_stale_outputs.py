@@ -21,17 +21,17 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from omni_jobs import keys
+from omni_jobs.accept.auth import ApiKeys
 from omni_jobs.artifacts import ArtifactStore, LocalBackend, RedisBackend
-from omni_jobs.auth import ApiKeys
+from omni_jobs.core import keys
+from omni_jobs.core.settings import Settings
 from omni_jobs.jobs.ledger import Acquired, JobLedger
 from omni_jobs.jobs.models import JobStatus
 from omni_jobs.jobs.redis_store import RedisJobStore
-from omni_jobs.payloads import encode_payload
+from omni_jobs.jobs.steps import AssembleResults, RunStage
+from omni_jobs.media.payloads import encode_payload
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.results import ResultsAssembler
-from omni_jobs.settings import Settings
-from omni_jobs.steps import AssembleResults, RunStage
+from omni_jobs.report.results import ResultsAssembler
 
 pytestmark = pytest.mark.integration
 

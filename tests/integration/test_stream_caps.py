@@ -21,7 +21,7 @@ import httpx
 import pytest
 import redis
 
-from omni_jobs.auth import ApiKeys
+from omni_jobs.accept.auth import ApiKeys
 from omni_jobs.local.devservices import RunningService, free_port
 
 pytestmark = pytest.mark.integration

@@ -11,8 +11,8 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from omni_jobs.auth import ApiKeys
-from omni_jobs.settings import Settings
+from omni_jobs.accept.auth import ApiKeys
+from omni_jobs.core.settings import Settings
 
 pytestmark = pytest.mark.integration
 

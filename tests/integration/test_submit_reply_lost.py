@@ -18,14 +18,14 @@ import redis
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from omni_jobs import keys
-from omni_jobs.auth import ApiKeys
-from omni_jobs.errors import NotDurable
+from omni_jobs.accept.auth import ApiKeys
+from omni_jobs.core import keys
+from omni_jobs.core.errors import NotDurable
+from omni_jobs.core.settings import Settings
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.models import Job, StageRecord, new_job_id
 from omni_jobs.jobs.redis_store import RedisJobStore
 from omni_jobs.local.devservices import RunningService
-from omni_jobs.settings import Settings
 from tests.tcp_proxy import ReplyCutter
 
 pytestmark = pytest.mark.integration

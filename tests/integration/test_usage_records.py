@@ -1,4 +1,4 @@
-"""Usage kept in Redis (omni_jobs.usage.UsageRecorder, read_usage): commits add to a tally that a flush writes,
+"""Usage kept in Redis (omni_jobs.report.usage.UsageRecorder, read_usage): commits add to a tally that a flush writes,
 read back per tenant and day. Real Redis."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import redis
 
+from omni_jobs.accept.submission import build_job
 from omni_jobs.jobs.models import EventType, JobEvent
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.submission import build_job
-from omni_jobs.usage import DAY_S, UsageRecorder, read_usage
+from omni_jobs.report.usage import DAY_S, UsageRecorder, read_usage
 
 pytestmark = pytest.mark.integration
 DAY = 1577836800.0  # 2020-01-01T00:00:00Z: no job of the session's other tests is counted that day

@@ -16,7 +16,8 @@ import pytest
 import redis
 from standardwebhooks.webhooks import Webhook
 
-from omni_jobs import keys
+from omni_jobs.core import keys
+from omni_jobs.dispatch.scheduling import Scheduler
 from omni_jobs.jobs.ledger import Acquired, JobLedger
 from omni_jobs.jobs.models import (
     Job,
@@ -28,9 +29,8 @@ from omni_jobs.jobs.models import (
     now,
 )
 from omni_jobs.jobs.redis_store import RedisJobStore
-from omni_jobs.scheduling import Scheduler
-from omni_jobs.steps import WEBHOOKS_QUEUE, DeliverWebhook, RunStage, step_id
-from omni_jobs.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner, generate_secret
+from omni_jobs.jobs.steps import WEBHOOKS_QUEUE, DeliverWebhook, RunStage, step_id
+from omni_jobs.report.webhooks import RetryPolicy, WebhookDeliverer, WebhookSigner, generate_secret
 from tests.webhook_receiver import Answer, WebhookReceiver
 
 POLICY = RetryPolicy(base_s=0.1, max_delay_s=2, max_attempts=3)

@@ -19,8 +19,8 @@ from pathlib import Path
 import redis
 import yaml
 
+from omni_jobs.dispatch.worker_registry import live_workers
 from omni_jobs.local.devservices import RunningService
-from omni_jobs.worker_registry import live_workers
 from workers.startup import EXIT_REFUSED
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,7 +142,7 @@ def test_a_second_worker_with_a_live_workers_name_refuses_and_takes_none_of_its_
         # A stage the first worker runs (its process's lease, renewed for an hour).
         job, _ = ledger.submit(Job(id=new_job_id(), pipeline="p", input={},
                                    stages=[StageRecord(id="s", engine="ar", queue="s")]), ["s"])
-        from omni_jobs.steps import RunStage
+        from omni_jobs.jobs.steps import RunStage
         held = ledger.acquire(RunStage(job.id, "s", 1, "s"), worker=name, owner=f"{name}#{first.pid}.feed/1")
         assert isinstance(held, Acquired)
 

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
+from omni_jobs.core.settings import Settings
 from omni_jobs.local.devservices import RunningService, free_port
 from omni_jobs.local.embedded import EmbeddedSystem
-from omni_jobs.settings import Settings
 from tests.e2e.conftest import BROKEN_MODEL_PIPELINE, WEBHOOK_ENV, models_dir
 
 UI_REDIS_DB = 5  # apart from the integration tests (DB 0) and the e2e system (DB 3)

@@ -19,7 +19,7 @@ import pytest
 import redis
 from PIL import Image
 
-from omni_jobs import keys
+from omni_jobs.core import keys
 from omni_jobs.local.embedded import EmbeddedSystem
 from tests.e2e.conftest import auth_headers
 from tests.e2e.helpers import wait_for_job

@@ -19,10 +19,10 @@ from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
 from api.main import create_app
-from omni_jobs.auth import ApiKeys
-from omni_jobs.keys import job_events as job_events_key
-from omni_jobs.settings import Settings
-from omni_jobs.webhooks import generate_secret
+from omni_jobs.accept.auth import ApiKeys
+from omni_jobs.core.keys import job_events as job_events_key
+from omni_jobs.core.settings import Settings
+from omni_jobs.report.webhooks import generate_secret
 from tests import media_files as mf
 
 pytestmark = [pytest.mark.ui, pytest.mark.integration]

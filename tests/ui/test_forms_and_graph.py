@@ -13,7 +13,7 @@ from starlette.datastructures import FormData, Headers, UploadFile
 from api.ui import forms, graph, views
 from api.ui.routes import _byte_range
 from api.ui.session import safe_next
-from omni_jobs.errors import FieldError
+from omni_jobs.core.errors import FieldError
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.pipelines.spec import PipelineSpec
 from tests import media_files as mf

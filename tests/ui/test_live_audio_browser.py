@@ -20,9 +20,9 @@ import redis
 import uvicorn
 
 from api.main import create_app
-from omni_jobs.keys import job_events
+from omni_jobs.core.keys import job_events
+from omni_jobs.core.settings import Settings
 from omni_jobs.local.devservices import free_port
-from omni_jobs.settings import Settings
 from tests.ui.conftest import screenshot
 
 pytestmark = [pytest.mark.ui, pytest.mark.integration]

@@ -13,7 +13,7 @@ from PIL import Image
 
 from omni_jobs.engines import ar_prompts
 from omni_jobs.engines.stage_exec import ar_engine_args
-from omni_jobs.payloads import AudioClip, VideoClip
+from omni_jobs.media.payloads import AudioClip, VideoClip
 from omni_jobs.pipelines.spec import PipelineSpec, StageSpec
 
 

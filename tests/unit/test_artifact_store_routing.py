@@ -8,7 +8,6 @@ import pytest
 import redis
 from pydantic import ValidationError
 
-from omni_jobs import keys
 from omni_jobs.artifacts import (
     MEDIA_PNG,
     MEDIA_SAFETENSORS,
@@ -22,7 +21,8 @@ from omni_jobs.artifacts import (
     artifact_store_from_settings,
     sha256_hex,
 )
-from omni_jobs.settings import Settings
+from omni_jobs.core import keys
+from omni_jobs.core.settings import Settings
 
 SMALL_MAX = 100
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from omni_jobs.artifacts.codecs import decode_wav, encode_wav
-from omni_jobs.audio_formats import AUDIO_FORMATS, ENCODINGS, PCM_RATE, check_format, convert, is_wav, media_type
+from omni_jobs.media.audio_formats import AUDIO_FORMATS, ENCODINGS, PCM_RATE, check_format, convert, is_wav, media_type
 
 SECONDS = 1.3
 

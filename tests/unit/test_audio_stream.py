@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from omni_jobs.audio_stream import AudioDeltaReader, audio_delta, pcm16
+from omni_jobs.run.audio_stream import AudioDeltaReader, audio_delta, pcm16
 
 
 def _delta(start: int, samples: np.ndarray, *, attempt: int = 1, index: int = 0) -> dict:

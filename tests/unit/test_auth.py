@@ -6,9 +6,9 @@ import hashlib
 
 import pytest
 
-from omni_jobs.auth import _KEY_RE, KEY_PREFIX, check_tenant, hash_key
-from omni_jobs.limits import Limits
-from omni_jobs.settings import Settings
+from omni_jobs.accept.auth import _KEY_RE, KEY_PREFIX, check_tenant, hash_key
+from omni_jobs.core.settings import Settings
+from omni_jobs.pipelines.limits import Limits
 
 
 def test_hash_is_sha256_of_the_whole_key_and_never_the_key() -> None:

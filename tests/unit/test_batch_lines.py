@@ -1,5 +1,5 @@
-"""Batch files checked line by line (omni_jobs.batch_lines) and a line's result assembled
-(omni_jobs.batch_results), with the real catalogue, submitter validation and response shaping."""
+"""Batch files checked line by line (omni_jobs.accept.batch_lines) and a line's result assembled
+(omni_jobs.accept.batch_results), with the real catalogue, submitter validation and response shaping."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from omni_jobs.artifacts import ArtifactRef
-from omni_jobs.batch_lines import (
+from omni_jobs.accept.batch_lines import (
     CHAT,
     IMAGES,
     JOBS,
@@ -21,15 +20,15 @@ from omni_jobs.batch_lines import (
     check_file,
     iter_lines,
 )
-from omni_jobs.batch_results import Shaping, error_line, line_result
+from omni_jobs.accept.batch_results import Shaping, error_line, line_result
+from omni_jobs.accept.submission import JobSubmitter, build_job
+from omni_jobs.artifacts import ArtifactRef
+from omni_jobs.core.settings import OPENAI_MODEL_NAMES, Settings
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import Job, JobError, JobOutput, JobStatus
-from omni_jobs.limits import Limits
-from omni_jobs.settings import OPENAI_MODEL_NAMES
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.settings import Settings
-from omni_jobs.submission import JobSubmitter, build_job
+from omni_jobs.pipelines.limits import Limits
 from tests.media_files import wav
 
 

@@ -11,7 +11,7 @@ from typing import Any, Self
 
 import pytest
 
-from omni_jobs import telemetry
+from omni_jobs.core import telemetry
 from omni_jobs.engines import batching
 from omni_jobs.engines.batching import (
     BatchDefaults,

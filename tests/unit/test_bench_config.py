@@ -25,10 +25,10 @@ from bench.run import (
     pipelines,
     table,
 )
+from omni_jobs.core.settings import Settings
 from omni_jobs.local import tiny
 from omni_jobs.local.embedded import EmbeddedSystem
 from omni_jobs.pipelines.catalogue import parse_pipeline
-from omni_jobs.settings import Settings
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_the_vlm_rows_images_are_distinct_repeatable_pngs_the_api_takes_as_they_
 
     from PIL import Image
 
-    from omni_jobs.input_files import FileUpload, normalize_image, parse_file_value
+    from omni_jobs.media.input_files import FileUpload, normalize_image, parse_file_value
     from omni_jobs.pipelines.spec import InputField
 
     first, again, other = images(4, rep=0), images(4, rep=0), images(4, rep=1)

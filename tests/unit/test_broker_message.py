@@ -1,4 +1,4 @@
-"""The task message a store pushes onto a queue itself (omni_jobs.queueing.broker_message) is the one
+"""The task message a store pushes onto a queue itself (omni_jobs.dispatch.queueing.broker_message) is the one
 Celery and kombu would have sent: compared here with what ``publish_steps`` sends through a real
 Celery app (kombu's in-memory transport, the same virtual-transport code as its Redis one)."""
 
@@ -13,9 +13,9 @@ import pytest
 from celery import Celery
 from kombu.transport.virtual import Message as VirtualMessage
 
-from omni_jobs.queueing import SNAPSHOT_HEADER, broker_message, broker_message_templates, publish_steps
-from omni_jobs.settings import Settings
-from omni_jobs.steps import (
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch.queueing import SNAPSHOT_HEADER, broker_message, broker_message_templates, publish_steps
+from omni_jobs.jobs.steps import (
     AssembleResults,
     DeliverWebhook,
     RunStage,
@@ -30,7 +30,7 @@ STEPS: list[Step] = [RunStage("job_0123abcd", "dit", 2, "dit"), AssembleResults(
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[Celery]:
-    from omni_jobs.queueing import celery_config
+    from omni_jobs.dispatch.queueing import celery_config
 
     app = Celery("broker-message-test")
     app.conf.update(celery_config(Settings(redis_url="redis://unused:1/0")))

@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from api.auth import UNAUTHORIZED
 from api.main import _overloaded, _quota_exceeded
+from omni_jobs.accept.openai_errors import OpenAIError
 from omni_jobs.client import (
     ApiError,
     Client,
@@ -24,8 +25,7 @@ from omni_jobs.client import (
     UnavailableError,
 )
 from omni_jobs.client.errors import api_error, parse_retry_after
-from omni_jobs.errors import Overloaded, QuotaExceeded
-from omni_jobs.openai_errors import OpenAIError
+from omni_jobs.core.errors import Overloaded, QuotaExceeded
 from tests.own_loop import run_in_own_loop
 
 URL = "http://api.test/v1/jobs"

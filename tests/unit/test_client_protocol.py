@@ -23,9 +23,9 @@ from omni_jobs.client.protocol import (
     get_call,
     read_job,
 )
+from omni_jobs.core.settings import Settings
 from omni_jobs.jobs.models import Job, JobOutput, JobStatus, StageRecord
 from omni_jobs.jobs.view import present_job
-from omni_jobs.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 API = "http://api.test:8000"
@@ -165,8 +165,8 @@ def test_the_client_imports_without_the_storage_layer() -> None:
 
 
 def test_an_audio_format_download_goes_to_the_api_route(tmp_path: Path) -> None:
-    from omni_jobs.audio_formats import AUDIO_FORMATS
     from omni_jobs.client.protocol import AUDIO_EXTENSIONS, output_filename
+    from omni_jobs.media.audio_formats import AUDIO_FORMATS
 
     assert tuple(AUDIO_EXTENSIONS) == AUDIO_FORMATS  # the client's copy of the API's formats
     http = httpx.Client(base_url=API, headers=client_headers("ok_secret", {}), timeout=7)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omni_jobs.code_stream import CODES_FIELD, CodesFollower, codes_text, parse_codes
+from omni_jobs.run.code_stream import CODES_FIELD, CodesFollower, codes_text, parse_codes
 
 
 def _delta(codes: list[int], index: int, attempt: int = 1) -> dict:

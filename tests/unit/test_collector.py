@@ -1,4 +1,4 @@
-"""omni_jobs.collector: what is alive when a worker's engines are loaded leaves the collector's
+"""omni_jobs.core.collector: what is alive when a worker's engines are loaded leaves the collector's
 passes, and what the jobs make afterwards is still collected; the API's young generation."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from omni_jobs.collector import freeze_loaded_objects, set_young_threshold
+from omni_jobs.core.collector import freeze_loaded_objects, set_young_threshold
 
 
 class Node:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omni_jobs.steps import STAGE_QUEUES
+from omni_jobs.jobs.steps import STAGE_QUEUES
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -29,7 +29,7 @@ ENV_EXAMPLE = ROOT / ".env.example"
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
-# Every stage queue (omni_jobs.steps.STAGE_QUEUES) has a GPU worker service of its own, `<queue>-worker`,
+# Every stage queue (omni_jobs.jobs.steps.STAGE_QUEUES) has a GPU worker service of its own, `<queue>-worker`,
 # so that each scales on its own; Qwen2.5-Omni's speech stages run on `talker` and `code2wav`.
 SPEECH_QUEUES = ("talker", "code2wav")
 STAGE_WORKER_QUEUES = tuple(dict.fromkeys((*STAGE_QUEUES, "ar", "dit", *SPEECH_QUEUES)))
@@ -330,7 +330,7 @@ def test_worker_listens_on_its_queue(services, name, queue):
 def test_stage_workers_run_the_command_doctor_suggests(services, queue):
     """`omni-jobs doctor` and /readyz tell the operator to start `worker_command(queue)` for a queue
     without a worker: the compose service runs that same worker."""
-    from omni_jobs.checks import worker_command
+    from omni_jobs.dispatch.checks import worker_command
 
     assert " ".join(argv(services[f"{queue}-worker"])) == f"{worker_command(queue)} --loglevel INFO"
 
@@ -339,7 +339,7 @@ def test_every_queue_the_api_waits_for_has_a_worker_that_always_runs(services, c
     """The API's healthcheck is /readyz, which needs a live worker on every queue of the built-in
     catalogue (results and webhooks too): each of them has a worker outside any profile, in
     compose.yaml and in the CPU stack, or `up --wait` never returns."""
-    from omni_jobs.checks import required_queues
+    from omni_jobs.dispatch.checks import required_queues
     from omni_jobs.pipelines.catalogue import load_catalogue
 
     wanted = required_queues(load_catalogue()) | {"webhooks"}

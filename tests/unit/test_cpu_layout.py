@@ -11,13 +11,13 @@ import pytest
 from pydantic import ValidationError
 
 from omni_jobs.cli.app import build_parser
+from omni_jobs.core.cpu_lists import parse_cpus
+from omni_jobs.core.settings import Settings
 from omni_jobs.engines import cpu_layout, turns
-from omni_jobs.cpu_lists import parse_cpus
 from omni_jobs.engines.cpu_layout import cpu_spec, cpus_env, engine_slice
 from omni_jobs.engines.library_env import apply_engine_library_defaults
 from omni_jobs.engines.turns import lock_file
 from omni_jobs.local.embedded import EmbeddedSystem
-from omni_jobs.settings import Settings
 
 
 @pytest.mark.parametrize(("spec", "cpus"), [("0", (0,)), ("2-3", (2, 3)), ("0,2,4-5", (0, 2, 4, 5)),

@@ -9,11 +9,11 @@ from typing import Any, cast
 from starlette.requests import Request
 
 from api.disconnect import until_closed, while_connected
+from omni_jobs.accept.submission import JobSubmitter
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import JobStatus
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.submission import JobSubmitter
 from tests.own_loop import run_in_own_loop
 
 

@@ -13,8 +13,10 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from omni_jobs import checks as core_checks
-from omni_jobs.checks import (
+from omni_jobs.cli.doctor import DoctorReport, format_report
+from omni_jobs.core.settings import Settings
+from omni_jobs.dispatch import checks as core_checks
+from omni_jobs.dispatch.checks import (
     SUPPORTED_VERSIONS,
     Check,
     check_version,
@@ -25,9 +27,7 @@ from omni_jobs.checks import (
     required_queues,
     version_problems,
 )
-from omni_jobs.cli.doctor import DoctorReport, format_report
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, builtin_pipelines, load_catalogue
-from omni_jobs.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 

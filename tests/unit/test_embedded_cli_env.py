@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from omni_jobs.core.settings import Settings
 from omni_jobs.local.embedded import EmbeddedSystem, HomeInUse, RedisUnreachable
-from omni_jobs.settings import Settings
 
 
 def a_started_system(tmp_path: Path) -> EmbeddedSystem:

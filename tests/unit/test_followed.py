@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from omni_jobs.followed import FollowedJobs, Readers
+from omni_jobs.jobs.followed import FollowedJobs, Readers
 from tests.waiting import wait_until
 
 

@@ -11,16 +11,16 @@ from typing import Any
 import numpy as np
 import pytest
 
+from omni_jobs.core.errors import PipelineSpecError
+from omni_jobs.core.settings import Settings
 from omni_jobs.engines.batching import BatchPolicy, dit_batcher
 from omni_jobs.engines.dit import DiTRequest
 from omni_jobs.engines.gpu_shaped import GpuShapedDiT
 from omni_jobs.engines.pool import EnginePool
 from omni_jobs.engines.stage_exec import load_stage_engine
-from omni_jobs.errors import PipelineSpecError
+from omni_jobs.media.previews import LatentPreview
 from omni_jobs.omni import Omni
 from omni_jobs.pipelines.catalogue import builtin_pipelines, parse_pipeline
-from omni_jobs.previews import LatentPreview
-from omni_jobs.settings import Settings
 
 FAST = {"ms_per_image": 1.0, "batch_size": 4}
 

@@ -7,11 +7,11 @@ import pytest
 from pydantic import ValidationError
 
 from api.ui.forms import input_fields
-from omni_jobs.errors import InvalidRequest
+from omni_jobs.accept.submission import validate_input
+from omni_jobs.core.errors import InvalidRequest
 from omni_jobs.pipelines.catalogue import load_catalogue
 from omni_jobs.pipelines.schema import input_schema
 from omni_jobs.pipelines.spec import InputField
-from omni_jobs.submission import validate_input
 
 
 def test_a_voice_outside_the_choices_is_refused_naming_the_field_and_the_choices() -> None:
@@ -41,7 +41,7 @@ def test_choices_are_for_text_and_hold_the_default() -> None:
 
 
 def test_openai_sampling_fields_set_the_reply_not_the_talker() -> None:
-    from omni_jobs.openai_requests import CHAT_FIELDS, build_params
+    from omni_jobs.accept.openai_requests import CHAT_FIELDS, build_params
 
     spec = load_catalogue().get("omni-chat")
     params, _ = build_params(spec, CHAT_FIELDS, {"max_tokens": 8, "temperature": 0.5, "seed": 3}, None)

@@ -13,9 +13,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from omni_jobs.accept.submission import JobSubmitter
 from omni_jobs.artifacts import ArtifactRef, ArtifactStore, LocalBackend, codecs, mp4
-from omni_jobs.errors import InvalidRequest
-from omni_jobs.input_files import (
+from omni_jobs.core.errors import InvalidRequest
+from omni_jobs.jobs.ledger import JobLedger
+from omni_jobs.jobs.memory import MemoryJobStore
+from omni_jobs.jobs.models import Job, JobOutput, StageRecord
+from omni_jobs.media.input_files import (
     ArtifactReference,
     FileUpload,
     ImageUpload,
@@ -28,14 +32,10 @@ from omni_jobs.input_files import (
     parse_file_value,
     parse_image_value,
 )
-from omni_jobs.jobs.ledger import JobLedger
-from omni_jobs.jobs.memory import MemoryJobStore
-from omni_jobs.jobs.models import Job, JobOutput, StageRecord
-from omni_jobs.limits import Limits
-from omni_jobs.payloads import AudioClip, VideoClip
+from omni_jobs.media.payloads import AudioClip, VideoClip
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
+from omni_jobs.pipelines.limits import Limits
 from omni_jobs.pipelines.spec import InputField, PipelineSpec
-from omni_jobs.submission import JobSubmitter
 from tests import media_files as mf
 
 FIELD = InputField(type="image", max_bytes=50_000)
@@ -105,8 +105,7 @@ def test_normalize_any_format_to_rgb_png(fmt: str, mode: str) -> None:
 def test_normalize_refuses_garbage_and_huge_images(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="not an image PIL can read"):
         normalize_image(b"\x89PNG\r\n\x1a\n truncated")
-    from omni_jobs import input_files
-
+    from omni_jobs.media import input_files
     monkeypatch.setattr(input_files, "MAX_IMAGE_PIXELS", 100)
     with pytest.raises(ValueError, match="is 20x12 pixels; at most 100 pixels"):
         normalize_image(PNG)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from omni_jobs.errors import InvalidRequest, InvalidTransition
+from omni_jobs.accept.submission import build_job, resolve_params, validate_input
+from omni_jobs.core.errors import InvalidRequest, InvalidTransition
 from omni_jobs.jobs import state
 from omni_jobs.jobs.models import JobError, JobStatus, StageStatus
-from omni_jobs.limits import Limits
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.submission import build_job, resolve_params, validate_input
+from omni_jobs.pipelines.limits import Limits
 
 T2I = load_catalogue().get("text-to-image")
 

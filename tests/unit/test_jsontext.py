@@ -1,4 +1,4 @@
-"""omni_jobs.jsontext: standard JSON, the same values as the standard library reads and writes."""
+"""omni_jobs.core.jsontext: standard JSON, the same values as the standard library reads and writes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from omni_jobs import jsontext
+from omni_jobs.core import jsontext
 
 VALUES = [
     {"b": 1, "a": [1.5, 1764568000.123456, -0.0, 1e-300, True, None], "é": "café ☕"},

@@ -26,9 +26,9 @@ import jsonschema
 import pytest
 import yaml
 
+from omni_jobs.core.settings import Settings
+from omni_jobs.jobs.steps import STAGE_QUEUES
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.settings import Settings
-from omni_jobs.steps import STAGE_QUEUES
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -140,7 +140,7 @@ def config_env(overlay: str) -> dict[str, str]:
 
 def stage_queues() -> set[str]:
     """The queues stages run on (results/webhooks are not stages): every queue of the built-in
-    catalogue's stages, every stage queue omni_jobs.steps knows, and the speech stages' queues."""
+    catalogue's stages, every stage queue omni_jobs.jobs.steps knows, and the speech stages' queues."""
     return {q for spec in load_catalogue() for q in spec.queues()} | set(STAGE_QUEUES) | set(SPEECH_QUEUES)
 
 
@@ -625,7 +625,7 @@ def test_dev_secret_has_every_key_its_pods_read():
     data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
     assert refs[secret["metadata"]["name"]] <= set(data)
     assert data["OMNI_REDIS_URL"] == f"redis://:{data['REDIS_PASSWORD']}@redis:6379/0"
-    from omni_jobs.webhooks import parse_secrets
+    from omni_jobs.report.webhooks import parse_secrets
 
     assert parse_secrets(data["OMNI_WEBHOOK_SECRET"])
     user, _, password = data["FLOWER_BASIC_AUTH"].partition(":")

@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omni_jobs.steps import STAGE_QUEUES
+from omni_jobs.jobs.steps import STAGE_QUEUES
 
 ROOT = Path(__file__).resolve().parents[2]
 KEDA_YAML = ROOT / "deploy" / "k8s" / "base" / "keda.yaml"

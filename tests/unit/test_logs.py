@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from omni_jobs.logs import bind, current_context, log_context, make_handler
-from omni_jobs.steps import ASSEMBLE_RESULTS_TASK, DELIVER_WEBHOOK_TASK, RUN_STAGE_TASK, display_name, task_subject
+from omni_jobs.core.logs import bind, current_context, log_context, make_handler
+from omni_jobs.jobs.steps import ASSEMBLE_RESULTS_TASK, DELIVER_WEBHOOK_TASK, RUN_STAGE_TASK, display_name, task_subject
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Audio and video decoding (omni_jobs.media): every format that must decode, every bad file with the
+"""Audio and video decoding (omni_jobs.media.decode): every format that must decode, every bad file with the
 reason it gives, the limits checked from the header before decoding and counted while decoding, and
 resampling for engines. The files are made here (tests/media_files.py)."""
 
@@ -11,10 +11,10 @@ import av
 import numpy as np
 import pytest
 
-from omni_jobs import media
 from omni_jobs.artifacts import codecs, mp4
-from omni_jobs.media import MediaError, MediaLimits, decode_audio, decode_video, resample_audio
-from omni_jobs.payloads import AudioClip
+from omni_jobs.media import decode
+from omni_jobs.media.decode import MediaError, MediaLimits, decode_audio, decode_video, resample_audio
+from omni_jobs.media.payloads import AudioClip
 from tests import media_files as mf
 
 AUDIO = MediaLimits(max_seconds=600, seconds_setting="OMNI_MAX_AUDIO_SECONDS")
@@ -78,7 +78,7 @@ def test_a_two_hour_wav_is_refused_from_its_header_without_decoding(monkeypatch:
     def no_decoding(*args: object) -> None:
         raise AssertionError("decoded a file its header already refused")
 
-    monkeypatch.setattr(media, "_audio_frames", no_decoding)
+    monkeypatch.setattr(decode, "_audio_frames", no_decoding)
     with pytest.raises(MediaError, match=r"is 7,200 s long \(as its header says\); at most 600 s"):
         decode_audio(long_wav, AUDIO)
 
@@ -183,7 +183,7 @@ def test_video_frames_are_counted_as_they_decode() -> None:
 
 def test_reader_streams_frames_and_remux_copies_h264() -> None:
     data = mf.mp4(frames=10)
-    with media.VideoReader(data, VIDEO) as reader:
+    with decode.VideoReader(data, VIDEO) as reader:
         assert (reader.codec, reader.pix_fmt, reader.width, reader.height) == ("h264", "yuv420p", 48, 32)
         frames = list(reader.frames())
     copied = mp4.remux_h264(data)

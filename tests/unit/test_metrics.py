@@ -16,12 +16,12 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from omni_jobs import metrics
 from omni_jobs.artifacts import ArtifactStore, LocalBackend
 from omni_jobs.jobs import state
 from omni_jobs.jobs.models import Job, JobError, StageRecord
+from omni_jobs.report import metrics
 
-metrics.install()  # as the API and the workers do at start: the core reports to omni_jobs.telemetry
+metrics.install()  # as the API and the workers do at start: the core reports to omni_jobs.core.telemetry
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,7 +139,7 @@ def test_prefork_children_are_summed_in_multiprocess_mode(tmp_path: Path) -> Non
     """PROMETHEUS_MULTIPROC_DIR: two forked processes count; the parent's registry serves the sum."""
     script = textwrap.dedent("""
         import json, os
-        from omni_jobs import metrics
+        from omni_jobs.report import metrics
         from prometheus_client import generate_latest
         from prometheus_client.parser import text_string_to_metric_families
         pids = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from omni_jobs.net_guard import HostDoesNotResolve, NetGuard, UnsafeWebhookUrl, is_public, system_resolver
+from omni_jobs.core.net_guard import HostDoesNotResolve, NetGuard, UnsafeWebhookUrl, is_public, system_resolver
 
 PUBLIC = "93.184.216.34"
 

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from omni_jobs.core.errors import PipelineSpecError
 from omni_jobs.engines import omni_speech
 from omni_jobs.engines.code2wav import _noise, raised_cosine_fade
 from omni_jobs.engines.omni_speech import TalkerTokens, ThinkerStates, talker_codes, talker_rows
-from omni_jobs.errors import PipelineSpecError
-from omni_jobs.payloads import decode_payload, encode_payload
+from omni_jobs.media.payloads import decode_payload, encode_payload
 from omni_jobs.pipelines.catalogue import parse_pipeline
 from omni_jobs.pipelines.params import ARTalkParams, DiTCode2WavParams
 

@@ -7,7 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from omni_jobs.once import once_property
+from omni_jobs.core.once import once_property
 
 READERS = 32
 
@@ -73,8 +73,8 @@ def test_instances_are_apart_and_del_builds_again() -> None:
 
 def test_a_workers_first_burst_gets_one_executor_and_one_webhook_deliverer(tmp_path: Path) -> None:
     """What a stage worker's threads read on their first tasks (no service is touched to build them)."""
+    from omni_jobs.core.settings import Settings
     from omni_jobs.runtime import Runtime
-    from omni_jobs.settings import Settings
 
     rt = Runtime(Settings(redis_url="redis://unused:1/0", artifacts_dir=tmp_path, engine_turns="off"))
     executors = read_at_once(lambda: rt.executor)

@@ -1,4 +1,4 @@
-"""OpenAI transcriptions and translations (omni_jobs.openai_audio): the form, the job it runs, and the
+"""OpenAI transcriptions and translations (omni_jobs.accept.openai_audio): the form, the job it runs, and the
 answer in each response format from the speech stage's document."""
 
 from __future__ import annotations
@@ -8,9 +8,7 @@ from typing import Any
 import jsonschema_rs
 import pytest
 
-from omni_jobs.errors import FieldError, InvalidRequest
-from omni_jobs.limits import Limits
-from omni_jobs.openai_audio import (
+from omni_jobs.accept.openai_audio import (
     TranscriptionForm,
     compression_ratio,
     form_body,
@@ -22,10 +20,12 @@ from omni_jobs.openai_audio import (
     transcription_answer,
     vtt,
 )
-from omni_jobs.openai_errors import OpenAIError
-from omni_jobs.openai_requests import invalid_request
+from omni_jobs.accept.openai_errors import OpenAIError
+from omni_jobs.accept.openai_requests import invalid_request
+from omni_jobs.accept.submission import resolve_params, validate_input
+from omni_jobs.core.errors import FieldError, InvalidRequest
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
-from omni_jobs.submission import resolve_params, validate_input
+from omni_jobs.pipelines.limits import Limits
 
 DOCUMENT = {  # what the speech stage writes (omni_jobs.engines.stage_exec.execute_transcribe)
     "text": "Hello there. General Kenobi.", "language": "en", "duration": 3.0, "task": "transcribe",

@@ -1,4 +1,4 @@
-"""omni_jobs.openai_requests, openai_schema and openai_responses: OpenAI requests to (pipeline, input,
+"""omni_jobs.accept.openai_requests, openai_schema and openai_responses: OpenAI requests to (pipeline, input,
 params), finished jobs to answers."""
 
 from __future__ import annotations
@@ -9,12 +9,9 @@ import jsonschema_rs
 import pytest
 from pydantic import ValidationError
 
-from omni_jobs.errors import InvalidRequest
-from omni_jobs.jobs.models import Job, JobError, JobOutput, JobStatus
-from omni_jobs.limits import Limits
-from omni_jobs.openai_content import read_content
-from omni_jobs.openai_errors import OpenAIError
-from omni_jobs.openai_requests import (
+from omni_jobs.accept.openai_content import read_content
+from omni_jobs.accept.openai_errors import OpenAIError
+from omni_jobs.accept.openai_requests import (
     ChatCompletionRequest,
     ImageGenerationRequest,
     SpeechRequest,
@@ -22,11 +19,14 @@ from omni_jobs.openai_requests import (
     plan_images,
     plan_speech,
 )
-from omni_jobs.openai_responses import chat_completion, finished, image_items, images_response
-from omni_jobs.openai_schema import request_schema
+from omni_jobs.accept.openai_responses import chat_completion, finished, image_items, images_response
+from omni_jobs.accept.openai_schema import request_schema
+from omni_jobs.accept.submission import resolve_params
+from omni_jobs.core.errors import InvalidRequest
+from omni_jobs.jobs.models import Job, JobError, JobOutput, JobStatus
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
+from omni_jobs.pipelines.limits import Limits
 from omni_jobs.pipelines.params import SEED_MAX
-from omni_jobs.submission import resolve_params
 
 
 @pytest.fixture(scope="module")
@@ -246,8 +246,8 @@ def test_streamed_speech_pieces() -> None:
 
     import numpy as np
 
-    from omni_jobs.audio_stream import AudioChunk
-    from omni_jobs.openai_responses import STREAM_PIECE_BYTES, audio_delta_message, streamed_pcm, unsent_pcm
+    from omni_jobs.accept.openai_responses import STREAM_PIECE_BYTES, audio_delta_message, streamed_pcm, unsent_pcm
+    from omni_jobs.run.audio_stream import AudioChunk
 
     clip = bytes(range(256)) * 500  # 64000 samples of 24 kHz pcm16
     assert b"".join(unsent_pcm(clip, 0, None)) == clip  # no delta came: the whole clip, in pieces
@@ -266,7 +266,7 @@ def test_streamed_speech_pieces() -> None:
 
 
 def test_speech_as_sse_events(catalogue: PipelineCatalogue) -> None:
-    from omni_jobs.openai_responses import speech_event
+    from omni_jobs.accept.openai_responses import speech_event
 
     assert plan_speech(catalogue, speech(model="text-to-speech", stream_format="sse", response_format="pcm")).sse
     assert not plan_speech(catalogue, speech(stream_format="audio")).sse

@@ -1,4 +1,4 @@
-"""Chat content parts with media (omni_jobs.openai_content, through openai_requests.plan_chat): which
+"""Chat content parts with media (omni_jobs.accept.openai_content, through openai_requests.plan_chat): which
 pipeline runs, which job input each part fills, the 400s naming the part, and the schema saying the same."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import jsonschema_rs
 import pytest
 import yaml
 
-from omni_jobs.errors import FieldError, InvalidRequest
-from omni_jobs.limits import Limits
-from omni_jobs.openai_content import content_inputs
-from omni_jobs.openai_errors import OpenAIError
-from omni_jobs.openai_requests import ChatCompletionRequest, invalid_request, plan_chat
-from omni_jobs.openai_schema import request_schema
+from omni_jobs.accept.openai_content import content_inputs
+from omni_jobs.accept.openai_errors import OpenAIError
+from omni_jobs.accept.openai_requests import ChatCompletionRequest, invalid_request, plan_chat
+from omni_jobs.accept.openai_schema import request_schema
+from omni_jobs.accept.submission import resolve_params, validate_input
+from omni_jobs.core.errors import FieldError, InvalidRequest
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
-from omni_jobs.submission import resolve_params, validate_input
+from omni_jobs.pipelines.limits import Limits
 from tests.media_files import MEDIA_PIPELINE
 
 IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}

@@ -9,11 +9,9 @@ import jsonschema_rs
 import pytest
 
 from api.main import create_app
-from omni_jobs.limits import Limits
-from omni_jobs.openai_audio import TranscriptionForm, form_body, plan_transcription
-from omni_jobs.openai_errors import OpenAIError
-from omni_jobs.settings import OPENAI_MODEL_NAMES
-from omni_jobs.openai_requests import (
+from omni_jobs.accept.openai_audio import TranscriptionForm, form_body, plan_transcription
+from omni_jobs.accept.openai_errors import OpenAIError
+from omni_jobs.accept.openai_requests import (
     ChatCompletionRequest,
     ImageGenerationRequest,
     SpeechRequest,
@@ -21,9 +19,10 @@ from omni_jobs.openai_requests import (
     plan_images,
     plan_speech,
 )
-from omni_jobs.openai_schema import request_schema
+from omni_jobs.accept.openai_schema import request_schema
+from omni_jobs.core.settings import OPENAI_MODEL_NAMES, Settings
 from omni_jobs.pipelines.catalogue import PipelineCatalogue, load_catalogue
-from omni_jobs.settings import Settings
+from omni_jobs.pipelines.limits import Limits
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,14 @@ from hypothesis import strategies as st
 from api.main import create_app
 from api.routes.events import _start_after
 from api.routes.jobs import cancel_after_pattern, parse_cancel_after
-from omni_jobs.errors import InvalidRequest
-from omni_jobs.limits import Limits
+from omni_jobs.accept.submission import resolve_params, validate_input
+from omni_jobs.core.errors import InvalidRequest
+from omni_jobs.core.settings import Settings
 from omni_jobs.pipelines.catalogue import load_catalogue
+from omni_jobs.pipelines.limits import Limits
 from omni_jobs.pipelines.params import ARParams
 from omni_jobs.pipelines.schema import AUDIO_SCHEMA, VIDEO_SCHEMA, params_schema
 from omni_jobs.pipelines.spec import PipelineSpec
-from omni_jobs.settings import Settings
-from omni_jobs.submission import resolve_params, validate_input
 from tests import media_files as mf
 
 CUSTOM = {

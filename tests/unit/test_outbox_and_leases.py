@@ -7,13 +7,13 @@ import threading
 import time
 from collections import Counter
 
+from omni_jobs.dispatch.leases import LeaseKeeper, Reaper, lease_owner, node_of
+from omni_jobs.dispatch.outbox import OutboxRelay
+from omni_jobs.dispatch.scheduling import Scheduler
 from omni_jobs.jobs.ledger import Acquired, JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import Job, JobError, JobStatus, StageRecord, StageStatus, new_job_id, now
-from omni_jobs.leases import LeaseKeeper, Reaper, lease_owner, node_of
-from omni_jobs.outbox import OutboxRelay
-from omni_jobs.scheduling import Scheduler
-from omni_jobs.steps import RunStage, Step
+from omni_jobs.jobs.steps import RunStage, Step
 
 
 def job() -> Job:

@@ -13,9 +13,9 @@ import torch
 from PIL import Image
 
 from omni_jobs.artifacts import ArtifactStore, LocalBackend, codecs
-from omni_jobs.payloads import AudioClip, decode_payload, encode_payload
+from omni_jobs.media.payloads import AudioClip, decode_payload, encode_payload
 from omni_jobs.pipelines.modalities import OUTPUT_TYPES
-from omni_jobs.results import OUTPUT_HANDLERS
+from omni_jobs.report.results import OUTPUT_HANDLERS
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omni_jobs.errors import PipelineSpecError, UnknownPipeline
+from omni_jobs.core.errors import PipelineSpecError, UnknownPipeline
 from omni_jobs.pipelines.catalogue import load_catalogue, load_pipeline_file
 
 VALID = {

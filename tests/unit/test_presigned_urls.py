@@ -6,9 +6,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from omni_jobs.artifacts import ArtifactRef, artifact_store_from_settings
+from omni_jobs.core.settings import Settings
 from omni_jobs.jobs.models import Job, JobOutput
 from omni_jobs.jobs.view import present_job
-from omni_jobs.settings import Settings
 
 REF = ArtifactRef(backend="s3", key="jobs/job_1/outputs/image.png", media_type="image/png", size=3, sha256="0" * 64)
 

@@ -14,14 +14,12 @@ from PIL import Image
 
 from omni_jobs.artifacts.codecs import CodecError
 from omni_jobs.artifacts.mp4 import decode_mp4, encode_mp4, mp4_info
-from omni_jobs.cancellation import cancel_job
+from omni_jobs.dispatch.cancellation import cancel_job
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import EventType
-from omni_jobs.payloads import FORMATS, VideoClip, decode_payload, encode_payload
-from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.pipelines.spec import PipelineSpec
-from omni_jobs.previews import (
+from omni_jobs.media.payloads import FORMATS, VideoClip, decode_payload, encode_payload
+from omni_jobs.media.previews import (
     LatentPreview,
     LatentProjection,
     decode_preview,
@@ -29,7 +27,9 @@ from omni_jobs.previews import (
     preview_size,
     spatial_latents,
 )
-from omni_jobs.progress_writer import ProgressWriter
+from omni_jobs.pipelines.catalogue import load_catalogue
+from omni_jobs.pipelines.spec import PipelineSpec
+from omni_jobs.run.progress_writer import ProgressWriter
 from tests.unit.test_progress_writer import SlowStore, running
 
 # RGB = the first three channels, shifted by 0.5: easy to predict.

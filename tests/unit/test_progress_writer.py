@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import threading
 
-from omni_jobs.cancellation import cancel_job
+from omni_jobs.accept.submission import build_job, resolve_params
+from omni_jobs.dispatch.cancellation import cancel_job
 from omni_jobs.jobs.change import Change, Conflict
 from omni_jobs.jobs.ledger import Acquired, JobLedger, Lease
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import EventType, Job, JobError, StageStatus
+from omni_jobs.jobs.steps import RunStage
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.progress_writer import ProgressWriter
-from omni_jobs.steps import RunStage
-from omni_jobs.submission import build_job, resolve_params
+from omni_jobs.run.progress_writer import ProgressWriter
 
 T2I = load_catalogue().get("text-to-image")
 WRITER_THREAD = "omni-progress-writer"

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from omni_jobs.queueing import celery_config
-from omni_jobs.redis_clients import async_client_from_url, redis_client
-from omni_jobs.redis_url import (
+from omni_jobs.core.redis_clients import async_client_from_url, redis_client
+from omni_jobs.core.redis_url import (
     RedisUrlInvalid,
     SentinelUrl,
     check_redis_url,
@@ -14,7 +13,8 @@ from omni_jobs.redis_url import (
     parse_sentinel_url,
     redact_url,
 )
-from omni_jobs.settings import Settings, SettingsInvalid, load_settings
+from omni_jobs.core.settings import Settings, SettingsInvalid, load_settings
+from omni_jobs.dispatch.queueing import celery_config
 
 TIMEOUTS = {"socket_timeout": 10.0, "socket_connect_timeout": 2.0, "socket_keepalive": True, "health_check_interval": 5}
 

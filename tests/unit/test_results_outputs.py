@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from omni_jobs import keys
+from omni_jobs.accept.submission import build_job, resolve_params
 from omni_jobs.artifacts import ArtifactStore, LocalBackend
 from omni_jobs.artifacts.codecs import encode_png
+from omni_jobs.core import keys
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.jobs.models import Job
-from omni_jobs.payloads import encode_payload
+from omni_jobs.media.payloads import encode_payload
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.results import ResultsAssembler
-from omni_jobs.submission import build_job, resolve_params
+from omni_jobs.report.results import ResultsAssembler
 
 CATALOGUE = load_catalogue([])
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_jobs.settings import Settings, SettingsInvalid, load_settings
+from omni_jobs.core.settings import Settings, SettingsInvalid, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -17,7 +17,7 @@ from omni_jobs.jobs.models import (
     StageStatus,
     WebhookDelivery,
 )
-from omni_jobs.steps import (
+from omni_jobs.jobs.steps import (
     TASK_OF,
     AssembleResults,
     DeliverWebhook,

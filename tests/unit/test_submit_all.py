@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from omni_jobs.errors import InvalidRequest, QuotaExceeded
+from omni_jobs.accept.submission import JobSubmitter
+from omni_jobs.core.errors import InvalidRequest, QuotaExceeded
 from omni_jobs.jobs.ledger import JobLedger, Quota
 from omni_jobs.jobs.memory import MemoryJobStore
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.submission import JobSubmitter
 
 
 def created(store: MemoryJobStore) -> list[str]:

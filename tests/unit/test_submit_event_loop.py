@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import time
 
+from omni_jobs.accept.submission import JobSubmitter
+from omni_jobs.core.net_guard import NetGuard
 from omni_jobs.jobs.ledger import JobLedger
 from omni_jobs.jobs.memory import MemoryJobStore
-from omni_jobs.net_guard import NetGuard
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.submission import JobSubmitter
 from tests.own_loop import run_in_own_loop
 
 SLOW_DNS_S = 0.6

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from omni_jobs.text_stream import DeltaReader, TextDeltas, TextStreams
+from omni_jobs.run.text_stream import DeltaReader, TextDeltas, TextStreams
 from tests.waiting import wait_until
 
 
@@ -241,8 +241,8 @@ def test_a_workers_deltas_are_spaced_by_its_setting(monkeypatch: pytest.MonkeyPa
     """OMNI_TEXT_DELTA_INTERVAL_MS reaches the stage runner's writer; 0 or less is refused by name."""
     from pydantic import ValidationError
 
+    from omni_jobs.core.settings import Settings
     from omni_jobs.runtime import Runtime
-    from omni_jobs.settings import Settings
 
     monkeypatch.setenv("OMNI_TEXT_DELTA_INTERVAL_MS", "250")
     settings = Settings(redis_url="redis://unused:1/0", artifacts_dir=tmp_path, engine_turns="off")

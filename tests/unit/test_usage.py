@@ -1,14 +1,14 @@
-"""Usage per tenant from a job's committed events (omni_jobs.usage.increments): what GET /v1/usage and the
+"""Usage per tenant from a job's committed events (omni_jobs.report.usage.increments): what GET /v1/usage and the
 Prometheus tenant counters both count."""
 
 from __future__ import annotations
 
+from omni_jobs.accept.submission import build_job
 from omni_jobs.artifacts import ArtifactRef
 from omni_jobs.jobs.models import EventType, JobEvent, JobOutput, JobStatus
-from omni_jobs.metrics import TENANT_IMAGES, TENANT_TOKENS, record_usage
 from omni_jobs.pipelines.catalogue import load_catalogue
-from omni_jobs.submission import build_job
-from omni_jobs.usage import day_of, increments
+from omni_jobs.report.metrics import TENANT_IMAGES, TENANT_TOKENS, record_usage
+from omni_jobs.report.usage import day_of, increments
 
 DAY = 1796601600.0  # 2026-12-07T00:00:00Z
 

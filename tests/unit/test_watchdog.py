@@ -8,7 +8,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from omni_jobs.watchdog import EXIT_CODE, Deadlines, hard_time_limit
+from omni_jobs.run.watchdog import EXIT_CODE, Deadlines, hard_time_limit
 from tests.waiting import wait_until
 
 
@@ -16,7 +16,7 @@ def test_stuck_call_is_recorded_then_the_process_exits(tmp_path: Path) -> None:
     marker = tmp_path / "why.txt"
     script = textwrap.dedent(f"""
         import time
-        from omni_jobs.watchdog import hard_time_limit
+        from omni_jobs.run.watchdog import hard_time_limit
         with hard_time_limit(0.3, lambda: open({str(marker)!r}, "w").write("hard limit")):
             time.sleep(30)  # a call that never comes back in time
         print("not reached")

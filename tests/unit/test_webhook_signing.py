@@ -17,8 +17,8 @@ from omni_jobs.cli.jobs import parse_params, stage_params
 from omni_jobs.cli.progress import ProgressDisplay
 from omni_jobs.client import JobEventInfo
 from omni_jobs.client.sse import SseParser
-from omni_jobs.errors import InvalidRequest
-from omni_jobs.webhooks import (
+from omni_jobs.core.errors import InvalidRequest
+from omni_jobs.report.webhooks import (
     AttemptResult,
     RetryPolicy,
     WebhookSigner,

@@ -63,7 +63,7 @@
 
   // --- streamed speech: audio output.delta events, played with the Web Audio API ---
   // A delta: {stage, output, attempt, start, sample_rate, format: "pcm_s16le", data: base64 PCM}. The rule
-  // is omni_jobs.audio_stream.AudioDeltaReader's: a stage run again publishes its audio from sample 0, and
+  // is omni_jobs.run.audio_stream.AudioDeltaReader's: a stage run again publishes its audio from sample 0, and
   // only the samples beyond those already received are new (a gap, trimmed from the replay, is skipped).
   var PCM_FORMAT = "pcm_s16le";
   var LEAD_S = 0.15;  // how far ahead the first chunk is scheduled: room for the next to arrive

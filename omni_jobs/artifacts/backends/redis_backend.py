@@ -9,7 +9,6 @@ from typing import TypeVar
 import redis
 import redis.exceptions as rex
 
-from omni_jobs import keys
 from omni_jobs.artifacts.backends.base import (
     ArtifactNotFound,
     ArtifactStoreUnavailable,
@@ -19,7 +18,8 @@ from omni_jobs.artifacts.backends.base import (
     validate_prefix,
 )
 from omni_jobs.artifacts.refs import BackendName
-from omni_jobs.redis_replies import members
+from omni_jobs.core import keys
+from omni_jobs.core.redis_replies import members
 
 T = TypeVar("T")
 

@@ -31,7 +31,7 @@ from omni_jobs.artifacts.backends.base import (
 from omni_jobs.artifacts.refs import BackendName
 
 if TYPE_CHECKING:
-    from omni_jobs.settings import Settings
+    from omni_jobs.core.settings import Settings
 
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NoSuchBucket", "NotFound", "404"})
 _TRANSIENT_CODES = frozenset(

@@ -1,10 +1,10 @@
 -- Pushes an outbox entry onto its Celery queue's list, as kombu's Redis transport would, where this
 -- Redis is the broker: TEMPLATES holds each step kind's task message with @@NAME@@ where the step's
--- values go (omni_jobs.queueing.broker_message_templates; a store that is not the broker has none).
+-- values go (omni_jobs.dispatch.queueing.broker_message_templates; a store that is not the broker has none).
 -- Ends the entry. Answers whether it did: not without a template, nor for a value that is not plain
 -- text (the relay publishes those through kombu). A template with "@@SNAPSHOT@@" gets the job as it
 -- is now in its place: [its hash's fields and values, flat; its progress or ''] (the worker starts
--- from it instead of reading the job; see omni_jobs.queueing.job_snapshot).
+-- from it instead of reading the job; see omni_jobs.dispatch.queueing.job_snapshot).
 local function publish(outbox, items, id, item)
   local step = cjson.decode(item)
   local template = TEMPLATES[step.kind]
