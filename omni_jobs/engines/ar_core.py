@@ -8,19 +8,31 @@ worker's output processing compete, so it stays off there (docs/decisions/vllm-e
 
 vLLM reads the switch from the environment when an ``LLM`` is built, so builds take a lock and set it each
 time; the core process is spawned, never forked, because a stage worker is a threaded process.
+
+A core ends with the worker that started it, however the worker ends: vLLM's core does not notice its
+client's death (its own workers do, through a pipe), so this project's vLLM plugin (``exit_with_parent``,
+run in every vLLM process) watches the parent of a core that one of our workers spawned.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import multiprocessing
 import multiprocessing.connection
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm import LLM
+
+log = logging.getLogger(__name__)
+
+PARENT_ENV = "OMNI_ENGINE_PARENT_PID"
+"""Set while a core is built apart: the pid of the worker, whose child the core will be."""
 
 _BUILD = threading.Lock()
 """Held while an ``LLM`` is built: the environment it reads is the process's."""
@@ -33,13 +45,14 @@ def core_layout(apart: bool) -> Iterator[None]:
     Apart, the core process is spawned (a fork of a threaded worker can inherit a held lock) and keeps
     ``VLLM_CPU_OMP_THREADS_BIND`` as the worker's CPU layout set it; without one vLLM would pin its threads
     to one core and reserve the rest, so it is told not to bind."""
-    saved = {k: os.environ.get(k) for k in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_CPU_OMP_THREADS_BIND")}
+    saved = {k: os.environ.get(k) for k in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_CPU_OMP_THREADS_BIND", PARENT_ENV)}
     with _BUILD:
         # left as this build had it afterwards: vLLM reads it again later (its engine's own checks)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if apart else "0"
         if apart:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            os.environ[PARENT_ENV] = str(os.getpid())
         try:
             yield
         finally:
@@ -97,3 +110,28 @@ def shut_down(llm: LLM) -> None:
     client: Any = llm.llm_engine.engine_core
     with contextlib.suppress(Exception):  # a dead core's sockets may already be closed
         client.shutdown()
+
+
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """vLLM plugin: in an engine-core process that one of our workers spawned, end it when that worker is gone.
+
+    Every vLLM process runs its general plugins; only the worker's direct child (its parent the pid in
+    ``OMNI_ENGINE_PARENT_PID``) watches. A SIGKILLed worker leaves its core to init otherwise, holding its
+    model's memory for good; the core's own workers follow it through vLLM's death pipe."""
+    try:
+        parent = int(os.environ.get(PARENT_ENV, "0"))
+    except ValueError:
+        return
+    if parent <= 0 or parent == os.getpid() or os.getppid() != parent:
+        return
+    threading.Thread(target=_exit_when_orphaned, args=(parent, poll_s), name="omni-parent-watch", daemon=True).start()
+
+
+def _exit_when_orphaned(parent: int, poll_s: float) -> None:
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    log.warning("engine core %d: its worker (pid %d) is gone; exiting", os.getpid(), parent)
+    for child in multiprocessing.active_children():
+        with contextlib.suppress(Exception):
+            child.kill()
+    os._exit(1)

@@ -3,7 +3,12 @@ the engine-core process itself: tests/integration/test_ar_engine_core.py, -m cha
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,10 +104,74 @@ def test_a_core_apart_is_spawned_and_not_pinned_to_one_core(monkeypatch: pytest.
         assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
         assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"  # a threaded worker is never forked
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+        assert os.environ[ar_core.PARENT_ENV] == str(os.getpid())  # the core's plugin watches this worker
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+    assert ar_core.PARENT_ENV not in os.environ
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")  # a worker's OMNI_ENGINE_CPUS slice is kept
     with ar_core.core_layout(apart=True):
         assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     with ar_core.core_layout(apart=False):
         assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+# A stand-in worker (the parent) that spawns a "core" the way vLLM does, with the plugin's env set; the core
+# runs the real plugin entry point and then waits for ever, as a core waits for requests.
+_CORE = """
+import os, sys, time
+from omni_jobs.engines import ar_core
+ar_core.exit_with_parent(poll_s=0.05)
+print(os.getpid(), flush=True)
+time.sleep(600)
+"""
+_WORKER = """
+import os, subprocess, sys, time
+env = dict(os.environ)
+env[{env}] = str(os.getpid()) if sys.argv[1] == "child" else "1"
+core = subprocess.Popen([sys.executable, "-c", sys.argv[2]], env=env, stdout=sys.stdout)
+time.sleep(600)
+"""
+
+
+def _spawn_worker(whose: str) -> tuple[subprocess.Popen[str], int]:
+    worker = subprocess.Popen([sys.executable, "-c", _WORKER.format(env=repr(ar_core.PARENT_ENV)), whose, _CORE],
+                              stdout=subprocess.PIPE, text=True)
+    assert worker.stdout is not None
+    return worker, int(worker.stdout.readline())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_core_ends_when_its_worker_is_sigkilled() -> None:
+    worker, core = _spawn_worker("child")
+    try:
+        assert _alive(core)
+        worker.kill()  # SIGKILL: no shutdown of the core from the worker
+        worker.wait()
+        deadline = time.monotonic() + 10
+        while _alive(core) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(core), "the core outlived its SIGKILLed worker"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(core, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_a_process_that_is_not_the_named_workers_child_is_not_watched() -> None:
+    """vLLM's own workers (children of the core) and the worker itself run the plugin too: they do not watch."""
+    worker, core = _spawn_worker("other")  # the env names pid 1, not its parent
+    try:
+        worker.kill()
+        worker.wait()
+        time.sleep(0.5)  # ten of the watcher's polls
+        assert _alive(core)
+    finally:
+        os.kill(core, signal.SIGKILL)
