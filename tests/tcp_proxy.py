@@ -53,6 +53,7 @@ class TcpProxy:
         self.port: int = self._server.getsockname()[1]
         self._stopped = threading.Event()
         self._links: list[Link] = []
+        self._links_lock = threading.Lock()  # a link accepted while cut() runs is cut too, not left open
 
     @property
     def url(self) -> str:
@@ -109,19 +110,28 @@ class TcpProxy:
                 client.close()
                 continue
             link = Link(client, upstream)
-            self._links.append(link)
+            with self._links_lock:
+                if self.stopped:
+                    self._close(link)
+                    return
+                self._links.append(link)
             threading.Thread(target=self.requests, args=(link,), name=f"{self.name}-requests", daemon=True).start()
             threading.Thread(target=self.replies, args=(link,), name=f"{self.name}-replies", daemon=True).start()
 
     def cut(self) -> None:
         """Stop accepting, and close every connection made (their peers see them end at once)."""
-        self._stopped.set()
-        for link in self._links:
-            shut(link.client, link.upstream)
-            link.client.close()
-            link.upstream.close()
+        with self._links_lock:
+            self._stopped.set()
+            for link in self._links:
+                self._close(link)
         shut(self._server)
         self._server.close()
+
+    @staticmethod
+    def _close(link: Link) -> None:
+        shut(link.client, link.upstream)
+        link.client.close()
+        link.upstream.close()
 
     def __enter__(self) -> Self:
         threading.Thread(target=self._serve, name=self.name, daemon=True).start()
