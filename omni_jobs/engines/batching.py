@@ -158,6 +158,13 @@ def fixed_cost_s(runs: Sequence[tuple[int, float]]) -> float | None:
     return min(max(mean_t - b * mean_n, 0.0), min(best.values()))
 
 
+def burst_bound_s(runs: Sequence[tuple[int, float]], fixed_s: float, burst_fill: float) -> float:
+    """How long after its first request a burst's batch waits at most: never past the fixed cost ``fixed_s``
+    (no newcomer can pay for more), nor ``burst_fill`` of the group's longest recent run ``runs`` ((size,
+    seconds) each): the longest, not the last, since a straggler's batch of one may have run last."""
+    return min(fixed_s, burst_fill * max(t for _, t in runs))
+
+
 def burst_wait_pays(arrived: Sequence[float], now: float, fixed_s: float) -> bool:
     """Whether a batch whose members arrived at ``arrived`` (ascending) should wait for the next one:
     they are still coming, and often enough that ``n * gap < fixed_s`` (``Batcher._wait_for_burst``).
@@ -467,8 +474,7 @@ class Batcher(Generic[R, O]):
         and a batch starts after the fill wait."""
         if self.policy.burst_fill <= 0 or fixed_s is None or fixed_s <= 0:  # no fit yet (above), or nothing to amortise
             return
-        longest_s = max(t for _, t in runs)
-        deadline = self._head().enqueued_at + min(fixed_s, self.policy.burst_fill * longest_s)
+        deadline = self._head().enqueued_at + burst_bound_s(runs, fixed_s, self.policy.burst_fill)
         while True:
             arrived = [m.enqueued_at for m in self._pending if self.group_key(m.request) == key]
             at = time.monotonic()
