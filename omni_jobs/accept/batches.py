@@ -285,7 +285,7 @@ class Batches:
         while True:
             with self.redis.pipeline(transaction=True) as pipe:
                 try:
-                    pipe.watch(key)  # type: ignore[no-untyped-call]
+                    pipe.watch(key)  # type: ignore[no-untyped-call]  # redis-py leaves Pipeline.watch untyped
                     fields = self.fields(tenant, batch_id)
                     status = fields["status"]
                     if status in ("cancelling", "cancelled"):

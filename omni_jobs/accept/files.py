@@ -91,9 +91,9 @@ class DurableRecords:
         with self.client.pipeline(transaction=False) as pipe:  # one connection: the waits follow the write
             script(keys=[key, *indexes], args=[ttl_s, score, member, *flat], client=pipe)
             if self.wait_replicas > 0:
-                pipe.execute_command("WAIT", self.wait_replicas, self.timeout_ms)  # type: ignore[no-untyped-call]
+                pipe.execute_command("WAIT", self.wait_replicas, self.timeout_ms)  # type: ignore[no-untyped-call]  # redis-py leaves execute_command untyped
             if self.wait_aof:
-                pipe.execute_command("WAITAOF", 1, 0, self.timeout_ms)  # type: ignore[no-untyped-call]
+                pipe.execute_command("WAITAOF", 1, 0, self.timeout_ms)  # type: ignore[no-untyped-call]  # redis-py leaves execute_command untyped
             replies = pipe.execute(raise_on_error=False)
         for reply in replies:
             if isinstance(reply, Exception) and not isinstance(reply, redis.ResponseError):

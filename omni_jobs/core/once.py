@@ -44,11 +44,11 @@ class once_property(Generic[T]):
             return self
         values = obj.__dict__
         if self.name in values:
-            return values[self.name]  # type: ignore[no-any-return]
+            return values[self.name]  # type: ignore[no-any-return]  # the instance dict holds object; the builder gave it type T
         with _lock(obj, self.name):
             if self.name not in values:
                 values[self.name] = self.build(obj)
-            return values[self.name]  # type: ignore[no-any-return]
+            return values[self.name]  # type: ignore[no-any-return]  # the instance dict holds object; the builder gave it type T
 
 
 def _lock(obj: object, name: str) -> threading.RLock:

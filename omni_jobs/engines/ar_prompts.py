@@ -229,7 +229,7 @@ class Transcriber:
         return chunks, spans, duration
 
     def validate_language(self, language: str | None) -> str | None:
-        return self.model_cls.validate_language(language)  # type: ignore[no-any-return]
+        return self.model_cls.validate_language(language)  # type: ignore[no-any-return]  # vLLM's model class method is untyped
 
     @property
     def detects_language(self) -> bool:

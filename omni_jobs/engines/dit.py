@@ -195,7 +195,7 @@ def _fp32_load(model: str, dtype: torch.dtype) -> Iterator[None]:
     from diffusers.utils.import_utils import is_accelerate_available
 
     index = Path(model) / "model_index.json"
-    if dtype is not torch.float32 or is_accelerate_available() or not index.is_file():  # type: ignore[no-untyped-call]
+    if dtype is not torch.float32 or is_accelerate_available() or not index.is_file():  # type: ignore[no-untyped-call]  # accelerate leaves is_accelerate_available untyped
         yield
         return
     classes = []

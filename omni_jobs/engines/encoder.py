@@ -132,7 +132,7 @@ class AREncoder:
             return None
         with self._lock:
             request = engine.input_processor.process_inputs(
-                "omni-positions", dict(prompt), PoolingParams(task="token_embed"),  # type: ignore[arg-type]
+                "omni-positions", dict(prompt), PoolingParams(task="token_embed"),  # type: ignore[arg-type]  # vLLM types the prompt as its own TypedDict union
                 supported_tasks=engine.get_supported_tasks())
         features = [f for f in request.mm_features or [] if f.modality != "prompt_embeds"]
         if any(f.data is None for f in features):

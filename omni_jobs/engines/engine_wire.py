@@ -65,7 +65,7 @@ def pack(values: Sequence[object]) -> Block | None:
     try:
         # Python registers a block with its creator's resource tracker, which would unlink it when this
         # process exits, even while the peer has yet to read it: the receiver owns it from here.
-        resource_tracker.unregister(block._name, "shared_memory")  # type: ignore[attr-defined]
+        resource_tracker.unregister(block._name, "shared_memory")  # type: ignore[attr-defined]  # SharedMemory._name is private and untyped
         view = np.frombuffer(_buffer(block), np.uint8)
         for (data, _, _), ref in zip(raw, refs, strict=True):
             view[ref.offset:ref.offset + ref.nbytes] = data

@@ -57,7 +57,7 @@ def one_gloo_device() -> Iterator[None]:
             yield
             return
 
-        class OneDeviceProcessGroupGloo(original):  # type: ignore[misc]
+        class OneDeviceProcessGroupGloo(original):  # type: ignore[misc]  # torch's ProcessGroupGloo is typed Any here
             """``ProcessGroupGloo(store, rank, size, timeout=...)`` (torch's own call) on the shared device."""
 
             def __init__(self, store: Any, rank: int, size: int, timeout: timedelta = timedelta(minutes=30)) -> None:

@@ -139,7 +139,7 @@ class PilVideoProcessor(VideoProcessorMixin, PilBackend):
     def _frames(self, video: Frames, step: Callable[[Frames], Frames]) -> Frames:
         return np.stack([step(frame) for frame in video])
 
-    def _preprocess(  # type: ignore[override]
+    def _preprocess(  # type: ignore[override]  # transformers' processors differ in signature across their bases
         self,
         videos: list[Frames],
         do_resize: bool,
@@ -164,7 +164,7 @@ class PilVideoProcessor(VideoProcessorMixin, PilBackend):
             if do_rescale:
                 video = self._frames(video, lambda f: self.rescale(f, rescale_factor))
             if do_normalize:
-                video = self._frames(video, lambda f: self.normalize(f, image_mean, image_std))  # type: ignore[arg-type]
+                video = self._frames(video, lambda f: self.normalize(f, image_mean, image_std))  # type: ignore[arg-type]  # transformers types normalize's mean and std narrower than it takes
             processed.append(video)
         return BatchFeature(data={"pixel_values_videos": processed}, tensor_type=return_tensors)
 
@@ -237,7 +237,7 @@ class Qwen2VLVideoProcessor(PilVideoProcessor):
             size.pop("max_pixels", None)
         super().__init__(size=size, **kwargs)
 
-    def _standardize_kwargs(  # type: ignore[override]
+    def _standardize_kwargs(  # type: ignore[override]  # transformers' processors differ in signature across their bases
         self, size: SizeDict | dict[str, int] | None = None, min_pixels: int | None = None,
         max_pixels: int | None = None, **kwargs: Any,
     ) -> dict[str, Any]:
@@ -252,7 +252,7 @@ class Qwen2VLVideoProcessor(PilVideoProcessor):
             size = SizeDict(**size_dict)
         return cast(dict[str, Any], super()._standardize_kwargs(size=size, **kwargs))
 
-    def sample_frames(  # type: ignore[override]
+    def sample_frames(  # type: ignore[override]  # transformers' processors differ in signature across their bases
         self,
         metadata: VideoMetadata,
         temporal_patch_size: int | None = None,
@@ -317,7 +317,7 @@ class Qwen2VLVideoProcessor(PilVideoProcessor):
         flat = patches.reshape(grid_t * grid_h * grid_w, channel * temporal_patch_size * patch_size * patch_size)
         return flat, grid_t, grid_h, grid_w
 
-    def _preprocess(  # type: ignore[override]
+    def _preprocess(  # type: ignore[override]  # transformers' processors differ in signature across their bases
         self,
         videos: list[Frames],
         do_resize: bool,

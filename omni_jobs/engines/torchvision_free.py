@@ -119,7 +119,7 @@ def _resample_with_pyav() -> None:
     def __init__(self: object, target_sr: float | None = None, method: str = "torchaudio") -> None:
         original(self, target_sr=target_sr, method="pyav" if method == "torchaudio" else method)
 
-    __init__._pyav_for_torchaudio = True  # type: ignore[attr-defined]
+    __init__._pyav_for_torchaudio = True  # type: ignore[attr-defined]  # a marker attribute on a function
     resampler.__init__ = __init__
 
 
@@ -154,7 +154,7 @@ class _AliasLoader(importlib.abc.Loader):
         for alias, target in self.aliases.items():
             setattr(module, alias, getattr(source, target))
         names = getattr(source, "__all__", [n for n in dir(source) if not n.startswith("_")])
-        module.__all__ = sorted({*names, *self.aliases})  # type: ignore[attr-defined]
+        module.__all__ = sorted({*names, *self.aliases})  # type: ignore[attr-defined]  # a module object built at run time
 
 
 class _PilTwinLoader(_AliasLoader):

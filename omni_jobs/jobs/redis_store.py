@@ -297,7 +297,7 @@ class RedisJobStore:
 
         def send(command: Command) -> object:
             conn.send_command(*command)  # type: ignore[no-untyped-call]  # redis-py
-            return self.redis.parse_response(conn, str(command[0]))  # type: ignore[no-untyped-call]
+            return self.redis.parse_response(conn, str(command[0]))  # type: ignore[no-untyped-call]  # redis-py leaves parse_response untyped
 
         try:
             return _send_all(commands, send)
@@ -416,7 +416,7 @@ class RedisJobStore:
             waits = self._waits(op.change)
             commands = self._script_commands(self._commit_placed.sha, self._commit_placed_source, args, waits=waits)
             sent = await (self._aon_connection(client, commands) if waits
-                          else _asend_all(commands, lambda command: client.execute_command(*command)))  # type: ignore[no-untyped-call]
+                          else _asend_all(commands, lambda command: client.execute_command(*command)))  # type: ignore[no-untyped-call]  # redis-py leaves execute_command untyped
             answer = self._placed_answer(op.change, spec, self._checked(sent))
             return cast(T, answer if isinstance(op, CommitPlaced) else answer[0])
         read = self._read_of(op)

@@ -213,10 +213,10 @@ class DiTEmbedsParams(DiTParams):
 class DiTImageToImageParams(DiTParams):
     """An image-to-image stage: the input image is resized to height x width, then partly re-noised."""
 
-    height: int | None = Field(  # type: ignore[assignment]
+    height: int | None = Field(  # type: ignore[assignment]  # narrows the base's int to int | None: None means the input's size
         None, ge=16, le=2048, multiple_of=8, description="Output height (multiple of 8); None: the input's, rounded."
     )
-    width: int | None = Field(  # type: ignore[assignment]
+    width: int | None = Field(  # type: ignore[assignment]  # narrows the base's int to int | None: None means the input's size
         None, ge=16, le=2048, multiple_of=8, description="Output width (multiple of 8); None: the input's, rounded."
     )
     strength: float = Field(

@@ -389,7 +389,7 @@ def process_registry() -> CollectorRegistry:
     from prometheus_client import multiprocess
 
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+    multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # prometheus_client leaves it untyped
     return registry
 
 
@@ -447,4 +447,4 @@ def mark_process_dead(pid: int) -> None:
     if multiprocess_dir() is not None:
         from prometheus_client import multiprocess
 
-        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+        multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]  # prometheus_client leaves it untyped
