@@ -170,10 +170,11 @@ class Omni:
         )
         self.worker = worker or f"omni@{socket.gethostname()}:{os.getpid()}"
         self.owner = f"{self.worker}#{os.getpid()}"
+        retries = Retries(backoff_s=s.stage_retry_backoff_s)
         self.runner = StageRunner(ledger=self.ledger, catalogue=self.catalogue, artifacts=self.artifacts,
-                                  engines=self.engines, retries=Retries(backoff_s=s.stage_retry_backoff_s))
+                                  engines=self.engines, retries=retries)
         self.results = ResultsAssembler(ledger=self.ledger, catalogue=self.catalogue, artifacts=self.artifacts,
-                                        retry_backoff_s=s.stage_retry_backoff_s)
+                                        retries=retries)
         self.executor = StepExecutor(self.runner, self.results)
 
     def load(self) -> Omni:

@@ -152,8 +152,8 @@ class Runtime:
     def results(self) -> ResultsAssembler:
         s = self.settings
         return ResultsAssembler(ledger=self.ledger, catalogue=self.catalogue, artifacts=self.artifacts,
-                                keeper=self.keeper, retry_backoff_s=s.stage_retry_backoff_s,
-                                store_wait_s=s.store_wait_s)
+                                keeper=self.keeper,
+                                retries=Retries(backoff_s=s.stage_retry_backoff_s, store_wait_s=s.store_wait_s))
 
     @once_property
     def executor(self) -> StepExecutor:

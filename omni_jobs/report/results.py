@@ -21,9 +21,8 @@ import base64
 import contextvars
 import functools
 import logging
-import random
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Protocol, TypeVar
 
@@ -32,13 +31,12 @@ from omni_jobs.core import keys
 from omni_jobs.dispatch.leases import LeaseKeeper
 from omni_jobs.jobs.ledger import JobLedger, Lease, Refused
 from omni_jobs.jobs.models import EventType, Job, JobEvent, JobOutput
-from omni_jobs.jobs.patience import while_store_down
 from omni_jobs.jobs.steps import AssembleResults, StepOutcome
 from omni_jobs.media.payloads import FORMATS, SAFETENSORS, PayloadFormat, decode_payload
 from omni_jobs.pipelines.catalogue import PipelineCatalogue
 from omni_jobs.pipelines.modalities import OUTPUT_TYPES, TENSOR_MODALITIES, Modality
 from omni_jobs.pipelines.spec import OutputSpec, PipelineSpec
-from omni_jobs.run.stage_attempt import TRANSIENT_ERRORS, job_error
+from omni_jobs.run.stage_attempt import TRANSIENT_ERRORS, Retries, job_error
 from omni_jobs.run.stage_outputs import EarlyOutputs
 
 log = logging.getLogger(__name__)
@@ -168,13 +166,13 @@ class ResultsAssembler:
     """
 
     def __init__(self, *, ledger: JobLedger, catalogue: PipelineCatalogue, artifacts: ArtifactStore,
-                 keeper: LeaseKeeper | None = None, retry_backoff_s: float = 1.0, store_wait_s: float = 600.0) -> None:
+                 keeper: LeaseKeeper | None = None, retries: Retries | None = None) -> None:
+        """``retries``: the stages' own backoff and store wait (OMNI_STAGE_RETRY_BACKOFF_S, OMNI_STORE_WAIT_S)."""
         self.ledger = ledger
         self.catalogue = catalogue
         self.artifacts = artifacts
         self.keeper = keeper
-        self.retry_backoff_s = retry_backoff_s
-        self.store_wait_s = store_wait_s
+        self.retries = retries or Retries()
         ledger.listeners.append(self._on_events)  # whichever write ends a job succeeded, in this process
 
     def _on_events(self, job: Job, events: Sequence[JobEvent]) -> None:
@@ -200,12 +198,9 @@ class ResultsAssembler:
         log.info("job %s: its files are %s's; deleted those other attempts may have left", job.id, winner)
         return swept
 
-    def _patiently(self, call: Callable[[], T], what: str) -> T:
-        return while_store_down(call, wait_s=self.store_wait_s, what=what)
-
     def run(self, step: AssembleResults, *, worker: str, owner: str) -> StepOutcome:
         where = f"job {step.job_id} results attempt {step.attempt}"
-        taken = self._patiently(lambda: self.ledger.acquire(step, worker=worker, owner=owner), where)
+        taken = self.retries.patiently(lambda: self.ledger.acquire(step, worker=worker, owner=owner), where)
         if isinstance(taken, Refused):
             return StepOutcome("skipped", taken.reason)
         return self.run_held(taken.job, taken.lease)
@@ -228,19 +223,19 @@ class ResultsAssembler:
             if outputs is None:
                 outputs = self.write_outputs(job)
         except TRANSIENT_ERRORS as exc:
-            delay = float(self.retry_backoff_s * (2 ** (lease.attempt - 1)) * random.uniform(0.5, 1.5))
+            delay = self.retries.delay(lease.attempt)
             error = job_error("results", exc)
-            outcome = self._patiently(lambda: self.ledger.retry_later(lease, error, delay), where)
+            outcome = self.retries.patiently(lambda: self.ledger.retry_later(lease, error, delay), where)
             log.warning("%s: transient error (%s: %s); %s", where, type(exc).__name__, exc, outcome)
             return StepOutcome(outcome, str(exc))
         except Exception as exc:  # any other error fails the job, with its reason recorded
             failure = job_error(None, exc)
-            self._patiently(lambda: self.ledger.fail(job.id, failure, lease=lease), where)
+            self.retries.patiently(lambda: self.ledger.fail(job.id, failure, lease=lease), where)
             log.exception("%s failed", where)
             return StepOutcome("failed", str(exc))
         if lost.is_set():
             return StepOutcome("lost", "the lease was taken back while writing the outputs")
-        done = self._patiently(lambda: self.ledger.complete_results(lease, outputs, snapshot=job), where)
+        done = self.retries.patiently(lambda: self.ledger.complete_results(lease, outputs, snapshot=job), where)
         if isinstance(done, Refused):
             return StepOutcome("discarded", done.reason)
         log.info("job %s succeeded with outputs %s", job.id, [o.name for o in outputs])
