@@ -47,6 +47,7 @@ def core_layout(apart: bool) -> Iterator[None]:
     to one core and reserve the rest, so it is told not to bind."""
     saved = {k: os.environ.get(k) for k in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_CPU_OMP_THREADS_BIND", PARENT_ENV)}
     with _BUILD:
+        _read_environment_afresh()
         # left as this build had it afterwards: vLLM reads it again later (its engine's own checks)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if apart else "0"
         if apart:
@@ -61,6 +62,19 @@ def core_layout(apart: bool) -> Iterator[None]:
                     os.environ.pop(key, None)
                 else:
                     os.environ[key] = value
+
+
+def _read_environment_afresh() -> None:
+    """Make vLLM read its environment again at the next build.
+
+    An engine core caches vLLM's environment variables once it is up (``vllm.envs.enable_envs_cache``); one
+    built in this process (the talker, the pooling encoder) caches them for the whole process, and a core
+    started apart after that, a restart included, would be built in-process from the cached switch."""
+    try:
+        from vllm import envs
+    except ImportError:  # no vLLM: nothing is cached
+        return
+    envs.disable_envs_cache()
 
 
 def _core_process(llm: LLM) -> Any:

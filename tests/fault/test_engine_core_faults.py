@@ -88,7 +88,11 @@ def test_sigkill_the_vllm_engine_core_mid_stage_and_its_worker_runs_the_requests
     done = [wait_for_job(api, j["id"], timeout_s=300) for j in jobs]
     assert [d["status"] for d in done] == ["succeeded"] * 3, [d["error"] for d in done]
     assert [d["stages"][0]["attempts"] for d in done] == [1] * 3  # run again inside the same attempts
-    after = wait_until(lambda: _cores(apart_worker), timeout_s=120, what="the fresh engine core")[0]
+    try:
+        after = wait_until(lambda: _cores(apart_worker), timeout_s=120, what="the fresh engine core")[0]
+    except AssertionError:
+        seen = {pid: _cmdline(pid) for pid in _children(apart_worker)}
+        raise AssertionError(f"no engine core under worker {apart_worker}; its children: {seen}") from None
     assert after != before
     assert not [e for e in events_of(api, victim) if e["type"] == "stage.requeued"]
     texts = {next(o["text"] for o in d["outputs"] if o["type"] == "text") for d in done}
@@ -97,3 +101,24 @@ def test_sigkill_the_vllm_engine_core_mid_stage_and_its_worker_runs_the_requests
     duplicated = duplicates(faults, done, outputs_per_job=1)
     assert duplicated == 0
     report("SIGKILL the vLLM engine core mid-stage", done, duplicated, max(d["completed_at"] for d in done) - killed_at)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()[:120]
+    except OSError:
+        return b"(gone)"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
+
+
+def test_sigkill_the_worker_and_its_vllm_engine_core_goes_with_it(apart_worker: int) -> None:
+    """A worker that dies unannounced leaves no core behind (it would hold its model's memory for good)."""
+    core = engine_core(apart_worker)
+    os.kill(apart_worker, signal.SIGKILL)
+    wait_until(lambda: not _alive(core), timeout_s=30, what="the core of a SIGKILLed worker to exit")

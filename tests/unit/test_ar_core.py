@@ -115,6 +115,21 @@ def test_a_core_apart_is_spawned_and_not_pinned_to_one_core(monkeypatch: pytest.
         assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
+def test_a_core_apart_is_built_apart_after_an_in_process_core_cached_vllms_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A core built in the worker (the talker's, the encoder's) caches vLLM's environment for the process; a
+    core apart built after it, a restart included, must still read the switch that says apart."""
+    envs = pytest.importorskip("vllm.envs")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    envs.enable_envs_cache()  # what an in-process EngineCore does once it is up
+    try:
+        assert envs.VLLM_ENABLE_V1_MULTIPROCESSING is False
+        with ar_core.core_layout(apart=True):
+            assert envs.VLLM_ENABLE_V1_MULTIPROCESSING is True
+    finally:
+        envs.disable_envs_cache()
+
+
 # A stand-in worker (the parent) that spawns a "core" the way vLLM does, with the plugin's env set; the core
 # runs the real plugin entry point and then waits for ever, as a core waits for requests.
 _CORE = """
