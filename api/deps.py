@@ -64,10 +64,15 @@ class ApiContext:
         self.runtime.redis.close()
 
     async def aclose(self) -> None:
-        await self.watcher.aclose()
-        await self.aredis.aclose()
-        await self.runtime.store.aclose()
-        self.close()
+        """The relay stops first and whatever the async closes raise (an app's lifespan may end on another
+        loop than it began): a relay left running would go on taking and publishing this Redis's outbox."""
+        try:
+            self.relay.stop()
+            await self.watcher.aclose()
+            await self.aredis.aclose()
+            await self.runtime.store.aclose()
+        finally:
+            self.close()
 
 
 def get_context(request: Request) -> ApiContext:

@@ -184,8 +184,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             log.warning("AUTHENTICATION IS OFF (OMNI_AUTH_ENABLED=false): anyone who reaches this API can submit, "
                         "read and cancel every job. Only for a local demo; never expose this port.")
         app.state.ctx = ctx
-        yield
-        await ctx.aclose()
+        try:
+            yield
+        finally:  # also when the lifespan is cancelled: a relay left running would publish this Redis's outbox
+            await ctx.aclose()
 
     app = FastAPI(
         title="omni-jobs",
