@@ -88,6 +88,25 @@ def redis_client(redis_service: RunningService) -> Iterator[redis.Redis]:
         client.close()
 
 
+OUTBOX_DB = 13
+"""A DB of the session Redis for tests that read the outbox themselves (tests/outbox.py): apart from DB 0,
+where an API app that another test left running would take its entries with its relay."""
+
+
+@pytest.fixture
+def outbox_redis(redis_service: RunningService) -> Iterator[redis.Redis]:
+    """A bytes client on OUTBOX_DB, empty before and after the test."""
+    client = redis.Redis.from_url(f"redis://127.0.0.1:{redis_service.port}/{OUTBOX_DB}")
+    client.flushdb()
+    try:
+        yield client
+    finally:
+        if not redis_service.running:
+            redis_service.restart()
+        client.flushdb()
+        client.close()
+
+
 @pytest.fixture(scope="session")
 def s3_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningService]:
     with start_moto_s3(log_dir=tmp_path_factory.mktemp("moto")) as service:

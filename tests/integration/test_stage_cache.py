@@ -48,7 +48,8 @@ outputs: [{name: image, from: dit.image}]
 
 
 @pytest.fixture
-def parts(redis_client: redis.Redis, tmp_path: Path, engine_cache: Any) -> dict[str, Any]:
+def parts(outbox_redis: redis.Redis, tmp_path: Path, engine_cache: Any) -> dict[str, Any]:
+    redis_client = outbox_redis  # apart from DB 0 (tests/conftest.py, OUTBOX_DB)
     catalogue = PipelineCatalogue([parse_pipeline(CACHED, source="test")])
     store = RedisJobStore(redis_client, ttl_s=600)
     ledger = JobLedger(store)

@@ -56,7 +56,8 @@ BACKOFF_S = 10.0
 
 
 @pytest.fixture
-def parts(redis_client: redis.Redis, tmp_path: Path, engine_cache: Any) -> dict[str, Any]:
+def parts(outbox_redis: redis.Redis, tmp_path: Path, engine_cache: Any) -> dict[str, Any]:
+    redis_client = outbox_redis  # apart from DB 0 (tests/conftest.py, OUTBOX_DB)
     catalogue = PipelineCatalogue([*builtin_pipelines(), parse_pipeline(SLOW_DIT, source="test"),
                                    parse_pipeline(TOO_SLOW_DIT, source="test")])
     slow = catalogue.get("slow-image").stage("dit")
