@@ -61,6 +61,7 @@ class OutboxRelay:
         self._pid = 0
         self._guard = threading.Lock()
         self._failing_since: float | None = None
+        self._stopped = False  # stop() was called: a commit's wake no longer starts it (start() does)
 
     def run_once(self) -> int:
         """Publish what is due now; returns how many entries went out."""
@@ -88,7 +89,8 @@ class OutboxRelay:
         commit (each submit): a commit that only made steps ready where no pass could release them
         (Scheduler.may_release: no live worker, or a full window) does not wake it, which under a
         burst of submits was about a fifth of the API's CPU per submit (bench.submit). A commit that
-        frees a place always does: the step waiting for it goes out now, not at the next poll."""
+        frees a place always does: the step waiting for it goes out now, not at the next poll. A relay
+        that was stopped stays stopped: a commit through a closed API app must not bring its relay back."""
         thread = self._thread
         if change is not None and change.passed is not None:
             # The commit ran the pass for its queues and pushed its due steps onto the broker itself.
@@ -96,6 +98,8 @@ class OutboxRelay:
                 self.scheduler.passed_in_commit(change)
             if thread is not None and thread.is_alive() and self._pid == os.getpid():
                 return
+        if self._stopped:
+            return
         if thread is None or self._pid != os.getpid() or not thread.is_alive():
             self.start()
         elif (change is not None and not change.outbox and not change.freed and self.scheduler is not None
@@ -110,12 +114,14 @@ class OutboxRelay:
             if self._thread is not None and self._thread.is_alive() and self._pid == os.getpid():
                 return self
             self._pid = os.getpid()
+            self._stopped = False
             self._stop.clear()
             self._thread = threading.Thread(target=self._loop, name="omni-outbox-relay", daemon=True)
             self._thread.start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopped = True
         self._stop.set()
         self._wake.set()
         thread = self._thread

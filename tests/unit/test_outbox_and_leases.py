@@ -63,6 +63,27 @@ def test_the_relay_publishes_a_commit_at_once_and_each_entry_once() -> None:
     relay.stop()
 
 
+def test_a_stopped_relay_is_not_started_again_by_a_commits_wake() -> None:
+    """A closed API app's relay stays stopped when a commit still reaches its ledger (a test client left on
+    the app): started again, it took and published the outbox of whoever used that Redis next."""
+    store = MemoryJobStore()
+    ledger = JobLedger(store)
+    transport = Transport()
+    relay = OutboxRelay(store, transport.publish, poll_s=0.01, scheduler=Scheduler(store, None))
+    ledger.outbox_listeners.append(relay.wake)
+    relay.start()
+    relay.stop()
+    ledger.submit(job(), ["ar"])
+    time.sleep(0.2)  # twenty of its polls, had it run
+    assert transport.published == []
+    assert not any(t.name == "omni-outbox-relay" and t.is_alive() for t in threading.enumerate()
+                   if t is relay._thread)
+    relay.start()  # started on purpose: it runs again
+    relay.drain()
+    assert len(transport.published) == 1
+    relay.stop()
+
+
 def test_a_commit_that_only_makes_steps_ready_wakes_the_relay_only_where_a_pass_could_release_one() -> None:
     store = MemoryJobStore()
     ledger = JobLedger(store)
