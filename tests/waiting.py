@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -25,3 +26,12 @@ def wait_until(predicate: Callable[[], T], timeout_s: float = 10, what: str = "t
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
         time.sleep(poll_s)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (Linux /proc): a zombie, dead but not yet reaped by its parent, counts as gone."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

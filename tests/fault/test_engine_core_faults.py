@@ -16,6 +16,7 @@ import pytest
 from tests.e2e.helpers import submit, wait_for_job
 from tests.fault.conftest import FaultSystem
 from tests.fault.test_faults import duplicates, events_of, report, wait_until
+from tests.waiting import process_alive
 
 pytestmark = pytest.mark.chaos
 PARAMS = {"ar": {"max_tokens": 200, "temperature": 1.0, "seed": 5}}  # seeded: a run again repeats the text
@@ -106,17 +107,10 @@ def _cmdline(pid: int) -> bytes:
         return b"(gone)"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
-    except OSError:
-        return False
-
-
 def test_sigkill_the_worker_and_its_vllm_engine_core_goes_with_it(apart_worker: int) -> None:
     """A worker that dies unannounced leaves no core behind (it would hold its model's memory for good)."""
     cores = _cores(apart_worker)
     assert cores
     os.kill(apart_worker, signal.SIGKILL)
-    wait_until(lambda: not any(_alive(core) for core in cores), timeout_s=30,
+    wait_until(lambda: not any(process_alive(core) for core in cores), timeout_s=30,
                what="the cores of a SIGKILLed worker to exit")

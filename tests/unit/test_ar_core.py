@@ -19,6 +19,7 @@ from omni_jobs.engines import ar_core
 from omni_jobs.engines.ar import ARRequest, SamplingOptions, _Reported
 from omni_jobs.engines.omni_speech import TALKER_ARCH
 from omni_jobs.engines.pool import EnginePool
+from tests.waiting import process_alive
 
 
 @dataclass
@@ -155,25 +156,17 @@ def _spawn_worker(whose: str) -> tuple[subprocess.Popen[str], int]:
     return worker, int(worker.stdout.readline())
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
 def test_a_core_ends_when_its_worker_is_sigkilled() -> None:
     worker, core = _spawn_worker("child")
     try:
-        assert _alive(core)
+        assert process_alive(core)
         worker.kill()  # SIGKILL: no shutdown of the core from the worker
         worker.wait()
         deadline = time.monotonic() + 10
-        while _alive(core) and time.monotonic() < deadline:
+        while process_alive(core) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not _alive(core), "the core outlived its SIGKILLed worker"
+        assert not process_alive(core), "the core outlived its SIGKILLed worker"
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(core, signal.SIGKILL)
@@ -187,6 +180,6 @@ def test_a_process_that_is_not_the_named_workers_child_is_not_watched() -> None:
         worker.kill()
         worker.wait()
         time.sleep(0.5)  # ten of the watcher's polls
-        assert _alive(core)
+        assert process_alive(core)
     finally:
         os.kill(core, signal.SIGKILL)
